@@ -1,0 +1,5 @@
+import sys
+
+from multigpu.cli import main
+
+sys.exit(main())

@@ -1,0 +1,67 @@
+"""The `multigpu` command.
+
+Each subcommand lives in its own module with two functions:
+`register(subparsers)` adds its parser, and `main(args) -> int` runs it.
+User mistakes raise `UsageError`; they are printed here as one line (no traceback unless
+`--debug`) and the exit status is 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from multigpu.errors import UsageError
+
+# name -> module under multigpu.cli; the order is the order in --help.
+COMMANDS = {
+    "train": "train",
+    "run": "run",
+    "gpus": "gpus",
+    "env": "env",
+    "bench": "bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="multigpu",
+        description="Train PyTorch models on one GPU, all GPUs of a machine, or several machines.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"multigpu.cli.{module}")
+        except ModuleNotFoundError as exc:  # a subcommand not written yet
+            if exc.name != f"multigpu.cli.{module}":
+                raise
+            continue
+        p = mod.register(sub)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show full tracebacks on errors")
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_main", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._main(args) or 0)
+    except UsageError as exc:
+        if args.debug:
+            raise
+        print(f"multigpu: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("multigpu: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

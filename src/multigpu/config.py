@@ -1,0 +1,97 @@
+"""The settings of `multigpu train`, as one dataclass.
+
+Each field's `help` is its `--help` text, and the parser is built from the fields, so a flag, its
+default and its documentation can never drift apart. The resolved config is written to
+`config.json` in the run folder.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+
+def _f(default, help: str, choices=None, metavar=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+
+
+@dataclass
+class TrainConfig:
+    model: str = _f(MISSING, "built-in model (linear, mlp, cnn, resnet18, resnet50, vgg16, swin_t), "
+                             "or torchvision:NAME / timm:NAME when installed")
+    data: str = _f("digits", "digits | synthetic:N | folder:PATH (train/ and val/ inside) | "
+                             "timeseries:CSV")
+    epochs: int = _f(10, "passes over the training set")
+    batch_size: int = _f(64, "samples per device per step (the global batch is this times the "
+                             "number of GPUs or processes)")
+    lr: float | None = _f(None, "learning rate (default: 0.05 for sgd, 1e-3 for adam/adamw)")
+    optimizer: str = _f("adamw", "optimizer", choices=("sgd", "adam", "adamw"))
+    weight_decay: float = _f(0.0, "weight decay")
+    scheduler: str = _f("none", "learning-rate schedule, stepped once per epoch",
+                        choices=("none", "step", "cosine"))
+    step_size: int = _f(5, "--scheduler step: epochs between decays (post 001 used 5)")
+    gamma: float = _f(0.9, "--scheduler step: decay factor (post 001 used 0.9)")
+    precision: str = _f("auto", "fp32 | bf16 | fp16 (with loss scaling) | auto (bf16 on GPUs that "
+                                "support it, else fp32)", choices=("auto", "fp32", "bf16", "fp16"))
+    strategy: str = _f("auto", "auto (ddp with several devices, else single) | single | dp "
+                               "(nn.DataParallel, one process) | ddp", choices=("auto", "single", "dp", "ddp"))
+    devices: str = _f("auto", "auto (all free GPUs, or 1 CPU process) | N (N free GPUs) | 0,3 "
+                              "(those GPU ids) | cpu:N (N CPU processes on gloo)")
+    min_free_memory: float = _f(2.0, "GiB a GPU must have free for --devices auto|N to take it")
+    seed: int = _f(0, "seed for weights, data order and augmentation (identical on every rank)")
+    out: str | None = _f(None, "run folder (default: a new runs/<time>-<model>-<data>/); never "
+                               "overwritten")
+    image_size: int | None = _f(None, "image side for synthetic and folder data (default: the "
+                                      "model's own, e.g. 224 for resnet50)")
+    seq_length: int = _f(12, "timeseries: history length of each window")
+    future_length: int = _f(1, "timeseries: horizon predicted by each window")
+    accumulate: int = _f(1, "micro-batches per optimizer step (gradients all-reduced on the last only)")
+    clip_grad_norm: float | None = _f(None, "clip the global gradient norm to this value")
+    drop_last: bool = _f(False, "drop the last partial step of each epoch instead of training on it")
+    workers: int | None = _f(None, "DataLoader worker processes per rank (default: 0 for in-memory "
+                                   "data, else the CPU cores per GPU)")
+    find_unused_parameters: bool = _f(False, "let DDP search for parameters the loss does not use "
+                                             "(slower; the default reports them by name instead)")
+    compile: bool = _f(False, "torch.compile the model")
+    log_every: float = _f(0.5, "seconds between progress-bar redraws")
+
+
+# argparse type for each annotation
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float,
+          "str | None": str}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        default = None if f.default is MISSING else f.default
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", default=default, help=meta["help"])
+            continue
+        kwargs = dict(type=_TYPES[f.type], default=default, choices=meta.get("choices"),
+                      help=meta["help"] + ("" if default is None else f" (default: {default})"))
+        if f.default is MISSING:
+            kwargs["required"] = True
+        parser.add_argument(flag, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, cls=TrainConfig) -> TrainConfig:
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def config_to_argv(cfg: TrainConfig) -> list[str]:
+    """The command-line flags that rebuild `cfg` (used to relaunch the same job under torchrun)."""
+    argv = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    return asdict(cfg)

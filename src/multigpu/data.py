@@ -1,0 +1,194 @@
+"""Exact data sharding: every sample once per epoch, on every rank the same number of steps.
+
+The plan of an epoch is computed identically on every rank from (dataset size, seed, epoch):
+1. the sample order: a permutation seeded by `seed + epoch` (or 0..n-1 without shuffle);
+2. global steps of `batch_size * devices` samples each;
+3. the last, partial global step: dropped with `drop_last`; otherwise kept if every device gets
+   at least one sample, else merged into the step before it, so no rank ever gets an empty
+   batch, no sample is padded in twice, and no rank runs one step more than another (which is
+   what hangs DDP, and what crashed DataParallel in post 000 at 99 % of a 7-hour run);
+4. each global step is split into near-equal contiguous shares, one per rank.
+
+Each step carries a `StepInfo`, so the loss can be averaged over the real number of samples in the
+optimizer step (see `Runtime.backward`) and gradient accumulation knows its last micro-step.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+
+from multigpu.errors import UsageError
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    index: int          # step number within the epoch
+    local_count: int    # real samples on this rank in this step
+    global_count: int   # real samples in this step over all ranks
+    window_count: int   # real samples in the optimizer step this micro-step belongs to
+    sync: bool          # last micro-step of its window: all-reduce now, then the optimizer steps
+
+
+def plan_global_steps(n: int, global_batch: int, min_step: int, drop_last: bool) -> list[tuple[int, int]]:
+    """[start, end) positions in the epoch's order, one pair per global step."""
+    if n < min_step:
+        raise UsageError(f"the dataset has {n} samples, fewer than the {min_step} devices that "
+                         "each need at least one; use fewer devices or more data")
+    full, rest = divmod(n, global_batch)
+    steps = [(i * global_batch, (i + 1) * global_batch) for i in range(full)]
+    if rest and not drop_last:
+        if rest >= min_step or not steps:
+            steps.append((full * global_batch, n))
+        else:  # too few for every device: fold into the previous step rather than pad or starve
+            steps[-1] = (steps[-1][0], n)
+    if not steps:
+        raise UsageError(f"drop_last leaves no step: the dataset has {n} samples and one step "
+                         f"takes {global_batch}; lower --batch-size or keep the last batch")
+    return steps
+
+
+def split_share(start: int, end: int, ranks: int, rank: int) -> tuple[int, int]:
+    """This rank's contiguous share of positions [start, end); lower ranks take the extra ones."""
+    base, extra = divmod(end - start, ranks)
+    lo = start + rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Yields this rank's indices for each global step of the epoch (see module docstring)."""
+
+    def __init__(self, n: int, batch_size: int, *, num_ranks: int = 1, rank: int = 0,
+                 devices_per_rank: int = 1, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False):
+        if batch_size < 1:
+            raise UsageError(f"batch size {batch_size} must be at least 1")
+        self.n, self.batch_size = n, batch_size
+        self.num_ranks, self.rank, self.devices_per_rank = num_ranks, rank, devices_per_rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        # A rank's batch is batch_size per device; DataParallel splits it over its GPUs.
+        self.global_batch = batch_size * devices_per_rank * num_ranks
+        self.steps = plan_global_steps(n, self.global_batch, devices_per_rank * num_ranks, drop_last)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.n)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=g)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.order().tolist()
+        for start, end in self.steps:
+            lo, hi = split_share(start, end, self.num_ranks, self.rank)
+            yield order[lo:hi]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def num_samples(self) -> int:
+        """Distinct samples one epoch covers, over all ranks."""
+        return self.steps[-1][1]
+
+    def step_infos(self, accumulate: int = 1) -> list[StepInfo]:
+        infos = []
+        for w in range(0, len(self.steps), accumulate):
+            window = self.steps[w:w + accumulate]
+            window_count = sum(end - start for start, end in window)
+            for j, (start, end) in enumerate(window):
+                lo, hi = split_share(start, end, self.num_ranks, self.rank)
+                infos.append(StepInfo(w + j, hi - lo, end - start, window_count,
+                                      j == len(window) - 1))
+        return infos
+
+
+def move_to_device(batch, device: torch.device, non_blocking: bool = True):
+    """Tensors in nested tuples/lists/dicts to `device`; everything else unchanged."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+class PreparedLoader:
+    """A DataLoader whose batches are this rank's exact share, already on the device.
+
+    Iterating it starts a new epoch: the order is reshuffled (no `set_epoch` to forget), and
+    before each batch is yielded `on_step(info)` tells the runtime how many real samples it holds.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ShardedBatchSampler, device: torch.device,
+                 on_step: Callable[[StepInfo], None], accumulate: int = 1):
+        self.loader, self.sampler, self.device = loader, sampler, device
+        self.on_step, self.accumulate = on_step, accumulate
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    @property
+    def num_samples(self) -> int:
+        return self.sampler.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Only needed to resume: iteration otherwise advances the epoch by itself."""
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.epoch)
+        infos = self.sampler.step_infos(self.accumulate)
+        self.epoch += 1
+        non_blocking = self.device.type == "cuda"
+        for info, batch in zip(infos, self.loader, strict=True):
+            self.on_step(info)
+            yield move_to_device(batch, self.device, non_blocking)
+
+
+def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_rank: int,
+                 device: torch.device, seed: int, on_step: Callable[[StepInfo], None],
+                 accumulate: int = 1, drop_last: bool | None = None) -> PreparedLoader | DataLoader:
+    """Rebuild `loader` around a ShardedBatchSampler, keeping the user's loader settings."""
+    if isinstance(loader.dataset, IterableDataset):
+        warnings.warn("an IterableDataset cannot be sharded exactly by multigpu: each rank gets "
+                      "the whole stream unless the dataset splits itself by rank", stacklevel=3)
+        return loader
+    if loader.batch_size is None:
+        raise UsageError("this DataLoader was built with its own batch_sampler, which multigpu "
+                         "cannot shard; build it with batch_size=B (per device) instead")
+    sampler = ShardedBatchSampler(
+        len(loader.dataset), loader.batch_size, num_ranks=num_ranks, rank=rank,
+        devices_per_rank=devices_per_rank, shuffle=_is_shuffled(loader), seed=seed,
+        drop_last=loader.drop_last if drop_last is None else drop_last)
+    workers = loader.num_workers
+    rebuilt = DataLoader(
+        loader.dataset, batch_sampler=sampler, num_workers=workers,
+        collate_fn=loader.collate_fn, pin_memory=device.type == "cuda" or loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers if workers else False)
+    return PreparedLoader(rebuilt, sampler, device, on_step, accumulate)
+
+
+def _is_shuffled(loader: DataLoader) -> bool:
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler):
+        return True
+    return bool(getattr(sampler, "shuffle", False))  # e.g. a DistributedSampler from older code

@@ -1,0 +1,154 @@
+"""The distributed state of one process, read once from the launcher's environment.
+
+`DistEnv` is a small frozen value: rank, local rank, world size, device, backend. It is built by
+`init_distributed()`, which is the only place in multigpu that creates a process group, and it is
+passed explicitly to whatever needs it. Collectives that must be no-ops in a single process
+(`all_reduce`, `barrier`, ...) are methods here, so callers never write `if world_size > 1`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from multigpu.errors import UsageError
+
+# Environment set by torch.distributed.run (torchrun) for every worker.
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: no process group (one process)
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0: the one process that prints, logs and writes files."""
+        return self.rank == 0
+
+    # --- collectives: identity in one process ------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place sum/max/min over ranks; returns the tensor. A no-op with one process."""
+        if self.is_distributed:
+            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                        "min": dist.ReduceOp.MIN}[op])
+        return tensor
+
+    def all_gather_object(self, obj):
+        """A list with every rank's `obj`, in rank order."""
+        if not self.is_distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={value!r} is not an integer; "
+                         f"unset it or launch with `multigpu run`") from None
+
+
+def launched_by_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
+                     timeout_minutes: float = 30.0) -> DistEnv:
+    """Read torchrun's environment, bind this process to its device, create the process group.
+
+    - Under torchrun with WORLD_SIZE > 1: one process per device; NCCL on CUDA, gloo on CPU.
+    - Plain `python train.py`: one process, no process group, on `cuda:gpu_index` (default 0) or CPU.
+
+    `accelerator` is "auto", "cuda" or "cpu". Calling it again returns the existing group's state.
+    """
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+
+    use_cuda = _resolve_accelerator(accelerator)
+    if use_cuda:
+        if world_size > 1 or launched_by_torchrun():
+            if gpu_index is not None and world_size > 1:
+                raise UsageError("a GPU index was given to setup() in a multi-process run; under "
+                                 "a launcher each process uses GPU LOCAL_RANK: choose GPUs with "
+                                 "`multigpu run --devices 0,3` instead")
+            index = local_rank
+        else:
+            index = 0 if gpu_index is None else gpu_index
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"this process wants GPU {index} but only {torch.cuda.device_count()} "
+                             f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                             f"start one process per GPU with `multigpu run --devices N`")
+        device = torch.device("cuda", index)
+        # Bind before any CUDA work, so NCCL and the caching allocator never touch GPU 0 by
+        # accident (the classic "every rank also allocates on GPU 0" bug).
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+
+    if world_size == 1:
+        return DistEnv(rank, local_rank, 1, 1, device, None)
+
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        if backend == "nccl":
+            kwargs["device_id"] = device  # eager NCCL init, bound to this GPU
+        dist.init_process_group(**kwargs)
+    elif dist.get_world_size() != world_size:
+        raise RuntimeError("a process group already exists with a different world size")
+    return DistEnv(rank, local_rank, world_size, local_world_size, device,
+                   dist.get_backend())
+
+
+def _resolve_accelerator(accelerator: str) -> bool:
+    """True when this process should use CUDA."""
+    if accelerator not in ("auto", "cuda", "gpu", "cpu"):
+        raise UsageError(f"accelerator {accelerator!r} is not known; use 'auto', 'cuda' or 'cpu'")
+    if accelerator == "cpu":
+        return False
+    available = torch.cuda.is_available()
+    if accelerator in ("cuda", "gpu") and not available:
+        raise UsageError("CUDA was requested but no GPU is visible to this process; "
+                         "use --devices cpu:N, or check `multigpu gpus`")
+    return available
+
+
+def destroy_distributed() -> None:
+    """Tear down the process group, if any (tests and clean exits)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

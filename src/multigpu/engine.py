@@ -1,0 +1,93 @@
+"""The training step, epoch and evaluation used by `multigpu train` and `multigpu bench` alike.
+
+Everything here goes through the Runtime, so the same code runs on one device, DataParallel and DDP.
+The loop holds no host-device sync except where the progress bar is redrawn and at the epoch's end.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from multigpu.console import EpochProgress
+from multigpu.metrics import Sums, correct_count
+from multigpu.runtime import Runtime
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepSettings:
+    clip_grad_norm: float | None = None
+    channels_last: bool = False  # convnets on GPUs: NHWC inputs to match the NHWC weights
+
+
+def prepare_inputs(x: torch.Tensor, settings: StepSettings) -> torch.Tensor:
+    if settings.channels_last and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def train_step(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+               batch, settings: StepSettings) -> torch.Tensor:
+    """Forward, backward and optimizer step for one (micro-)batch; returns the detached loss."""
+    x, y = batch
+    x = prepare_inputs(x, settings)
+    with rt.autocast():
+        out = model(x)
+    loss = loss_fn(out.float(), y)  # the loss in fp32, whatever the autocast dtype
+    rt.backward(loss)
+    rt.step(optimizer, clip_grad_norm=settings.clip_grad_norm)
+    return loss.detach()
+
+
+def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loader,
+                settings: StepSettings, description: str = "train") -> dict:
+    model.train()
+    sums = Sums(rt.env)
+    progress = EpochProgress(len(loader), description)
+    start = time.perf_counter()
+    local_samples = 0
+    try:
+        for batch in loader:
+            loss = train_step(rt, model, optimizer, loss_fn, batch, settings)
+            n = rt.step_info.local_count
+            local_samples += n
+            sums.add(loss_sum=loss * n)
+            progress.update(rt.step_info.global_count, loss)
+    finally:
+        progress.close()
+    sums.add(samples=local_samples)
+    totals = sums.reduce()  # a sync point: the epoch's time includes all of its GPU work
+    seconds = time.perf_counter() - start
+    return {
+        "train_loss": totals["loss_sum"] / max(totals["samples"], 1),
+        "train_samples": int(totals["samples"]),
+        "epoch_seconds": seconds,
+        "samples_per_second": totals["samples"] / seconds,
+    }
+
+
+@torch.no_grad()
+def evaluate(rt: Runtime, model: nn.Module, loss_fn: LossFn, loader, classification: bool,
+             settings: StepSettings) -> dict:
+    """Loss (and accuracy) over the whole validation set, each sample counted exactly once."""
+    model.eval()
+    sums = Sums(rt.env)
+    for x, y in loader:
+        x = prepare_inputs(x, settings)
+        with rt.autocast():
+            out = model(x).float()
+        n = y.shape[0]
+        sums.add(loss_sum=loss_fn(out, y) * n, samples=n)
+        if classification:
+            sums.add(correct=correct_count(out, y))
+    totals = sums.reduce()
+    result = {"val_loss": totals["loss_sum"] / max(totals["samples"], 1),
+              "val_samples": int(totals["samples"])}
+    if classification:
+        result["val_accuracy"] = totals["correct"] / max(totals["samples"], 1)
+    return result

@@ -1,0 +1,86 @@
+"""Mixed precision as one object: it owns autocast and the GradScaler, and its state is checkpointed.
+
+- `fp32`: nothing to do.
+- `bf16`: autocast to bfloat16; same exponent range as fp32, so no loss scaling.
+- `fp16`: autocast to float16 plus a GradScaler. The scaler multiplies the loss so small
+  gradients survive fp16, unscales before clipping, skips the optimizer step when a gradient is
+  inf/NaN and lowers the scale (trap 7: it must step and update every iteration, which
+  `optimizer_step` guarantees).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from multigpu.errors import UsageError
+
+PRECISIONS = ("fp32", "bf16", "fp16")  # plus "auto", resolved by resolve_precision()
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(kind: str, device: torch.device) -> str:
+    """"auto" is bf16 where the device computes it fast (CUDA GPUs that support it), else fp32."""
+    if kind != "auto":
+        return kind
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+class Precision:
+    def __init__(self, kind: str, device: torch.device):
+        if kind not in PRECISIONS:
+            raise UsageError(f"unknown precision {kind!r}: choose one of {', '.join(PRECISIONS)}")
+        if kind == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UsageError(f"GPU {torch.cuda.get_device_name(device)} has no bf16; "
+                             "use --precision fp16 (or fp32)")
+        self.kind = kind
+        self.device = device
+        self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None
+        # Steps skipped by the scaler, counted on the device so the step never waits for the GPU.
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device) if self.scaler else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES.get(self.kind, torch.float32)
+
+    def autocast(self):
+        if self.kind == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients back to their true size; call before clipping or inspecting them."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        scale_before = self.scaler._scale.clone() if self.scaler._scale is not None else None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+            self.scaler.step(optimizer)  # skipped inside if any gradient is inf/NaN
+        self.scaler.update()
+        if scale_before is not None:  # the scale only drops when the step was skipped
+            self._skipped += (self.scaler._scale < scale_before).to(torch.int64)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/NaN gradients so far (a host-device sync point)."""
+        return int(self._skipped.item()) if self._skipped is not None else 0
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,241 @@
+"""`setup()` and the `Runtime` it returns: the whole library API for a user's own training loop.
+
+    import multigpu
+    rt = multigpu.setup(precision="bf16")               # reads torchrun's environment
+    model, optimizer, train_loader, val_loader = rt.prepare(model, optimizer, train_loader, val_loader)
+    for epoch in range(epochs):
+        for x, y in train_loader:                       # this rank's share, already on the device
+            with rt.autocast():
+                loss = loss_fn(model(x), y)
+            rt.backward(loss)                           # exact global mean, loss scaling, no_sync
+            rt.step(optimizer, clip_grad_norm=1.0)      # unscale, clip, step, zero_grad
+    rt.save("checkpoints/last.pt", model=model, optimizer=optimizer, epoch=epoch)
+
+The Runtime holds explicit state only: the DistEnv, the Strategy, the Precision, and the StepInfo of
+the batch the prepared loader yielded last.
+"""
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from multigpu import checkpoint
+from multigpu.data import StepInfo, shard_loader
+from multigpu.distributed import DistEnv, init_distributed
+from multigpu.errors import UsageError
+from multigpu.precision import Precision, resolve_precision
+from multigpu.strategies import DDPOptions, Strategy, make_strategy
+from multigpu.strategies.ddp import DDP
+
+
+def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int] | None = None,
+          accelerator: str = "auto", seed: int = 0, accumulate: int = 1,
+          ddp: DDPOptions | None = None) -> "Runtime":
+    """Read the launcher's environment, create the process group, return a Runtime.
+
+    strategy:   "auto" (ddp when launched with several processes, else single), "single", "dp", "ddp".
+    precision:  "fp32", "bf16", "fp16" or "auto" (bf16 on GPUs that have it, else fp32).
+    devices:    GPU ids for one process: `[2]` for single, `[0, 3]` for dp (default: all visible).
+                Under a launcher each process takes GPU LOCAL_RANK; choose GPUs at launch time.
+    seed:       seeds Python, NumPy and torch identically on every rank (same initial weights)
+                and orders the data.
+    accumulate: micro-batches per optimizer step; the all-reduce runs only on the last one.
+    """
+    if accumulate < 1:
+        raise UsageError(f"accumulate={accumulate} must be 1 or more")
+    gpu_index = devices[0] if devices and strategy != "dp" else None
+    env = init_distributed(accelerator, gpu_index=gpu_index)
+    if strategy == "dp" and env.device.type == "cuda":
+        device_ids = tuple(devices) if devices else tuple(range(torch.cuda.device_count()))
+    else:
+        device_ids = ()
+    strat = make_strategy(strategy, env, device_ids=device_ids, ddp_options=ddp)
+    seed_everything(seed)
+    return Runtime(env, strat, Precision(resolve_precision(precision, strat.device), strat.device),
+                   seed=seed, accumulate=accumulate)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Runtime:
+    def __init__(self, env: DistEnv, strategy: Strategy, precision: Precision, *, seed: int = 0,
+                 accumulate: int = 1):
+        self.env, self.strategy, self.precision = env, strategy, precision
+        self.seed, self.accumulate = seed, accumulate
+        self.step_info: StepInfo | None = None  # set by prepared loaders before each batch
+        self._models: list[nn.Module] = []
+        self._unused_checked = False
+
+    # --- convenience views ----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+    def print(self, *args, **kwargs) -> None:
+        """print() on rank 0 only."""
+        if self.env.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def __repr__(self) -> str:
+        return (f"Runtime(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"strategy={self.strategy.describe()}, precision={self.precision.kind})")
+
+    # --- prepare ----------------------------------------------------------------------------------
+    def prepare(self, *objects):
+        """Prepare models, optimizers and data loaders, returned in the order given.
+
+        Models move to the device and are wrapped (DataParallel/DDP) *after* their weights are in
+        place. Loaders are rebuilt so each rank gets its exact share and batches arrive on the
+        device. Optimizers and schedulers pass through (parameters keep their identity when moved).
+        """
+        out = []
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                out.append(self._prepare_model(obj))
+            elif isinstance(obj, DataLoader):
+                out.append(self.prepare_loader(obj))
+            elif isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "step"):
+                out.append(obj)
+            else:
+                raise UsageError(f"prepare() got a {type(obj).__name__}; it takes models, "
+                                 "optimizers, LR schedulers and DataLoaders")
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            raise UsageError("prepare() got a model already wrapped in DataParallel/DDP; pass the "
+                             "bare model and let the strategy wrap it (--strategy dp|ddp)")
+        wrapped = self.strategy.setup_module(model)
+        wrapped.register_forward_pre_hook(_warn_eval_with_grad)
+        self._models.append(wrapped)
+        return wrapped
+
+    def prepare_loader(self, loader: DataLoader, *, drop_last: bool | None = None):
+        return shard_loader(loader, num_ranks=self.env.world_size, rank=self.env.rank,
+                            devices_per_rank=self.strategy.devices_per_process, device=self.device,
+                            seed=self.seed, on_step=self._on_step, accumulate=self.accumulate,
+                            drop_last=drop_last)
+
+    def _on_step(self, info: StepInfo) -> None:
+        self.step_info = info
+        if self.accumulate > 1:
+            for model in self._models:
+                self.strategy.set_grad_sync(model, info.sync)
+
+    # --- the training step ------------------------------------------------------------------------
+    def autocast(self):
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a loss averaged over this rank's batch.
+
+        The loss is reweighted so that the gradient, once DDP averages it over ranks, is the mean
+        over the real samples of the whole optimizer step: exact when ranks hold different numbers
+        of samples (the last step) and over accumulated micro-batches.
+        """
+        info = self.step_info
+        if info is not None:
+            weight = info.local_count * self.env.world_size / info.window_count
+            if weight != 1.0:
+                loss = loss * weight
+        self.precision.backward(loss)
+        if not self._unused_checked:
+            self._unused_checked = True
+            self._check_unused_parameters()
+
+    def step(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> bool:
+        """Unscale (fp16), clip, step and zero the gradients. False on accumulation micro-steps."""
+        if self.step_info is not None and not self.step_info.sync:
+            return False
+        if clip_grad_norm is not None:
+            self.precision.unscale(optimizer)  # clip the true gradients, not the scaled ones
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        self.precision.optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def _check_unused_parameters(self) -> None:
+        """Trap 6: DDP fails one step later, cryptically, when a parameter got no gradient."""
+        if not isinstance(self.strategy, DDP) or not self.env.is_distributed:
+            return
+        o = self.strategy.options
+        if o.find_unused_parameters or o.static_graph:
+            return
+        for model in self._models:
+            unused = [n for n, p in self.strategy.unwrap(model).named_parameters()
+                      if p.requires_grad and p.grad is None]
+            if unused:
+                shown = ", ".join(unused[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
+                raise UsageError(
+                    f"{len(unused)} parameter(s) got no gradient in the first backward: {shown}. "
+                    "DDP needs every trainable parameter to take part in the loss: remove the unused "
+                    "module, freeze it (requires_grad_(False)), or pass "
+                    "ddp=DDPOptions(find_unused_parameters=True) to setup() "
+                    "(--find-unused-parameters)")
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save(self, path: str | Path, *, model: nn.Module, optimizer=None, scheduler=None,
+             **extra) -> None:
+        """Collective: call on every rank. Rank 0 writes `path` atomically; all ranks then wait."""
+        rng = self.env.all_gather_object(checkpoint.rng_state())
+        if self.env.is_main:
+            state = {
+                "format": checkpoint.FORMAT_VERSION,
+                "model": checkpoint.to_cpu(self.strategy.model_state_dict(model)),
+                "optimizer": checkpoint.to_cpu(self.strategy.optimizer_state_dict(optimizer)) if optimizer else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "precision": self.precision.state_dict(),
+                "rng": rng,
+                "world_size": self.env.world_size,
+                "strategy": self.strategy.name,
+                **extra,
+            }
+            checkpoint.atomic_save(state, path)
+        self.env.barrier()
+
+    def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer=None,
+             scheduler=None) -> dict:
+        """Restore what `save` wrote (from any strategy); returns the whole checkpoint dict."""
+        state = checkpoint.load(path)
+        if model is not None:
+            checkpoint.load_model_state(model, state["model"])
+        if optimizer is not None and state.get("optimizer"):
+            optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state.get("scheduler"):
+            scheduler.load_state_dict(state["scheduler"])
+        if state.get("precision"):
+            self.precision.load_state_dict(state["precision"])
+        rng = state.get("rng") or []
+        if len(rng) == self.env.world_size:  # same layout: every rank resumes its own streams
+            checkpoint.set_rng_state(rng[self.env.rank])
+        return state
+
+
+def _warn_eval_with_grad(module: nn.Module, _args) -> None:
+    """Trap 2: evaluating with autograd on keeps every activation alive, a common OOM."""
+    if not module.training and torch.is_grad_enabled():
+        warnings.warn("the model ran in eval mode with gradients enabled, which keeps activations "
+                      "in memory for nothing; wrap validation in torch.no_grad()", stacklevel=2)

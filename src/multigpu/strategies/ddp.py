@@ -1,0 +1,55 @@
+"""DistributedDataParallel: one process per device, gradients all-reduced in buckets during backward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from multigpu.distributed import DistEnv
+from multigpu.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """Knobs of torch's DDP engine. The defaults are chosen for speed; see benchmarks/NOTES.md."""
+    bucket_cap_mb: float = 25.0
+    # Gradients live inside the all-reduce buckets: no copy in or out of them, less memory.
+    gradient_as_bucket_view: bool = True
+    # Off by default: a parameter that gets no gradient is reported by name at the first
+    # backward (see Runtime), which is faster and clearer than searching for it every step.
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
+
+
+class DDP(Strategy):
+    name = "ddp"
+
+    def __init__(self, env: DistEnv, options: DDPOptions | None = None):
+        super().__init__(env)
+        self.options = options or DDPOptions()
+
+    def setup_module(self, model: nn.Module) -> nn.Module:
+        o = self.options
+        if o.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(self.device)
+        if not self.env.is_distributed:  # ddp asked for in one process: nothing to synchronise
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb,
+            gradient_as_bucket_view=o.gradient_as_bucket_view,
+            find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph,
+            broadcast_buffers=o.broadcast_buffers)
+
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        # What DDP.no_sync() toggles; DDP reads it at the start of forward, so this must be set
+        # before the micro-batch's forward (the prepared loader does it as it yields the batch).
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = enabled
+
+    def describe(self) -> str:
+        return f"ddp ({self.env.world_size} processes, {self.env.backend})"

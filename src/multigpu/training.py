@@ -1,0 +1,191 @@
+"""The main job behind `multigpu train`: built-in model + data spec -> a run folder.
+
+Runs in every worker process (or in the one process). It reads only the launcher's environment;
+choosing devices and starting processes is the CLI's business (multigpu.cli.train).
+
+Run folder:
+    config.json              the resolved settings
+    metrics.jsonl            one JSON object per epoch
+    checkpoints/last.pt      after every epoch
+    checkpoints/best.pt      the epoch with the best validation accuracy (or loss, for regression)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from multigpu import console
+from multigpu.checkpoint import atomic_save
+from multigpu.config import TrainConfig
+from multigpu.datasets import load_data
+from multigpu.engine import StepSettings, evaluate, train_epoch
+from multigpu.errors import UsageError
+from multigpu.models import build_model, default_image_size, is_convnet, model_input_kind
+from multigpu.runtime import Runtime, setup
+from multigpu.strategies import DDPOptions
+
+OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
+IN_MEMORY_DATA = ("digits", "timeseries:")
+
+
+# --- run folder ------------------------------------------------------------------------------------
+
+def default_out(cfg: TrainConfig) -> Path:
+    data = cfg.data.split(":", 1)[0]
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model.replace(':', '-')}-{data}"
+
+
+def reserve_out(cfg: TrainConfig) -> Path:
+    """The run folder, created empty; an existing non-empty folder is never reused."""
+    out = Path(cfg.out) if cfg.out else default_out(cfg)
+    if os.environ.get(OUT_RESERVED_ENV) == str(out.resolve()):
+        return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} already exists and is not empty; multigpu never overwrites "
+                         "a run: choose another --out, or leave it out for a new timestamped folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def atomic_copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+# --- building blocks ------------------------------------------------------------------------------
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    lr = cfg.lr if cfg.lr is not None else (0.05 if cfg.optimizer == "sgd" else 1e-3)
+    # Fused kernels on GPUs: one launch for all parameters instead of several per tensor.
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay, **fast)
+    cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, weight_decay=cfg.weight_decay, **fast)
+
+
+def make_scheduler(cfg: TrainConfig, optimizer):
+    if cfg.scheduler == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.step_size, gamma=cfg.gamma)
+    if cfg.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(cfg.epochs, 1))
+    return None
+
+
+def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
+    if cfg.workers is not None:
+        return cfg.workers
+    if cfg.data.startswith(IN_MEMORY_DATA):
+        return 0  # tensors already in memory: worker processes would only add IPC
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // max(rt.env.local_world_size, 1) - 1))
+
+
+def make_loader(dataset, batch_size: int, shuffle: bool, workers: int,
+                drop_last: bool = False) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
+                      drop_last=drop_last,
+                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+
+
+def build_job(cfg: TrainConfig, rt: Runtime):
+    """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy."""
+    image_size = cfg.image_size or default_image_size(cfg.model)
+    data = load_data(cfg.data, input_kind=model_input_kind(cfg.model), image_size=image_size,
+                     seq_length=cfg.seq_length, future_length=cfg.future_length)
+    model = build_model(cfg.model, data.input_shape, data.num_outputs)
+    settings = StepSettings(clip_grad_norm=cfg.clip_grad_norm,
+                            channels_last=rt.device.type == "cuda" and is_convnet(cfg.model))
+    if settings.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    workers = loader_workers(cfg, rt)
+    train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
+    val_loader = make_loader(data.val, cfg.batch_size, False, workers)
+    model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
+    if cfg.compile:
+        model = torch.compile(model)
+    optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
+    scheduler = make_scheduler(cfg, optimizer)
+    return data, model, optimizer, scheduler, train_loader, val_loader, settings
+
+
+# --- the job --------------------------------------------------------------------------------------
+
+def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
+                 accelerator: str = "auto") -> dict:
+    rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
+               seed=cfg.seed, accumulate=cfg.accumulate,
+               ddp=DDPOptions(find_unused_parameters=cfg.find_unused_parameters))
+    console.configure(rt.is_main)
+    out = _agree_on_out(cfg, rt)
+    data, model, optimizer, scheduler, train_loader, val_loader, settings = build_job(cfg, rt)
+    classification = data.task == "classification"
+    loss_fn = nn.functional.cross_entropy if classification else nn.functional.mse_loss
+
+    resolved = {**asdict(cfg), "out": str(out), "precision": rt.precision.kind,
+                "strategy": rt.strategy.name, "world_size": rt.world_size,
+                "global_batch": cfg.batch_size * rt.strategy.devices_per_process * rt.world_size,
+                "train_size": len(data.train), "val_size": len(data.val), "task": data.task}
+    if rt.is_main:
+        (out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+    console.info(f"multigpu train: {cfg.model} on {data.name} ({len(data.train)} train / "
+                 f"{len(data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
+                 f"global batch {resolved['global_batch']} -> {out}")
+
+    best, record, step = None, {}, 0
+    for epoch in range(1, cfg.epochs + 1):
+        record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"]}
+        record |= train_epoch(rt, model, optimizer, loss_fn, train_loader, settings,
+                              description=f"epoch {epoch}/{cfg.epochs}")
+        record |= evaluate(rt, model, loss_fn, val_loader, classification, settings)
+        if rt.precision.scaler is not None:
+            record["skipped_steps"] = rt.precision.skipped_steps
+        step += len(train_loader)
+        if scheduler is not None:
+            scheduler.step()
+        _report(rt, out, record, classification)
+        score = record["val_accuracy"] if classification else -record["val_loss"]
+        rt.save(out / "checkpoints" / "last.pt", model=model, optimizer=optimizer,
+                scheduler=scheduler, epoch=epoch, step=step, metrics=record, config=resolved)
+        if best is None or score > best:
+            best = score
+            if rt.is_main:
+                atomic_copy(out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt")
+        rt.env.barrier()
+    return record
+
+
+def _agree_on_out(cfg: TrainConfig, rt: Runtime) -> Path:
+    """Rank 0 reserves the run folder and tells the others (the same name on every rank)."""
+    result = None
+    if rt.is_main:
+        try:
+            result = str(reserve_out(cfg))
+        except UsageError as exc:
+            result = exc
+    result = rt.env.broadcast_object(result)
+    if isinstance(result, UsageError):
+        raise result
+    return Path(result)
+
+
+def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
+    if not rt.is_main:
+        return
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    acc = f"  val_acc {record['val_accuracy']:.2%}" if classification else ""
+    console.info(f"epoch {record['epoch']}  train_loss {record['train_loss']:.4f}  "
+                 f"val_loss {record['val_loss']:.4f}{acc}  "
+                 f"({record['train_samples']} train / {record['val_samples']} val samples)  "
+                 f"{record['epoch_seconds']:.1f} s  {record['samples_per_second']:,.0f} samples/s")

@@ -1,0 +1,85 @@
+"""Exact sharding: every sample once per epoch, equal step counts on every rank, no empty batch."""
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from multigpu.data import ShardedBatchSampler, plan_global_steps, shard_loader
+from multigpu.errors import UsageError
+
+
+def epoch_indices(n, batch, ranks, devices=1, drop_last=False, shuffle=True, epoch=0):
+    samplers = [ShardedBatchSampler(n, batch, num_ranks=ranks, rank=r, devices_per_rank=devices,
+                                    shuffle=shuffle, seed=7, drop_last=drop_last) for r in range(ranks)]
+    for s in samplers:
+        s.set_epoch(epoch)
+    return samplers, [list(s) for s in samplers]
+
+
+@pytest.mark.parametrize("n,batch,ranks", [(8607, 4, 4), (8605, 4, 4), (10, 3, 4), (7, 1, 4),
+                                           (100, 8, 3), (5, 5, 1), (4097, 1, 4)])
+def test_every_sample_exactly_once_and_equal_steps(n, batch, ranks):
+    samplers, per_rank = epoch_indices(n, batch, ranks)
+    steps = {len(batches) for batches in per_rank}
+    assert len(steps) == 1, "every rank must run the same number of steps"
+    flat = [i for batches in per_rank for b in batches for i in b]
+    assert sorted(flat) == list(range(n))
+    assert all(len(b) >= 1 for batches in per_rank for b in batches), "no empty batch on any rank"
+    assert samplers[0].num_samples == n
+
+
+def test_posts_case_last_step_is_split_not_padded():
+    # 8607 samples, batch 4 per process, 4 processes: 537 full steps of 16, then 15 -> 4,4,4,3.
+    _, per_rank = epoch_indices(8607, 4, 4)
+    assert [len(b[-1]) for b in per_rank] == [4, 4, 4, 3]
+    assert len(per_rank[0]) == 538
+
+
+def test_remainder_smaller_than_devices_is_merged_into_previous_step():
+    # 8609 = 538 * 16 + 1: one sample left for 4 ranks -> it joins the step before.
+    _, per_rank = epoch_indices(8609, 4, 4)
+    assert len(per_rank[0]) == 538
+    assert [len(b[-1]) for b in per_rank] == [5, 4, 4, 4]
+
+
+def test_dataparallel_last_batch_never_smaller_than_gpu_count():
+    # Trap 3: DataParallel over 4 GPUs, batch 1 per GPU: 8607 % 4 = 3 samples would leave GPU 3 idle.
+    _, (batches,) = epoch_indices(8607, 1, 1, devices=4)
+    assert min(len(b) for b in batches) >= 4
+    assert sum(len(b) for b in batches) == 8607
+
+
+def test_drop_last_drops_the_partial_global_step():
+    _, per_rank = epoch_indices(8607, 4, 4, drop_last=True)
+    assert sum(len(b) for batches in per_rank for b in batches) == 537 * 16
+
+
+def test_shuffle_differs_per_epoch_and_matches_across_ranks():
+    s0, e0 = epoch_indices(100, 5, 2, epoch=0)
+    s1, e1 = epoch_indices(100, 5, 2, epoch=1)
+    assert e0 != e1
+    assert torch.equal(s0[0].order(), s0[1].order())
+
+
+def test_too_small_dataset_is_a_clear_error():
+    with pytest.raises(UsageError, match="3 samples, fewer than the 4 devices"):
+        plan_global_steps(3, 4, 4, False)
+
+
+def test_step_infos_give_window_counts_for_accumulation():
+    s = ShardedBatchSampler(10, 2, num_ranks=2, rank=1, shuffle=False)  # steps of 4: 4, 4, 2
+    infos = s.step_infos(accumulate=2)
+    assert [i.global_count for i in infos] == [4, 4, 2]
+    assert [i.window_count for i in infos] == [8, 8, 2]
+    assert [i.sync for i in infos] == [False, True, True]
+    assert [i.local_count for i in infos] == [2, 2, 1]
+
+
+def test_prepared_loader_reshuffles_each_epoch_and_reports_steps():
+    ds = TensorDataset(torch.arange(10).float(), torch.arange(10))
+    seen = []
+    loader = shard_loader(DataLoader(ds, batch_size=4, shuffle=True), num_ranks=1, rank=0,
+                          devices_per_rank=1, device=torch.device("cpu"), seed=0, on_step=seen.append)
+    first = [y.tolist() for _, y in loader]
+    second = [y.tolist() for _, y in loader]
+    assert sorted(sum(first, [])) == list(range(10)) and first != second
+    assert [i.local_count for i in seen[:3]] == [4, 4, 2]

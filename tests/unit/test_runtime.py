@@ -1,0 +1,84 @@
+"""The Runtime in one process: exact loss weighting, accumulation, and the DataParallel traps."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import multigpu
+from multigpu.errors import UsageError
+from multigpu.strategies.dp import CheckedDataParallel
+
+
+def train(batch_size, accumulate, n=10, epochs=2):
+    rt = multigpu.setup("single", accelerator="cpu", seed=3, accumulate=accumulate)
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = rt.prepare(model, opt, DataLoader(ds, batch_size=batch_size, shuffle=True))
+    steps = 0
+    for _ in range(epochs):
+        for x, y in loader:
+            rt.backward(nn.functional.mse_loss(model(x), y))
+            steps += rt.step(opt)
+    return model, steps
+
+
+def test_accumulation_equals_the_larger_batch_including_the_short_last_window():
+    big, big_steps = train(batch_size=4, accumulate=1)
+    acc, acc_steps = train(batch_size=2, accumulate=2)
+    assert big_steps == acc_steps == 6  # 3 optimizer steps per epoch: 4, 4, 2 samples
+    for a, b in zip(big.parameters(), acc.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_prepare_rejects_an_already_wrapped_model():
+    rt = multigpu.setup("single", accelerator="cpu")
+    with pytest.raises(UsageError, match="already wrapped"):
+        rt.prepare(nn.DataParallel(nn.Linear(2, 2)))
+
+
+def test_single_strategy_refuses_dp_on_cpu_and_unknown_names():
+    with pytest.raises(UsageError, match="needs GPUs"):
+        multigpu.setup("dp", accelerator="cpu")
+    with pytest.raises(UsageError, match="unknown strategy 'fsdp2'"):
+        multigpu.setup("fsdp2", accelerator="cpu")
+
+
+def test_eval_forward_with_grad_enabled_warns_once():
+    rt = multigpu.setup("single", accelerator="cpu")
+    model = rt.prepare(nn.Linear(2, 2)).eval()
+    with pytest.warns(UserWarning, match="torch.no_grad"):
+        model(torch.randn(1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(torch.randn(1, 2))
+
+
+class WithCustomMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x, tags=None):
+        return self.fc(x)
+
+    def my_forward(self, x):
+        return self.fc(x)
+
+
+def test_dataparallel_custom_method_is_a_clear_error():
+    dp = CheckedDataParallel(WithCustomMethod())
+    with pytest.raises(AttributeError, match="only model\\(x\\) splits the batch"):
+        dp.my_forward(torch.randn(2, 2))
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        dp.nothing_here
+
+
+def test_dataparallel_warns_about_per_sample_lists():
+    dp = CheckedDataParallel(WithCustomMethod())
+    with pytest.warns(UserWarning, match="copies non-tensor arguments whole"):
+        dp(torch.randn(3, 2), tags=["a", "b", "c"])
