@@ -7,6 +7,7 @@ passed explicitly to whatever needs it. Collectives that must be no-ops in a sin
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -129,6 +130,9 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
         if backend == "nccl":
             kwargs["device_id"] = device  # eager NCCL init, bound to this GPU
         dist.init_process_group(**kwargs)
+        # A process that exits with its group alive can abort in the group's destructor
+        # ("terminate called without an active exception", seen with gloo): tear down first.
+        atexit.register(destroy_distributed)
     elif dist.get_world_size() != world_size:
         raise RuntimeError("a process group already exists with a different world size")
     return DistEnv(rank, local_rank, world_size, local_world_size, device,

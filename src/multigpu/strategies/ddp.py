@@ -39,11 +39,13 @@ class DDP(Strategy):
         if not self.env.is_distributed:  # ddp asked for in one process: nothing to synchronise
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Newer torch renames broadcast_buffers and warns when it is passed: only pass it to turn
+        # it off, and keep torch's default (buffers synced from rank 0 every forward) otherwise.
+        extra = {} if o.broadcast_buffers else {"broadcast_buffers": False}
         return DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb,
             gradient_as_bucket_view=o.gradient_as_bucket_view,
-            find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph,
-            broadcast_buffers=o.broadcast_buffers)
+            find_unused_parameters=o.find_unused_parameters, static_graph=o.static_graph, **extra)
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # What DDP.no_sync() toggles; DDP reads it at the start of forward, so this must be set

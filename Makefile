@@ -1,0 +1,35 @@
+# Two commands from a fresh clone:  make demo  and  make test.
+# A virtual environment is created in .venv if there is none. torch is pinned to the CPU wheel this
+# machine has on disk; an unpinned torch would pull several GB of CUDA packages. On a GPU machine
+# whose Python already has torch, use `pip install --no-deps -e .` instead.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test test-gpu install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+# The main job on its embedded data: every GPU there is, or 2 CPU processes without one.
+demo: $(STAMP)
+	@DEVICES=$$($(PY) -c "import torch; print('auto' if torch.cuda.is_available() else 'cpu:2')"); \
+	$(VENV)/bin/multigpu train --model cnn --data digits --epochs 8 --batch-size 32 \
+	    --lr 0.003 --scheduler cosine --devices $$DEVICES --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+# On a machine with 2+ GPUs (see tests/gpu).
+test-gpu:
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+	    python3 -m pytest -m gpu tests/gpu -v
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,79 @@
+"""GPU tier for the core: dp and ddp on 2 GPUs, fp16 and bf16, DataParallel wrapping order.
+
+Run on a machine with 2+ GPUs:  make test-gpu   (pytest -m gpu tests/gpu)
+"""
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import multigpu
+from tests.multiproc.conftest import multigpu as run_multigpu, read_metrics
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+
+def _train(tmp_path, name, *args):
+    out = tmp_path / name
+    proc = run_multigpu("train", "--data", "digits", "--epochs", "3", "--out", out, *args)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    return out, proc
+
+
+def test_dp_on_two_gpus_trains_every_sample(tmp_path):
+    out, proc = _train(tmp_path, "dp", "--model", "cnn", "--strategy", "dp", "--devices", "0,1")
+    records = read_metrics(out)
+    assert [r["train_samples"] for r in records] == [1442] * 3
+    assert records[-1]["val_samples"] == 355 and records[-1]["val_accuracy"] > 0.9
+    assert json.loads((out / "config.json").read_text())["strategy"] == "dp"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_ddp_on_two_gpus_in_mixed_precision(tmp_path, precision):
+    out, _ = _train(tmp_path, precision, "--model", "cnn", "--devices", "2",
+                    "--precision", precision)
+    records = read_metrics(out)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["strategy"], config["world_size"], config["precision"]) == ("ddp", 2, precision)
+    assert records[-1]["train_samples"] == 1442 and records[-1]["val_accuracy"] > 0.9
+    if precision == "fp16":
+        assert records[-1]["skipped_steps"] < 10
+
+
+def test_ddp_two_gpus_matches_one_gpu_in_fp32(tmp_path):
+    common = ["--model", "mlp", "--precision", "fp32", "--optimizer", "sgd", "--seed", "1"]
+    one, _ = _train(tmp_path, "one", *common, "--devices", "1", "--batch-size", "64")
+    two, _ = _train(tmp_path, "two", *common, "--devices", "2", "--batch-size", "32")
+    a = torch.load(one / "checkpoints" / "last.pt", weights_only=True)["model"]
+    b = torch.load(two / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4)
+
+
+class Recorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.devices = []
+
+    def forward(self, x):
+        self.devices.append(x.device.index)
+        return self.fc(x)
+
+
+def test_dataparallel_wraps_after_moving_and_splits_over_both_gpus():
+    rt = multigpu.setup("dp", "fp32", devices=[0, 1])
+    cpu_model = Recorder()  # weights on the CPU, as a user builds them (trap 1)
+    model = rt.prepare(cpu_model)
+    assert isinstance(model, nn.DataParallel)
+    assert next(cpu_model.parameters()).device == torch.device("cuda", 0)
+    out = model(torch.randn(8, 4, device="cuda:0"))
+    assert out.shape == (8, 2) and out.device == torch.device("cuda", 0)
+    assert sorted(cpu_model.devices) == [0, 1], "the batch must be split over both GPUs"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.module(torch.randn(8, 4, device="cuda:0"))
+    assert any("outside DataParallel" in str(w.message) for w in caught)

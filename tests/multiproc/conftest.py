@@ -1,0 +1,33 @@
+"""Helpers for tests that run the real `multigpu` command in subprocesses (gloo on CPU)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def multigpu(*args, cwd=None, timeout=240) -> subprocess.CompletedProcess:
+    """Run `python -m multigpu ARGS` and return the finished process (text output)."""
+    return subprocess.run([sys.executable, "-m", "multigpu", *map(str, args)], cwd=cwd,
+                          env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def run_cli():
+    return multigpu

@@ -1,0 +1,96 @@
+"""`multigpu train` end to end, through the real launcher (torch.distributed.run) on CPU/gloo."""
+import json
+
+import pytest
+import torch
+
+from multigpu.models import build_model
+
+from .conftest import multigpu, read_metrics
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--model", "mlp", "--data", "synthetic:203", "--epochs", "2", "--optimizer", "sgd",
+          "--lr", "0.05", "--workers", "0", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def one_and_two_process_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("equal")
+    # Same global batch (8) and data order: 1 process x 8, or 2 processes x 4. 203 = 25 * 8 + 3,
+    # so the last step is uneven (2 + 1 samples on two ranks) and must still average exactly.
+    one = multigpu("train", *COMMON, "--batch-size", "8", "--devices", "cpu:1", "--out", base / "one")
+    two = multigpu("train", *COMMON, "--batch-size", "4", "--devices", "cpu:2", "--out", base / "two")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:] + two.stdout[-3000:]
+    return base / "one", base / "two", two
+
+
+def test_ddp_on_two_processes_ends_with_the_same_weights_as_one(one_and_two_process_runs):
+    one, two, _ = one_and_two_process_runs
+    a = torch.load(one / "checkpoints" / "last.pt", weights_only=True)["model"]
+    b = torch.load(two / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+    ma, mb = read_metrics(one), read_metrics(two)
+    assert [m["train_samples"] for m in ma] == [m["train_samples"] for m in mb] == [203, 203]
+    assert ma[-1]["val_samples"] == mb[-1]["val_samples"]
+    assert ma[-1]["val_accuracy"] == pytest.approx(mb[-1]["val_accuracy"])
+    assert ma[-1]["val_loss"] == pytest.approx(mb[-1]["val_loss"], rel=1e-5)
+
+
+def test_run_folder_holds_config_metrics_and_checkpoints(one_and_two_process_runs):
+    _, two, proc = one_and_two_process_runs
+    config = json.loads((two / "config.json").read_text())
+    assert (config["world_size"], config["strategy"], config["global_batch"]) == (2, "ddp", 8)
+    record = read_metrics(two)[-1]
+    for key in ("epoch", "train_loss", "train_samples", "val_loss", "val_accuracy", "val_samples",
+                "epoch_seconds", "samples_per_second"):
+        assert key in record
+    assert (two / "checkpoints" / "best.pt").exists()
+    assert proc.stdout.count("epoch 2 ") == 1, "only rank 0 prints the epoch summary"
+
+
+def test_two_process_checkpoint_loads_into_a_bare_model(one_and_two_process_runs):
+    _, two, _ = one_and_two_process_runs
+    state = torch.load(two / "checkpoints" / "last.pt", weights_only=True)
+    model = build_model("mlp", (32,), 10)
+    model.load_state_dict(state["model"])  # strict: no `module.` prefix, nothing missing
+    model.load_state_dict({"module." + k: v for k, v in state["model"].items()}, strict=False)
+    import multigpu
+    multigpu.load_model_state(model, {"module." + k: v for k, v in state["model"].items()})
+
+
+def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
+    out = tmp_path / "posts"
+    proc = multigpu("train", "--model", "linear", "--data", "synthetic:8607", "--batch-size", "4",
+                    "--devices", "cpu:4", "--epochs", "1", "--workers", "0", "--out", out, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = read_metrics(out)[0]
+    config = json.loads((out / "config.json").read_text())
+    assert record["train_samples"] == 8607
+    assert record["val_samples"] == config["val_size"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "resnet19"], "unknown model 'resnet19'"),
+    (["--model", "mlp", "--data", "folder:/no/such/dir"], "does not exist"),
+    (["--model", "mlp", "--devices", "0,9"], "GPU"),
+    (["--model", "mlp", "--epochs", "0"], "--epochs 0 must be at least 1"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(tmp_path, args, message):
+    proc = multigpu("train", *args, "--out", tmp_path / "x")
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+def test_existing_run_folder_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = multigpu("train", "--model", "linear", "--out", out)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    assert (out / "notes.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
