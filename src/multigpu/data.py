@@ -4,8 +4,8 @@ The plan of an epoch is computed identically on every rank from (dataset size, s
 1. the sample order: a permutation seeded by `seed + epoch` (or 0..n-1 without shuffle);
 2. global steps of `batch_size * devices` samples each;
 3. the last, partial global step: dropped with `drop_last`; otherwise kept if every device gets
-   at least one sample, else merged into the step before it, so no rank ever gets an empty
-   batch, no sample is padded in twice, and no rank runs one step more than another (which is
+   at least two samples (one, for a batch size of 1 or a tiny dataset), else merged into the step
+   before it, so no rank ever gets an empty (or BatchNorm-breaking single-sample) batch, no sample is padded in twice, and no rank runs one step more than another (which is
    what hangs DDP, and what crashed DataParallel in post 000 at 99 % of a 7-hour run);
 4. each global step is split into near-equal contiguous shares, one per rank.
 
@@ -36,8 +36,8 @@ class StepInfo:
 def plan_global_steps(n: int, global_batch: int, min_step: int, drop_last: bool) -> list[tuple[int, int]]:
     """[start, end) positions in the epoch's order, one pair per global step."""
     if n < min_step:
-        raise UsageError(f"the dataset has {n} samples, fewer than the {min_step} devices that "
-                         "each need at least one; use fewer devices or more data")
+        raise UsageError(f"the dataset has {n} samples, fewer than the {min_step} that one step "
+                         "needs so every device gets at least one; use fewer devices or more data")
     full, rest = divmod(n, global_batch)
     steps = [(i * global_batch, (i + 1) * global_batch) for i in range(full)]
     if rest and not drop_last:
@@ -72,7 +72,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         # A rank's batch is batch_size per device; DataParallel splits it over its GPUs.
         self.global_batch = batch_size * devices_per_rank * num_ranks
-        self.steps = plan_global_steps(n, self.global_batch, devices_per_rank * num_ranks, drop_last)
+        devices = devices_per_rank * num_ranks
+        # At least 2 samples per device in the last step where the data allows: BatchNorm cannot
+        # train on a single sample whose feature map is 1x1 (ResNets on small images).
+        min_step = devices * min(2, batch_size) if n >= 2 * devices else devices
+        self.steps = plan_global_steps(n, self.global_batch, min_step, drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -154,10 +158,55 @@ class PreparedLoader:
         self.sampler.set_epoch(self.epoch)
         infos = self.sampler.step_infos(self.accumulate)
         self.epoch += 1
-        non_blocking = self.device.type == "cuda"
-        for info, batch in zip(infos, self.loader, strict=True):
+        batches = zip(infos, self.loader, strict=True)
+        if self.device.type == "cuda":
+            batches = _prefetch_to_gpu(batches, self.device)
+        else:
+            batches = ((info, move_to_device(b, self.device, False)) for info, b in batches)
+        for info, batch in batches:
             self.on_step(info)
-            yield move_to_device(batch, self.device, non_blocking)
+            yield batch
+
+
+def _prefetch_to_gpu(batches, device: torch.device):
+    """Copy batch k+1 to the GPU on a side stream while the model computes on batch k.
+
+    The copies come from pinned memory, so they overlap compute instead of queuing on the compute
+    stream. `record_stream` keeps the caching allocator from reusing a batch's memory while the
+    compute stream may still read it.
+    """
+    stream = torch.cuda.Stream(device)
+
+    def issue(item):
+        info, batch = item
+        with torch.cuda.stream(stream):
+            return info, move_to_device(batch, device, non_blocking=True)
+
+    pending = None
+    for item in batches:
+        ready, pending = pending, issue(item)
+        if ready is not None:
+            yield _handoff(ready, stream)
+    if pending is not None:
+        yield _handoff(pending, stream)
+
+
+def _handoff(item, stream):
+    current = torch.cuda.current_stream(stream.device)
+    current.wait_stream(stream)
+    _record_stream(item[1], current)
+    return item
+
+
+def _record_stream(batch, stream) -> None:
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            _record_stream(v, stream)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            _record_stream(v, stream)
 
 
 def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_rank: int,

@@ -127,6 +127,8 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
                seed=cfg.seed, accumulate=cfg.accumulate,
                ddp=DDPOptions(find_unused_parameters=cfg.find_unused_parameters))
     console.configure(rt.is_main)
+    if rt.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
     out = _agree_on_out(cfg, rt)
     data, model, optimizer, scheduler, train_loader, val_loader, settings = build_job(cfg, rt)
     classification = data.task == "classification"

@@ -77,3 +77,18 @@ def test_dataparallel_wraps_after_moving_and_splits_over_both_gpus():
         warnings.simplefilter("always")
         model.module(torch.randn(8, 4, device="cuda:0"))
     assert any("outside DataParallel" in str(w.message) for w in caught)
+
+
+def test_prefetched_batches_arrive_intact_on_the_gpu():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rt = multigpu.setup("single", "fp32", devices=[1])
+    x = torch.randn(1000, 3, 32, 32)
+    loader = rt.prepare(DataLoader(TensorDataset(x, torch.arange(1000)), batch_size=64, shuffle=True))
+    seen = []
+    for xb, yb in loader:
+        assert xb.device == torch.device("cuda", 1) and xb.is_contiguous()
+        torch.cuda._sleep(1000)  # keep the compute stream busy while the next copy is in flight
+        assert torch.equal(xb.cpu(), x[yb.cpu()])
+        seen.append(yb.cpu())
+    assert sorted(torch.cat(seen).tolist()) == list(range(1000))

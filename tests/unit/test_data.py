@@ -41,6 +41,14 @@ def test_remainder_smaller_than_devices_is_merged_into_previous_step():
     assert [len(b[-1]) for b in per_rank] == [5, 4, 4, 4]
 
 
+def test_last_step_gives_every_device_two_samples_when_it_can():
+    # 8612 = 538 * 16 + 4: one sample each would break BatchNorm on 1x1 maps -> merged instead.
+    _, per_rank = epoch_indices(8612, 4, 4)
+    assert len(per_rank[0]) == 538 and [len(b[-1]) for b in per_rank] == [5, 5, 5, 5]
+    _, per_rank = epoch_indices(8616, 4, 4)  # 8 left: 2 each is enough
+    assert len(per_rank[0]) == 539 and [len(b[-1]) for b in per_rank] == [2, 2, 2, 2]
+
+
 def test_dataparallel_last_batch_never_smaller_than_gpu_count():
     # Trap 3: DataParallel over 4 GPUs, batch 1 per GPU: 8607 % 4 = 3 samples would leave GPU 3 idle.
     _, (batches,) = epoch_indices(8607, 1, 1, devices=4)
@@ -61,17 +69,17 @@ def test_shuffle_differs_per_epoch_and_matches_across_ranks():
 
 
 def test_too_small_dataset_is_a_clear_error():
-    with pytest.raises(UsageError, match="3 samples, fewer than the 4 devices"):
+    with pytest.raises(UsageError, match="3 samples, fewer than the 4 that one step needs"):
         plan_global_steps(3, 4, 4, False)
 
 
 def test_step_infos_give_window_counts_for_accumulation():
-    s = ShardedBatchSampler(10, 2, num_ranks=2, rank=1, shuffle=False)  # steps of 4: 4, 4, 2
-    infos = s.step_infos(accumulate=2)
-    assert [i.global_count for i in infos] == [4, 4, 2]
-    assert [i.window_count for i in infos] == [8, 8, 2]
-    assert [i.sync for i in infos] == [False, True, True]
-    assert [i.local_count for i in infos] == [2, 2, 1]
+    s = ShardedBatchSampler(19, 2, num_ranks=2, rank=1, shuffle=False)  # steps of 4: 4, 4, 4, 7
+    infos = s.step_infos(accumulate=3)
+    assert [i.global_count for i in infos] == [4, 4, 4, 7]
+    assert [i.window_count for i in infos] == [12, 12, 12, 7]
+    assert [i.sync for i in infos] == [False, False, True, True]
+    assert [i.local_count for i in infos] == [2, 2, 2, 3]
 
 
 def test_prepared_loader_reshuffles_each_epoch_and_reports_steps():

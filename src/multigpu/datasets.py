@@ -1,0 +1,381 @@
+"""Data for `multigpu train --data SPEC`.
+
+`load_data(spec, input_kind=..., image_size=...)` turns one of four specs into a `DataBundle`:
+
+- `digits`: scikit-learn's bundled 8x8 handwritten digits (1797 samples, 10 classes), shape (1, 8, 8).
+  Fixed stratified split with no randomness: within each class, every fifth sample goes to
+  validation, which gives exactly 1442 training and 355 validation samples.
+- `synthetic:N`: N generated training samples, 10 classes, shape (3, S, S) for image models
+  (S = --image-size) or (32,) for flat ones. Sample i is drawn from a generator seeded by i, so
+  nothing is held in memory and any rank or worker can produce any sample. The validation set
+  (max(64, min(N // 5, 2000)) samples) has its own fixed seeds: it never depends on --seed.
+- `folder:PATH`: images in `PATH/train/<class>/*.jpg` and `PATH/val/<class>/*.jpg` (ImageFolder
+  layout; classes are the sorted folder names under train/). Training images get a random resized
+  crop and a random flip; validation images are resized and centre-cropped.
+- `timeseries:CSV`: a numeric CSV (header row optional). Windows of `seq_length` rows, shape
+  (seq_length, columns), predict the next `future_length` rows flattened. The first 80% of windows
+  train, the last 20% validate; all values are standardised with the mean and std of the rows the
+  training windows cover (kept as `.mean` and `.std` on both datasets, to undo it).
+
+Every dataset is map-style and picklable, so DataLoader workers can use it. Random augmentation
+draws from torch's global RNG, which DataLoader seeds differently in each worker.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from multigpu.errors import UsageError
+
+SPEC_FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
+
+# Pixel mean and std of the digits set once scaled to [0, 1]; fixed so they never depend on the split.
+DIGITS_MEAN, DIGITS_STD = 0.3053, 0.3760
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"})
+
+SYNTHETIC_CLASSES = 10
+SYNTHETIC_FLAT_FEATURES = 32
+_SYNTHETIC_TEACHER_SEED = 20240601
+_TRAIN_STREAM, _VAL_STREAM = 0, 1
+# torch seeds its CPU generator from the low 32 bits only, so sample seeds are 2 * index + stream.
+_SYNTHETIC_MAX = 2**31
+
+
+@dataclass
+class DataBundle:
+    """Training and validation data plus what a model needs to know about them."""
+
+    train: Dataset
+    val: Dataset
+    task: str  # "classification" (y: int64 scalar) or "regression" (y: float32 vector)
+    input_shape: tuple[int, ...]  # shape of one x
+    num_outputs: int  # classes, or regression output size
+    name: str
+
+
+def load_data(
+    spec: str, *, input_kind: str, image_size: int, seq_length: int = 12, future_length: int = 1
+) -> DataBundle:
+    """Build the DataBundle for `--data SPEC`; `input_kind` is models.model_input_kind() of the model."""
+    assert input_kind in ("flat", "image"), f"input_kind must be 'flat' or 'image', got {input_kind!r}"
+    kind, sep, arg = spec.partition(":")
+    if spec == "digits":
+        return _digits()
+    if sep and kind == "synthetic":
+        return _synthetic(spec, arg, input_kind, _positive(image_size, "--image-size"))
+    if sep and kind == "folder" and arg:
+        return _folder(arg, _positive(image_size, "--image-size"))
+    if sep and kind == "timeseries" and arg:
+        if input_kind == "image":
+            raise UsageError(
+                f"data {spec!r} gives (seq_length, columns) windows, which image models cannot take: "
+                "use --model mlp or --model linear"
+            )
+        seq = _positive(seq_length, "--seq-length")
+        return _timeseries(arg, seq, _positive(future_length, "--future-length"))
+    raise UsageError(f"unknown data spec {spec!r}: use one of {SPEC_FORMS}")
+
+
+def _positive(value: int, flag: str) -> int:
+    if not isinstance(value, int) or value < 1:
+        example = {"--image-size": 32, "--seq-length": 12}.get(flag, 1)
+        raise UsageError(f"{flag} {value} is not a positive integer: pass a value of 1 or more, e.g. {flag} {example}")
+    return value
+
+
+# --- digits -----------------------------------------------------------------------------------------
+
+
+def _digits() -> DataBundle:
+    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+
+    digits = load_digits()
+    x = (digits.data.astype(np.float32) / 16.0 - DIGITS_MEAN) / DIGITS_STD
+    y = digits.target.astype(np.int64)
+    val_mask = np.zeros(len(y), dtype=bool)
+    for label in np.unique(y):
+        members = np.flatnonzero(y == label)
+        val_mask[members[4::5]] = True
+    images = torch.from_numpy(x).view(-1, 1, 8, 8)
+    labels = torch.from_numpy(y)
+    train_idx = torch.from_numpy(np.flatnonzero(~val_mask))
+    val_idx = torch.from_numpy(np.flatnonzero(val_mask))
+    return DataBundle(
+        train=TensorDataset(images[train_idx], labels[train_idx]),
+        val=TensorDataset(images[val_idx], labels[val_idx]),
+        task="classification",
+        input_shape=(1, 8, 8),
+        num_outputs=10,
+        name="digits",
+    )
+
+
+# --- synthetic --------------------------------------------------------------------------------------
+
+
+class SyntheticDataset(Dataset):
+    """Sample i: a label from a generator seeded by (i, stream), and an input = noise + that label's template.
+
+    The templates are fixed random patterns, coarse (4x4 per channel, upscaled) for images so that
+    convnets with global pooling can learn them as well as linear models can. The noise is strong
+    enough that a flat model needs training to separate the classes, weak enough that high accuracy
+    is reachable. Inputs have roughly unit variance.
+    """
+
+    def __init__(self, length: int, shape: tuple[int, ...], stream: int) -> None:
+        self.length, self.shape, self.stream = length, shape, stream
+        teacher = torch.Generator().manual_seed(_SYNTHETIC_TEACHER_SEED)
+        if len(shape) == 3:
+            coarse = torch.randn(SYNTHETIC_CLASSES, shape[0], 4, 4, generator=teacher)
+            templates = F.interpolate(coarse, size=shape[1:], mode="nearest")
+        else:
+            templates = torch.randn(SYNTHETIC_CLASSES, *shape, generator=teacher)
+        # Noise std 2.5 times the templates' std of 1, then everything scaled to unit variance.
+        # Uniform noise has the same variance as Gaussian would and is about twice as fast to draw,
+        # which matters at 224x224, where drawing it is what a DataLoader worker spends its time on.
+        norm = math.sqrt(1.0 + 2.5**2)
+        self.noise_scale = math.sqrt(12.0) * 2.5 / norm  # U(0, 1) has std 1/sqrt(12)
+        self.offsets = templates / norm - 0.5 * self.noise_scale  # template plus the noise's centring shift
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.length:
+            raise IndexError(f"index {index} out of range for {self.length} samples")
+        rng = torch.Generator().manual_seed(2 * index + self.stream)
+        label = int(torch.randint(SYNTHETIC_CLASSES, (1,), generator=rng))
+        x = torch.rand(self.shape, generator=rng)
+        torch.add(self.offsets[label], x, alpha=self.noise_scale, out=x)  # in place: no second 600 KB buffer
+        return x, torch.tensor(label, dtype=torch.int64)
+
+
+def _synthetic(spec: str, count: str, input_kind: str, image_size: int) -> DataBundle:
+    n = int(count) if count.isascii() and count.isdigit() else 0
+    if not 1 <= n <= _SYNTHETIC_MAX:
+        raise UsageError(
+            f"bad data spec {spec!r}: N must be a positive integer up to {_SYNTHETIC_MAX}, as in synthetic:5000"
+        )
+    shape = (3, image_size, image_size) if input_kind == "image" else (SYNTHETIC_FLAT_FEATURES,)
+    return DataBundle(
+        train=SyntheticDataset(n, shape, _TRAIN_STREAM),
+        val=SyntheticDataset(max(64, min(n // 5, 2000)), shape, _VAL_STREAM),
+        task="classification",
+        input_shape=shape,
+        num_outputs=SYNTHETIC_CLASSES,
+        name=f"synthetic:{n}",
+    )
+
+
+# --- folder -----------------------------------------------------------------------------------------
+
+
+class ImageFolderDataset(Dataset):
+    """Decodes images with PIL; training samples get a random resized crop and flip, validation a centre crop."""
+
+    def __init__(self, samples: list[tuple[str, int]], classes: list[str], image_size: int, train: bool) -> None:
+        self.samples, self.classes, self.image_size, self.train = samples, classes, image_size, train
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from PIL import Image
+
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as raw:
+                image = raw.convert("RGB")
+        except OSError as exc:
+            raise OSError(f"cannot read image '{path}' ({exc}): delete or replace the file") from exc
+        image = _random_crop(image, self.image_size) if self.train else _center_crop(image, self.image_size)
+        return _to_tensor(image), torch.tensor(label, dtype=torch.int64)
+
+
+def _random_crop(image, size: int):
+    """Crop a random region (35-100% of the area, aspect 3/4-4/3), resize it to size x size, maybe flip it."""
+    from PIL import Image
+
+    width, height = image.size
+    area = width * height
+    box = None
+    for _ in range(10):
+        target = area * float(torch.empty(1).uniform_(0.35, 1.0))
+        aspect = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(torch.randint(width - w + 1, (1,)))
+            top = int(torch.randint(height - h + 1, (1,)))
+            box = (left, top, left + w, top + h)
+            break
+    if box is None:  # very elongated image: fall back to the largest centred square
+        side = min(width, height)
+        left, top = (width - side) // 2, (height - side) // 2
+        box = (left, top, left + side, top + side)
+    image = image.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    if float(torch.rand(1)) < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return image
+
+
+def _center_crop(image, size: int):
+    """Resize the shorter side to size * 8/7 (256 for 224), then cut out the centre size x size."""
+    from PIL import Image
+
+    width, height = image.size
+    short = round(size * 8 / 7)
+    scale = short / min(width, height)
+    width, height = max(short, round(width * scale)), max(short, round(height * scale))
+    image = image.resize((width, height), Image.Resampling.BILINEAR)
+    left, top = (width - size) // 2, (height - size) // 2
+    return image.crop((left, top, left + size, top + size))
+
+
+def _to_tensor(image) -> torch.Tensor:
+    array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    return ((array - mean) / std).contiguous()
+
+
+_FOLDER_LAYOUT = "expected PATH/train/<class>/<image> and PATH/val/<class>/<image>"
+
+
+def _class_images(split_dir: Path) -> dict[str, list[str]]:
+    images = {}
+    for folder in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+        files = sorted(str(f) for f in folder.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise UsageError(
+                f"class folder '{folder}' has no images: add .jpg/.png files to it or remove the folder"
+            )
+        images[folder.name] = files
+    if not images:
+        raise UsageError(f"'{split_dir}' has no class folders: {_FOLDER_LAYOUT}")
+    return images
+
+
+def _folder(path: str, image_size: int) -> DataBundle:
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UsageError(f"data folder '{path}' does not exist: check the path in --data folder:{path}")
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise UsageError(f"data folder '{path}' has no {split}/ subfolder: {_FOLDER_LAYOUT}")
+    train_images = _class_images(root / "train")
+    val_images = _class_images(root / "val")
+    classes = list(train_images)
+    extra = sorted(set(val_images) - set(classes))
+    if extra:
+        raise UsageError(
+            f"'{root / 'val'}' has class folders missing from train/ ({', '.join(extra)}): "
+            "val/ must use the same class folders as train/"
+        )
+    index = {name: i for i, name in enumerate(classes)}
+
+    def pairs(images: dict[str, list[str]]) -> list[tuple[str, int]]:
+        return [(file, index[name]) for name, files in images.items() for file in files]
+
+    return DataBundle(
+        train=ImageFolderDataset(pairs(train_images), classes, image_size, train=True),
+        val=ImageFolderDataset(pairs(val_images), classes, image_size, train=False),
+        task="classification",
+        input_shape=(3, image_size, image_size),
+        num_outputs=len(classes),
+        name=f"folder:{path}",
+    )
+
+
+# --- timeseries -------------------------------------------------------------------------------------
+
+
+class WindowDataset(Dataset):
+    """Window i: x = rows [t, t+seq) of the series, y = rows [t+seq, t+seq+future) flattened, t = start + i."""
+
+    def __init__(self, series: torch.Tensor, start: int, count: int, seq: int, future: int, mean, std) -> None:
+        self.series, self.start, self.count, self.seq, self.future = series, start, count, seq, future
+        self.mean, self.std = mean, std  # per column: original = standardised * std + mean
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.count:
+            raise IndexError(f"index {index} out of range for {self.count} windows")
+        t = self.start + index
+        x = self.series[t : t + self.seq]
+        y = self.series[t + self.seq : t + self.seq + self.future].reshape(-1)
+        return x, y
+
+
+def _read_numeric_csv(path: str) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise UsageError(f"timeseries file '{path}' does not exist: check the path in --data timeseries:{path}")
+    with open(path, newline="") as handle:
+        rows = [row for row in csv.reader(handle) if row and any(cell.strip() for cell in row)]
+    if not rows:
+        raise UsageError(f"timeseries file '{path}' is empty: it needs one numeric column per feature")
+
+    def numeric(cell: str) -> bool:
+        try:
+            return math.isfinite(float(cell))
+        except ValueError:
+            return False
+
+    header = None if all(numeric(cell) for cell in rows[0]) else [cell.strip() for cell in rows[0]]
+    body = rows[1:] if header else rows
+    width = len(rows[0])
+    values = np.empty((len(body), width), dtype=np.float64)
+    for number, row in enumerate(body, start=2 if header else 1):
+        if len(row) != width:
+            raise UsageError(
+                f"timeseries file '{path}' row {number} has {len(row)} values but the first row has {width}: "
+                "give every row the same columns"
+            )
+        for column, cell in enumerate(row):
+            if not numeric(cell):
+                label = f"'{header[column]}'" if header else f"{column + 1}"
+                raise UsageError(
+                    f"timeseries file '{path}' column {label} holds a non-numeric value {cell.strip()!r} "
+                    f"(row {number}): keep only numeric columns, e.g. drop or encode column {label}"
+                )
+            values[number - (2 if header else 1), column] = float(cell)
+    return values
+
+
+def _timeseries(path: str, seq: int, future: int) -> DataBundle:
+    values = _read_numeric_csv(path)
+    rows, columns = values.shape
+    windows = rows - seq - future + 1
+    if windows < 2:  # one window to train on and one to validate
+        raise UsageError(
+            f"timeseries file '{path}' has {rows} data rows, but --seq-length {seq} and --future-length {future} "
+            f"need at least {seq + future + 1} (one training and one validation window): "
+            "add rows or lower --seq-length"
+        )
+    n_train = min(max(1, int(windows * 0.8)), windows - 1)
+    covered = values[: n_train + seq + future - 1]  # every row some training window reads
+    mean = covered.mean(axis=0)
+    std = covered.std(axis=0)
+    std[std == 0] = 1.0  # a constant column stays constant instead of becoming NaN
+    series = torch.from_numpy((values - mean) / std).float()
+    mean_t, std_t = torch.from_numpy(mean).float(), torch.from_numpy(std).float()
+    return DataBundle(
+        train=WindowDataset(series, 0, n_train, seq, future, mean_t, std_t),
+        val=WindowDataset(series, n_train, windows - n_train, seq, future, mean_t, std_t),
+        task="regression",
+        input_shape=(seq, columns),
+        num_outputs=future * columns,
+        name=f"timeseries:{path}",
+    )

@@ -1,0 +1,258 @@
+"""Data specs: digits split, synthetic determinism, ImageFolder layout, timeseries windows, error messages."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from multigpu.datasets import load_data
+from multigpu.errors import UsageError
+
+
+def load(spec, input_kind="image", image_size=32, **kwargs):
+    return load_data(spec, input_kind=input_kind, image_size=image_size, **kwargs)
+
+
+def labels(dataset) -> list[int]:
+    return [int(dataset[i][1]) for i in range(len(dataset))]
+
+
+# --- digits -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("input_kind", ["flat", "image"])
+def test_digits_fixed_split_and_shapes(input_kind):
+    bundle = load("digits", input_kind=input_kind, image_size=224)
+    assert (len(bundle.train), len(bundle.val)) == (1442, 355)
+    assert (bundle.task, bundle.input_shape, bundle.num_outputs) == ("classification", (1, 8, 8), 10)
+    assert bundle.name == "digits"
+    x, y = bundle.train[0]
+    assert x.shape == (1, 8, 8) and x.dtype == torch.float32
+    assert y.shape == () and y.dtype == torch.int64
+    counts = np.bincount(labels(bundle.val), minlength=10)
+    assert counts.min() >= 34 and counts.max() <= 37  # stratified: every fifth sample of each class
+    features = torch.stack([bundle.train[i][0] for i in range(len(bundle.train))])
+    assert abs(float(features.mean())) < 0.05 and abs(float(features.std()) - 1) < 0.05
+
+
+def test_digits_split_is_identical_across_calls_and_seeds():
+    torch.manual_seed(1)
+    first = load("digits").val
+    torch.manual_seed(2)
+    second = load("digits").val
+    assert torch.equal(first.tensors[0], second.tensors[0])
+
+
+# --- synthetic --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("input_kind", "image_size", "shape"), [("image", 32, (3, 32, 32)), ("image", 8, (3, 8, 8)), ("flat", 32, (32,))]
+)
+def test_synthetic_shapes(input_kind, image_size, shape):
+    bundle = load("synthetic:500", input_kind=input_kind, image_size=image_size)
+    assert (bundle.task, bundle.input_shape, bundle.num_outputs) == ("classification", shape, 10)
+    assert bundle.name == "synthetic:500"
+    assert (len(bundle.train), len(bundle.val)) == (500, 100)
+    x, y = bundle.train[3]
+    assert x.shape == shape and x.dtype == torch.float32
+    assert y.shape == () and y.dtype == torch.int64 and 0 <= int(y) < 10
+
+
+def test_synthetic_is_deterministic_and_independent_of_the_global_seed():
+    torch.manual_seed(1)
+    first = load("synthetic:100")
+    torch.manual_seed(2)
+    second = load("synthetic:5000")
+    for i in [0, 7, 63]:
+        assert torch.equal(first.train[i][0], second.train[i][0])  # sample i depends on i only
+        assert torch.equal(first.val[i][0], second.val[i][0])
+    assert labels(first.val) == labels(second.val)[:64]
+    assert not torch.equal(first.train[0][0], first.train[1][0])
+    assert not torch.equal(first.train[0][0], first.val[0][0])  # train and val draw from separate streams
+
+
+def test_synthetic_validation_size_is_bounded():
+    assert len(load("synthetic:10").val) == 64
+    assert len(load("synthetic:1000000", image_size=224).val) == 2000
+
+
+def test_synthetic_dataset_is_picklable_and_lazy():
+    train = load("synthetic:1000000", image_size=224).train
+    restored = pickle.loads(pickle.dumps(train))
+    assert len(pickle.dumps(train)) < 20_000_000  # a few fixed templates, not a million images
+    assert torch.equal(restored[999_999][0], train[999_999][0])
+    with pytest.raises(IndexError):
+        train[1_000_000]
+
+
+def test_synthetic_is_learnable_by_a_linear_model():
+    # Nearest class mean fitted on training data beats chance (10%) by far on validation data.
+    bundle = load("synthetic:2000", input_kind="flat")
+    x = torch.stack([bundle.train[i][0] for i in range(2000)])
+    y = torch.tensor(labels(bundle.train))
+    means = torch.stack([x[y == c].mean(0) for c in range(10)])
+    xv = torch.stack([bundle.val[i][0] for i in range(len(bundle.val))])
+    accuracy = (torch.cdist(xv, means).argmin(1) == torch.tensor(labels(bundle.val))).float().mean()
+    assert accuracy > 0.5
+
+
+@pytest.mark.parametrize(
+    "spec", ["synthetic:abc", "synthetic:0", "synthetic:", "synthetic:-5", "synthetic:1.5", "synthetic:9999999999"]
+)
+def test_synthetic_bad_count(spec):
+    with pytest.raises(UsageError) as excinfo:
+        load(spec)
+    assert str(excinfo.value) == (
+        f"bad data spec '{spec}': N must be a positive integer up to 2147483648, as in synthetic:5000"
+    )
+
+
+# --- folder -----------------------------------------------------------------------------------------
+
+
+def make_image_folder(root, classes=("cat", "dog"), per_class=3, splits=("train", "val")):
+    from PIL import Image
+
+    for split in splits:
+        for c, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                color = (200 * c, 40 * i, 100)
+                Image.new("RGB", (40 + 7 * i, 30), color).save(folder / f"{i}.{'png' if i % 2 else 'jpg'}")
+    return root
+
+
+def test_folder_shapes_labels_and_classes(tmp_path):
+    make_image_folder(tmp_path)
+    bundle = load(f"folder:{tmp_path}", image_size=24)
+    assert (bundle.task, bundle.input_shape, bundle.num_outputs) == ("classification", (3, 24, 24), 2)
+    assert bundle.train.classes == ["cat", "dog"]
+    assert (len(bundle.train), len(bundle.val)) == (6, 6)
+    assert labels(bundle.train) == [0, 0, 0, 1, 1, 1] and labels(bundle.val) == [0, 0, 0, 1, 1, 1]
+    for dataset in (bundle.train, bundle.val):
+        x, y = dataset[0]
+        assert x.shape == (3, 24, 24) and x.dtype == torch.float32 and y.dtype == torch.int64
+    # A solid colour image normalises to a known value: red channel 0 of "cat" -> (0 - mean) / std.
+    assert torch.allclose(bundle.val[0][0][0], torch.full((24, 24), -0.485 / 0.229), atol=1e-4)
+    pickle.loads(pickle.dumps(bundle.train))
+
+
+def test_folder_augmentation_follows_torch_rng(tmp_path):
+    from PIL import Image
+
+    make_image_folder(tmp_path)
+    Image.fromarray(np.arange(48 * 64 * 3, dtype=np.uint8).reshape(48, 64, 3)).save(tmp_path / "train/cat/0.png")
+    (tmp_path / "train/cat/0.jpg").unlink()  # so the gradient image is sample 0
+    train = load(f"folder:{tmp_path}", image_size=16).train
+    torch.manual_seed(5)
+    first = train[0][0]
+    torch.manual_seed(5)
+    assert torch.equal(train[0][0], first)
+    assert any(not torch.equal(train[0][0], first) for _ in range(5))
+
+
+def test_folder_errors(tmp_path):
+    with pytest.raises(UsageError, match=r"^data folder '.*nowhere' does not exist: check the path in --data folder:"):
+        load(f"folder:{tmp_path / 'nowhere'}")
+    make_image_folder(tmp_path / "a", splits=("train",))
+    with pytest.raises(UsageError) as excinfo:
+        load(f"folder:{tmp_path / 'a'}")
+    assert str(excinfo.value) == (
+        f"data folder '{tmp_path / 'a'}' has no val/ subfolder: "
+        "expected PATH/train/<class>/<image> and PATH/val/<class>/<image>"
+    )
+    make_image_folder(tmp_path / "b")
+    (tmp_path / "b/train/empty").mkdir()
+    with pytest.raises(UsageError) as excinfo:
+        load(f"folder:{tmp_path / 'b'}")
+    assert str(excinfo.value) == (
+        f"class folder '{tmp_path / 'b/train/empty'}' has no images: add .jpg/.png files to it or remove the folder"
+    )
+    make_image_folder(tmp_path / "c")
+    make_image_folder(tmp_path / "c", classes=("zebra",), splits=("val",))
+    with pytest.raises(UsageError, match=r"has class folders missing from train/ \(zebra\): val/ must use the same"):
+        load(f"folder:{tmp_path / 'c'}")
+
+
+# --- timeseries -------------------------------------------------------------------------------------
+
+
+def write_csv(path, rows, header=None):
+    lines = ([",".join(header)] if header else []) + [",".join(str(v) for v in row) for row in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("header", [None, ["temp", "load"]])
+def test_timeseries_windows_split_and_standardisation(tmp_path, header):
+    values = np.stack([np.arange(30.0), 100.0 + 3.0 * np.arange(30.0)], axis=1)  # 30 rows, 2 columns
+    path = write_csv(tmp_path / "series.csv", values.tolist(), header)
+    bundle = load(f"timeseries:{path}", input_kind="flat", seq_length=5, future_length=2)
+    assert (bundle.task, bundle.input_shape, bundle.num_outputs) == ("regression", (5, 2), 4)
+    windows = 30 - 5 - 2 + 1  # 24: the first 19 (80%, rounded down) train, the last 5 validate
+    assert (len(bundle.train), len(bundle.val)) == (19, 5)
+    x, y = bundle.train[0]
+    assert x.shape == (5, 2) and y.shape == (4,) and x.dtype == y.dtype == torch.float32
+    # Training windows read rows 0..24: standardised with their mean and std.
+    covered = values[: 19 + 5 + 2 - 1]
+    expected = (values - covered.mean(0)) / covered.std(0)
+    assert torch.allclose(x, torch.tensor(expected[0:5], dtype=torch.float32), atol=1e-5)
+    assert torch.allclose(y, torch.tensor(expected[5:7].reshape(-1), dtype=torch.float32), atol=1e-5)
+    last_x, last_y = bundle.val[len(bundle.val) - 1]
+    assert torch.allclose(last_y, torch.tensor(expected[28:30].reshape(-1), dtype=torch.float32), atol=1e-5)
+    assert torch.allclose(last_x * bundle.val.std + bundle.val.mean, torch.tensor(values[23:28], dtype=torch.float32))
+    assert windows == len(bundle.train) + len(bundle.val)
+
+
+def test_timeseries_errors(tmp_path):
+    missing = tmp_path / "missing.csv"
+    with pytest.raises(UsageError) as excinfo:
+        load(f"timeseries:{missing}", input_kind="flat")
+    assert str(excinfo.value) == (
+        f"timeseries file '{missing}' does not exist: check the path in --data timeseries:{missing}"
+    )
+    short = write_csv(tmp_path / "short.csv", [[i, i] for i in range(13)])
+    with pytest.raises(UsageError) as excinfo:
+        load(f"timeseries:{short}", input_kind="flat")
+    assert str(excinfo.value) == (
+        f"timeseries file '{short}' has 13 data rows, but --seq-length 12 and --future-length 1 need at least 14 "
+        "(one training and one validation window): add rows or lower --seq-length"
+    )
+    dated = write_csv(tmp_path / "dated.csv", [["2024-01-01", 1.0], ["2024-01-02", 2.0]], ["date", "value"])
+    with pytest.raises(UsageError) as excinfo:
+        load(f"timeseries:{dated}", input_kind="flat")
+    assert str(excinfo.value) == (
+        f"timeseries file '{dated}' column 'date' holds a non-numeric value '2024-01-01' (row 2): "
+        "keep only numeric columns, e.g. drop or encode column 'date'"
+    )
+    ragged = write_csv(tmp_path / "ragged.csv", [[1, 2], [3]])
+    with pytest.raises(UsageError, match="row 2 has 1 values but the first row has 2: give every row the same columns"):
+        load(f"timeseries:{ragged}", input_kind="flat")
+    with pytest.raises(UsageError, match="image models cannot take: use --model mlp or --model linear"):
+        load(f"timeseries:{short}", input_kind="image")
+
+
+# --- spec and flag errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["mnist", "folder:", "timeseries:", "digits:5", ""])
+def test_unknown_spec_lists_the_forms(spec):
+    with pytest.raises(UsageError) as excinfo:
+        load(spec)
+    assert str(excinfo.value) == (
+        f"unknown data spec {spec!r}: use one of digits, synthetic:N (e.g. synthetic:5000), "
+        "folder:PATH (ImageFolder layout), timeseries:CSV"
+    )
+
+
+def test_bad_image_size():
+    with pytest.raises(UsageError) as excinfo:
+        load("synthetic:10", image_size=0)
+    assert str(excinfo.value) == (
+        "--image-size 0 is not a positive integer: pass a value of 1 or more, e.g. --image-size 32"
+    )
