@@ -35,3 +35,22 @@ def test_metrics_count_every_sample_once(tmp_path, procs):
     result = json.loads(out.read_text())
     assert result == {"accuracy": pytest.approx(5 / 7), "mean": pytest.approx(3.0), "seen": 7.0,
                       "world_size": procs}
+
+
+def _run_accumulate(tmp_path, accumulate, batch_size):
+    proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / f"logs{accumulate}",
+                    SCRIPTS / "accumulate.py", accumulate, batch_size)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_accumulation_all_reduces_once_per_window_and_matches_the_big_batch(tmp_path):
+    # 44 samples, 2 ranks. Batch 4 per rank: optimizer steps of 8, 8, 8, 8, 8, 4 samples.
+    # Batch 2 with accumulate 2: 11 micro-steps of 4, grouped into the same 6 windows.
+    big = _run_accumulate(tmp_path, 1, 4)
+    acc = _run_accumulate(tmp_path, 2, 2)
+    assert big["optimizer_steps"] == acc["optimizer_steps"]
+    # One bucket per step (a tiny model): all-reduce only on the last micro-batch of each window.
+    assert acc["allreduce_calls"] == acc["optimizer_steps"] == big["allreduce_calls"]
+    for a, b in zip(big["weights"], acc["weights"]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
