@@ -52,7 +52,9 @@ class TrainConfig:
     find_unused_parameters: bool = _f(False, "let DDP search for parameters the loss does not use "
                                              "(slower; the default reports them by name instead)")
     compile: bool = _f(False, "torch.compile the model")
-    log_every: float = _f(0.5, "seconds between progress-bar redraws")
+    resume: str | None = _f(None, "continue from a checkpoint file or a run folder (its "
+                                  "checkpoints/last.pt), from any strategy or device count; the run "
+                                  "goes on in that folder unless --out is given")
 
 
 # argparse type for each annotation

@@ -9,6 +9,9 @@ The plan of an epoch is computed identically on every rank from (dataset size, s
    what hangs DDP, and what crashed DataParallel in post 000 at 99 % of a 7-hour run);
 4. each global step is split into near-equal contiguous shares, one per rank.
 
+With the same global batch, 1 process and N processes therefore see the same steps and reach the
+same weights, except where step 3 folds a remainder for N devices that 1 device would keep.
+
 Each step carries a `StepInfo`, so the loss can be averaged over the real number of samples in the
 optimizer step (see `Runtime.backward`) and gradient accumulation knows its last micro-step.
 """

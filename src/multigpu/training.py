@@ -43,8 +43,24 @@ def default_out(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model.replace(':', '-')}-{data}"
 
 
+def resume_checkpoint(cfg: TrainConfig) -> Path | None:
+    if not cfg.resume:
+        return None
+    path = Path(cfg.resume)
+    if path.is_dir():
+        path = path / "checkpoints" / "last.pt"
+    if not path.is_file():
+        raise UsageError(f"--resume {cfg.resume}: no checkpoint there (expected a .pt file or a run "
+                         "folder with checkpoints/last.pt)")
+    return path
+
+
 def reserve_out(cfg: TrainConfig) -> Path:
-    """The run folder, created empty; an existing non-empty folder is never reused."""
+    """The run folder, created empty; an existing non-empty folder is never reused, except the
+    run that --resume continues."""
+    ckpt = resume_checkpoint(cfg)
+    if ckpt is not None and not cfg.out:
+        return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     out = Path(cfg.out) if cfg.out else default_out(cfg)
     if os.environ.get(OUT_RESERVED_ENV) == str(out.resolve()):
         return out
@@ -144,8 +160,15 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
                  f"{len(data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
                  f"global batch {resolved['global_batch']} -> {out}")
 
-    best, record, step = None, {}, 0
-    for epoch in range(1, cfg.epochs + 1):
+    best, record, step, first_epoch = None, {}, 0, 1
+    ckpt = resume_checkpoint(cfg)
+    if ckpt is not None:
+        state = rt.load(ckpt, model=model, optimizer=optimizer, scheduler=scheduler)
+        first_epoch, step, best = state["epoch"] + 1, state["step"], state.get("best")
+        train_loader.set_epoch(state["epoch"])  # the data order goes on where it stopped
+        console.info(f"resumed from {ckpt} (epoch {state['epoch']}, step {step}, saved by "
+                     f"{state.get('world_size')} x {state.get('strategy')})")
+    for epoch in range(first_epoch, cfg.epochs + 1):
         record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"]}
         record |= train_epoch(rt, model, optimizer, loss_fn, train_loader, settings,
                               description=f"epoch {epoch}/{cfg.epochs}")
@@ -157,12 +180,13 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
             scheduler.step()
         _report(rt, out, record, classification)
         score = record["val_accuracy"] if classification else -record["val_loss"]
+        improved = best is None or score > best
+        best = score if improved else best
         rt.save(out / "checkpoints" / "last.pt", model=model, optimizer=optimizer,
-                scheduler=scheduler, epoch=epoch, step=step, metrics=record, config=resolved)
-        if best is None or score > best:
-            best = score
-            if rt.is_main:
-                atomic_copy(out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt")
+                scheduler=scheduler, epoch=epoch, step=step, best=best, metrics=record,
+                config=resolved)
+        if improved and rt.is_main:
+            atomic_copy(out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt")
         rt.env.barrier()
     return record
 

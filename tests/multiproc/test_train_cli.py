@@ -10,15 +10,15 @@ from .conftest import multigpu, read_metrics
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["--model", "mlp", "--data", "synthetic:203", "--epochs", "2", "--optimizer", "sgd",
+COMMON = ["--model", "mlp", "--data", "synthetic:205", "--epochs", "2", "--optimizer", "sgd",
           "--lr", "0.05", "--workers", "0", "--seed", "5"]
 
 
 @pytest.fixture(scope="module")
 def one_and_two_process_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("equal")
-    # Same global batch (8) and data order: 1 process x 8, or 2 processes x 4. 203 = 25 * 8 + 3,
-    # so the last step is uneven (2 + 1 samples on two ranks) and must still average exactly.
+    # Same global batch (8) and data order: 1 process x 8, or 2 processes x 4. 205 = 25 * 8 + 5,
+    # so the last step is uneven (3 + 2 samples on two ranks) and must still average exactly.
     one = multigpu("train", *COMMON, "--batch-size", "8", "--devices", "cpu:1", "--out", base / "one")
     two = multigpu("train", *COMMON, "--batch-size", "4", "--devices", "cpu:2", "--out", base / "two")
     assert one.returncode == 0, one.stderr[-3000:]
@@ -34,7 +34,7 @@ def test_ddp_on_two_processes_ends_with_the_same_weights_as_one(one_and_two_proc
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
     ma, mb = read_metrics(one), read_metrics(two)
-    assert [m["train_samples"] for m in ma] == [m["train_samples"] for m in mb] == [203, 203]
+    assert [m["train_samples"] for m in ma] == [m["train_samples"] for m in mb] == [205, 205]
     assert ma[-1]["val_samples"] == mb[-1]["val_samples"]
     assert ma[-1]["val_accuracy"] == pytest.approx(mb[-1]["val_accuracy"])
     assert ma[-1]["val_loss"] == pytest.approx(mb[-1]["val_loss"], rel=1e-5)
@@ -94,3 +94,25 @@ def test_existing_run_folder_is_never_overwritten(tmp_path):
     proc = multigpu("train", "--model", "linear", "--out", out)
     assert proc.returncode == 2 and "already exists" in proc.stderr
     assert (out / "notes.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+
+
+def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_and_two_process_runs, tmp_path):
+    # Epochs 1-2 on 2 processes, epoch 3 resumed in 1 process == 3 epochs in 1 process.
+    _, two, _ = one_and_two_process_runs
+    straight = multigpu("train", *COMMON[:4], "--epochs", "3", *COMMON[6:], "--batch-size", "8",
+                        "--devices", "cpu:1", "--out", tmp_path / "straight")
+    resumed = multigpu("train", *COMMON[:4], "--epochs", "3", *COMMON[6:], "--batch-size", "8",
+                       "--devices", "cpu:1", "--resume", two, "--out", tmp_path / "resumed")
+    assert straight.returncode == 0 and resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert [m["epoch"] for m in read_metrics(tmp_path / "resumed")] == [3]
+    a = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=True)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (3, 78)
+    for key in a["model"]:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6)
+
+
+def test_resume_of_a_missing_checkpoint_is_one_line(tmp_path):
+    proc = multigpu("train", "--model", "mlp", "--resume", tmp_path / "nothing")
+    assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
