@@ -1,0 +1,135 @@
+"""`multigpu run`: start any script once per device, through torchrun's elastic agent.
+
+    multigpu run train.py --lr 0.1                   every free GPU (or 1 CPU process)
+    multigpu run --devices 2 train.py                2 free GPUs
+    multigpu run --devices 0,3 -m mypkg.train        GPUs 0 and 3, a module
+    multigpu run --devices cpu:4 train.py            4 CPU processes on gloo
+    # two machines, the same command on each (node 0 first):
+    multigpu run --nnodes 2 --node-rank 0 --master-addr node01 --master-port 29500 train.py
+    multigpu run --nnodes 2 --node-rank 1 --master-addr node01 --master-port 29500 train.py
+
+Everything after the script (or module) goes to it untouched. Each process gets torchrun's
+environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+Scripts written for the old `python -m torch.distributed.launch` parse `--local_rank` themselves:
+with --local-rank-arg auto (the default) we read the script's source and pass `--local_rank=N`
+or `--local-rank=N` when it mentions one of them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from multigpu import devices, launch
+from multigpu.errors import UsageError
+
+LOCAL_RANK_FLAGS = {"underscore": "--local_rank", "dash": "--local-rank"}
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "run", help="run a script once per GPU (or CPU process), on one machine or several",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", default="auto", metavar="SPEC",
+                   help=f"which devices: {devices.GRAMMAR}. Default auto")
+    p.add_argument("--min-free-memory", type=float, default=2.0, metavar="GB",
+                   help="a GPU with less free memory than this counts as busy (default 2; "
+                        "0 = use busy GPUs too)")
+    p.add_argument("--local-rank-arg", choices=["auto", "none", "underscore", "dash"],
+                   default="auto",
+                   help="pass --local_rank=N (underscore) or --local-rank=N (dash) to the script, "
+                        "as torch.distributed.launch did; auto: when its source mentions one")
+    launch.add_launch_arguments(p)
+    p.add_argument("-m", "--module", action="store_true",
+                   help="TARGET is a module, run as python -m TARGET")
+    p.add_argument("target", metavar="script.py | -m module",
+                   help="the script (or, with -m, the module) to run on every device")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="arguments for the script, passed untouched")
+    return p
+
+
+def main(args) -> int:
+    target, script_args = args.target, list(args.script_args)
+    if target == "--" and script_args:  # `multigpu run [options] -- script.py ...`
+        target, script_args = script_args[0], script_args[1:]
+    if args.module:
+        source = module_source(target)
+        cmd, python = ["-m", target], True
+    else:
+        source = Path(target)
+        if not source.is_file():
+            raise UsageError(f"script {target!r} not found (in {os.getcwd()}); give the path of a "
+                             "Python script, or -m package.module to run a module")
+        cmd, python = script_command(source)
+    if python:
+        cmd += local_rank_args(args.local_rank_arg, source)
+    plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
+    opts = launch.options_from_args(args)
+    return launch.launch(cmd + script_args, plan, opts, python=python)
+
+
+def script_command(path: Path) -> tuple[list[str], bool]:
+    """How to start `path`: (["script.py"], True) for Python, (["bash", "x.sh"], False) for others.
+
+    A file that a shell or the kernel reads (a .sh, a non-Python shebang) must not have CRLF line
+    endings: bash fails with "$'\\r': command not found" (trap 9). Python copes with them.
+    """
+    data = path.read_bytes()
+    first = data.split(b"\n", 1)[0]
+    shebang = shlex.split(first[2:].decode(errors="replace")) if first.startswith(b"#!") else []
+    is_python = path.suffix == ".py" or any("python" in w for w in shebang[:2])
+    if is_python:
+        return [str(path)], True
+    if b"\r" in first or b"\r\n" in data:
+        why = "its shebang names a program that does not exist" if shebang else "bash fails"
+        raise UsageError(f"{path} has Windows (CRLF) line endings, so {why} "
+                         f"($'\\r': command not found); convert it with: sed -i 's/\\r$//' {path}")
+    interpreter = shebang or ["bash"]
+    return [*interpreter, str(path)], False
+
+
+def module_source(module: str) -> Path | None:
+    """The file of `module` without importing it (importing a package runs its __init__ here)."""
+    parts = module.split(".")
+    for base in [os.getcwd(), *sys.path]:
+        root = Path(base or ".", *parts)
+        for candidate in (root.with_suffix(".py"), root / "__main__.py"):
+            if candidate.is_file():
+                return candidate
+    if len(parts) == 1:
+        spec = importlib.util.find_spec(module)
+        if spec and spec.origin and spec.origin.endswith(".py"):
+            return Path(spec.origin)
+        if spec is None:
+            raise UsageError(f"-m {module}: no module of that name on sys.path (cwd "
+                             f"{os.getcwd()}); check the name, or run the script by its path")
+    return None
+
+
+def detect_local_rank_flag(source: str) -> str:
+    """'dash', 'underscore' or 'none': which --local?rank option a script's source parses."""
+    dash = re.search(r"""['"]--local-rank['"=]""", source)
+    underscore = re.search(r"""['"]--local_rank['"=]""", source)
+    if dash:  # also when it takes both spellings: dash is what torch's launcher passes now
+        return "dash"
+    return "underscore" if underscore else "none"
+
+
+def local_rank_args(mode: str, source: Path | None) -> list[str]:
+    if mode == "auto":
+        text = source.read_text(errors="replace") if source and source.is_file() else ""
+        mode = detect_local_rank_flag(text)
+        if mode != "none":
+            print(f"multigpu: {source} parses {LOCAL_RANK_FLAGS[mode]}: passing "
+                  f"{LOCAL_RANK_FLAGS[mode]}=<local rank> to each process "
+                  "(--local-rank-arg none to stop)", file=sys.stderr)
+    if mode == "none":
+        return []
+    from torch.distributed.elastic.utils import macros  # torchrun fills in ${local_rank}
+
+    return [f"{LOCAL_RANK_FLAGS[mode]}={macros.local_rank}"]

@@ -1,0 +1,221 @@
+"""The --devices grammar and its error messages, on fake GPUs (this machine has none)."""
+from __future__ import annotations
+
+import pytest
+
+from multigpu import devices
+from multigpu.devices import GIB, DevicePlan, GpuInfo, resolve_devices
+from multigpu.errors import UsageError
+
+
+def gpu(index, used_gb=0.5, total_gb=80.0, procs=(), name="H200"):
+    return GpuInfo(index, name, int(used_gb * GIB), int(total_gb * GIB), 0, list(procs),
+                   uuid=f"GPU-{index:04d}-aaaa")
+
+
+BUSY = [(4242, "python (alice)", 70 * GIB)]
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Install fake GPUs: fake_gpus(gpu(0), gpu(1, procs=BUSY)); no GPU: fake_gpus()."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def install(*gpus):
+        monkeypatch.setattr(devices, "query_gpus", lambda: list(gpus))
+
+    return install
+
+
+@pytest.fixture
+def no_driver(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def fail():
+        raise devices.NvmlUnavailable("NVML: NVML Shared Library Not Found")
+
+    monkeypatch.setattr(devices, "query_gpus", fail)
+
+
+# ------------------------------------------------------------------------------- grammar
+
+@pytest.mark.parametrize("spec, kind, value", [
+    ("auto", "auto", None), (" AUTO ", "auto", None), ("2", "count", 2), ("0,3", "ids", (0, 3)),
+    ("1,", "ids", (1,)), ("cpu:4", "cpu", 4), ("cpu", "cpu", 1),
+])
+def test_grammar(spec, kind, value):
+    assert devices.parse_devices(spec) == (kind, value)
+
+
+@pytest.mark.parametrize("spec", ["gpu", "-1", "0;1", "1,,2", "cuda:0", "cpu:x", "2 GPUs", ""])
+def test_bad_grammar_lists_the_four_forms(spec):
+    with pytest.raises(UsageError) as e:
+        devices.parse_devices(spec)
+    msg = str(e.value)
+    assert repr(spec) in msg and "auto" in msg and "0,3" in msg and "cpu:N" in msg
+    assert "\n" not in msg
+
+
+def test_zero_is_not_gpu_zero():
+    with pytest.raises(UsageError, match=r"--devices 0 asks for zero GPUs.*--devices 0, "):
+        devices.parse_devices("0")
+
+
+def test_cpu_zero():
+    with pytest.raises(UsageError, match=r"--devices cpu:0: .*--devices cpu:1"):
+        resolve_devices("cpu:0")
+
+
+def test_duplicate_ids():
+    with pytest.raises(UsageError, match=r"names a GPU twice.*--devices 0,1"):
+        devices.parse_devices("1,0,1")
+
+
+# ------------------------------------------------------------------------------- cpu
+
+def test_cpu_plan_hides_gpus(fake_gpus):
+    fake_gpus(gpu(0))
+    plan = resolve_devices("cpu:3")
+    assert plan == DevicePlan("cpu", (), 3)
+    assert plan.cuda_visible_devices() == ""
+    assert plan.describe() == "3 CPU processes (gloo)"
+
+
+def test_cpu_one_process(fake_gpus):
+    assert resolve_devices("cpu:1", one_process=True).nproc == 1
+    with pytest.raises(UsageError, match="runs one process.*--devices cpu:1"):
+        resolve_devices("cpu:2", one_process=True)
+
+
+def test_auto_without_driver_is_one_cpu_process(no_driver):
+    plan = resolve_devices("auto")
+    assert (plan.accelerator, plan.nproc) == ("cpu", 1)
+    assert "no GPU found" in plan.describe()
+
+
+def test_gpu_request_without_gpu(no_driver):
+    for spec in ("2", "0,1"):
+        with pytest.raises(UsageError, match=r"has no GPU .*use --devices cpu:N"):
+            resolve_devices(spec)
+
+
+# ------------------------------------------------------------------------------- gpus
+
+def test_auto_takes_every_free_gpu(fake_gpus):
+    fake_gpus(gpu(0, procs=BUSY, used_gb=70), gpu(1), gpu(2, used_gb=79), gpu(3))
+    plan = resolve_devices("auto")
+    assert plan.gpu_ids == (1, 3) and plan.nproc == 2
+    assert plan.cuda_visible_devices() == "1,3"
+    assert plan.describe() == "2 GPUs: 1 (H200), 3 (H200)"
+
+
+def test_count_skips_busy_gpu(fake_gpus):
+    fake_gpus(gpu(0, procs=BUSY), gpu(1))
+    plan = resolve_devices("1")
+    assert plan.gpu_ids == (1,) and plan.cuda_visible_devices() == "1"
+
+
+def test_our_own_process_does_not_make_a_gpu_busy(fake_gpus):
+    import os
+
+    fake_gpus(gpu(0, procs=[(os.getpid(), "python", GIB)]))
+    assert resolve_devices("1").gpu_ids == (0,)
+
+
+def test_count_larger_than_free(fake_gpus):
+    fake_gpus(gpu(0, procs=BUSY, used_gb=70), gpu(1), gpu(2, used_gb=79.5), gpu(3))
+    with pytest.raises(UsageError) as e:
+        resolve_devices("3")
+    msg = str(e.value)
+    assert "--devices 3: only 2 of 4 GPUs are free" in msg
+    assert "0 busy (pid 4242 python (alice), 70.0/80.0 GB used)" in msg
+    assert "1 free" in msg and "2 busy (79.5/80.0 GB used)" in msg
+    assert "use --devices 2" in msg
+
+
+def test_count_larger_than_gpus(fake_gpus):
+    fake_gpus(gpu(0), gpu(1))
+    with pytest.raises(UsageError, match=r"--devices 4: this machine has 2 GPUs; use --devices 2"):
+        resolve_devices("4")
+
+
+def test_explicit_ids(fake_gpus):
+    fake_gpus(gpu(0), gpu(1), gpu(2), gpu(3))
+    plan = resolve_devices("0,3")
+    assert plan.gpu_ids == (0, 3) and plan.cuda_visible_devices() == "0,3"
+    assert resolve_devices("2,").gpu_ids == (2,)
+
+
+def test_missing_gpu(fake_gpus):
+    fake_gpus(gpu(0), gpu(1))
+    with pytest.raises(UsageError) as e:
+        resolve_devices("0,9")
+    assert str(e.value) == ("--devices 0,9: GPU 9 does not exist: this machine has 2 GPUs (0, 1)")
+
+
+def test_busy_explicit_gpu_suggests_free_ids(fake_gpus):
+    fake_gpus(gpu(0, procs=BUSY), gpu(1), gpu(2), gpu(3, procs=BUSY))
+    with pytest.raises(UsageError) as e:
+        resolve_devices("0,3")
+    msg = str(e.value)
+    assert "GPU 0, 3 are busy" in msg and "0 busy (pid 4242" in msg and "1 free" in msg
+    assert "use --devices 1,2" in msg and "--min-free-memory 0" in msg
+
+
+def test_min_free_memory_zero_shares_busy_gpus(fake_gpus):
+    fake_gpus(gpu(0, procs=BUSY, used_gb=79.9))
+    assert resolve_devices("0,", min_free_memory_gb=0).gpu_ids == (0,)
+
+
+def test_min_free_memory_threshold(fake_gpus):
+    fake_gpus(gpu(0, used_gb=70), gpu(1, used_gb=10))
+    assert resolve_devices("auto", min_free_memory_gb=20).gpu_ids == (1,)
+    assert resolve_devices("auto", min_free_memory_gb=5).gpu_ids == (0, 1)
+
+
+def test_no_free_gpu_for_auto(fake_gpus):
+    fake_gpus(gpu(0, procs=BUSY))
+    with pytest.raises(UsageError, match=r"--devices auto: no GPU is free: 0 busy"):
+        resolve_devices("auto")
+
+
+def test_one_process_drives_all_gpus(fake_gpus):
+    fake_gpus(gpu(0), gpu(1))
+    plan = resolve_devices("auto", one_process=True)
+    assert plan.nproc == 1 and plan.gpu_ids == (0, 1)
+    assert "one process drives them all" in plan.describe()
+
+
+# ----------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
+
+def test_user_cuda_visible_devices_renumbers(fake_gpus, monkeypatch):
+    fake_gpus(gpu(0), gpu(1), gpu(2, procs=BUSY), gpu(3))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    plan = resolve_devices("1")  # id 0 (physical 2) is busy: take id 1 = physical 3
+    assert plan.gpu_ids == (1,) and plan.cuda_visible_devices() == "3"
+    assert "CUDA_VISIBLE_DEVICES=2,3: physical 3" in plan.describe()
+    with pytest.raises(UsageError) as e:
+        resolve_devices("0,2")
+    assert "GPU 2 does not exist: this machine has 2 GPUs (0, 1)" in str(e.value)
+    assert "CUDA_VISIBLE_DEVICES='2,3' is set" in str(e.value)
+
+
+def test_cuda_visible_devices_by_uuid(fake_gpus, monkeypatch):
+    fake_gpus(gpu(0), gpu(1))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0001")
+    plan = resolve_devices("auto")
+    assert plan.gpu_ids == (0,) and plan.cuda_visible_devices() == "GPU-0001"
+
+
+def test_empty_cuda_visible_devices_means_no_gpu(fake_gpus, monkeypatch):
+    fake_gpus(gpu(0))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert resolve_devices("auto").accelerator == "cpu"
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES hides every GPU"):
+        resolve_devices("1")
+
+
+def test_visible_list_stops_at_invalid_entry():
+    gpus = [gpu(0), gpu(1)]
+    assert [v.token for v in devices.visible_gpus(gpus, "1,-1,0")] == ["1"]
+    assert [v.id for v in devices.visible_gpus(gpus, None)] == [0, 1]

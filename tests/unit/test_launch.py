@@ -1,0 +1,305 @@
+"""The launcher without launching: torchrun argv, rendezvous plans, SLURM, messages, run helpers."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import pytest
+
+from multigpu import launch, ports, sysinfo
+from multigpu.cli import run as run_cli
+from multigpu.devices import DevicePlan
+from multigpu.errors import UsageError
+from multigpu.launch import LaunchOptions, plan_rendezvous, torchrun_argv
+
+CPU2 = DevicePlan("cpu", (), 2)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    launch.add_launch_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("SLURM_"):
+            monkeypatch.delenv(k)
+
+
+# ------------------------------------------------------------------------------- flags and options
+
+def test_launch_flags_are_pinned():
+    p = argparse.ArgumentParser()
+    launch.add_launch_arguments(p)
+    flags = {s for a in p._actions for s in a.option_strings} - {"-h", "--help"}
+    assert flags == {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint",
+                     "--rdzv-id", "--start-timeout", "--max-restarts", "--tee", "--log-dir"}
+
+
+def test_options_defaults(no_slurm):
+    assert launch.options_from_args(parse()) == LaunchOptions()
+
+
+def test_options_from_flags(no_slurm):
+    opts = launch.options_from_args(parse("--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                          "n01", "--master-port", "1234", "--tee",
+                                          "--start-timeout", "10"))
+    assert (opts.nnodes, opts.node_rank, opts.master_addr, opts.master_port, opts.tee,
+            opts.start_timeout) == ("2", 1, "n01", 1234, True, 10.0)
+
+
+def test_in_worker(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert not launch.in_worker()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert launch.in_worker()
+
+
+# ------------------------------------------------------------------------------- torchrun argv
+
+def test_single_node_argv_uses_c10d_on_port_zero():
+    opts = LaunchOptions()
+    rdzv = plan_rendezvous(opts)
+    argv = torchrun_argv(["train.py", "--lr", "0.1"], CPU2, opts, rdzv, "/logs")
+    assert flag_value(argv, "--nproc-per-node") == "2"
+    assert flag_value(argv, "--rdzv-backend") == ports.BACKEND_NAME
+    assert flag_value(argv, "--rdzv-endpoint") == "localhost:0"
+    conf = dict(kv.split("=") for kv in flag_value(argv, "--rdzv-conf").split(","))
+    assert conf["join_timeout"] == "300" and conf["is_host"] == "1"
+    assert flag_value(argv, "--redirects") == "1:3"  # rank 0 keeps the console
+    assert flag_value(argv, "--log-dir") == "/logs"
+    assert argv[-3:] == ["train.py", "--lr", "0.1"] and "--module" not in argv
+    assert rdzv.named_port is None
+    # the argv is valid for torchrun's own parser
+    import torch.distributed.run as torchrun
+
+    args = torchrun.get_args_parser().parse_args(argv)
+    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "0.1"]
+
+
+def test_module_tee_and_no_python():
+    opts = LaunchOptions(tee=True, start_timeout=7.4)
+    rdzv = plan_rendezvous(opts)
+    argv = torchrun_argv(["-m", "multigpu", "train", "--out", "x"], DevicePlan("cpu", (), 4),
+                         opts, rdzv, "/l")
+    assert "--module" in argv and argv[-4:] == ["multigpu", "train", "--out", "x"]
+    assert flag_value(argv, "--tee") == "3" and "--redirects" not in argv
+    assert "join_timeout=7" in flag_value(argv, "--rdzv-conf")
+    argv = torchrun_argv(["bash", "job.sh"], CPU2, opts, rdzv, "/l", python=False)
+    assert "--no-python" in argv and argv[-2:] == ["bash", "job.sh"]
+
+
+def test_single_node_named_port():
+    rdzv = plan_rendezvous(LaunchOptions(master_port=29511))
+    assert rdzv.endpoint == "localhost:29511" and rdzv.named_port == (29511, "--master-port")
+
+
+def test_multi_node_plans():
+    rdzv = plan_rendezvous(LaunchOptions(nnodes="2", node_rank=0, master_addr="n01"))
+    assert rdzv.endpoint == "n01:29500" and rdzv.conf["is_host"] == "1"
+    assert rdzv.named_port == (29500, "--master-port") and rdzv.run_id == "multigpu"
+    rdzv = plan_rendezvous(LaunchOptions(nnodes="2:4", node_rank=3, rdzv_endpoint="n01:1234"))
+    assert rdzv.endpoint == "n01:1234" and rdzv.conf["is_host"] == "0" and rdzv.named_port is None
+    rdzv = plan_rendezvous(LaunchOptions(nnodes="2", master_addr="n01"))  # no rank: torch guesses
+    assert "is_host" not in rdzv.conf
+
+
+@pytest.mark.parametrize("opts, match", [
+    (LaunchOptions(nnodes="2"), r"--nnodes 2 needs the address of node 0.*--master-addr"),
+    (LaunchOptions(nnodes="2", node_rank=2, master_addr="a"), r"--node-rank 2 is outside 0..1"),
+    (LaunchOptions(nnodes="0"), r"--nnodes 0: use a number"),
+    (LaunchOptions(nnodes="4:2"), r"MIN:MAX with 1 <= MIN <= MAX"),
+    (LaunchOptions(nnodes="two"), r"--nnodes two"),
+    (LaunchOptions(rdzv_endpoint="a:1", master_addr="b"), r"pass one or the other"),
+    (LaunchOptions(nnodes="2", rdzv_endpoint="a:xx"), r"port 'xx' is not a number"),
+])
+def test_rendezvous_mistakes(opts, match):
+    with pytest.raises(UsageError, match=match):
+        plan_rendezvous(opts)
+
+
+def test_parse_endpoint():
+    assert ports.parse_endpoint("n01:1234", 1) == ("n01", 1234)
+    assert ports.parse_endpoint("n01", 29500) == ("n01", 29500)
+    assert ports.parse_endpoint("[::1]:80", 1) == ("::1", 80)
+
+
+def test_child_environment_sets_gpu_rules_and_restores(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the user's choice wins
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    before = dict(os.environ)
+    plan = DevicePlan("cuda", (1,), 1, ("H200",), ("3",), "2,3")
+    with launch.child_environment(plan, LaunchOptions(tee=True)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+        assert os.environ["NCCL_NVLS_ENABLE"] == "1"
+        assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+        assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert "rank" in os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
+    assert dict(os.environ) == before
+
+
+# ------------------------------------------------------------------------------- ports
+
+def test_named_port_taken_names_the_holder():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        with pytest.raises(UsageError) as e:
+            ports.check_named_port(port, "--master-port")
+        msg = str(e.value)
+        assert f"--master-port {port}: the port is already in use" in msg
+        assert f"pid {os.getpid()}" in msg and "leave out --master-port" in msg
+    finally:
+        s.close()
+    ports.check_named_port(port, "--master-port")  # free again: no error
+
+
+# ------------------------------------------------------------------------------- SLURM
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node[01-03],gpu7", ["node01", "node02", "node03", "gpu7"]),
+    ("gpu7", ["gpu7"]),
+    ("a[1,3-4]", ["a1", "a3", "a4"]),
+    ("rack[1-2]-n[9-10]", ["rack1-n9", "rack1-n10", "rack2-n9", "rack2-n10"]),
+    ("x[008-010]y", ["x008y", "x009y", "x010y"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert sysinfo.expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-03", "node[a-b]", ""])
+def test_expand_nodelist_rejects(bad):
+    with pytest.raises(ValueError):
+        sysinfo.expand_nodelist(bad)
+
+
+SLURM = {"SLURM_JOB_ID": "777", "SLURM_NNODES": "3", "SLURM_NODEID": "2",
+         "SLURM_JOB_NODELIST": "node[07-09]", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3"}
+
+
+def test_slurm_defaults():
+    d = sysinfo.slurm_launch_defaults(SLURM)
+    assert (d["nnodes"], d["node_rank"], d["master_addr"], d["rdzv_id"]) == \
+        ("3", 2, "node07", "slurm-777.0")
+    assert sysinfo.slurm_launch_defaults({**SLURM, "SLURM_NNODES": "1"}) == {}
+    assert sysinfo.slurm_launch_defaults({}) == {}
+
+
+def test_options_read_slurm(monkeypatch, no_slurm):
+    for k, v in SLURM.items():
+        monkeypatch.setenv(k, v)
+    opts = launch.options_from_args(parse())
+    assert (opts.nnodes, opts.node_rank, opts.master_addr, opts.rdzv_id) == \
+        ("3", 2, "node07", "slurm-777.0")
+    assert plan_rendezvous(opts).endpoint == "node07:29500"
+    opts = launch.options_from_args(parse("--master-port", "1234", "--rdzv-id", "mine"))
+    assert plan_rendezvous(opts).endpoint == "node07:1234" and opts.rdzv_id == "mine"
+    assert launch.options_from_args(parse("--nnodes", "1")).nnodes == "1"  # flags win
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "12")
+    with pytest.raises(UsageError, match="srun --ntasks-per-node=1"):
+        launch.options_from_args(parse())
+
+
+# ------------------------------------------------------------------------------- messages
+
+def test_rendezvous_timeout_message():
+    opts = LaunchOptions(nnodes="2", node_rank=0, master_addr="n01", start_timeout=10)
+    msg = launch.rendezvous_timeout_message(opts, plan_rendezvous(opts), ["n01_123_0"])
+    assert "did not complete within --start-timeout 10 s: 1 of 2 nodes joined (n01)" in msg
+    assert "--node-rank" in msg and "n01:29500" in msg and "\n" not in msg
+
+
+def test_rendezvous_port_in_use_message():
+    opts = LaunchOptions(master_port=29999)
+    exc = RuntimeError("The server socket has failed to listen on any local network address. "
+                       "port: 29999, useIpv6: false, code: -98, name: EADDRINUSE")
+    msg = launch.rendezvous_failed_message(exc, opts, plan_rendezvous(opts))
+    assert "port 29999" in msg and "already in use" in msg and "--master-port" in msg
+
+
+def test_observer_counts_joined_nodes():
+    import pickle
+    from types import SimpleNamespace
+
+    obs = ports._Observer()
+    obs.reset()
+    obs.saw(pickle.dumps(SimpleNamespace(participants={"a_1_0": 0}, wait_list=set())))
+    obs.saw(b"not a pickle")
+    obs.saw(None)
+    assert obs.joined() == ["a_1_0"]
+
+
+def test_failure_report_blames_the_crashing_rank(tmp_path, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    for rank, text in ((1, "Traceback (most recent call last):\n  x\nValueError: boom-rank-1"),
+                       (2, "Traceback (most recent call last):\n  y\n"
+                           "RuntimeError: [gloo] Connection closed by peer")):
+        d = tmp_path / "run_abc" / "attempt_0" / str(rank)
+        d.mkdir(parents=True)
+        (d / "stderr.log").write_text("noise\n" + text + "\n")
+    none = str(tmp_path / "missing.json")
+    failures = {0: ProcessFailure(0, 100, -15, none), 2: ProcessFailure(2, 102, 1, none),
+                1: ProcessFailure(1, 101, 1, none)}
+    code = launch.report_child_failed(ChildFailedError("x", failures), str(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "rank 1 failed first (exit code 1" in err and "ValueError: boom-rank-1" in err
+    assert "also stopped: rank 0 (signal SIGTERM), rank 2 (exit 1)" in err
+    assert "noise" not in err  # the traceback only
+
+
+# ------------------------------------------------------------------------------- `run` helpers
+
+@pytest.mark.parametrize("source, flag", [
+    ("p.add_argument('--local_rank', type=int)", "underscore"),
+    ('p.add_argument("--local-rank", "--local_rank", type=int)', "dash"),
+    ("os.environ['LOCAL_RANK']", "none"),
+])
+def test_detect_local_rank_flag(source, flag):
+    assert run_cli.detect_local_rank_flag(source) == flag
+
+
+def test_script_command(tmp_path):
+    py = tmp_path / "train.py"
+    py.write_bytes(b"#!/usr/bin/env python\r\nprint(1)\r\n")  # Python copes with CRLF
+    assert run_cli.script_command(py) == ([str(py)], True)
+    sh = tmp_path / "job.sh"
+    sh.write_bytes(b"echo hi\n")
+    assert run_cli.script_command(sh) == (["bash", str(sh)], False)
+    sh.write_bytes(b"#!/bin/sh\necho hi\n")
+    assert run_cli.script_command(sh) == (["/bin/sh", str(sh)], False)
+
+
+def test_crlf_shell_script_is_refused(tmp_path):
+    sh = tmp_path / "run.sh"
+    sh.write_bytes(b"#!/bin/bash\r\necho hi\r\n")
+    with pytest.raises(UsageError) as e:
+        run_cli.script_command(sh)
+    assert "CRLF" in str(e.value) and f"sed -i 's/\\r$//' {sh}" in str(e.value)
+    tool = tmp_path / "tool"
+    tool.write_bytes(b"#!/usr/bin/env bash\r\necho hi\n")
+    with pytest.raises(UsageError, match="shebang"):
+        run_cli.script_command(tool)
+
+
+def test_module_source(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('must not be imported')")
+    (tmp_path / "pkg" / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli.module_source("pkg.train") == tmp_path / "pkg" / "train.py"
+    with pytest.raises(UsageError, match="-m no_such_module_xyz: no module"):
+        run_cli.module_source("no_such_module_xyz")
