@@ -62,6 +62,9 @@ class DataBundle:
     input_shape: tuple[int, ...]  # shape of one x
     num_outputs: int  # classes, or regression output size
     name: str
+    # folder data: x is uint8 (0-255) and still to be normalised with (mean, std) per channel. The
+    # float conversion is left to the GPU: 4x fewer bytes through workers, pinned memory and PCIe.
+    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 def load_data(
@@ -243,10 +246,8 @@ def _center_crop(image, size: int):
 
 
 def _to_tensor(image) -> torch.Tensor:
-    array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    return ((array - mean) / std).contiguous()
+    """uint8 (C, H, W); see DataBundle.normalize."""
+    return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()
 
 
 _FOLDER_LAYOUT = "expected PATH/train/<class>/<image> and PATH/val/<class>/<image>"
@@ -294,6 +295,7 @@ def _folder(path: str, image_size: int) -> DataBundle:
         input_shape=(3, image_size, image_size),
         num_outputs=len(classes),
         name=f"folder:{path}",
+        normalize=(IMAGENET_MEAN, IMAGENET_STD),
     )
 
 

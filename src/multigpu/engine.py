@@ -23,11 +23,23 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class StepSettings:
     clip_grad_norm: float | None = None
     channels_last: bool = False  # convnets on GPUs: NHWC inputs to match the NHWC weights
+    # uint8 images are normalised here, on the device: x / 255 - mean) / std, per channel.
+    mean: torch.Tensor | None = None  # (1, C, 1, 1) in units of the uint8 pixel, on the device
+    std: torch.Tensor | None = None
+
+    @classmethod
+    def for_data(cls, normalize, device: torch.device, **kwargs) -> "StepSettings":
+        if normalize is None:
+            return cls(**kwargs)
+        mean, std = (torch.tensor(v, device=device).mul(255).view(1, -1, 1, 1) for v in normalize)
+        return cls(mean=mean, std=std, **kwargs)
 
 
 def prepare_inputs(x: torch.Tensor, settings: StepSettings) -> torch.Tensor:
     if settings.channels_last and x.dim() == 4:
-        return x.contiguous(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    if x.dtype == torch.uint8 and settings.mean is not None:
+        x = (x.float() - settings.mean) / settings.std
     return x
 
 

@@ -34,6 +34,8 @@ from multigpu.strategies import DDPOptions
 
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
 IN_MEMORY_DATA = ("digits", "timeseries:")
+MAX_WORKERS = 16      # DataLoader workers per rank, at most
+PREFETCH_FACTOR = 4   # batches each worker keeps ready
 
 
 # --- run folder ------------------------------------------------------------------------------------
@@ -104,14 +106,15 @@ def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
     if cfg.data.startswith(IN_MEMORY_DATA):
         return 0  # tensors already in memory: worker processes would only add IPC
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores // max(rt.env.local_world_size, 1) - 1))
+    return max(1, min(MAX_WORKERS, cores // max(rt.env.local_world_size, 1) - 1))
 
 
 def make_loader(dataset, batch_size: int, shuffle: bool, workers: int,
                 drop_last: bool = False) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
                       drop_last=drop_last,
-                      persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+                      persistent_workers=workers > 0,
+                      prefetch_factor=PREFETCH_FACTOR if workers else None)
 
 
 def build_job(cfg: TrainConfig, rt: Runtime):
@@ -120,8 +123,8 @@ def build_job(cfg: TrainConfig, rt: Runtime):
     data = load_data(cfg.data, input_kind=model_input_kind(cfg.model), image_size=image_size,
                      seq_length=cfg.seq_length, future_length=cfg.future_length)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
-    settings = StepSettings(clip_grad_norm=cfg.clip_grad_norm,
-                            channels_last=rt.device.type == "cuda" and is_convnet(cfg.model))
+    settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.clip_grad_norm,
+                                     channels_last=rt.device.type == "cuda" and is_convnet(cfg.model))
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
     workers = loader_workers(cfg, rt)

@@ -1,0 +1,123 @@
+"""Where does a data-parallel step lose time? Profile multigpu's own training step on each rank.
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/profile_step.py --out DIR [--variant NAME]
+
+Runs `multigpu.engine.train_step` (ResNet-50, bf16, channels_last, synthetic data on the GPU),
+profiles a few steps with torch.profiler and reduces each rank's kernel timeline to a handful of
+numbers per step:
+- wall_ms: the step as the host measures it (synchronised);
+- busy_ms: time at least one kernel runs (the union of kernel intervals);
+- compute_ms: summed duration of non-NCCL kernels (grows when NCCL steals SMs or bandwidth);
+- nccl_ms: summed duration of NCCL kernels (includes time spent waiting for slower peers);
+- exposed_nccl_ms: NCCL time during which no compute kernel runs (not overlapped);
+- idle_ms: wall_ms - busy_ms (launch gaps, host overhead, waiting).
+One JSON line per rank goes to DIR/profile-<variant>-rank<r>.json; rank 0 also prints its top kernels.
+"""
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import multigpu
+from multigpu.engine import StepSettings, train_step
+from multigpu.models import build_model
+from multigpu.strategies import DDPOptions
+
+VARIANTS = {
+    "default": {},
+    "bucket100": {"ddp": DDPOptions(bucket_cap_mb=100)},
+    "static": {"ddp": DDPOptions(static_graph=True)},
+    "nobcast": {"ddp": DDPOptions(broadcast_buffers=False)},
+}
+
+
+def union_length(intervals):
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def overlap_free(nccl, compute):
+    """Length of NCCL intervals not covered by any compute interval."""
+    covered = union_length(compute)
+    both = union_length(nccl + compute)
+    return both - covered
+
+
+def summarise(trace_path: Path, steps: int, wall_ms: float) -> dict:
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
+    per = 1000.0 * steps  # trace times are in microseconds
+    busy = union_length(nccl + compute) / per
+    return {
+        "wall_ms": wall_ms,
+        "busy_ms": busy,
+        "compute_ms": sum(e - s for s, e in compute) / per,
+        "nccl_ms": sum(e - s for s, e in nccl) / per,
+        "exposed_nccl_ms": overlap_free(nccl, compute) / per,
+        "idle_ms": wall_ms - busy,
+        "kernels_per_step": len(kernels) / steps,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--variant", default="default", choices=sorted(VARIANTS))
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--steps", type=int, default=6)
+    a = p.parse_args()
+
+    torch.backends.cudnn.benchmark = True
+    rt = multigpu.setup("auto", "bf16", seed=0, **VARIANTS[a.variant])
+    model = build_model(a.model, (3, 224, 224), 1000).to(memory_format=torch.channels_last)
+    model = rt.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    x = torch.randn(a.batch, 3, 224, 224, device=rt.device)
+    y = torch.randint(0, 1000, (a.batch,), device=rt.device)
+    settings = StepSettings(channels_last=True)
+    loss_fn = torch.nn.functional.cross_entropy
+    for _ in range(15):
+        train_step(rt, model, opt, loss_fn, (x, y), settings)
+    torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    for _ in range(20):
+        train_step(rt, model, opt, loss_fn, (x, y), settings)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / 20 * 1000
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / f"trace-{a.variant}-w{rt.world_size}-rank{rt.rank}.json"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            train_step(rt, model, opt, loss_fn, (x, y), settings)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    result = {"variant": a.variant, "world_size": rt.world_size, "rank": rt.rank, "batch": a.batch,
+              "model": a.model, **summarise(trace, a.steps, wall_ms),
+              "img_per_s": a.batch * rt.world_size / wall_ms * 1000}
+    trace.unlink()  # large; the summary is what we keep
+    (out / f"profile-{a.variant}-w{rt.world_size}-rank{rt.rank}.json").write_text(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    if rt.rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()

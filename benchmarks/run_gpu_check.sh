@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, for a machine with 4 GPUs (the 4x H200 machines):
+#
+#     OUT=/some/empty/dir bash benchmarks/run_gpu_check.sh
+#
+# Stages, in order of importance; each is time-boxed with `timeout`, and all of them share one
+# budget (BUDGET seconds, default 530 s), so a hang costs at most its own box and a slow stage
+# only shortens the ones after it. Estimated total: about 7 minutes, 9 launches of worker
+# processes for the bench stages (see benchmarks/NOTES.md).
+#   0 facts       nvidia-smi, topology, versions                          (box  30 s)
+#   1 pytest-gpu  python -m pytest -m gpu tests/gpu                       (box 240 s)
+#   2 bench-main  resnet50 bf16 batch 128, 1/2/4 GPUs, every method       (box 210 s)
+#   2b profile    kernel timelines of 1 and 4 GPUs (benchmarks/profile_step.py) (box 90 s)
+#   3 bench-batch resnet50 batch 32/64/256, multigpu-ddp vs ddp, 4 GPUs   (box  90 s)
+#   4 bench-real  resnet50 batch 128, 4 GPUs, JPEG folder through our pipeline (box 100 s)
+#   5 bench-models swin_t and vgg16, multigpu-ddp on 1 and 4 GPUs         (box  90 s)
+# Everything lands in $OUT: <stage>.log for each stage, summary.txt, pytest-gpu.xml, and
+# bench-*.json / bench-*.png / bench-*-logs/ (per-rank logs of every launch).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-benchmarks/results/gpu-check-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+PY="${PYTHON:-python3}"
+BUDGET="${BUDGET:-530}"
+IMAGES="${IMAGES:-/tmp/multigpu-bench-images}"  # generated JPEGs: big, kept out of $OUT
+
+# Rules of these machines: NVLink SHARP / multicast off.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # no install needed
+export MPLBACKEND=Agg PYTHONUNBUFFERED=1
+START=$SECONDS
+ONLY=("$@")  # stage names to run (default: all), e.g. `bash run_gpu_check.sh facts pytest-gpu`
+
+# stage NAME BOX_SECONDS COMMAND...: run COMMAND for at most min(BOX, budget left) seconds.
+stage() {
+    local name=$1 box=$2
+    shift 2
+    if (( ${#ONLY[@]} )) && [[ " ${ONLY[*]} " != *" $name "* ]]; then
+        return
+    fi
+    local left=$(( BUDGET - (SECONDS - START) ))
+    local limit=$(( box < left ? box : left ))
+    if (( limit < 20 )); then
+        echo "== $name: skipped, only $left s of the $BUDGET s budget left" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    echo "== $name (at most $limit s): $*" | tee -a "$OUT/summary.txt"
+    local t0=$SECONDS
+    # SIGTERM first: multigpu bench then stops its workers and still writes its JSON.
+    timeout -k 15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    local note=""
+    (( rc == 124 || rc == 137 )) && note=" (time limit)"
+    echo "== $name: exit $rc$note after $(( SECONDS - t0 )) s" | tee -a "$OUT/summary.txt"
+}
+
+facts() {
+    nvidia-smi
+    nvidia-smi topo -m
+    "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+    "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|accelerate|lightning|matplotlib|rich|numpy|pillow) " || true
+}
+
+export PY
+export -f facts
+# GPUs named, not "auto": a process left over from an earlier stage must not shrink the plan
+# (nvidia-smi in facts.log and memory_before_gib in the JSON show what else was there).
+BENCH=("$PY" -m multigpu bench --precision bf16 --devices 0,1,2,3 --min-free-memory 0)
+
+stage facts 30 bash -c facts
+stage pytest-gpu 240 "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider \
+    --junitxml="$OUT/pytest-gpu.xml"
+# DataParallel takes ~3 s a step at 4 GPUs here: 2 warm-up + 3 trials x 2 steps.
+stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,2,4 \
+    --steps 30 --warmup 10 --trials 3 --dp-steps 2 --out "$OUT/bench-main.json"
+# Where a DDP step loses time: kernel timelines of 1 GPU and of 4 (benchmarks/profile_step.py).
+stage profile 90 bash -c "'$PY' -m torch.distributed.run --standalone --nproc_per_node 1 \
+    benchmarks/profile_step.py --out '$OUT/profile' && '$PY' -m torch.distributed.run \
+    --standalone --nproc_per_node 4 benchmarks/profile_step.py --out '$OUT/profile'"
+stage bench-batch 90 "${BENCH[@]}" --model resnet50 --batch-size 32,64,256 --gpus 4 \
+    --methods multigpu-single,multigpu-ddp,ddp --steps 20 --warmup 5 --trials 3 \
+    --out "$OUT/bench-batch.json"
+stage bench-real 100 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 4 --data real \
+    --methods multigpu-ddp --steps 15 --warmup 5 --trials 3 --data-dir "$IMAGES" \
+    --out "$OUT/bench-real.json"
+stage bench-models 90 "${BENCH[@]}" --model swin_t,vgg16 --batch-size 128 --gpus 1,4 \
+    --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
+    --out "$OUT/bench-models.json"
+
+# Clocks after the runs (BASELINE.md saw 1980 MHz, the maximum, on every GPU).
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv 2>&1 | tee "$OUT/clocks-after.csv"
+echo "== total $(( SECONDS - START )) s; results in $OUT" | tee -a "$OUT/summary.txt"

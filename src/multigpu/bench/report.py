@@ -1,0 +1,183 @@
+"""Rows from the workers' records, and the three outputs: a rich table, a JSON file, a PNG plot.
+
+JSON layout (SCHEMA below), one file per invocation:
+    schema, date, command, machine {label, hostname, accelerator, gpu_name, gpu_count, cpus},
+    versions {multigpu, torch, cuda, nccl, cudnn, python, accelerate, lightning},
+    settings {every flag, plus the global backend flags the workers set},
+    rows [ one per (method, model, batch size, GPU count): see ROW_KEYS ],
+    skipped [ {method, reason} ], notes [ str ], launches [ {group, attempt, exit_code, logs} ]
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from multigpu.bench import stats
+from multigpu.bench.spec import Task
+
+SCHEMA = "multigpu-bench/1"
+GIB = 1024**3
+ROW_KEYS = (
+    "method", "model", "batch_size", "gpus", "processes", "global_batch", "image_size",
+    "num_outputs", "data", "precision",
+    "steps", "warmup", "trials", "trial_seconds", "img_per_s", "img_per_s_min", "img_per_s_max",
+    "spread_pct", "step_ms", "step_ms_min", "step_ms_max", "scaling_efficiency",
+    "peak_memory_gib", "memory_before_gib", "flops_per_step_per_gpu", "mfu", "gpu_name",
+    "strategy", "wrapper", "optimizer", "setup_seconds",
+)
+
+
+def machine_label(accelerator: str, count: int, gpu_name: str | None) -> str:
+    """'4xH200' from 4 x 'NVIDIA H200'; '2xCPU' for CPU processes."""
+    if accelerator != "cuda" or not gpu_name:
+        return f"{count}xCPU"
+    words = gpu_name.replace("NVIDIA", "").replace("-", " ").split()
+    return f"{count}x{words[0] if words else 'GPU'}"
+
+
+def flops_key(task: Task) -> tuple:
+    return task.model, task.image_size, task.num_outputs, task.batch_size
+
+
+def build_row(task: Task, ranks: list[dict], flops: int | None) -> dict:
+    """One row from every rank's record of a task: the slowest rank's time for each trial."""
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    seconds = [max(r["seconds"][i] for r in ranks) for i in range(task.trials)]
+    first = ranks[0]
+    samples = first["samples"]
+    row = {"method": task.method, "model": task.model, "batch_size": task.batch_size,
+           "gpus": task.gpus, "processes": first.get("world_size", len(ranks)),
+           "global_batch": samples[0] // task.steps, "image_size": task.image_size,
+           "num_outputs": task.num_outputs,
+           "data": "real" if task.data.startswith("folder:") else "synthetic",
+           "precision": first.get("precision"), "steps": task.steps,
+           "warmup": first.get("warmup", task.warmup),
+           "trials": task.trials, "trial_seconds": seconds}
+    row |= stats.trial_stats(seconds, samples, task.steps)
+    peaks = [m for r in ranks for m in (r.get("peak_memory") or [])]
+    before = [m for r in ranks for m in (r.get("memory_before") or [])]
+    gpu_name = (first.get("device_names") or [None])[0]
+    row |= {"scaling_efficiency": None,
+            "peak_memory_gib": [round(m / GIB, 3) for m in peaks] or None,
+            "memory_before_gib": [round(m / GIB, 3) for m in before] or None,
+            "flops_per_step_per_gpu": flops,
+            "mfu": stats.mfu(flops, row["step_ms"] / 1000,
+                             stats.peak_flops(gpu_name, row["precision"])),
+            "gpu_name": gpu_name, "strategy": first.get("strategy"), "wrapper": first.get("wrapper"),
+            "optimizer": first.get("optimizer"), "setup_seconds": round(first["setup_seconds"], 2)}
+    return row
+
+
+def add_scaling(rows: list[dict]) -> None:
+    """Efficiency against the multigpu-single row of the same model, batch and data."""
+    def same(r: dict) -> tuple:
+        return r["model"], r["batch_size"], r["image_size"], r["data"]
+
+    single = {same(r): r["img_per_s"] for r in rows if r["method"] == "multigpu-single"}
+    for r in rows:
+        base = single.get(same(r))
+        r["scaling_efficiency"] = stats.scaling_efficiency(r["img_per_s"], r["gpus"], base)
+
+
+def write_json(report: dict, path: Path) -> None:
+    """Atomically: a reader (or a time limit) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- console table
+
+def _fmt(value, spec: str, empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from multigpu.console import console as shared
+
+    # Our own console: a log file or pipe gets 140 columns instead of rich's default 80.
+    console = Console(highlight=False, width=None if shared.is_terminal else 140)
+
+    m = report["machine"]
+    table = Table(title=f"multigpu bench on {m['label']} ({m.get('gpu_name') or 'CPU'}), "
+                        f"{report['settings']['data']} data", title_justify="left")
+    unit = "GPUs" if m["accelerator"] == "cuda" else "procs"
+    for name in ("method", "model", "batch", unit, "img/s", "min-max", "step ms",
+                 "scaling", "peak GiB", "MFU"):
+        table.add_column(name, justify="left" if name in ("method", "model") else "right")
+    for r in report["rows"]:
+        mem = r["peak_memory_gib"]
+        table.add_row(
+            r["method"], r["model"], str(r["batch_size"]), str(r["gpus"]),
+            f"{r['img_per_s']:,.0f}", f"{r['img_per_s_min']:,.0f}-{r['img_per_s_max']:,.0f}",
+            f"{r['step_ms']:.1f}", _fmt(r["scaling_efficiency"], ".0%"),
+            f"{max(mem):.1f}" if mem else "-", _fmt(r["mfu"], ".1%"))
+    console.print(table)
+    for s in report["skipped"]:
+        console.print(f"skipped {s['method']}: {s['reason']}", markup=False)
+    for note in report["notes"]:
+        console.print(f"note: {note}", markup=False)
+
+
+# --------------------------------------------------------------------------- plot
+
+def _series(rows: list[dict]) -> dict[str, list[tuple[int, float, float | None]]]:
+    """label -> [(gpus, img/s, efficiency)]; the DDP/DP lines start from the single-GPU point,
+    since at one GPU multigpu-ddp and multigpu-dp are the single-GPU step."""
+    combos = {(r["model"], r["batch_size"]) for r in rows}
+    out: dict[str, list] = {}
+    for r in rows:
+        label = r["method"] if len(combos) == 1 else f"{r['method']} {r['model']} b{r['batch_size']}"
+        out.setdefault(label, []).append((r["gpus"], r["img_per_s"], r["scaling_efficiency"]))
+        if r["method"] == "multigpu-single":
+            for method in ("multigpu-ddp", "multigpu-dp"):
+                if any(x["method"] == method and x["model"] == r["model"]
+                       and x["batch_size"] == r["batch_size"] for x in rows):
+                    other = method if len(combos) == 1 else f"{method} {r['model']} b{r['batch_size']}"
+                    out.setdefault(other, []).append((1, r["img_per_s"], r["scaling_efficiency"]))
+    return {k: sorted(set(v)) for k, v in out.items()}
+
+
+def plot(report: dict, path: Path) -> Path:
+    """Two panels against GPU count: throughput (with ideal linear scaling) and efficiency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for label, points in _series(rows).items():
+        xs = [p[0] for p in points]
+        single = label.startswith("multigpu-single")  # one point: drawn on top, as a star
+        left.plot(xs, [p[1] for p in points], marker="*" if single else "o",
+                  ms=12 if single else 6, zorder=5 if single else 2, label=label)
+        eff = [(p[0], p[2]) for p in points if p[2] is not None]
+        if eff:
+            right.plot([e[0] for e in eff], [100 * e[1] for e in eff], marker="o", label=label)
+    counts = sorted({r["gpus"] for r in rows}) or [1]
+    for r in rows:
+        if r["method"] == "multigpu-single" and len(counts) > 1:
+            left.plot(counts, [n * r["img_per_s"] for n in counts], ls=":", color="grey", lw=1)
+    right.axhline(100, ls=":", color="grey", lw=1)
+    m = report["machine"]
+    unit = "GPUs" if m["accelerator"] == "cuda" else "CPU processes"
+    left.set(title=f"throughput ({m['label']}, dotted: linear)", xlabel=unit, ylabel="images/s")
+    right.set(title="scaling efficiency vs multigpu-single", xlabel=unit, ylabel="% of linear")
+    for ax in (left, right):
+        ax.set_xticks(counts)
+        ax.grid(alpha=0.3)
+    if rows:
+        left.legend(fontsize=8)
+    fig.suptitle(f"multigpu bench, {report['date']}: {', '.join(report['settings']['models'])}, "
+                 f"batch {','.join(map(str, report['settings']['batch_sizes']))} per GPU", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

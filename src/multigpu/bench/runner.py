@@ -1,0 +1,236 @@
+"""The parent process of `multigpu bench`: plan, launch each group, collect, report.
+
+It never touches CUDA itself (a CUDA context here would take memory on GPU 0 before the workers
+start); machine facts come from NVML (the device plan) and from the workers' first record.
+Results are written after every launch, so a run cut short by a time limit keeps what it measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+from multigpu import console
+from multigpu.bench import realdata, report, stats
+from multigpu.bench.spec import NUM_CLASSES, BenchSettings, Group, gpu_counts, plan_groups
+from multigpu.devices import DevicePlan, resolve_devices
+from multigpu.errors import UsageError
+
+MAX_ATTEMPTS = 3  # per group: after a failed task, the rest of the group is started again
+# Exit codes of a launch stopped because *we* got SIGINT/SIGTERM (Ctrl-C, `timeout`): stop there.
+# A worker killed by another signal (137: SIGKILL from the OOM killer, 139: SIGSEGV) is a failed
+# task; the rest of its group is started again.
+STOPPED = (130, 143)
+
+
+def resolve_out(out: str | None, label: str) -> Path:
+    """The JSON path: --out FILE.json, --out DIR/ (a dated name inside), or benchmarks/results/."""
+    name = f"{time.strftime('%Y-%m-%d')}-{label}.json"
+    if out and out.endswith(".json"):
+        path = Path(out)
+        if path.exists():
+            raise UsageError(f"--out {out} already exists; bench results are never overwritten: "
+                             "choose another file, or give a folder to get a new dated name in it")
+        return path
+    folder = Path(out) if out else Path("benchmarks") / "results"
+    path, n = folder / name, 2
+    while path.exists():
+        path, n = folder / name.replace(".json", f"-{n}.json"), n + 1
+    return path
+
+
+def group_plan(base: DevicePlan, group: Group) -> DevicePlan:
+    if base.accelerator != "cuda":
+        return DevicePlan("cpu", (), group.nproc)
+    k = group.visible
+    return dataclasses.replace(base, gpu_ids=base.gpu_ids[:k], nproc=group.nproc,
+                               gpu_names=base.gpu_names[:k], tokens=base.tokens[:k])
+
+
+def prepare_data(s: BenchSettings, counts: tuple[int, ...]) -> tuple[str, int]:
+    """('synthetic', 1000) or ('folder:PATH', classes) with a JPEG folder big enough for one pass."""
+    if s.data != "real":
+        return "synthetic", NUM_CLASSES
+    sizes = {s.image_size or _default_size(m) for m in s.models}
+    if len(sizes) > 1:
+        raise UsageError(f"--data real with models of different default image sizes ({sorted(sizes)}); "
+                         "pass --image-size to use one size for all")
+    need = realdata.images_needed(max(s.batch_sizes) * max(counts), s.warmup, s.steps, s.trials)
+    start = time.perf_counter()
+    folder = realdata.ensure_image_folder(s.data_dir, need, sizes.pop())
+    console.info(f"multigpu bench: {need:,} JPEG images in {folder} "
+                 f"({time.perf_counter() - start:.1f} s, cached for the next run)")
+    return f"folder:{folder}", realdata.CLASSES
+
+
+def _default_size(model: str) -> int:
+    from multigpu.models import default_image_size
+
+    return default_image_size(model)
+
+
+def _versions() -> dict:
+    from multigpu import __version__
+
+    out = {"multigpu": __version__, "python": platform.python_version()}
+    for dist in ("torch", "accelerate", "lightning", "torchvision"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def new_report(s: BenchSettings, plan: DevicePlan, counts: tuple[int, ...], label: str) -> dict:
+    import os
+
+    settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "command"}
+    flags = {"cudnn.benchmark": True, "tf32": True} if plan.accelerator == "cuda" else {}
+    settings |= {"gpus": list(counts), "models": list(s.models), "batch_sizes": list(s.batch_sizes),
+                 "methods": list(s.methods), "backend_flags": flags}  # set in worker.py
+    return {"schema": report.SCHEMA, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": s.command,
+            "machine": {"label": label, "hostname": platform.node(), "accelerator": plan.accelerator,
+                        "gpu_name": plan.gpu_names[0] if plan.gpu_names else None,
+                        "gpu_count": len(plan.gpu_ids), "cpus": os.cpu_count()},
+            "versions": _versions(), "settings": settings, "rows": [], "skipped": [], "notes": [],
+            "launches": []}
+
+
+def read_records(folder: Path) -> tuple[dict[str, list[dict]], dict | None]:
+    by_key: dict[str, list[dict]] = {}
+    meta = None
+    for path in sorted(folder.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "meta":
+                meta = meta or rec
+            elif rec.get("kind") == "task":
+                by_key.setdefault(rec["key"], []).append(rec)
+    return by_key, meta
+
+
+@dataclasses.dataclass
+class Collected:
+    records: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # task key -> ranks
+    meta: dict | None = None  # the first worker's facts: versions, GPU name, hostname
+
+
+def run_group(index: int, group: Group, plan: DevicePlan, work: Path, rep: dict,
+              got_all: Collected, save) -> bool:
+    """Launch the group's tasks; on a failure, note it and start the rest again. False = stop.
+    `save()` is called after every launch, so the JSON always holds every finished task."""
+    from multigpu.launch import LaunchOptions, launch
+
+    remaining = list(group.tasks)
+    for attempt in range(MAX_ATTEMPTS):
+        folder = (work / f"launch{index}-{attempt}").resolve()
+        folder.mkdir(parents=True, exist_ok=True)
+        job = {"accelerator": plan.accelerator, "results_dir": str(folder),
+               "tasks": [dataclasses.asdict(t) for t in remaining]}
+        (folder / "job.json").write_text(json.dumps(job, indent=1))
+        console.info(f"multigpu bench: launch {index + 1}: {group.describe()}")
+        rc = launch(["-m", "multigpu.bench.worker", str(folder / "job.json")], group_plan(plan, group),
+                    LaunchOptions(log_dir=str(folder / "logs")))
+        got, meta = read_records(folder)
+        got_all.meta = got_all.meta or meta
+        for t in remaining:
+            if len(got.get(t.key, [])) == group.nproc:
+                got_all.records[t.key] = got[t.key]
+        remaining = [t for t in remaining if t.key not in got_all.records]
+        rep["launches"].append({"group": group.describe(), "attempt": attempt, "exit_code": rc,
+                                "logs": str(folder)})
+        save()
+        if rc in STOPPED:
+            rep["notes"].append(f"stopped by a signal during launch {index + 1}; "
+                                f"{len(remaining)} task(s) not measured")
+            return False
+        if not remaining:
+            if rc != 0:  # e.g. a crash while tearing down the process group
+                rep["notes"].append(f"launch {index + 1} exited with code {rc} after all its "
+                                    f"tasks finished; logs in {folder / 'logs'}")
+            return True
+        failed = remaining.pop(0)
+        rep["notes"].append(f"{failed.method} x{failed.gpus} {failed.model} batch {failed.batch_size} "
+                            f"failed (exit code {rc}); traceback printed above, every rank's logs "
+                            f"in {folder / 'logs'}")
+    if remaining:
+        rep["notes"].append(f"gave up on {len(remaining)} task(s) of launch {index + 1} after "
+                            f"{MAX_ATTEMPTS} failed attempts")
+    return True
+
+
+def finish(rep: dict, groups: list[Group], got: Collected, flops: dict, path: Path) -> None:
+    """Rows from the records so far, machine facts from the workers, then the JSON."""
+    if got.meta:
+        rep["versions"] |= {k: got.meta.get(k) for k in ("torch", "cuda", "nccl", "cudnn")}
+        rep["machine"]["gpu_name"] = rep["machine"]["gpu_name"] or got.meta.get("gpu_name")
+    rows = [report.build_row(t, got.records[t.key], flops.get(report.flops_key(t)))
+            for g in groups for t in g.tasks if t.key in got.records]
+    report.add_scaling(rows)
+    rep["rows"] = rows
+    report.write_json(rep, path)
+
+
+def run(s: BenchSettings) -> dict:
+    plan = resolve_devices(s.devices, one_process=False, min_free_memory_gb=s.min_free_memory)
+    if plan.accelerator == "cuda":
+        counts = gpu_counts(s.gpus, len(plan.gpu_ids), "GPUs", f"--devices {s.devices}")
+    else:
+        hint = f"{plan.note or '--devices ' + s.devices}; --devices cpu:N gives N CPU processes"
+        counts = gpu_counts(s.gpus, plan.nproc, "CPU processes", hint)
+    label = report.machine_label(plan.accelerator, len(plan.gpu_ids) or plan.nproc,
+                                 plan.gpu_names[0] if plan.gpu_names else None)
+    path = resolve_out(s.out, label)
+    data, num_outputs = prepare_data(s, counts)
+    groups, skipped = plan_groups(s, plan.accelerator, counts, data, num_outputs)
+    rep = new_report(s, plan, counts, label)
+    rep["skipped"] = skipped
+    for note in skipped:
+        console.info(f"multigpu bench: skipping {note['method']}: {note['reason']}")
+    flops = count_flops([t for g in groups for t in g.tasks])
+    console.info(f"multigpu bench: {sum(len(g.tasks) for g in groups)} measurements in "
+                 f"{len(groups)} launches; results -> {path}")
+    got = Collected()
+    work = path.with_name(f"{path.stem}-logs")
+    def save() -> None:
+        finish(rep, groups, got, flops, path)
+
+    try:
+        for i, group in enumerate(groups):
+            if not run_group(i, group, plan, work, rep, got, save):
+                break
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a time limit) between two launches
+        rep["notes"].append("interrupted; the rows measured so far are kept")
+    planned = sum(len(g.tasks) for g in groups)
+    if len(got.records) < planned:
+        missing = planned - len(got.records)
+        rep["notes"].append(f"{missing} of {planned} planned measurements are missing")
+    png = _plot(rep, path.with_suffix(".png"))
+    save()
+    return rep | {"json": str(path), "png": png}
+
+
+def count_flops(tasks) -> dict:
+    """FLOPs of one GPU's step for every task, counted once per model and image size at batch 2
+    (matmuls and convolutions grow linearly with the batch; 2 keeps BatchNorm happy)."""
+    per_sample: dict[tuple, float | None] = {}
+    out = {}
+    for t in tasks:
+        shape = (t.model, t.image_size, t.num_outputs)
+        if shape not in per_sample:  # on the meta device: shapes only, a second or two per model
+            two = stats.train_step_flops(t.model, (3, t.image_size, t.image_size), t.num_outputs, 2)
+            per_sample[shape] = two / 2 if two else None
+        f = per_sample[shape]
+        out[report.flops_key(t)] = round(f * t.batch_size) if f else None
+    return out
+
+
+def _plot(rep: dict, path: Path) -> str | None:
+    try:
+        return str(report.plot(rep, path))
+    except ImportError as exc:  # matplotlib is a dependency, but the JSON matters more
+        rep["notes"].append(f"no plot: {exc}")
+        return None

@@ -1,0 +1,216 @@
+"""What to measure: the settings of one `multigpu bench` invocation, and the launches they need.
+
+Every (method, model, batch size, GPU count) is one Task. Tasks are grouped so that as few
+processes as possible are started, because each start costs seconds of GPU time (imports, CUDA
+context, NCCL setup) while a measurement costs a few seconds:
+  1. one process on one GPU: multigpu-single (the reference) and the peers on 1 GPU;
+  2. for each GPU count N >= 2, largest first: N processes that run multigpu-ddp, then the
+     hand-written DDP, Accelerate and Fabric one after another in the same processes and the same
+     process group (Accelerate's PartialState and Fabric's _init_dist_connection both reuse an
+     initialised default group instead of creating one);
+  3. last, one process that drives N GPUs with DataParallel for each N (slow on some machines, so
+     it has its own, smaller, --dp-steps and goes last: a time limit cuts it first).
+The order is also the order of importance, so a run stopped early keeps what matters most.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, field
+
+from multigpu.errors import UsageError
+
+METHODS = ("multigpu-single", "multigpu-dp", "multigpu-ddp", "ddp", "accelerate", "fabric")
+PEERS = ("ddp", "accelerate", "fabric")
+DATA_KINDS = ("synthetic", "real")
+NUM_CLASSES = 1000  # synthetic data: ImageNet-sized classifier head, as in BASELINE.md
+
+
+@dataclass
+class BenchSettings:
+    models: tuple[str, ...] = ("resnet50",)
+    batch_sizes: tuple[int, ...] = (128,)  # per GPU (per process on CPU)
+    precision: str = "auto"
+    gpus: tuple[int, ...] | None = None  # GPU counts to measure; None = 1, 2, 4, ... up to all
+    methods: tuple[str, ...] = METHODS
+    data: str = "synthetic"
+    steps: int = 30
+    warmup: int = 10
+    trials: int = 3
+    dp_steps: int | None = None  # steps per DataParallel trial (default: steps)
+    image_size: int | None = None  # default: the model's own (224 for resnet50)
+    devices: str = "auto"
+    min_free_memory: float = 2.0
+    out: str | None = None
+    data_dir: str | None = None  # cache of the generated JPEG folder (--data real)
+    command: str = ""  # the command line, recorded in the JSON
+
+
+@dataclass
+class Task:
+    """One measurement. JSON-serialisable: the parent writes it into the worker's job file."""
+    method: str
+    model: str
+    batch_size: int
+    gpus: int  # GPUs the run uses (CPU processes on CPU)
+    image_size: int
+    precision: str  # as asked ("auto" is resolved in the worker, per device)
+    data: str  # "synthetic" or "folder:PATH"
+    num_outputs: int
+    warmup: int
+    steps: int
+    trials: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}|{self.model}|b{self.batch_size}|x{self.gpus}"
+
+
+@dataclass
+class Group:
+    """Tasks that run one after another in the same freshly launched processes."""
+    nproc: int
+    visible: int  # GPUs made visible to the group (0 on CPU)
+    tasks: list[Task] = field(default_factory=list)
+
+    def describe(self) -> str:
+        where = f"{self.visible} GPU{'s' if self.visible != 1 else ''}" if self.visible else "CPU"
+        methods = ", ".join(dict.fromkeys(t.method for t in self.tasks))
+        return f"{self.nproc} process{'es' if self.nproc != 1 else ''} on {where}: {methods}"
+
+    def to_json(self) -> dict:
+        return {"nproc": self.nproc, "visible": self.visible, "tasks": [asdict(t) for t in self.tasks]}
+
+
+# --------------------------------------------------------------------------- parsing flags
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in str(text).replace(" ", "").split(",") if v)
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise UsageError(f"{flag} {text!r} is not a list of positive integers; write e.g. {flag} 1,2,4")
+    return tuple(dict.fromkeys(values))  # keep the order, drop repeats
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    methods = tuple(dict.fromkeys(m.strip() for m in str(text).split(",") if m.strip()))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        named = ", ".join(map(repr, unknown)) or "(none)"
+        raise UsageError(f"--methods {text}: unknown method {named}; choose from {','.join(METHODS)}")
+    return methods
+
+
+def parse_models(text: str) -> tuple[str, ...]:
+    from multigpu.models import model_input_kind
+
+    models = tuple(dict.fromkeys(m.strip() for m in str(text).split(",") if m.strip()))
+    if not models:
+        raise UsageError("--model is empty; name a model, e.g. --model resnet50")
+    for m in models:
+        model_input_kind(m)  # raises UsageError on an unknown model
+    return models
+
+
+def validate(s: BenchSettings) -> None:
+    for name in ("steps", "trials"):
+        if getattr(s, name) < 1:
+            raise UsageError(f"--{name} {getattr(s, name)} must be at least 1")
+    if s.warmup < 0:
+        raise UsageError(f"--warmup {s.warmup} must be 0 or more")
+    if s.dp_steps is not None and s.dp_steps < 1:
+        raise UsageError(f"--dp-steps {s.dp_steps} must be at least 1")
+    if s.image_size is not None and s.image_size < 1:
+        raise UsageError(f"--image-size {s.image_size} must be positive")
+    if s.data not in DATA_KINDS:
+        raise UsageError(f"--data {s.data}: choose synthetic or real")
+
+
+def gpu_counts(requested: tuple[int, ...] | None, available: int, unit: str,
+               hint: str) -> tuple[int, ...]:
+    """The counts to measure, checked against what the device plan offers."""
+    if requested is None:
+        counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= available] + [available]
+        return tuple(sorted(set(counts)))
+    too_many = [n for n in requested if n > available]
+    if too_many:
+        fix = ",".join(str(n) for n in requested if n <= available) or "1"
+        raise UsageError(f"--gpus {','.join(map(str, requested))}: {too_many[0]} is more than the "
+                         f"{available} {unit} available ({hint}); use --gpus {fix}")
+    return tuple(sorted(requested))
+
+
+# --------------------------------------------------------------------------- planning
+
+def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
+    """Why a peer cannot run here (one line), or None."""
+    if method not in PEERS:
+        return None
+    if data == "real":
+        return "--data real times multigpu's own input pipeline; peers run on synthetic data only"
+    if method == "ddp":
+        return None
+    if accelerator != "cuda":
+        return f"{method} is measured on GPUs only in this bench"
+    if method == "accelerate" and importlib.util.find_spec("accelerate") is None:
+        return "accelerate is not installed (pip install accelerate)"
+    fabric_packages = ("lightning", "lightning_fabric")
+    if method == "fabric" and not any(importlib.util.find_spec(m) for m in fabric_packages):
+        return "lightning is not installed (pip install lightning)"
+    return None
+
+
+def plan_groups(s: BenchSettings, accelerator: str, counts: tuple[int, ...], data: str,
+                num_outputs: int) -> tuple[list[Group], list[dict]]:
+    """Tasks grouped into launches (see the module docstring), and the methods skipped, with why."""
+    skipped: dict[tuple[str, str], None] = {}
+    runnable = []
+    for m in s.methods:
+        reason = "DataParallel needs GPUs; on CPU use multigpu-ddp" if (
+            m == "multigpu-dp" and accelerator != "cuda") else unavailable_reason(m, accelerator, s.data)
+        if reason:
+            skipped[(m, reason)] = None
+        else:
+            runnable.append(m)
+    on_gpu = accelerator == "cuda"
+    first = Group(1, 1 if on_gpu else 0)
+    ddp_groups = {n: Group(n, n if on_gpu else 0) for n in sorted(counts, reverse=True) if n > 1}
+    dp_counts = [n for n in counts if n > 1] if "multigpu-dp" in runnable else []
+    dp = Group(1, max(dp_counts, default=0))
+    dp_steps = s.dp_steps or s.steps
+    for model in s.models:
+        size = s.image_size or _default_image_size(model)
+        for batch in s.batch_sizes:
+            make = _TaskMaker(s, model, batch, size, data, num_outputs)
+            if "multigpu-single" in runnable:
+                first.tasks.append(make("multigpu-single", 1))
+            first.tasks += [make(m, 1) for m in runnable if m in PEERS and 1 in counts]
+            for n, group in ddp_groups.items():
+                group.tasks += [make(m, n) for m in runnable if m == "multigpu-ddp" or m in PEERS]
+            dp.tasks += [make("multigpu-dp", n, dp_steps, min(s.warmup, dp_steps)) for n in dp_counts]
+    groups = [g for g in (first, *ddp_groups.values(), dp) if g.tasks]
+    return groups, [{"method": m, "reason": r} for m, r in skipped]
+
+
+@dataclass
+class _TaskMaker:
+    s: BenchSettings
+    model: str
+    batch: int
+    size: int
+    data: str
+    num_outputs: int
+
+    def __call__(self, method: str, n: int, steps: int | None = None,
+                 warmup: int | None = None) -> Task:
+        s = self.s
+        return Task(method, self.model, self.batch, n, self.size, s.precision, self.data,
+                    self.num_outputs, s.warmup if warmup is None else warmup,
+                    steps or s.steps, s.trials)
+
+
+def _default_image_size(model: str) -> int:
+    from multigpu.models import default_image_size
+
+    return default_image_size(model)

@@ -1,0 +1,63 @@
+"""`multigpu bench` end to end on CPU: real launches through our launcher, gloo, tiny settings."""
+import json
+
+import pytest
+
+from .conftest import multigpu
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--steps", "3", "--warmup", "1", "--trials", "2", "--image-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "x.json"
+    proc = multigpu("bench", "--model", "mlp", "--devices", "cpu:2", "--gpus", "1,2", *TINY,
+                    "--batch-size", "16", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    return out, json.loads(out.read_text()), proc
+
+
+def test_every_method_available_on_cpu_has_a_row(smoke):
+    _, data, _ = smoke
+    got = {(r["method"], r["gpus"]) for r in data["rows"]}
+    assert got == {("multigpu-single", 1), ("ddp", 1), ("multigpu-ddp", 2), ("ddp", 2)}
+    for r in data["rows"]:
+        assert len(r["trial_seconds"]) == 2 and r["img_per_s"] > 0 and r["step_ms"] > 0
+        assert r["global_batch"] == 16 * r["gpus"] and r["flops_per_step_per_gpu"] > 0
+        assert r["img_per_s_min"] <= r["img_per_s"] <= r["img_per_s_max"]
+    single = next(r for r in data["rows"] if r["method"] == "multigpu-single")
+    assert single["scaling_efficiency"] == 1.0 and single["optimizer"].startswith("SGD")
+    ddp2 = next(r for r in data["rows"] if (r["method"], r["gpus"]) == ("multigpu-ddp", 2))
+    assert ddp2["wrapper"] == "DistributedDataParallel" and ddp2["strategy"].startswith("ddp (2")
+
+
+def test_skipped_peers_are_named_with_a_reason_and_the_plot_is_written(smoke):
+    out, data, proc = smoke
+    assert {s["method"] for s in data["skipped"]} >= {"multigpu-dp", "accelerate", "fabric"}
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert data["machine"]["label"] == "2xCPU" and data["versions"]["torch"]
+    assert len(data["launches"]) == 2, ("one launch per process count", data["launches"],
+                                        data["notes"])
+    assert "multigpu-ddp" in proc.stdout and "scaling" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_real_data_goes_through_the_training_input_pipeline(tmp_path):
+    out = tmp_path / "real.json"
+    proc = multigpu("bench", "--model", "cnn", "--data", "real", "--methods", "multigpu-ddp",
+                    "--devices", "cpu:2", "--gpus", "2", "--batch-size", "4", *TINY,
+                    "--image-size", "16", "--data-dir", tmp_path / "images", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["method"], row["data"], row["global_batch"]) == ("multigpu-ddp", "real", 8)
+    assert row["warmup"] > 1, "the warm-up also drains the loader's prefetch queue"
+    assert list((tmp_path / "images").glob("jpeg-*/train/class_00/*.jpg"))
+
+
+def test_unknown_method_is_one_line_and_exit_2(tmp_path):
+    proc = multigpu("bench", "--model", "mlp", "--methods", "ddp,horovod", "--devices", "cpu:1",
+                    "--out", tmp_path / "x.json")
+    assert proc.returncode == 2
+    assert "unknown method 'horovod'" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr

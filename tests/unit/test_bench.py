@@ -1,0 +1,288 @@
+"""multigpu bench without launching anything: the maths, the plan of launches, the report files."""
+import json
+import statistics
+
+import pytest
+
+from multigpu.bench import report, runner, spec, stats
+from multigpu.bench.spec import BenchSettings, Task
+from multigpu.devices import DevicePlan
+from multigpu.errors import UsageError
+
+
+# --------------------------------------------------------------------------- statistics
+
+def test_trial_stats_median_and_spread_of_throughput_and_step_time():
+    s = stats.trial_stats([2.0, 1.0, 4.0], [1000, 1000, 1000], steps=10)
+    assert s["img_per_s"] == 500 and (s["img_per_s_min"], s["img_per_s_max"]) == (250, 1000)
+    assert s["step_ms"] == 200 and (s["step_ms_min"], s["step_ms_max"]) == (100, 400)
+    assert s["spread_pct"] == pytest.approx(150.0)
+    even = stats.trial_stats([1.0, 2.0], [100, 100], steps=1)
+    assert even["img_per_s"] == statistics.median([100, 50])
+
+
+def test_trial_stats_needs_one_sample_count_per_trial():
+    with pytest.raises(ValueError):
+        stats.trial_stats([1.0, 2.0], [10], steps=1)
+
+
+def test_scaling_efficiency_against_the_single_gpu_run():
+    assert stats.scaling_efficiency(12_000, 4, 4_000) == pytest.approx(0.75)
+    assert stats.scaling_efficiency(4_000, 1, 4_000) == 1.0
+    assert stats.scaling_efficiency(12_000, 4, None) is None
+
+
+@pytest.mark.parametrize("name,precision,peak", [
+    ("NVIDIA H200", "bf16", 989e12), ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+    ("NVIDIA A100-SXM4-80GB", "fp16", 312e12), ("NVIDIA H100 PCIe", "bf16", None),
+    ("NVIDIA H200", "fp32", None), ("Tesla T4", "bf16", None), (None, "bf16", None),
+])
+def test_peak_flops_table(name, precision, peak):
+    assert stats.peak_flops(name, precision) == peak
+
+
+def test_mfu_is_flops_per_second_over_peak():
+    # BASELINE's 1-GPU ResNet-50 step: 3.11 TFLOP in 29.8 ms on an H200 -> about 10.6 %.
+    assert stats.mfu(3.11e12, 0.0298, 989e12) == pytest.approx(3.11e12 / 0.0298 / 989e12)
+    assert stats.mfu(None, 0.03, 989e12) is None and stats.mfu(1e12, 0.03, None) is None
+
+
+def test_flops_of_an_mlp_step_are_counted_exactly():
+    b, i = 4, 3 * 8 * 8
+    layers = [(i, 256), (256, 256), (256, 1000)]
+    forward = sum(2 * b * m * n for m, n in layers)
+    # backward: weight gradients of every layer, input gradients of all but the first
+    backward = forward + sum(2 * b * m * n for m, n in layers[1:])
+    assert stats.train_step_flops("mlp", (3, 8, 8), 1000, b) == forward + backward
+
+
+# --------------------------------------------------------------------------- flags and plan
+
+def test_parse_lists_and_methods():
+    assert spec.parse_int_list("1, 2,4,2", "--gpus") == (1, 2, 4)
+    with pytest.raises(UsageError, match="--gpus '0,2'"):
+        spec.parse_int_list("0,2", "--gpus")
+    with pytest.raises(UsageError, match="unknown method 'deepspeed'.*choose from"):
+        spec.parse_methods("ddp,deepspeed")
+    with pytest.raises(UsageError, match="unknown model"):
+        spec.parse_models("resnet51")
+
+
+def test_gpu_counts_default_and_too_many():
+    assert spec.gpu_counts(None, 4, "GPUs", "") == (1, 2, 4)
+    assert spec.gpu_counts(None, 6, "GPUs", "") == (1, 2, 4, 6)
+    with pytest.raises(UsageError, match=r"--gpus 1,2,8: 8 is more than the 4 GPUs .*use --gpus 1,2"):
+        spec.gpu_counts((1, 2, 8), 4, "GPUs", "--devices auto")
+
+
+def test_more_gpus_than_cpu_processes_is_a_usage_error_before_any_launch(tmp_path):
+    with pytest.raises(UsageError, match="more than the 2 CPU processes"):
+        runner.run(BenchSettings(models=("mlp",), gpus=(1, 4), devices="cpu:2",
+                                 out=str(tmp_path / "x.json")))
+
+
+def test_plan_on_gpus_groups_tasks_into_few_launches_in_order_of_importance(monkeypatch):
+    monkeypatch.setattr(spec, "unavailable_reason", lambda *a: None)  # every peer installed
+    s = BenchSettings(gpus=(1, 2, 4), steps=30, warmup=10, dp_steps=2)
+    groups, skipped = spec.plan_groups(s, "cuda", (1, 2, 4), "synthetic", 1000)
+    assert skipped == []
+    assert [(g.nproc, g.visible) for g in groups] == [(1, 1), (4, 4), (2, 2), (1, 4)]
+    assert [t.method for t in groups[0].tasks] == ["multigpu-single", "ddp", "accelerate", "fabric"]
+    assert [t.method for t in groups[1].tasks] == ["multigpu-ddp", "ddp", "accelerate", "fabric"]
+    assert {t.gpus for t in groups[1].tasks} == {4}
+    dp = groups[3].tasks
+    assert [(t.method, t.gpus, t.steps, t.warmup) for t in dp] == [("multigpu-dp", 2, 2, 2),
+                                                                   ("multigpu-dp", 4, 2, 2)]
+    keys = [t.key for g in groups for t in g.tasks]
+    assert len(keys) == len(set(keys)) == 14
+
+
+def test_plan_on_cpu_skips_dataparallel_and_library_peers_with_a_reason():
+    s = BenchSettings(models=("mlp",), batch_sizes=(8, 16))
+    groups, skipped = spec.plan_groups(s, "cpu", (1, 2), "synthetic", 1000)
+    assert {x["method"] for x in skipped} == {"multigpu-dp", "accelerate", "fabric"}
+    assert all(x["reason"] for x in skipped)
+    assert [(g.nproc, g.visible) for g in groups] == [(1, 0), (2, 0)]
+    assert [(t.method, t.batch_size) for t in groups[1].tasks] == [
+        ("multigpu-ddp", 8), ("ddp", 8), ("multigpu-ddp", 16), ("ddp", 16)]
+
+
+def test_real_data_skips_the_peers():
+    s = BenchSettings(models=("mlp",), data="real", methods=("multigpu-ddp", "ddp"))
+    groups, skipped = spec.plan_groups(s, "cpu", (2,), "folder:/x", 10)
+    assert [t.method for g in groups for t in g.tasks] == ["multigpu-ddp"]
+    assert skipped[0]["method"] == "ddp" and "--data real" in skipped[0]["reason"]
+
+
+def test_group_plan_shows_the_first_gpus_of_the_device_plan():
+    base = DevicePlan("cuda", (0, 1, 2, 3), 4, ("H200",) * 4, ("4", "5", "6", "7"))
+    sub = runner.group_plan(base, spec.Group(1, 2))
+    assert (sub.gpu_ids, sub.nproc, sub.cuda_visible_devices()) == ((0, 1), 1, "4,5")
+    assert runner.group_plan(DevicePlan("cpu", (), 2), spec.Group(2, 0)).nproc == 2
+
+
+def test_out_path_is_dated_and_never_overwritten(tmp_path):
+    first = runner.resolve_out(str(tmp_path), "4xH200")
+    assert first.parent == tmp_path and first.name.endswith("-4xH200.json")
+    first.write_text("{}")
+    assert runner.resolve_out(str(tmp_path), "4xH200").name.endswith("-4xH200-2.json")
+    with pytest.raises(UsageError, match="never overwritten"):
+        runner.resolve_out(str(first), "4xH200")
+
+
+# --------------------------------------------------------------------------- report
+
+def _task(method, gpus, batch=32):
+    return Task(method, "resnet50", batch, gpus, 224, "bf16", "synthetic", 1000, 2, 10, 3)
+
+
+def _ranks(task, seconds_per_rank):
+    return [{"kind": "task", "key": task.key, "rank": r, "seconds": secs,
+             "samples": [task.batch_size * task.gpus * task.steps] * task.trials,
+             "memory_before": [0], "peak_memory": [(r + 1) * 2**30], "device_names": ["NVIDIA H200"],
+             "setup_seconds": 1.0, "warmup": task.warmup, "precision": "bf16", "strategy": "ddp",
+             "wrapper": "DistributedDataParallel", "optimizer": "SGD"}
+            for r, secs in enumerate(seconds_per_rank)]
+
+
+def _report(tmp_path):
+    single, ddp = _task("multigpu-single", 1), _task("multigpu-ddp", 2)
+    rows = [report.build_row(single, _ranks(single, [[0.1, 0.1, 0.1]]), 3.0e12),
+            report.build_row(ddp, _ranks(ddp, [[0.1, 0.2, 0.1], [0.125, 0.1, 0.125]]), 3.0e12)]
+    report.add_scaling(rows)
+    s = BenchSettings(gpus=(1, 2), command="multigpu bench --gpus 1,2")
+    rep = runner.new_report(s, DevicePlan("cuda", (0, 1), 2, ("NVIDIA H200",) * 2), (1, 2), "2xH200")
+    rep["rows"] = rows
+    return rep
+
+
+def test_rows_take_the_slowest_rank_per_trial_and_scale_against_single(tmp_path):
+    rows = _report(tmp_path)["rows"]
+    ddp = rows[1]
+    assert ddp["trial_seconds"] == [0.125, 0.2, 0.125]
+    assert ddp["global_batch"] == 64
+    assert ddp["img_per_s"] == pytest.approx(64 * 10 / 0.125)
+    assert ddp["scaling_efficiency"] == pytest.approx((640 / 0.125) / (2 * 320 / 0.1))
+    assert ddp["peak_memory_gib"] == [1.0, 2.0]
+    assert ddp["mfu"] == pytest.approx(3.0e12 / 0.0125 / 989e12)
+    assert rows[0]["scaling_efficiency"] == 1.0
+
+
+def test_json_holds_machine_versions_settings_and_every_row(tmp_path):
+    rep = _report(tmp_path)
+    path = tmp_path / "r.json"
+    report.write_json(rep, path)
+    data = json.loads(path.read_text())
+    assert data["schema"] == report.SCHEMA and data["command"].startswith("multigpu bench")
+    assert {"label", "hostname", "gpu_name", "gpu_count"} <= set(data["machine"])
+    assert {"multigpu", "torch", "python", "accelerate", "lightning"} <= set(data["versions"])
+    assert data["settings"]["gpus"] == [1, 2] and data["settings"]["backend_flags"]["cudnn.benchmark"]
+    assert [set(r) for r in data["rows"]] == [set(report.ROW_KEYS)] * 2
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_plot_writes_a_png_and_the_table_prints(tmp_path, capsys):
+    rep = _report(tmp_path)
+    path = report.plot(rep, tmp_path / "r.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report.print_table(rep)
+    out = capsys.readouterr().out
+    assert "multigpu-ddp" in out and "2xH200" in out
+
+
+def test_machine_label():
+    assert report.machine_label("cuda", 4, "NVIDIA H200") == "4xH200"
+    assert report.machine_label("cuda", 8, "NVIDIA A100-SXM4-80GB") == "8xA100"
+    assert report.machine_label("cpu", 2, None) == "2xCPU"
+
+
+# --------------------------------------------------------------------------- real data
+
+def test_jpeg_folder_is_generated_once_in_imagefolder_layout(tmp_path):
+    from multigpu.bench import realdata
+    from multigpu.datasets import load_data
+
+    folder = realdata.ensure_image_folder(tmp_path, 30, 16, workers=1)
+    again = realdata.ensure_image_folder(tmp_path, 20, 16, workers=1)
+    assert again == folder and (folder / "manifest.json").exists()
+    data = load_data(f"folder:{folder}", input_kind="image", image_size=16)
+    assert len(data.train) == 30 and data.num_outputs == realdata.CLASSES
+    assert data.train[0][0].shape == (3, 16, 16)
+
+
+def test_flops_are_counted_once_per_model_and_scaled_by_the_batch():
+    tasks = [Task("multigpu-single", "mlp", b, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1)
+             for b in (4, 16)]
+    flops = runner.count_flops(tasks)
+    assert flops[report.flops_key(tasks[0])] == stats.train_step_flops("mlp", (3, 8, 8), 1000, 4)
+    assert flops[report.flops_key(tasks[1])] == 4 * flops[report.flops_key(tasks[0])]
+
+
+# --------------------------------------------------------------------------- failures
+
+def _fake_launch(monkeypatch, outcomes):
+    """launch() that records the first `done` tasks of each job, then returns `rc`."""
+    import multigpu.launch
+
+    calls = []
+
+    def launch(cmd, plan, opts):
+        job = json.loads(open(cmd[-1]).read())
+        done, rc = outcomes[len(calls)]
+        calls.append([t["method"] for t in job["tasks"]])
+        with open(f"{job['results_dir']}/rank0.jsonl", "w") as f:
+            for t in job["tasks"][:done]:
+                f.write(json.dumps({"kind": "task", "key": Task(**t).key, "rank": 0}) + "\n")
+        return rc
+
+    monkeypatch.setattr(multigpu.launch, "launch", launch)
+    return calls
+
+
+def _group():
+    return spec.Group(1, 0, [Task(m, "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1)
+                             for m in ("multigpu-single", "ddp", "accelerate", "fabric")])
+
+
+def test_a_failed_task_is_noted_and_the_rest_of_its_group_runs_again(monkeypatch, tmp_path):
+    calls = _fake_launch(monkeypatch, [(1, 1), (2, 0)])  # ddp crashes; a new launch does the rest
+    rep, got, saves = {"launches": [], "notes": []}, runner.Collected(), []
+    go_on = runner.run_group(0, _group(), DevicePlan("cpu", (), 1), tmp_path, rep, got,
+                             lambda: saves.append(1))
+    assert go_on and calls == [["multigpu-single", "ddp", "accelerate", "fabric"],
+                               ["accelerate", "fabric"]]
+    assert len(got.records) == 3 and len(saves) == 2
+    assert len(rep["notes"]) == 1 and rep["notes"][0].startswith("ddp x1 mlp batch 4 failed")
+
+
+def test_a_launch_stopped_by_sigterm_stops_the_bench(monkeypatch, tmp_path):
+    _fake_launch(monkeypatch, [(2, 143)])
+    rep, got = {"launches": [], "notes": []}, runner.Collected()
+    assert not runner.run_group(0, _group(), DevicePlan("cpu", (), 1), tmp_path, rep, got, lambda: None)
+    assert len(got.records) == 2 and "stopped by a signal" in rep["notes"][0]
+
+
+def test_the_bench_flags_are_pinned():
+    from multigpu.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
+    flags = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
+    assert flags == {"--help", "--debug", "--model", "--batch-size", "--precision", "--gpus",
+                     "--methods", "--data", "--steps", "--warmup", "--trials", "--dp-steps",
+                     "--image-size", "--devices", "--min-free-memory", "--out", "--data-dir"}
+
+
+def test_flags_become_settings_and_bad_values_are_usage_errors():
+    from multigpu.cli import build_parser
+    from multigpu.cli.bench import settings_from_args
+
+    parse = build_parser().parse_args
+    s = settings_from_args(parse(["bench", "--model", "mlp,cnn", "--batch-size", "8,16",
+                                  "--gpus", "1,2", "--methods", "multigpu-ddp,ddp"]))
+    assert (s.models, s.batch_sizes, s.gpus, s.methods) == (("mlp", "cnn"), (8, 16), (1, 2),
+                                                            ("multigpu-ddp", "ddp"))
+    assert settings_from_args(parse(["bench"])).gpus is None
+    with pytest.raises(UsageError, match="--steps 0 must be at least 1"):
+        settings_from_args(parse(["bench", "--steps", "0"]))
+    with pytest.raises(UsageError, match="--batch-size"):
+        settings_from_args(parse(["bench", "--batch-size", "x"]))
