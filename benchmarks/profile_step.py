@@ -79,43 +79,58 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--tag", default="", help="label for this run, e.g. the NCCL settings in its env")
+    p.add_argument("--no-profile", action="store_true", help="time only (no torch.profiler)")
+    p.add_argument("--dp", type=int, default=0, help="DataParallel over this many GPUs instead")
     a = p.parse_args()
 
     torch.backends.cudnn.benchmark = True
-    rt = multigpu.setup("auto", "bf16", seed=0, **VARIANTS[a.variant])
+    if a.dp:
+        rt = multigpu.setup("dp", "bf16", seed=0, devices=list(range(a.dp)))
+    else:
+        rt = multigpu.setup("auto", "bf16", seed=0, **VARIANTS[a.variant])
+    per_process = a.batch * rt.strategy.devices_per_process
     model = build_model(a.model, (3, 224, 224), 1000).to(memory_format=torch.channels_last)
     model = rt.prepare(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-    x = torch.randn(a.batch, 3, 224, 224, device=rt.device)
-    y = torch.randint(0, 1000, (a.batch,), device=rt.device)
+    x = torch.randn(per_process, 3, 224, 224, device=rt.device)
+    y = torch.randint(0, 1000, (per_process,), device=rt.device)
     settings = StepSettings(channels_last=True)
     loss_fn = torch.nn.functional.cross_entropy
-    for _ in range(15):
+    warmup, timed = (2, 2) if a.dp else (15, 20)
+    for _ in range(warmup):
         train_step(rt, model, opt, loss_fn, (x, y), settings)
     torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    for _ in range(20):
+    for _ in range(timed):
         train_step(rt, model, opt, loss_fn, (x, y), settings)
     torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) / 20 * 1000
-
+    wall_ms = (time.perf_counter() - t0) / timed * 1000
+    name = f"{a.variant}{a.tag}-{'dp' + str(a.dp) if a.dp else 'w' + str(rt.world_size)}-rank{rt.rank}"
+    throughput = {"variant": a.variant, "tag": a.tag, "world_size": rt.world_size, "dp": a.dp,
+                  "rank": rt.rank, "batch": a.batch, "model": a.model, "wall_ms": wall_ms,
+                  "img_per_s": per_process * rt.world_size / wall_ms * 1000}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / f"trace-{a.variant}-w{rt.world_size}-rank{rt.rank}.json"
+    if a.no_profile:
+        (out / f"time-{name}.json").write_text(json.dumps(throughput))
+        print(json.dumps(throughput), flush=True)
+        return
+    trace = out / f"trace-{name}.json"
+    steps = 1 if a.dp else a.steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.steps):
+        for _ in range(steps):
             train_step(rt, model, opt, loss_fn, (x, y), settings)
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(trace))
-    result = {"variant": a.variant, "world_size": rt.world_size, "rank": rt.rank, "batch": a.batch,
-              "model": a.model, **summarise(trace, a.steps, wall_ms),
-              "img_per_s": a.batch * rt.world_size / wall_ms * 1000}
+    result = {**throughput, **summarise(trace, steps, wall_ms)}
     trace.unlink()  # large; the summary is what we keep
-    (out / f"profile-{a.variant}-w{rt.world_size}-rank{rt.rank}.json").write_text(json.dumps(result))
+    (out / f"profile-{name}.json").write_text(json.dumps(result))
     print(json.dumps(result), flush=True)
     if rt.rank == 0:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        for key in ("cuda_time_total", "cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
 #   1 pytest-gpu  python -m pytest -m gpu tests/gpu                       (box 240 s)
 #   2 bench-main  resnet50 bf16 batch 128, 1/2/4 GPUs, every method       (box 210 s)
 #   2b profile    kernel timelines of 1 and 4 GPUs (benchmarks/profile_step.py) (box 90 s)
+#   2c variants   DDP knobs A/B on 4 GPUs: NCCL protocol, bucket size, static graph (box 200 s)
+#   2d dp-profile one profiled DataParallel step on 4 GPUs                 (box  60 s)
 #   3 bench-batch resnet50 batch 32/64/256, multigpu-ddp vs ddp, 4 GPUs   (box  90 s)
 #   4 bench-real  resnet50 batch 128, 4 GPUs, JPEG folder through our pipeline (box 100 s)
 #   5 bench-models swin_t and vgg16, multigpu-ddp on 1 and 4 GPUs         (box  90 s)
@@ -80,6 +82,22 @@ stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,2,
 stage profile 90 bash -c "'$PY' -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/profile_step.py --out '$OUT/profile' && '$PY' -m torch.distributed.run \
     --standalone --nproc_per_node 4 benchmarks/profile_step.py --out '$OUT/profile'"
+# A/B of DDP knobs on 4 GPUs, each in fresh processes (NCCL reads its env at communicator init).
+variants() {
+    local prof=(-m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/profile_step.py
+                --out "$OUT/variants" --no-profile)
+    "$PY" "${prof[@]}" --tag -default
+    NCCL_PROTO=LL128 "$PY" "${prof[@]}" --tag -ll128
+    NCCL_PROTO=Simple "$PY" "${prof[@]}" --tag -simple
+    "$PY" "${prof[@]}" --variant bucket100
+    "$PY" "${prof[@]}" --variant static
+    "$PY" "${prof[@]}" --tag -default-again
+    grep -h . "$OUT"/variants/time-*rank0.json
+}
+export -f variants
+stage variants 200 bash -c variants
+# Why DataParallel is slow: one profiled step over 4 GPUs.
+stage dp-profile 60 "$PY" benchmarks/profile_step.py --dp 4 --out "$OUT/dp-profile"
 stage bench-batch 90 "${BENCH[@]}" --model resnet50 --batch-size 32,64,256 --gpus 4 \
     --methods multigpu-single,multigpu-ddp,ddp --steps 20 --warmup 5 --trials 3 \
     --out "$OUT/bench-batch.json"

@@ -64,7 +64,26 @@ class Recorder(nn.Module):
         return self.fc(x)
 
 
+def _isolated(check) -> None:
+    """Run `check` in a fresh process: CUDA contexts left in pytest's own process would make
+    these GPUs look busy to the launcher tests that follow."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(target=check)
+    proc.start()
+    proc.join(timeout=180)
+    assert proc.exitcode == 0, f"{check.__name__} failed in its process (see its traceback above)"
+
+
 def test_dataparallel_wraps_after_moving_and_splits_over_both_gpus():
+    _isolated(check_dataparallel_wrap)
+
+
+def test_prefetched_batches_arrive_intact_on_the_gpu():
+    _isolated(check_prefetch)
+
+
+def check_dataparallel_wrap():
     rt = multigpu.setup("dp", "fp32", devices=[0, 1])
     cpu_model = Recorder()  # weights on the CPU, as a user builds them (trap 1)
     model = rt.prepare(cpu_model)
@@ -79,7 +98,7 @@ def test_dataparallel_wraps_after_moving_and_splits_over_both_gpus():
     assert any("outside DataParallel" in str(w.message) for w in caught)
 
 
-def test_prefetched_batches_arrive_intact_on_the_gpu():
+def check_prefetch():
     from torch.utils.data import DataLoader, TensorDataset
 
     rt = multigpu.setup("single", "fp32", devices=[1])
