@@ -86,12 +86,12 @@ stage profile 90 bash -c "'$PY' -m torch.distributed.run --standalone --nproc_pe
 variants() {
     local prof=(-m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/profile_step.py
                 --out "$OUT/variants" --no-profile)
-    "$PY" "${prof[@]}" --tag -default
-    NCCL_PROTO=LL128 "$PY" "${prof[@]}" --tag -ll128
-    NCCL_PROTO=Simple "$PY" "${prof[@]}" --tag -simple
+    "$PY" "${prof[@]}" --tag=-default
+    NCCL_PROTO=LL128 "$PY" "${prof[@]}" --tag=-ll128
+    NCCL_PROTO=Simple "$PY" "${prof[@]}" --tag=-simple
     "$PY" "${prof[@]}" --variant bucket100
     "$PY" "${prof[@]}" --variant static
-    "$PY" "${prof[@]}" --tag -default-again
+    "$PY" "${prof[@]}" --tag=-default-again
     grep -h . "$OUT"/variants/time-*rank0.json
 }
 export -f variants
