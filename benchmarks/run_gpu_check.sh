@@ -90,7 +90,6 @@ variants() {
     NCCL_PROTO=LL128 "$PY" "${prof[@]}" --tag=-ll128
     NCCL_PROTO=Simple "$PY" "${prof[@]}" --tag=-simple
     "$PY" "${prof[@]}" --variant bucket100
-    "$PY" "${prof[@]}" --variant static
     "$PY" "${prof[@]}" --tag=-default-again
     grep -h . "$OUT"/variants/time-*rank0.json
 }
