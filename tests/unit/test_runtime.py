@@ -82,3 +82,16 @@ def test_dataparallel_warns_about_per_sample_lists():
     dp = CheckedDataParallel(WithCustomMethod())
     with pytest.warns(UserWarning, match="copies non-tensor arguments whole"):
         dp(torch.randn(3, 2), tags=["a", "b", "c"])
+
+
+def test_dataparallel_turns_cudnn_autotuning_off():
+    # DataParallel's fresh threads each step would re-tune every convolution (25x slower).
+    from multigpu.strategies.dp import _avoid_cudnn_retuning
+
+    torch.backends.cudnn.benchmark = True
+    try:
+        with pytest.warns(UserWarning, match="re-tune every convolution"):
+            _avoid_cudnn_retuning()
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark = False

@@ -47,6 +47,12 @@ class DataParallel(Strategy):
         if len(self.device_ids) == 1:
             return model
         _warn_on_scatter_bypass(model)
+        _avoid_cudnn_retuning()
+        warnings.warn(f"strategy 'dp' drives {len(self.device_ids)} GPUs from one process: it "
+                      "copies the model to every GPU each step and runs their forwards on threads "
+                      "that share the GIL. Measured on 4x H200 (ResNet-50 bf16, batch 128 per GPU): "
+                      "0.74x the speed of ONE GPU, against 0.94 x 4 for ddp. Use --strategy ddp "
+                      "(the default with several GPUs)", stacklevel=3)
         return CheckedDataParallel(model, device_ids=list(self.device_ids))
 
     def describe(self) -> str:
@@ -89,6 +95,19 @@ class CheckedDataParallel(nn.DataParallel):
                               "but DataParallel copies non-tensor arguments whole to every GPU "
                               "instead of splitting them; pass a tensor", stacklevel=3)
                 return
+
+
+def _avoid_cudnn_retuning() -> None:
+    """The cause of DataParallel's 25-30x slowdown on these machines (benchmarks/NOTES.md).
+
+    DataParallel runs each replica's forward on a new thread every step, and cuDNN's autotuning
+    results are cached per thread: with `cudnn.benchmark` on, every convolution is re-tuned on
+    every step. ResNet-50 bf16 on 4x H200: 172 img/s with it on, 3,202 img/s with it off.
+    """
+    if torch.backends.cudnn.benchmark:
+        torch.backends.cudnn.benchmark = False
+        warnings.warn("cudnn.benchmark turned off for strategy 'dp': its per-thread cache would "
+                      "re-tune every convolution on every step (25x slower)", stacklevel=4)
 
 
 def _warn_on_scatter_bypass(model: nn.Module) -> None:
