@@ -173,8 +173,11 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
                      f"{state.get('world_size')} x {state.get('strategy')})")
     for epoch in range(first_epoch, cfg.epochs + 1):
         record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"]}
-        record |= train_epoch(rt, model, optimizer, loss_fn, train_loader, settings,
-                              description=f"epoch {epoch}/{cfg.epochs}")
+        try:
+            record |= train_epoch(rt, model, optimizer, loss_fn, train_loader, settings,
+                                  description=f"epoch {epoch}/{cfg.epochs}")
+        except torch.cuda.OutOfMemoryError:
+            raise UsageError(_oom_message(cfg, rt)) from None
         record |= evaluate(rt, model, loss_fn, val_loader, classification, settings)
         if rt.precision.scaler is not None:
             record["skipped_steps"] = rt.precision.skipped_steps
@@ -192,6 +195,16 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
             atomic_copy(out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt")
         rt.env.barrier()
     return record
+
+
+def _oom_message(cfg: TrainConfig, rt: Runtime) -> str:
+    """Trap 2: say what ran out and the three ways out, instead of the allocator's dump."""
+    total = torch.cuda.get_device_properties(rt.device).total_memory / 2**30
+    smaller = max(1, cfg.batch_size // 2)
+    return (f"CUDA out of memory on {rt.device} ({total:.0f} GiB) with --batch-size "
+            f"{cfg.batch_size} per GPU and --precision {rt.precision.kind}: use --batch-size "
+            f"{smaller} (add --accumulate {2 * cfg.accumulate} to keep the global batch), or "
+            "--precision bf16; `multigpu gpus` shows what else holds memory")
 
 
 def _agree_on_out(cfg: TrainConfig, rt: Runtime) -> Path:

@@ -19,3 +19,18 @@ def test_uint8_images_are_normalised_on_the_device_like_the_float_pipeline():
 def test_float_inputs_pass_through_untouched():
     x = torch.randn(2, 3, 4, 4)
     assert prepare_inputs(x, StepSettings()) is x
+
+
+def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
+    from types import SimpleNamespace
+
+    from multigpu.config import TrainConfig
+    from multigpu.training import _oom_message
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    rt = SimpleNamespace(device=torch.device("cuda", 1), precision=SimpleNamespace(kind="fp32"))
+    message = _oom_message(TrainConfig(model="resnet50", batch_size=256), rt)
+    assert message.startswith("CUDA out of memory on cuda:1 (80 GiB) with --batch-size 256 per GPU")
+    assert "--batch-size 128" in message and "--accumulate 2" in message
+    assert "--precision bf16" in message and "\n" not in message
