@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import io
 import os
 import random
 import tempfile
@@ -20,21 +21,24 @@ import numpy as np
 import torch
 from torch import nn
 
+from multigpu.errors import UsageError
+
 FORMAT_VERSION = 1
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
+def _strip_one_prefix(state: Mapping[str, torch.Tensor]) -> dict | None:
+    """`state` without a wrapper prefix that every key carries, or None when there is none."""
+    prefix = next((p for p in _WRAPPER_PREFIXES if state and all(k.startswith(p) for k in state)), None)
+    return None if prefix is None else {k[len(prefix):]: v for k, v in state.items()}
+
+
 def clean_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) prefixes from every key."""
-    out = {}
-    for key, value in state.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in _WRAPPER_PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix):], True
-        out[key] = value
+    """Strip DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) prefixes, as long as
+    every key carries one."""
+    out = dict(state)
+    while (stripped := _strip_one_prefix(out)) is not None:
+        out = stripped
     return out
 
 
@@ -52,7 +56,13 @@ def to_cpu(obj):
 def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a state dict with or without wrapper prefixes into `model`, wrapped or not."""
     from multigpu.strategies.base import unwrap_model  # strategies import us indirectly
-    return unwrap_model(model).load_state_dict(clean_state_dict(state), strict=strict)
+    model = unwrap_model(model)
+    expected = set(model.state_dict())
+    # Peel one wrapper prefix at a time until the keys are the model's own: a model with a real
+    # child named `module` (an EMA wrapper, say) keeps that part of its keys.
+    while set(state) != expected and (stripped := _strip_one_prefix(state)) is not None:
+        state = stripped
+    return model.load_state_dict(state, strict=strict)
 
 
 def atomic_save(obj, path: str | os.PathLike) -> Path:
@@ -70,6 +80,20 @@ def atomic_save(obj, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def check_loadable(extra: dict) -> None:
+    """Refuse values that `torch.load(weights_only=True)` would refuse at resume time (numpy
+    scalars, Path objects, ...): better to fail at the first save than after a crash."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:
+        raise UsageError(f"a value passed to save() cannot be read back with weights_only=True "
+                         f"({str(exc).splitlines()[0]}); convert it to int/float/str/list/dict "
+                         "or a tensor") from None
 
 
 def load(path: str | os.PathLike) -> dict:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              Sampler, SequentialSampler, Subset, SubsetRandomSampler)
 
 from multigpu.errors import UsageError
 
@@ -54,6 +55,25 @@ def plan_global_steps(n: int, global_batch: int, min_step: int, drop_last: bool)
     return steps
 
 
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """How torch.chunk (and so DataParallel's scatter) splits n samples over `parts` GPUs."""
+    size = -(-n // parts)
+    return [min(size, n - i) for i in range(0, n, size)]
+
+
+def _fit_dataparallel_chunks(steps, ranks: int, devices: int, min_chunk: int):
+    """DataParallel splits with torch.chunk, not evenly: 10 samples on 4 GPUs are 3, 3, 3, 1.
+    Fold a last step whose chunks would leave a GPU idle or with too few samples into the step
+    before it (the plan is otherwise unchanged)."""
+    def ok(start, end):
+        return all(len(c) == devices and min(c) >= min_chunk
+                   for c in (chunk_sizes(hi - lo, devices)
+                             for lo, hi in (split_share(start, end, ranks, r) for r in range(ranks))))
+    if len(steps) > 1 and not ok(*steps[-1]):
+        steps = steps[:-2] + [(steps[-2][0], steps[-1][1])]
+    return steps
+
+
 def split_share(start: int, end: int, ranks: int, rank: int) -> tuple[int, int]:
     """This rank's contiguous share of positions [start, end); lower ranks take the extra ones."""
     base, extra = divmod(end - start, ranks)
@@ -80,6 +100,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
         # train on a single sample whose feature map is 1x1 (ResNets on small images).
         min_step = devices * min(2, batch_size) if n >= 2 * devices else devices
         self.steps = plan_global_steps(n, self.global_batch, min_step, drop_last)
+        if devices_per_rank > 1:
+            self.steps = _fit_dataparallel_chunks(self.steps, num_ranks, devices_per_rank,
+                                                  min(2, batch_size))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -137,7 +160,7 @@ class PreparedLoader:
     """
 
     def __init__(self, loader: DataLoader, sampler: ShardedBatchSampler, device: torch.device,
-                 on_step: Callable[[StepInfo], None], accumulate: int = 1):
+                 on_step: Callable[[StepInfo | None], None], accumulate: int = 1):
         self.loader, self.sampler, self.device = loader, sampler, device
         self.on_step, self.accumulate = on_step, accumulate
         self.epoch = 0
@@ -169,6 +192,7 @@ class PreparedLoader:
         for info, batch in batches:
             self.on_step(info)
             yield batch
+        self.on_step(None)
 
 
 def _prefetch_to_gpu(batches, device: torch.device):
@@ -187,9 +211,11 @@ def _prefetch_to_gpu(batches, device: torch.device):
 
     pending = None
     for item in batches:
-        ready, pending = pending, issue(item)
-        if ready is not None:
-            yield _handoff(ready, stream)
+        # Hand batch k over before issuing k+1's copy: the compute stream then waits for k's copy
+        # only, and k+1's copy runs while the caller's step k computes.
+        if pending is not None:
+            yield _handoff(pending, stream)
+        pending = issue(item)
     if pending is not None:
         yield _handoff(pending, stream)
 
@@ -213,7 +239,7 @@ def _record_stream(batch, stream) -> None:
 
 
 def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_rank: int,
-                 device: torch.device, seed: int, on_step: Callable[[StepInfo], None],
+                 device: torch.device, seed: int, on_step: Callable[[StepInfo | None], None],
                  accumulate: int = 1, drop_last: bool | None = None) -> PreparedLoader | DataLoader:
     """Rebuild `loader` around a ShardedBatchSampler, keeping the user's loader settings."""
     if isinstance(loader.dataset, IterableDataset):
@@ -223,13 +249,14 @@ def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_r
     if loader.batch_size is None:
         raise UsageError("this DataLoader was built with its own batch_sampler, which multigpu "
                          "cannot shard; build it with batch_size=B (per device) instead")
+    dataset, shuffle = _dataset_and_order(loader)
     sampler = ShardedBatchSampler(
-        len(loader.dataset), loader.batch_size, num_ranks=num_ranks, rank=rank,
-        devices_per_rank=devices_per_rank, shuffle=_is_shuffled(loader), seed=seed,
+        len(dataset), loader.batch_size, num_ranks=num_ranks, rank=rank,
+        devices_per_rank=devices_per_rank, shuffle=shuffle, seed=seed,
         drop_last=loader.drop_last if drop_last is None else drop_last)
     workers = loader.num_workers
     rebuilt = DataLoader(
-        loader.dataset, batch_sampler=sampler, num_workers=workers,
+        dataset, batch_sampler=sampler, num_workers=workers,
         collate_fn=loader.collate_fn, pin_memory=device.type == "cuda" or loader.pin_memory,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context if workers else None,
@@ -239,8 +266,24 @@ def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_r
     return PreparedLoader(rebuilt, sampler, device, on_step, accumulate)
 
 
-def _is_shuffled(loader: DataLoader) -> bool:
-    sampler = loader.sampler
+def _dataset_and_order(loader: DataLoader):
+    """The dataset to shard and whether to shuffle it, from the user's sampler.
+
+    Only samplers whose meaning survives sharding are accepted: an unknown sampler (weighted,
+    grouped by length, ...) would otherwise be dropped silently and train on the wrong samples.
+    """
+    sampler, dataset = loader.sampler, loader.dataset
+    if isinstance(sampler, SubsetRandomSampler):  # a train/val split done with a sampler
+        return Subset(dataset, [int(i) for i in sampler.indices]), True
     if isinstance(sampler, RandomSampler):
-        return True
-    return bool(getattr(sampler, "shuffle", False))  # e.g. a DistributedSampler from older code
+        if sampler.replacement or sampler.num_samples != len(dataset):
+            raise UsageError("a RandomSampler with replacement or num_samples cannot be sharded "
+                             "exactly; use shuffle=True, or shard the data yourself")
+        return dataset, True
+    if isinstance(sampler, SequentialSampler):
+        return dataset, False
+    if isinstance(sampler, DistributedSampler):  # code written for hand-made DDP: replaced
+        return dataset, sampler.shuffle
+    raise UsageError(f"the DataLoader uses a {type(sampler).__name__}, which multigpu cannot shard "
+                     "exactly; use shuffle=True/False, a SubsetRandomSampler, or pass the loader "
+                     "unprepared and shard it yourself")

@@ -17,10 +17,6 @@ import torch.distributed as dist
 
 from multigpu.errors import UsageError
 
-# Environment set by torch.distributed.run (torchrun) for every worker.
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 @dataclass(frozen=True)
 class DistEnv:
     rank: int = 0

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
@@ -24,9 +23,17 @@ def resolve_precision(kind: str, device: torch.device) -> str:
     """"auto" is bf16 where the device computes it fast (CUDA GPUs that support it), else fp32."""
     if kind != "auto":
         return kind
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and _bf16_native():
         return "bf16"
     return "fp32"
+
+
+def _bf16_native() -> bool:
+    """bf16 in hardware (Ampere and newer), not emulated (V100, T4: slower than fp32)."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch without the argument
+        return torch.cuda.is_bf16_supported()
 
 
 class Precision:
@@ -41,6 +48,7 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None
         # Steps skipped by the scaler, counted on the device so the step never waits for the GPU.
         self._skipped = torch.zeros((), dtype=torch.int64, device=device) if self.scaler else None
+        self._update_pending = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,6 +61,7 @@ class Precision:
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
+            self._update_scale()
             loss = self.scaler.scale(loss)
         loss.backward()
 
@@ -65,20 +74,30 @@ class Precision:
         if self.scaler is None:
             optimizer.step()
             return
-        scale_before = self.scaler._scale.clone() if self.scaler._scale is not None else None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
-            self.scaler.step(optimizer)  # skipped inside if any gradient is inf/NaN
+        self.scaler.step(optimizer)  # skipped inside if any of its gradients is inf/NaN
+        # The scale is updated once per iteration, before the next backward: every optimizer
+        # stepped from this loss (several, say) must be unscaled with the same scale.
+        self._update_pending = True
+
+    def _update_scale(self) -> None:
+        if not getattr(self, "_update_pending", False):
+            return
+        self._update_pending = False
+        before = self.scaler._scale.clone()
         self.scaler.update()
-        if scale_before is not None:  # the scale only drops when the step was skipped
-            self._skipped += (self.scaler._scale < scale_before).to(torch.int64)
+        self._skipped += (self.scaler._scale < before).to(torch.int64)  # it only drops on a skip
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped for inf/NaN gradients so far (a host-device sync point)."""
-        return int(self._skipped.item()) if self._skipped is not None else 0
+        if self._skipped is None:
+            return 0
+        self._update_scale()
+        return int(self._skipped.item())
 
     def state_dict(self) -> dict:
+        if self.scaler is not None:
+            self._update_scale()
         return {"kind": self.kind, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict) -> None:

@@ -43,20 +43,21 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
     precision:  "fp32", "bf16", "fp16" or "auto" (bf16 on GPUs that have it, else fp32).
     devices:    GPU ids for one process: `[2]` for single, `[0, 3]` for dp (default: all visible).
                 Under a launcher each process takes GPU LOCAL_RANK; choose GPUs at launch time.
-    seed:       seeds Python, NumPy and torch identically on every rank (same initial weights)
-                and orders the data.
+    seed:       orders the data (identically on every rank) and seeds Python, NumPy and torch
+                with seed + rank, so dropout and augmentation differ between ranks; DDP copies
+                rank 0's initial weights to the others.
     accumulate: micro-batches per optimizer step; the all-reduce runs only on the last one.
     """
     if accumulate < 1:
         raise UsageError(f"accumulate={accumulate} must be 1 or more")
-    gpu_index = devices[0] if devices and strategy != "dp" else None
+    gpu_index = devices[0] if devices else None  # dp too: its first GPU, never GPU 0 by default
     env = init_distributed(accelerator, gpu_index=gpu_index)
     if strategy == "dp" and env.device.type == "cuda":
         device_ids = tuple(devices) if devices else tuple(range(torch.cuda.device_count()))
     else:
         device_ids = ()
     strat = make_strategy(strategy, env, device_ids=device_ids, ddp_options=ddp)
-    seed_everything(seed)
+    seed_everything(seed + env.rank)
     return Runtime(env, strat, Precision(resolve_precision(precision, strat.device), strat.device),
                    seed=seed, accumulate=accumulate)
 
@@ -138,9 +139,9 @@ class Runtime:
                             seed=self.seed, on_step=self._on_step, accumulate=self.accumulate,
                             drop_last=drop_last)
 
-    def _on_step(self, info: StepInfo) -> None:
-        self.step_info = info
-        if self.accumulate > 1:
+    def _on_step(self, info: StepInfo | None) -> None:
+        self.step_info = info  # None once a loader is exhausted: no stale weights afterwards
+        if self.accumulate > 1 and info is not None:
             for model in self._models:
                 self.strategy.set_grad_sync(model, info.sync)
 
@@ -160,6 +161,10 @@ class Runtime:
             weight = info.local_count * self.env.world_size / info.window_count
             if weight != 1.0:
                 loss = loss * weight
+        elif self.accumulate > 1:
+            raise UsageError("setup(accumulate=N) counts micro-batches through the loaders that "
+                             "rt.prepare() returns; this batch came from elsewhere: prepare the "
+                             "training DataLoader, or use accumulate=1")
         self.precision.backward(loss)
         if not self._unused_checked:
             self._unused_checked = True
@@ -185,9 +190,10 @@ class Runtime:
         if o.find_unused_parameters or o.static_graph:
             return
         for model in self._models:
-            unused = [n for n, p in self.strategy.unwrap(model).named_parameters()
-                      if p.requires_grad and p.grad is None]
-            if unused:
+            params = [(n, p) for n, p in self.strategy.unwrap(model).named_parameters()
+                      if p.requires_grad]
+            unused = [n for n, p in params if p.grad is None]
+            if unused and len(unused) < len(params):  # a model outside this loss has none
                 shown = ", ".join(unused[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
                 raise UsageError(
                     f"{len(unused)} parameter(s) got no gradient in the first backward: {shown}. "
@@ -199,22 +205,33 @@ class Runtime:
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, path: str | Path, *, model: nn.Module, optimizer=None, scheduler=None,
              **extra) -> None:
-        """Collective: call on every rank. Rank 0 writes `path` atomically; all ranks then wait."""
+        """Collective: call on every rank. Rank 0 writes `path` atomically; all ranks then wait,
+        and all of them raise if the write failed."""
         rng = self.env.all_gather_object(checkpoint.rng_state())
+        error = None
         if self.env.is_main:
-            state = {
-                "format": checkpoint.FORMAT_VERSION,
-                "model": checkpoint.to_cpu(self.strategy.model_state_dict(model)),
-                "optimizer": checkpoint.to_cpu(self.strategy.optimizer_state_dict(optimizer)) if optimizer else None,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "precision": self.precision.state_dict(),
-                "rng": rng,
-                "world_size": self.env.world_size,
-                "strategy": self.strategy.name,
-                **extra,
-            }
-            checkpoint.atomic_save(state, path)
-        self.env.barrier()
+            try:
+                self._write_checkpoint(path, model, optimizer, scheduler, rng, extra)
+            except Exception as exc:  # tell the other ranks instead of leaving them in a barrier
+                error = (isinstance(exc, UsageError), f"saving {path} failed on rank 0: {exc}")
+        error = self.env.broadcast_object(error)
+        if error:
+            raise (UsageError if error[0] else RuntimeError)(error[1])
+
+    def _write_checkpoint(self, path, model, optimizer, scheduler, rng, extra) -> None:
+        checkpoint.check_loadable(extra)
+        state = {
+            "format": checkpoint.FORMAT_VERSION,
+            "model": checkpoint.to_cpu(self.strategy.model_state_dict(model)),
+            "optimizer": checkpoint.to_cpu(self.strategy.optimizer_state_dict(optimizer)) if optimizer else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "precision": self.precision.state_dict(),
+            "rng": rng,
+            "world_size": self.env.world_size,
+            "strategy": self.strategy.name,
+            **extra,
+        }
+        checkpoint.atomic_save(state, path)
 
     def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer=None,
              scheduler=None) -> dict:

@@ -75,3 +75,18 @@ def test_atomic_save_leaves_the_old_file_when_writing_fails(tmp_path, monkeypatc
     monkeypatch.undo()
     assert checkpoint.load(path)["v"].item() == 1
     assert os.listdir(tmp_path) == ["last.pt"], "no temp file left behind"
+
+
+def test_a_real_child_named_module_is_not_taken_for_a_wrapper_prefix():
+    class Ema(nn.Module):  # like timm's ModelEmaV2: the model lives in `self.module`
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    src, dst = Ema(), Ema()
+    checkpoint.load_model_state(dst, src.state_dict())
+    assert torch.equal(dst.module.weight, src.module.weight)
+    wrapped = {"module." + k: v for k, v in src.state_dict().items()}  # saved by hand-made DDP
+    dst.module.weight.data.zero_()
+    checkpoint.load_model_state(dst, wrapped)
+    assert torch.equal(dst.module.weight, src.module.weight)

@@ -56,6 +56,18 @@ def test_dataparallel_last_batch_never_smaller_than_gpu_count():
     assert sum(len(b) for b in batches) == 8607
 
 
+@pytest.mark.parametrize("n", [8607, 8610, 8613, 90, 91, 1001])
+def test_dataparallel_chunks_give_every_gpu_two_samples(n):
+    # DataParallel splits with torch.chunk: 10 samples over 4 GPUs would be 3, 3, 3, 1.
+    from multigpu.data import chunk_sizes
+
+    _, (batches,) = epoch_indices(n, 4, 1, devices=4)
+    assert sum(len(b) for b in batches) == n
+    for b in batches:
+        sizes = chunk_sizes(len(b), 4)
+        assert len(sizes) == 4 and min(sizes) >= 2, (len(b), sizes)
+
+
 def test_drop_last_drops_the_partial_global_step():
     _, per_rank = epoch_indices(8607, 4, 4, drop_last=True)
     assert sum(len(b) for batches in per_rank for b in batches) == 537 * 16
@@ -91,3 +103,25 @@ def test_prepared_loader_reshuffles_each_epoch_and_reports_steps():
     second = [y.tolist() for _, y in loader]
     assert sorted(sum(first, [])) == list(range(10)) and first != second
     assert [i.local_count for i in seen[:3]] == [4, 4, 2]
+
+
+def _prepare(loader):
+    return shard_loader(loader, num_ranks=1, rank=0, devices_per_rank=1,
+                        device=torch.device("cpu"), seed=0, on_step=lambda info: None)
+
+
+def test_subset_random_sampler_keeps_its_subset():
+    from torch.utils.data import SubsetRandomSampler
+
+    ds = TensorDataset(torch.arange(100))
+    loader = _prepare(DataLoader(ds, batch_size=16, sampler=SubsetRandomSampler(range(80))))
+    seen = sorted(i for (b,) in loader for i in b.tolist())
+    assert seen == list(range(80)), "held-out samples 80-99 must never be trained on"
+
+
+def test_samplers_that_cannot_be_sharded_exactly_are_refused():
+    from torch.utils.data import WeightedRandomSampler
+
+    ds = TensorDataset(torch.arange(10))
+    with pytest.raises(UsageError, match="WeightedRandomSampler, which multigpu cannot shard"):
+        _prepare(DataLoader(ds, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 10)))

@@ -72,3 +72,20 @@ def test_scaler_state_round_trips():
     q = Precision("fp16", torch.device("cpu"))
     q.load_state_dict(p.state_dict())
     assert q.scaler.get_scale() == 1024.0
+
+
+def test_fp16_with_two_optimizers_updates_the_scale_once_per_iteration():
+    rt = multigpu.setup("single", "fp16", accelerator="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    model = rt.prepare(model)
+    rt.precision.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    with rt.autocast():
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    rt.backward(loss)
+    model[0].weight.grad[0, 0] = float("inf")
+    rt.step(opt_a)
+    rt.step(opt_b)  # unscaled with the same scale as opt_a: the update waits for the next backward
+    assert rt.precision.skipped_steps == 1
+    assert rt.precision.scaler.get_scale() == 8.0

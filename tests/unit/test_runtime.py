@@ -95,3 +95,28 @@ def test_dataparallel_turns_cudnn_autotuning_off():
         assert torch.backends.cudnn.benchmark is False
     finally:
         torch.backends.cudnn.benchmark = False
+
+
+def test_accumulation_without_a_prepared_loader_is_refused():
+    rt = multigpu.setup("single", accelerator="cpu", accumulate=2)
+    model = rt.prepare(nn.Linear(2, 1))
+    with pytest.raises(UsageError, match="counts micro-batches through the loaders"):
+        rt.backward(model(torch.randn(3, 2)).sum())
+
+
+def test_step_info_is_cleared_when_a_loader_is_exhausted():
+    rt = multigpu.setup("single", accelerator="cpu")
+    loader = rt.prepare(DataLoader(TensorDataset(torch.arange(6.0)), batch_size=4))
+    for _ in loader:
+        assert rt.step_info is not None
+    assert rt.step_info is None, "a finished loader must not leave its last weights behind"
+
+
+def test_save_refuses_values_that_weights_only_loading_would_refuse(tmp_path):
+    import numpy as np
+
+    rt = multigpu.setup("single", accelerator="cpu")
+    model = rt.prepare(nn.Linear(2, 1))
+    with pytest.raises(UsageError, match="cannot be read back with weights_only=True"):
+        rt.save(tmp_path / "ck.pt", model=model, best=np.float64(0.5))
+    assert not (tmp_path / "ck.pt").exists()
