@@ -19,9 +19,12 @@ def test_unused_parameter_is_named_with_the_fix_at_the_first_step(tmp_path):
     assert "Expected to have finished reduction" not in output  # DDP's cryptic error never comes
 
 
-def test_unused_parameter_run_finishes_with_find_unused(tmp_path):
+@pytest.mark.parametrize("flag", ["--find-unused", "--teacher"])
+def test_unused_parameter_check_lets_correct_runs_finish(tmp_path, flag):
+    # --find-unused: DDP searches itself. --teacher: a second prepared model that takes no part
+    # in the loss (a teacher or EMA model run under no_grad) is not an unused parameter.
     proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path,
-                    SCRIPTS / "unused_parameter.py", "--find-unused")
+                    SCRIPTS / "unused_parameter.py", flag)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "finished" in proc.stdout
 
