@@ -7,7 +7,7 @@ default and its documentation can never drift apart. The resolved config is writ
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 
 def _f(default, help: str, choices=None, metavar=None):
@@ -94,6 +94,3 @@ def config_to_argv(cfg: TrainConfig) -> list[str]:
             argv += [flag, str(value)]
     return argv
 
-
-def config_dict(cfg: TrainConfig) -> dict:
-    return asdict(cfg)

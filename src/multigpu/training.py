@@ -23,7 +23,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from multigpu import console
-from multigpu.checkpoint import atomic_save
 from multigpu.config import TrainConfig
 from multigpu.datasets import load_data
 from multigpu.engine import StepSettings, evaluate, train_epoch

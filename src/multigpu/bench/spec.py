@@ -15,7 +15,7 @@ The order is also the order of importance, so a run stopped early keeps what mat
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from multigpu.errors import UsageError
 
@@ -76,9 +76,6 @@ class Group:
         where = f"{self.visible} GPU{'s' if self.visible != 1 else ''}" if self.visible else "CPU"
         methods = ", ".join(dict.fromkeys(t.method for t in self.tasks))
         return f"{self.nproc} process{'es' if self.nproc != 1 else ''} on {where}: {methods}"
-
-    def to_json(self) -> dict:
-        return {"nproc": self.nproc, "visible": self.visible, "tasks": [asdict(t) for t in self.tasks]}
 
 
 # --------------------------------------------------------------------------- parsing flags
