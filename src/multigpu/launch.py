@@ -154,6 +154,13 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions):
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         if opts.tee:
             os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
+        if opts.max_restarts > 0:
+            # Restarted workers reuse the rendezvous store they share with the agent, whose keys
+            # still hold the dead group's addresses: gloo then connects to ports that are gone
+            # (plain torchrun --standalone fails the same way, torch 2.13). A store per attempt
+            # makes restarts work, at the price of torch picking that store's port with
+            # bind-then-close, so only with --max-restarts.
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         yield
     finally:
         os.environ.clear()

@@ -44,7 +44,13 @@ def default_out(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model.replace(':', '-')}-{data}"
 
 
-def resume_checkpoint(cfg: TrainConfig) -> Path | None:
+def resume_checkpoint(cfg: TrainConfig, out: Path | None = None) -> Path | None:
+    """The checkpoint to continue from: --resume, or after torchrun restarted the workers
+    (--max-restarts), the run's own last.pt."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if restarted and not cfg.resume and out is not None:
+        last = out / "checkpoints" / "last.pt"
+        return last if last.is_file() else None
     if not cfg.resume:
         return None
     path = Path(cfg.resume)
@@ -163,7 +169,7 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
                  f"global batch {resolved['global_batch']} -> {out}")
 
     best, record, step, first_epoch = None, {}, 0, 1
-    ckpt = resume_checkpoint(cfg)
+    ckpt = resume_checkpoint(cfg, out)
     if ckpt is not None:
         state = rt.load(ckpt, model=model, optimizer=optimizer, scheduler=scheduler)
         first_epoch, step, best = state["epoch"] + 1, state["step"], state.get("best")
@@ -183,16 +189,17 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
         step += len(train_loader)
         if scheduler is not None:
             scheduler.step()
-        _report(rt, out, record, classification)
         score = record["val_accuracy"] if classification else -record["val_loss"]
         improved = best is None or score > best
         best = score if improved else best
+        # Checkpoint before the metrics line: a crash in between loses the line, never writes
+        # an epoch twice after the automatic resume.
         rt.save(out / "checkpoints" / "last.pt", model=model, optimizer=optimizer,
                 scheduler=scheduler, epoch=epoch, step=step, best=best, metrics=record,
                 config=resolved)
         if improved and rt.is_main:
             atomic_copy(out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt")
-        rt.env.barrier()
+        _report(rt, out, record, classification)
     return record
 
 

@@ -116,3 +116,43 @@ def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_an
 def test_resume_of_a_missing_checkpoint_is_one_line(tmp_path):
     proc = multigpu("train", "--model", "mlp", "--resume", tmp_path / "nothing")
     assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
+
+
+def test_a_killed_worker_is_restarted_and_the_run_resumes_from_its_last_epoch(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from .conftest import cli_env
+
+    common = ["--model", "mlp", "--data", "synthetic:12000", "--epochs", "3", "--optimizer", "sgd",
+              "--workers", "0", "--batch-size", "16", "--seed", "2"]
+    straight = multigpu("train", *common, "--devices", "cpu:2", "--out", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "killed"
+    launcher = subprocess.Popen([sys.executable, "-m", "multigpu", "train", *common, "--devices",
+                                 "cpu:2", "--max-restarts", "1", "--out", str(out)],
+                                env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 200
+        while not (out / "checkpoints" / "last.pt").exists():  # epoch 1 is done
+            assert launcher.poll() is None and time.time() < deadline, "run ended before epoch 1"
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                   if "train" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        workers[1].kill()  # a rank dies mid-run, as on a lost node or an OOM kill
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    assert [m["epoch"] for m in read_metrics(out)] == [1, 2, 3]
+    a = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    b = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
