@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from multigpu.data import map_tensors
 from multigpu.errors import UsageError
 
 FORMAT_VERSION = 1
@@ -44,13 +45,7 @@ def clean_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def to_cpu(obj):
     """A copy of nested containers with every tensor moved to the CPU (portable files)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.detach().cpu(), obj)
 
 
 def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True):

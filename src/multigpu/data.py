@@ -139,17 +139,22 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return infos
 
 
+def map_tensors(fn, obj):
+    """`obj` with `fn` applied to every tensor in its nested tuples/lists/dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj
+
+
 def move_to_device(batch, device: torch.device, non_blocking: bool = True):
     """Tensors in nested tuples/lists/dicts to `device`; everything else unchanged."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
 class PreparedLoader:
@@ -223,19 +228,8 @@ def _prefetch_to_gpu(batches, device: torch.device):
 def _handoff(item, stream):
     current = torch.cuda.current_stream(stream.device)
     current.wait_stream(stream)
-    _record_stream(item[1], current)
+    map_tensors(lambda t: t.record_stream(current), item[1])
     return item
-
-
-def _record_stream(batch, stream) -> None:
-    if isinstance(batch, torch.Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            _record_stream(v, stream)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            _record_stream(v, stream)
 
 
 def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_rank: int,

@@ -80,7 +80,7 @@ class Precision:
         self._update_pending = True
 
     def _update_scale(self) -> None:
-        if not getattr(self, "_update_pending", False):
+        if not self._update_pending:
             return
         self._update_pending = False
         before = self.scaler._scale.clone()
