@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from multigpu import console
 from multigpu.config import TrainConfig
 from multigpu.datasets import load_data
+from multigpu.distributed import destroy_distributed
 from multigpu.engine import StepSettings, evaluate, train_epoch
 from multigpu.errors import UsageError
 from multigpu.models import build_model, default_image_size, is_convnet, model_input_kind
@@ -200,6 +201,11 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
         if improved and rt.is_main:
             atomic_copy(out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt")
         _report(rt, out, record, classification)
+    # Every rank done with its collectives before any tears down: a gloo rank that exits while a
+    # peer's last exchange is in flight can abort ("terminate called without an active
+    # exception", seen once in 4-process runs here).
+    rt.env.barrier()
+    destroy_distributed()
     return record
 
 
