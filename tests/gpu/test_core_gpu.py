@@ -79,6 +79,10 @@ def test_dataparallel_wraps_after_moving_and_splits_over_both_gpus():
     _isolated(check_dataparallel_wrap)
 
 
+def test_dataparallel_replicas_keep_their_threads_and_the_autocast_dtype():
+    _isolated(check_replica_threads)
+
+
 def test_prefetched_batches_arrive_intact_on_the_gpu():
     _isolated(check_prefetch)
 
@@ -96,6 +100,67 @@ def check_dataparallel_wrap():
         warnings.simplefilter("always")
         model.module(torch.randn(8, 4, device="cuda:0"))
     assert any("outside DataParallel" in str(w.message) for w in caught)
+
+
+class Probe(nn.Module):
+    """Records, for every replica call, what the thread running it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 2)
+        self.seen = []
+
+    def forward(self, x, fail=False):
+        import threading
+
+        if fail and x.device.index == 1:
+            raise ValueError("replica failure")
+        out = self.fc(self.conv(x).mean((2, 3)))
+        self.seen.append((x.device.index, threading.current_thread().name, out.dtype,
+                          torch.is_grad_enabled()))
+        return out
+
+
+def check_replica_threads():
+    import threading
+
+    from multigpu.strategies.replica_threads import worker_threads
+
+    torch.backends.cudnn.benchmark = True  # stays on for dp now: the threads keep their cache
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # exact grads
+    rt = multigpu.setup("dp", "bf16", devices=[0, 1])
+    probe = Probe()
+    reference = Probe().cuda(0)
+    reference.load_state_dict(probe.state_dict())
+    model = rt.prepare(probe)
+    x = torch.randn(8, 3, 16, 16, device="cuda:0")
+    for _ in range(3):
+        with rt.autocast():
+            out = model(x)
+    # torch's own parallel_apply passes on "enabled" but not the dtype: float16 in the replicas.
+    assert out.dtype == torch.bfloat16, out.dtype
+    assert {s[2] for s in probe.seen} == {torch.bfloat16}
+    names = {d: {s[1] for s in probe.seen if s[0] == d} for d in (0, 1)}
+    assert all(len(n) == 1 for n in names.values()), f"one thread per GPU across steps: {names}"
+    assert names[0] != names[1] and threading.current_thread().name not in names[0] | names[1]
+    assert worker_threads() == {0: names[0].pop(), 1: names[1].pop()}
+    with torch.no_grad():
+        model(x)
+    assert probe.seen[-1][3] is False and probe.seen[-3][3] is True
+    # fp32 gradients through the persistent threads equal one GPU's on the whole batch
+    model.zero_grad()
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(probe.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-4), name
+    try:
+        model(x, fail=True)
+    except ValueError as exc:
+        assert "replica 1, on cuda:1" in " ".join(getattr(exc, "__notes__", [])), exc
+    else:
+        raise AssertionError("a replica's exception must reach the caller")
+    model(x)  # the threads survive a failed step
 
 
 def check_prefetch():

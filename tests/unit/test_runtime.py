@@ -84,19 +84,6 @@ def test_dataparallel_warns_about_per_sample_lists():
         dp(torch.randn(3, 2), tags=["a", "b", "c"])
 
 
-def test_dataparallel_turns_cudnn_autotuning_off():
-    # DataParallel's fresh threads each step would re-tune every convolution (25x slower).
-    from multigpu.strategies.dp import _avoid_cudnn_retuning
-
-    torch.backends.cudnn.benchmark = True
-    try:
-        with pytest.warns(UserWarning, match="re-tune every convolution"):
-            _avoid_cudnn_retuning()
-        assert torch.backends.cudnn.benchmark is False
-    finally:
-        torch.backends.cudnn.benchmark = False
-
-
 def test_accumulation_without_a_prepared_loader_is_refused():
     rt = multigpu.setup("single", accelerator="cpu", accumulate=2)
     model = rt.prepare(nn.Linear(2, 1))

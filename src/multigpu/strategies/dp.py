@@ -5,7 +5,10 @@ What this module makes impossible or loud (../PITFALLS.md):
 - trap 3: the prepared loader never yields a batch smaller than the number of GPUs;
 - trap 10: calling a custom method (`model.my_forward(x)`) or going through `model.module`
   bypasses the scatter and runs on one GPU: the first is a clear error, the second a warning;
-- trap 11: a per-sample list passed to forward is copied whole to every GPU, not split: warning.
+- trap 11: a per-sample list passed to forward is copied whole to every GPU, not split: warning;
+- trap 5: torch starts new replica threads every step, which loses cuDNN's per-thread tuning
+  cache (25x slower with cudnn.benchmark) and the bf16 autocast dtype (replicas ran in fp16):
+  replicas run on one long-lived thread per GPU instead (replica_threads.py).
 DataParallel is one process driving several GPUs; DDP is faster (see README, Performance).
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 
 from multigpu.distributed import DistEnv
 from multigpu.errors import UsageError
+from multigpu.strategies import replica_threads
 from multigpu.strategies.base import Strategy
 
 
@@ -47,12 +51,12 @@ class DataParallel(Strategy):
         if len(self.device_ids) == 1:
             return model
         _warn_on_scatter_bypass(model)
-        _avoid_cudnn_retuning()
         warnings.warn(f"strategy 'dp' drives {len(self.device_ids)} GPUs from one process: it "
-                      "copies the model to every GPU each step and runs their forwards on threads "
-                      "that share the GIL. Measured on 4x H200 (ResNet-50 bf16, batch 128 per GPU): "
-                      "0.74x the speed of ONE GPU, against 0.94 x 4 for ddp. Use --strategy ddp "
-                      "(the default with several GPUs)", stacklevel=3)
+                      "copies the model to every GPU each step and runs the replicas' forwards on "
+                      "threads that share the GIL. Measured on 4x H200 (ResNet-50 bf16, batch 128 "
+                      "per GPU): 0.86x the speed of ONE GPU on 2 GPUs and 1.31x on 4, against "
+                      "0.85 x 2 and 0.90 x 4 for ddp in the same run. Use --strategy ddp (the "
+                      "default with several GPUs)", stacklevel=3)
         return CheckedDataParallel(model, device_ids=list(self.device_ids))
 
     def describe(self) -> str:
@@ -81,6 +85,12 @@ class CheckedDataParallel(nn.DataParallel):
             self._check_per_sample_lists(inputs, kwargs)
         return super().forward(*inputs, **kwargs)
 
+    def parallel_apply(self, replicas, inputs, kwargs):
+        # One long-lived thread per GPU: cuDNN's tuning cache and the autocast dtype survive
+        # (torch starts new threads every step; see replica_threads.py).
+        return replica_threads.parallel_apply(replicas, inputs, kwargs,
+                                              self.device_ids[:len(replicas)])
+
     def _check_per_sample_lists(self, inputs, kwargs) -> None:
         batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim()), None)
         if batch is None or batch < 2:
@@ -95,19 +105,6 @@ class CheckedDataParallel(nn.DataParallel):
                               "but DataParallel copies non-tensor arguments whole to every GPU "
                               "instead of splitting them; pass a tensor", stacklevel=3)
                 return
-
-
-def _avoid_cudnn_retuning() -> None:
-    """The cause of DataParallel's 25-30x slowdown on these machines (benchmarks/NOTES.md).
-
-    DataParallel runs each replica's forward on a new thread every step, and cuDNN's autotuning
-    results are cached per thread: with `cudnn.benchmark` on, every convolution is re-tuned on
-    every step. ResNet-50 bf16 on 4x H200: 172 img/s with it on, 3,202 img/s with it off.
-    """
-    if torch.backends.cudnn.benchmark:
-        torch.backends.cudnn.benchmark = False
-        warnings.warn("cudnn.benchmark turned off for strategy 'dp': its per-thread cache would "
-                      "re-tune every convolution on every step (25x slower)", stacklevel=4)
 
 
 def _warn_on_scatter_bypass(model: nn.Module) -> None:
