@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mark_failed() -> None:
+    """Tell a live process group not to wait for the other ranks at exit (without importing
+    torch for commands that never loaded it)."""
+    distributed = sys.modules.get("multigpu.distributed")
+    if distributed is not None:
+        distributed.mark_failed()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -54,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._main(args) or 0)
     except UsageError as exc:
+        _mark_failed()
         if args.debug:
             raise
         print(f"multigpu: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _mark_failed()
         print("multigpu: interrupted", file=sys.stderr)
         return 130
 
