@@ -33,6 +33,14 @@ def test_every_method_available_on_cpu_has_a_row(smoke):
     assert ddp2["wrapper"] == "DistributedDataParallel" and ddp2["strategy"].startswith("ddp (2")
 
 
+def test_methods_at_the_same_batch_and_gpus_take_turns_trial_by_trial(smoke):
+    _, data, proc = smoke
+    assert {(r["method"], r["gpus"]): r["interleaved"] for r in data["rows"]} == {
+        ("multigpu-single", 1): 2, ("ddp", 1): 2, ("multigpu-ddp", 2): 2, ("ddp", 2): 2}
+    assert "trials interleaved" in proc.stdout, proc.stdout[-3000:]
+    assert proc.stdout.count(" samples/s, ") == 4, ("one console line per task", proc.stdout[-3000:])
+
+
 def test_skipped_peers_are_named_with_a_reason_and_the_plot_is_written(smoke):
     out, data, proc = smoke
     assert {s["method"] for s in data["skipped"]} >= {"multigpu-dp", "accelerate", "fabric"}
@@ -43,15 +51,30 @@ def test_skipped_peers_are_named_with_a_reason_and_the_plot_is_written(smoke):
     assert "multigpu-ddp" in proc.stdout and "scaling" in proc.stdout, proc.stdout[-3000:]
 
 
-def test_real_data_goes_through_the_training_input_pipeline(tmp_path):
+def test_real_and_synthetic_data_are_measured_in_the_same_launches(tmp_path):
     out = tmp_path / "real.json"
-    proc = multigpu("bench", "--model", "cnn", "--data", "real", "--methods", "multigpu-ddp",
-                    "--devices", "cpu:2", "--gpus", "2", "--batch-size", "4", *TINY,
-                    "--image-size", "16", "--data-dir", tmp_path / "images", "--out", out)
+    proc = multigpu("bench", "--model", "cnn", "--data", "synthetic,real",
+                    "--methods", "multigpu-single,multigpu-ddp,ddp", "--devices", "cpu:2",
+                    "--gpus", "1,2", "--batch-size", "4", *TINY, "--image-size", "16",
+                    "--data-dir", tmp_path / "images", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    assert (row["method"], row["data"], row["global_batch"]) == ("multigpu-ddp", "real", 8)
-    assert row["warmup"] > 1, "the warm-up also drains the loader's prefetch queue"
+    data = json.loads(out.read_text())
+    rows = {(r["method"], r["gpus"], r["data"]): r for r in data["rows"]}
+    assert set(rows) == {("multigpu-single", 1, "synthetic"), ("ddp", 1, "synthetic"),
+                         ("multigpu-single", 1, "real"), ("multigpu-ddp", 2, "synthetic"),
+                         ("ddp", 2, "synthetic"), ("multigpu-ddp", 2, "real")}
+    assert len(data["launches"]) == 2, ("one launch per process count", data["launches"],
+                                        data["notes"])
+    real, synthetic = rows[("multigpu-ddp", 2, "real")], rows[("multigpu-ddp", 2, "synthetic")]
+    assert (real["global_batch"], real["num_outputs"], synthetic["num_outputs"]) == (8, 10, 1000)
+    assert real["warmup"] > 1, "the warm-up also drains the loader's prefetch queue"
+    assert real["of_synthetic"] == pytest.approx(real["img_per_s"] / synthetic["img_per_s"])
+    assert synthetic["of_synthetic"] is None and not real["compile"]
+    assert (synthetic["interleaved"], rows[("ddp", 2, "synthetic")]["interleaved"],
+            real["interleaved"]) == (2, 2, 1), "real data: multigpu-ddp has no peer to take turns with"
+    assert data["settings"]["data"] == ["synthetic", "real"]
+    assert any(s["method"] == "ddp" and "--data real" in s["reason"] for s in data["skipped"])
+    assert "of synth." in proc.stdout, proc.stdout[-3000:]
     assert list((tmp_path / "images").glob("jpeg-*/train/class_00/*.jpg"))
 
 

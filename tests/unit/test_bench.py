@@ -1,4 +1,5 @@
 """multigpu bench without launching anything: the maths, the plan of launches, the report files."""
+import dataclasses
 import json
 import statistics
 
@@ -8,6 +9,9 @@ from multigpu.bench import report, runner, spec, stats
 from multigpu.bench.spec import BenchSettings, Task
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
+
+SYNTHETIC = {"synthetic": ("synthetic", 1000)}  # data kind -> (Task.data, num_outputs)
+REAL = {"real": ("folder:/x", 10)}
 
 
 # --------------------------------------------------------------------------- statistics
@@ -84,7 +88,7 @@ def test_more_gpus_than_cpu_processes_is_a_usage_error_before_any_launch(tmp_pat
 def test_plan_on_gpus_groups_tasks_into_few_launches_in_order_of_importance(monkeypatch):
     monkeypatch.setattr(spec, "unavailable_reason", lambda *a: None)  # every peer installed
     s = BenchSettings(gpus=(1, 2, 4), steps=30, warmup=10, dp_steps=2)
-    groups, skipped = spec.plan_groups(s, "cuda", (1, 2, 4), "synthetic", 1000)
+    groups, skipped = spec.plan_groups(s, "cuda", (1, 2, 4), SYNTHETIC)
     assert skipped == []
     assert [(g.nproc, g.visible) for g in groups] == [(1, 1), (4, 4), (2, 2), (1, 4)]
     assert [t.method for t in groups[0].tasks] == ["multigpu-single", "ddp", "accelerate", "fabric"]
@@ -99,7 +103,7 @@ def test_plan_on_gpus_groups_tasks_into_few_launches_in_order_of_importance(monk
 
 def test_plan_on_cpu_skips_dataparallel_and_library_peers_with_a_reason():
     s = BenchSettings(models=("mlp",), batch_sizes=(8, 16))
-    groups, skipped = spec.plan_groups(s, "cpu", (1, 2), "synthetic", 1000)
+    groups, skipped = spec.plan_groups(s, "cpu", (1, 2), SYNTHETIC)
     assert {x["method"] for x in skipped} == {"multigpu-dp", "accelerate", "fabric"}
     assert all(x["reason"] for x in skipped)
     assert [(g.nproc, g.visible) for g in groups] == [(1, 0), (2, 0)]
@@ -108,10 +112,157 @@ def test_plan_on_cpu_skips_dataparallel_and_library_peers_with_a_reason():
 
 
 def test_real_data_skips_the_peers():
-    s = BenchSettings(models=("mlp",), data="real", methods=("multigpu-ddp", "ddp"))
-    groups, skipped = spec.plan_groups(s, "cpu", (2,), "folder:/x", 10)
+    s = BenchSettings(models=("mlp",), data=("real",), methods=("multigpu-ddp", "ddp"))
+    groups, skipped = spec.plan_groups(s, "cpu", (2,), REAL)
     assert [t.method for g in groups for t in g.tasks] == ["multigpu-ddp"]
     assert skipped[0]["method"] == "ddp" and "--data real" in skipped[0]["reason"]
+
+
+def test_both_data_kinds_share_the_launches_synthetic_first_and_peers_on_synthetic_only():
+    s = BenchSettings(models=("mlp",), data=("synthetic", "real"),
+                      methods=("multigpu-single", "multigpu-ddp", "ddp", "accelerate"))
+    groups, skipped = spec.plan_groups(s, "cpu", (1, 2), REAL | SYNTHETIC)  # order of kinds: fixed
+    assert [(g.nproc, g.visible) for g in groups] == [(1, 0), (2, 0)]
+    assert [(t.method, t.data, t.num_outputs) for t in groups[0].tasks] == [
+        ("multigpu-single", "synthetic", 1000), ("ddp", "synthetic", 1000),
+        ("multigpu-single", "folder:/x", 10)]
+    assert [(t.method, t.data_kind) for t in groups[1].tasks] == [
+        ("multigpu-ddp", "synthetic"), ("ddp", "synthetic"), ("multigpu-ddp", "real")]
+    keys = [t.key for g in groups for t in g.tasks]
+    assert len(keys) == len(set(keys)) == 6
+    # ddp is skipped for the real tasks only; accelerate, skipped for both kinds, is named once
+    assert [x["method"] for x in skipped] == ["accelerate", "ddp"]
+    assert "--data real" in skipped[1]["reason"] and "GPUs only" in skipped[0]["reason"]
+
+
+def test_compile_lands_in_the_multigpu_tasks_and_rows_only():
+    s = BenchSettings(models=("mlp",), methods=("multigpu-single", "multigpu-ddp", "ddp"),
+                      compile=True)
+    groups, _ = spec.plan_groups(s, "cpu", (1, 2), SYNTHETIC)
+    assert [(t.method, t.compile) for g in groups for t in g.tasks] == [
+        ("multigpu-single", True), ("ddp", False), ("multigpu-ddp", True), ("ddp", False)]
+    single, peer = groups[0].tasks
+    assert report.build_row(single, _ranks(single, [[0.1] * 3]), None)["compile"] is True
+    assert report.build_row(peer, _ranks(peer, [[0.1] * 3]), None)["compile"] is False
+    no_compile, _ = spec.plan_groups(BenchSettings(models=("mlp",)), "cpu", (1,), SYNTHETIC)
+    assert not any(t.compile for t in no_compile[0].tasks)
+
+
+def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
+    import torch
+
+    from multigpu.bench import worker
+
+    compiled = []
+
+    class Compiled(torch.nn.Module):  # stands in for torch.compile's OptimizedModule
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+            compiled.append(model)
+
+        def forward(self, *args, **kwargs):
+            return self._orig_mod(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", Compiled)
+    task = Task("multigpu-single", "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1, compile=True)
+    assert worker._config(task, "single").compile  # the real-data path: training.build_job compiles
+    prep = worker.build_multigpu(task, "cpu", "single")
+    assert prep.step() == 4 and len(compiled) == 1
+    assert prep.info["wrapper"] == type(compiled[0]).__name__ != "Compiled"
+    plain = dataclasses.replace(task, compile=False)
+    assert not worker._config(plain, "single").compile
+    worker.build_multigpu(plain, "cpu", "single").step()
+    assert len(compiled) == 1
+
+
+def test_consecutive_tasks_that_differ_only_in_the_method_form_one_set():
+    from multigpu.bench import worker
+
+    methods = ("multigpu-single", "ddp", "accelerate", "fabric")
+    tasks = [_task(m, 1, batch=b) for b in (64, 128) for m in methods]
+    assert [[(t.method, t.batch_size) for t in one] for one in worker.interleave_sets(tasks)] == [
+        [(m, 64) for m in methods], [(m, 128) for m in methods]]
+    other = [_task("multigpu-ddp", 2), _task("ddp", 2), _task("ddp", 4), _task("multigpu-ddp", 4),
+             _task("multigpu-ddp", 4, data="folder:/x"), _task("multigpu-ddp", 4, compile=True),
+             _task("ddp", 4)]
+    assert [len(s) for s in worker.interleave_sets(other)] == [2, 2, 1, 2]  # compiled vs eager peer
+    settings = BenchSettings(models=("mlp",), methods=("multigpu-single", "multigpu-ddp", "ddp"),
+                             batch_sizes=(8, 16), data=("synthetic", "real"))
+    groups, _ = spec.plan_groups(settings, "cpu", (1, 2), REAL | SYNTHETIC)
+    assert [[(t.method, t.batch_size, t.data_kind) for t in one]
+            for one in worker.interleave_sets(groups[1].tasks)] == [
+        [("multigpu-ddp", 8, "synthetic"), ("ddp", 8, "synthetic")],
+        [("multigpu-ddp", 16, "synthetic"), ("ddp", 16, "synthetic")],
+        [("multigpu-ddp", 8, "real")], [("multigpu-ddp", 16, "real")]]
+
+
+def _fake_build(log, closed):
+    """build() for worker.run_set: each step appends the method's name to `log`."""
+    import torch
+
+    from multigpu.bench.measure import Prepared
+
+    def build(task, accelerator):
+        log.append(("build", task.method))
+
+        def step():
+            log.append(task.method)
+            return task.batch_size
+
+        return Prepared(step, [torch.device("cpu")], {"wrapper": task.method},
+                        close=lambda: closed.append(task.method))
+    return build
+
+
+def test_a_set_is_built_and_warmed_up_in_order_then_its_trials_take_turns():
+    from multigpu.bench import worker
+
+    a, b = (Task(m, "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 2, 3) for m in ("A", "B"))
+    log, closed, begins = [], [], []
+    records = worker.run_set([a, b], "cpu", begins.append, _fake_build(log, closed))
+    builds = [("build", "A"), "A", ("build", "B"), "B"]  # warm-up: 1 step each
+    assert log == builds + ["A", "A", "B", "B"] * 3  # 3 trials of 2 steps, in turns
+    assert [(r["key"], len(r["seconds"]), r["samples"], r["interleaved"], r["wrapper"])
+            for r in records] == [(a.key, 3, [8] * 3, 2, "A"), (b.key, 3, [8] * 3, 2, "B")]
+    assert [(x["phase"], x["key"]) for x in begins] == [("build", a.key), ("build", b.key),
+                                                        ("trials", a.key)]
+    assert begins[-1]["keys"] == [a.key, b.key] and closed == ["A", "B"]
+    log.clear()
+    (alone,) = worker.run_set([a], "cpu", begins.append, _fake_build(log, closed))
+    assert log == [("build", "A")] + ["A"] * 7 and alone["interleaved"] == 1
+    assert begins[-1] == {"kind": "begin", "phase": "build", "key": a.key}
+
+
+def test_interleaved_memory_peak_is_the_whole_device_and_others_memory_is_recorded(monkeypatch):
+    """A fake device: each method holds `resident` bytes once built, and a step needs `transient`
+    more; the peak of each task is read over its own steps only."""
+    from multigpu.bench import measure, worker
+
+    mem = {"now": 0, "peak": 0}
+    sizes = {"A": (10, 5), "B": (20, 1)}  # method -> (resident, transient)
+    monkeypatch.setattr(measure, "allocated", lambda devices: [mem["now"]])
+    monkeypatch.setattr(measure, "peak_allocated", lambda devices: [mem["peak"]])
+    monkeypatch.setattr(measure, "reset_peak", lambda devices: mem.update(peak=mem["now"]))
+    monkeypatch.setattr(measure, "release_memory", lambda devices: mem.update(peak=mem["now"]))
+
+    def build(task, accelerator):
+        resident, transient = sizes[task.method]
+        mem["now"] += resident
+        mem["peak"] = max(mem["peak"], mem["now"])
+
+        def step():
+            mem["peak"] = max(mem["peak"], mem["now"] + transient)
+            return 1
+        return measure.Prepared(step, [])
+
+    a, b = (Task(m, "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 2, 2) for m in ("A", "B"))
+    ra, rb = worker.run_set([a, b], "cpu", lambda rec: None, build)
+    def memory(r):
+        return r["memory_before"], r["peak_memory"], r["memory_held_by_others"]
+
+    assert memory(ra) == ([0], [35], [20]) and memory(rb) == ([10], [31], [10])
+    # its own peak is peak - held_by_others: 15 = 10 + 5 for A, 21 = 20 + 1 for B
 
 
 def test_group_plan_shows_the_first_gpus_of_the_device_plan():
@@ -132,8 +283,9 @@ def test_out_path_is_dated_and_never_overwritten(tmp_path):
 
 # --------------------------------------------------------------------------- report
 
-def _task(method, gpus, batch=32):
-    return Task(method, "resnet50", batch, gpus, 224, "bf16", "synthetic", 1000, 2, 10, 3)
+def _task(method, gpus, batch=32, data="synthetic", compile=False):
+    return Task(method, "resnet50", batch, gpus, 224, "bf16", data, 1000 if data == "synthetic" else 10,
+                2, 10, 3, compile)
 
 
 def _ranks(task, seconds_per_rank):
@@ -190,6 +342,40 @@ def test_plot_writes_a_png_and_the_table_prints(tmp_path, capsys):
     assert "multigpu-ddp" in out and "2xH200" in out
 
 
+def test_of_synthetic_is_real_over_the_synthetic_row_of_the_same_method_and_gpus():
+    def row(method, gpus, data, seconds):
+        t = _task(method, gpus, data=data)
+        return report.build_row(t, _ranks(t, [[seconds] * 3] * gpus), None)
+
+    rows = [row("multigpu-ddp", 2, "synthetic", 0.1), row("multigpu-ddp", 4, "synthetic", 0.05),
+            row("multigpu-ddp", 2, "folder:/x", 0.125), row("multigpu-single", 1, "folder:/x", 0.1)]
+    report.add_of_synthetic(rows)
+    assert [r["data"] for r in rows] == ["synthetic", "synthetic", "real", "real"]
+    assert rows[2]["of_synthetic"] == pytest.approx(0.8)
+    assert rows[0]["of_synthetic"] is rows[1]["of_synthetic"] is None
+    assert rows[3]["of_synthetic"] is None, "no synthetic multigpu-single row to compare with"
+
+
+def test_table_and_plot_keep_the_data_kinds_apart_and_mark_compiled_rows(tmp_path, capsys):
+    rep = _report(tmp_path)
+    real = _task("multigpu-ddp", 2, data="folder:/x", compile=True)
+    rep["rows"].append(report.build_row(real, _ranks(real, [[0.25] * 3] * 2), None))
+    report.add_scaling(rep["rows"])
+    report.add_of_synthetic(rep["rows"])
+    assert rep["rows"][2]["of_synthetic"] == pytest.approx(0.5)
+    settings = runner.new_report(BenchSettings(data=("synthetic", "real")),
+                                 DevicePlan("cpu", (), 2), (1, 2), "2xCPU")["settings"]
+    assert json.loads(json.dumps(settings))["data"] == ["synthetic", "real"]
+    rep["settings"]["data"] = settings["data"]
+    report.print_table(rep)
+    out = capsys.readouterr().out
+    assert "synthetic and real data" in out and "of synth." in out and " 50%" in out
+    assert "multigpu-ddp +compile" in out and "│ real" in out
+    assert set(report._series(rep["rows"])) == {"multigpu-single", "multigpu-ddp",
+                                                 "multigpu-ddp real"}
+    assert report.plot(rep, tmp_path / "r.png").exists()
+
+
 def test_machine_label():
     assert report.machine_label("cuda", 4, "NVIDIA H200") == "4xH200"
     assert report.machine_label("cuda", 8, "NVIDIA A100-SXM4-80GB") == "8xA100"
@@ -221,18 +407,24 @@ def test_flops_are_counted_once_per_model_and_scaled_by_the_batch():
 # --------------------------------------------------------------------------- failures
 
 def _fake_launch(monkeypatch, outcomes):
-    """launch() that records the first `done` tasks of each job, then returns `rc`."""
+    """launch() that, as the worker does, writes a begin record for each of the first `begun` tasks
+    of each job (default: `done`, plus the one that failed when `rc` is not 0) and a result for
+    each of the first `done`, then returns `rc`. outcomes: (done, rc) or (done, rc, begun)."""
     import multigpu.launch
 
     calls = []
 
     def launch(cmd, plan, opts):
         job = json.loads(open(cmd[-1]).read())
-        done, rc = outcomes[len(calls)]
+        done, rc, *begun = outcomes[len(calls)]
+        begun = begun[0] if begun else done + (rc != 0)
         calls.append([t["method"] for t in job["tasks"]])
         with open(f"{job['results_dir']}/rank0.jsonl", "w") as f:
-            for t in job["tasks"][:done]:
-                f.write(json.dumps({"kind": "task", "key": Task(**t).key, "rank": 0}) + "\n")
+            for i, t in enumerate(job["tasks"][:begun]):
+                key = Task(**t).key
+                f.write(json.dumps({"kind": "begin", "phase": "build", "key": key}) + "\n")
+                if i < done:
+                    f.write(json.dumps({"kind": "task", "key": key, "rank": 0}) + "\n")
         return rc
 
     monkeypatch.setattr(multigpu.launch, "launch", launch)
@@ -255,6 +447,57 @@ def test_a_failed_task_is_noted_and_the_rest_of_its_group_runs_again(monkeypatch
     assert len(rep["notes"]) == 1 and rep["notes"][0].startswith("ddp x1 mlp batch 4 failed")
 
 
+def test_a_task_failing_while_its_set_is_built_is_blamed_not_the_first_unfinished(monkeypatch,
+                                                                                   tmp_path):
+    # One set of four: single and ddp built and warmed up, accelerate crashes in its build.
+    calls = _fake_launch(monkeypatch, [(0, 1, 3), (3, 0)])
+    rep, got = {"launches": [], "notes": []}, runner.Collected()
+    assert runner.run_group(0, _group(), DevicePlan("cpu", (), 1), tmp_path, rep, got, lambda: None)
+    assert calls == [["multigpu-single", "ddp", "accelerate", "fabric"],
+                     ["multigpu-single", "ddp", "fabric"]]
+    assert len(got.records) == 3 and rep["notes"][0].startswith("accelerate x1 mlp batch 4 failed")
+
+
+def _write_records(folder, rank, records):
+    with open(folder / f"rank{rank}.jsonl", "w") as f:
+        f.write(json.dumps({"kind": "meta"}) + "\n")
+        for kind, task, *phase in records:
+            rec = {"kind": kind, "key": task.key, "rank": rank}
+            if kind == "begin":
+                rec["phase"] = phase[0] if phase else "build"
+            f.write(json.dumps(rec) + "\n")
+
+
+def test_the_failure_is_blamed_on_the_task_begun_last_without_a_result(tmp_path):
+    t1, t2, t3, t4 = _group().tasks
+    _write_records(tmp_path, 0, [("begin", t1), ("task", t1), ("begin", t2)])
+    got, _ = runner.read_records(tmp_path)
+    assert list(got) == [t1.key], "begin records are no results"
+    assert runner.blamed(tmp_path, [t2, t3, t4]) == (t2, {"kind": "begin", "key": t2.key,
+                                                          "rank": 0, "phase": "build"})
+    # interleaved: t1 and t2 built, nothing written yet; t2's build failed, not t1
+    _write_records(tmp_path, 0, [("begin", t1), ("begin", t2)])
+    assert runner.blamed(tmp_path, [t1, t2, t3, t4])[0] is t2
+    # ranks that disagree: the earliest unfinished task in job order
+    _write_records(tmp_path, 1, [("begin", t1), ("begin", t2), ("begin", t3)])
+    assert runner.blamed(tmp_path, [t1, t2, t3, t4])[0] is t2
+    # no rank had begun a task (a crash at start-up): the first, as before
+    (tmp_path / "rank1.jsonl").unlink()
+    _write_records(tmp_path, 0, [])
+    assert runner.blamed(tmp_path, [t3, t4]) == (t3, None)
+
+
+def test_a_failure_in_interleaved_trials_is_blamed_on_the_sets_first_task(tmp_path):
+    t1, t2, t3, t4 = _group().tasks
+    _write_records(tmp_path, 0, [("begin", t1), ("begin", t2), ("begin", t1, "trials")])
+    task, begin = runner.blamed(tmp_path, [t1, t2, t3, t4])
+    assert task is t1 and begin["phase"] == "trials"
+    begin["keys"] = [t1.key, t2.key]
+    note = runner._failure_note(task, begin, 1, tmp_path)
+    assert note.startswith("multigpu-single x1 mlp batch 4 failed (exit code 1) in the "
+                           "interleaved trials") and "the other 1 run again" in note
+
+
 def test_a_launch_stopped_by_sigterm_stops_the_bench(monkeypatch, tmp_path):
     _fake_launch(monkeypatch, [(2, 143)])
     rep, got = {"launches": [], "notes": []}, runner.Collected()
@@ -269,7 +512,8 @@ def test_the_bench_flags_are_pinned():
     flags = {s for a in sub._actions for s in a.option_strings if s.startswith("--")}
     assert flags == {"--help", "--debug", "--model", "--batch-size", "--precision", "--gpus",
                      "--methods", "--data", "--steps", "--warmup", "--trials", "--dp-steps",
-                     "--image-size", "--devices", "--min-free-memory", "--out", "--data-dir"}
+                     "--image-size", "--devices", "--min-free-memory", "--out", "--data-dir",
+                     "--compile"}
 
 
 def test_flags_become_settings_and_bad_values_are_usage_errors():
@@ -286,3 +530,20 @@ def test_flags_become_settings_and_bad_values_are_usage_errors():
         settings_from_args(parse(["bench", "--steps", "0"]))
     with pytest.raises(UsageError, match="--batch-size"):
         settings_from_args(parse(["bench", "--batch-size", "x"]))
+
+
+def test_data_takes_one_kind_or_both_and_compile_is_a_flag():
+    from multigpu.cli import build_parser
+    from multigpu.cli.bench import settings_from_args
+
+    parse = build_parser().parse_args
+    default = settings_from_args(parse(["bench"]))
+    assert (default.data, default.compile) == (("synthetic",), False)
+    both = settings_from_args(parse(["bench", "--data", "synthetic,real", "--compile"]))
+    assert (both.data, both.compile) == (("synthetic", "real"), True)
+    assert settings_from_args(parse(["bench", "--data", "real, synthetic"])).data == both.data
+    with pytest.raises(UsageError, match=r"--data bogus: unknown kind 'bogus'; choose from "
+                                         r"synthetic,real"):
+        settings_from_args(parse(["bench", "--data", "bogus"]))
+    with pytest.raises(UsageError, match="--compile .*--warmup 1 or more"):
+        settings_from_args(parse(["bench", "--compile", "--warmup", "0"]))

@@ -2,7 +2,8 @@
 
     multigpu bench --model resnet50 --batch-size 128 --precision bf16 --gpus 1,2,4
     multigpu bench --model resnet50 --batch-size 32,64,256 --methods multigpu-ddp,ddp --gpus 1,4
-    multigpu bench --model resnet50 --data real --methods multigpu-ddp --gpus 1,4
+    multigpu bench --model resnet50 --data synthetic,real --methods multigpu-ddp --gpus 1,4
+    multigpu bench --model resnet50 --compile --methods multigpu-single,multigpu-ddp --gpus 1,4
     multigpu bench --model mlp --devices cpu:2 --gpus 1,2 --steps 3 --image-size 8   # CPU smoke test
 
 Methods (one training step each, same model object, same data, same seed):
@@ -16,7 +17,8 @@ Methods (one training step each, same model object, same data, same seed):
 How it runs (module by module):
     spec.py     flags -> BenchSettings -> Tasks grouped into launches (fewest process starts)
     runner.py   the parent: starts each group through multigpu.launch, collects, writes reports
-    worker.py   inside each launched process: builds each task, warms up, times the trials
+    worker.py   inside each launched process: builds and warms up the tasks that differ only in
+                the method, then times their trials in turns (drift hits them alike)
     peers.py    the three peer recipes
     stats.py    median / spread / scaling efficiency / MFU, FLOP counting
     report.py   rich table, JSON, PNG plot

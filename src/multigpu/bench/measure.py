@@ -6,6 +6,7 @@ Hazards this module handles:
 - Ranks start a trial together (a barrier first), and the parent takes the slowest rank's time.
 - Memory is read only on the devices the task uses: touching another GPU creates a CUDA context
   there (hundreds of MB) and would distort that GPU's figures.
+- The machine drifts over minutes: comparable methods take turns, trial by trial (round robin).
 """
 from __future__ import annotations
 
@@ -61,21 +62,87 @@ def barrier(devices: list[torch.device]) -> None:
     synchronize(devices)
 
 
-def time_trials(prep: Prepared, warmup: int, steps: int, trials: int) -> tuple[list[float], list[int]]:
-    """Warm up, then time `trials` runs of `steps` steps: (seconds, samples) per trial."""
-    for _ in range(warmup):
-        prep.step()
-    seconds, samples = [], []
-    for _ in range(trials):
-        barrier(prep.devices)  # also waits for the warm-up / previous trial to finish
-        start = time.perf_counter()
-        count = 0
-        for _ in range(steps):
-            count += prep.step()
-        synchronize(prep.devices)
-        seconds.append(time.perf_counter() - start)
-        samples.append(count)
-    return seconds, samples
+@dataclass
+class Run:
+    """One task being measured: its prepared step, and what has been measured so far.
+
+    Memory, per device the task uses (None on CPU). With interleaving, several prepared methods
+    are alive at once, and the device's counters cannot tell them apart; so:
+      memory_before   allocated right before its build: what earlier tasks left, and what the
+                      methods built before it in its set hold;
+      peak            the whole device's peak during its own steps only: its build and warm-up,
+                      then each of its trials (the peak counters are reset before each), so it
+                      includes what the other live methods hold;
+      held_by_others  allocated right before its first trial less its own resident memory
+                      (allocated after its warm-up less memory_before): what the others held
+                      while it ran, so peak - held_by_others is its own peak. Alone in its set,
+                      this is memory_before.
+    """
+    task: Task
+    prep: Prepared
+    devices: list[torch.device]  # where its memory is read (prep.devices are synchronised)
+    memory_before: list[int] | None
+    setup_seconds: float
+    warmup: int  # task.warmup + prep.extra_warmup
+    seconds: list[float] = field(default_factory=list)  # per trial
+    samples: list[int] = field(default_factory=list)  # per trial, over all ranks
+    peak: list[int] | None = None
+    resident: list[int] | None = None
+    held_by_others: list[int] | None = None
+
+    def note_peak(self) -> None:
+        """Fold the peak since the last reset into `peak`."""
+        now = peak_allocated(self.devices)
+        self.peak = now if self.peak is None or now is None else list(map(max, self.peak, now))
+
+
+def warm_up(run: Run) -> None:
+    """The warm-up steps, right after the build; the synchronisation keeps their tail out of the
+    next task's build time (its first copy to the device would wait for them)."""
+    for _ in range(run.warmup):
+        run.prep.step()
+    synchronize(run.prep.devices)
+    run.note_peak()  # the counters were reset before the build
+    run.resident = _minus(allocated(run.devices), run.memory_before)
+
+
+def time_trial(run: Run) -> None:
+    """One trial: ranks start together (barrier), `steps` steps run without a sync between them,
+    and the clock stops when the devices are done."""
+    if not run.seconds:
+        run.held_by_others = _minus(allocated(run.devices), run.resident)
+    reset_peak(run.devices)
+    barrier(run.prep.devices)  # also waits for whatever ran before (warm-up, another method)
+    start = time.perf_counter()
+    count = 0
+    for _ in range(run.task.steps):
+        count += run.prep.step()
+    synchronize(run.prep.devices)
+    run.seconds.append(time.perf_counter() - start)
+    run.samples.append(count)
+    run.note_peak()
+
+
+def time_round_robin(runs: list[Run]) -> None:
+    """Trial 1 of every run, then trial 2 of every run, and so on. The machine drifts over minutes
+    (one DDP configuration: 12,794 img/s at the start of a sequence, 16,294 three minutes later),
+    so timing one method's trials after another's would favour the later one; taking turns spreads
+    the drift over all of them alike."""
+    for i in range(max(r.task.trials for r in runs)):
+        for run in runs:
+            if i < run.task.trials:
+                time_trial(run)
+
+
+def _minus(a: list[int] | None, b: list[int] | None) -> list[int] | None:
+    """Per device a - b, never below 0 (None where either is unknown, as on CPU)."""
+    return None if a is None or b is None else [max(0, x - y) for x, y in zip(a, b)]
+
+
+def reset_peak(devices: list[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
 
 
 def release_memory(devices: list[torch.device]) -> None:
@@ -85,7 +152,7 @@ def release_memory(devices: list[torch.device]) -> None:
         if d.type == "cuda":
             with torch.cuda.device(d):
                 torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(d)
+    reset_peak(devices)
 
 
 def allocated(devices: list[torch.device]) -> list[int] | None:

@@ -4,7 +4,7 @@ JSON layout (SCHEMA below), one file per invocation:
     schema, date, command, machine {label, hostname, accelerator, gpu_name, gpu_count, cpus},
     versions {multigpu, torch, cuda, nccl, cudnn, python, accelerate, lightning},
     settings {every flag, plus the global backend flags the workers set},
-    rows [ one per (method, model, batch size, GPU count): see ROW_KEYS ],
+    rows [ one per (method, model, batch size, GPU count, data kind): see ROW_KEYS ],
     skipped [ {method, reason} ], notes [ str ], launches [ {group, attempt, exit_code, logs} ]
 """
 from __future__ import annotations
@@ -20,12 +20,16 @@ SCHEMA = "multigpu-bench/1"
 GIB = 1024**3
 ROW_KEYS = (
     "method", "model", "batch_size", "gpus", "processes", "global_batch", "image_size",
-    "num_outputs", "data", "precision",
-    "steps", "warmup", "trials", "trial_seconds", "img_per_s", "img_per_s_min", "img_per_s_max",
-    "spread_pct", "step_ms", "step_ms_min", "step_ms_max", "scaling_efficiency",
-    "peak_memory_gib", "memory_before_gib", "flops_per_step_per_gpu", "mfu", "gpu_name",
-    "strategy", "wrapper", "optimizer", "setup_seconds",
+    "num_outputs", "data", "precision", "compile",
+    "steps", "warmup", "trials", "interleaved", "trial_seconds", "img_per_s", "img_per_s_min",
+    "img_per_s_max", "spread_pct", "step_ms", "step_ms_min", "step_ms_max", "scaling_efficiency",
+    "of_synthetic", "peak_memory_gib", "memory_before_gib", "memory_held_by_others_gib",
+    "flops_per_step_per_gpu", "mfu", "gpu_name", "strategy", "wrapper", "optimizer",
+    "setup_seconds",
 )
+# interleaved: how many methods, this one included, took turns trial by trial (1: alone).
+# peak_memory_gib: the whole device's peak during this method's own steps, so with interleaving it
+# includes what the other live methods hold: memory_held_by_others_gib (see measure.Run).
 
 
 def machine_label(accelerator: str, count: int, gpu_name: str | None) -> str:
@@ -49,18 +53,20 @@ def build_row(task: Task, ranks: list[dict], flops: int | None) -> dict:
     row = {"method": task.method, "model": task.model, "batch_size": task.batch_size,
            "gpus": task.gpus, "processes": first.get("world_size", len(ranks)),
            "global_batch": samples[0] // task.steps, "image_size": task.image_size,
-           "num_outputs": task.num_outputs,
-           "data": "real" if task.data.startswith("folder:") else "synthetic",
-           "precision": first.get("precision"), "steps": task.steps,
+           "num_outputs": task.num_outputs, "data": task.data_kind,
+           "precision": first.get("precision"), "compile": task.compile, "steps": task.steps,
            "warmup": first.get("warmup", task.warmup),
-           "trials": task.trials, "trial_seconds": seconds}
+           "trials": task.trials, "interleaved": first.get("interleaved", 1),
+           "trial_seconds": seconds}
     row |= stats.trial_stats(seconds, samples, task.steps)
     peaks = [m for r in ranks for m in (r.get("peak_memory") or [])]
     before = [m for r in ranks for m in (r.get("memory_before") or [])]
+    others = [m for r in ranks for m in (r.get("memory_held_by_others") or [])]
     gpu_name = (first.get("device_names") or [None])[0]
-    row |= {"scaling_efficiency": None,
+    row |= {"scaling_efficiency": None, "of_synthetic": None,
             "peak_memory_gib": [round(m / GIB, 3) for m in peaks] or None,
             "memory_before_gib": [round(m / GIB, 3) for m in before] or None,
+            "memory_held_by_others_gib": [round(m / GIB, 3) for m in others] or None,
             "flops_per_step_per_gpu": flops,
             "mfu": stats.mfu(flops, row["step_ms"] / 1000,
                              stats.peak_flops(gpu_name, row["precision"])),
@@ -80,6 +86,18 @@ def add_scaling(rows: list[dict]) -> None:
         r["scaling_efficiency"] = stats.scaling_efficiency(r["img_per_s"], r["gpus"], base)
 
 
+def add_of_synthetic(rows: list[dict]) -> None:
+    """Real-data img/s as a share of the synthetic row of the same method, model, batch, image size
+    and GPU count: what the input pipeline costs, measured in one run (None without that row)."""
+    def same(r: dict) -> tuple:
+        return r["method"], r["model"], r["batch_size"], r["image_size"], r["gpus"]
+
+    synthetic = {same(r): r["img_per_s"] for r in rows if r["data"] == "synthetic"}
+    for r in rows:
+        base = synthetic.get(same(r)) if r["data"] == "real" else None
+        r["of_synthetic"] = r["img_per_s"] / base if base else None
+
+
 def write_json(report: dict, path: Path) -> None:
     """Atomically: a reader (or a time limit) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,6 +112,12 @@ def _fmt(value, spec: str, empty: str = "-") -> str:
     return empty if value is None else format(value, spec)
 
 
+def data_kinds(report: dict) -> list[str]:
+    """The data kinds the run asked for (a plain string in reports written before the list)."""
+    data = report["settings"]["data"]
+    return [data] if isinstance(data, str) else list(data)
+
+
 def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -104,20 +128,30 @@ def print_table(report: dict) -> None:
     console = Console(highlight=False, width=None if shared.is_terminal else 140)
 
     m = report["machine"]
+    kinds = data_kinds(report)
     table = Table(title=f"multigpu bench on {m['label']} ({m.get('gpu_name') or 'CPU'}), "
-                        f"{report['settings']['data']} data", title_justify="left")
+                        f"{' and '.join(kinds)} data", title_justify="left")
     unit = "GPUs" if m["accelerator"] == "cuda" else "procs"
-    for name in ("method", "model", "batch", unit, "img/s", "min-max", "step ms",
-                 "scaling", "peak GiB", "MFU"):
-        table.add_column(name, justify="left" if name in ("method", "model") else "right")
+    mixed = len(kinds) > 1  # a data column, and a share of synthetic where a real row has one
+    share = any(r.get("of_synthetic") is not None for r in report["rows"])
+    names = ("method", "model", *(["data"] if mixed else []), "batch", unit, "img/s", "min-max",
+             "step ms", "scaling", *(["of synth."] if share else []), "peak GiB", "MFU")
+    for name in names:
+        table.add_column(name, justify="left" if name in ("method", "model", "data") else "right")
     for r in report["rows"]:
         mem = r["peak_memory_gib"]
         table.add_row(
-            r["method"], r["model"], str(r["batch_size"]), str(r["gpus"]),
+            r["method"] + (" +compile" if r.get("compile") else ""), r["model"],
+            *([r["data"]] if mixed else []), str(r["batch_size"]), str(r["gpus"]),
             f"{r['img_per_s']:,.0f}", f"{r['img_per_s_min']:,.0f}-{r['img_per_s_max']:,.0f}",
             f"{r['step_ms']:.1f}", _fmt(r["scaling_efficiency"], ".0%"),
+            *([_fmt(r.get("of_synthetic"), ".0%")] if share else []),
             f"{max(mem):.1f}" if mem else "-", _fmt(r["mfu"], ".1%"))
     console.print(table)
+    if any(r.get("interleaved", 1) > 1 for r in report["rows"]):
+        console.print("trials interleaved: methods with the same model, batch, data and GPU count "
+                      "took turns, trial by trial; their peak GiB includes what the others held",
+                      markup=False)
     for s in report["skipped"]:
         console.print(f"skipped {s['method']}: {s['reason']}", markup=False)
     for note in report["notes"]:
@@ -130,16 +164,23 @@ def _series(rows: list[dict]) -> dict[str, list[tuple[int, float, float | None]]
     """label -> [(gpus, img/s, efficiency)]; the DDP/DP lines start from the single-GPU point,
     since at one GPU multigpu-ddp and multigpu-dp are the single-GPU step."""
     combos = {(r["model"], r["batch_size"]) for r in rows}
+    mixed = len({r["data"] for r in rows}) > 1
+
+    def label(method: str, r: dict) -> str:
+        text = method if len(combos) == 1 else f"{method} {r['model']} b{r['batch_size']}"
+        return f"{text} real" if mixed and r["data"] == "real" else text  # real and synthetic apart
+
     out: dict[str, list] = {}
     for r in rows:
-        label = r["method"] if len(combos) == 1 else f"{r['method']} {r['model']} b{r['batch_size']}"
-        out.setdefault(label, []).append((r["gpus"], r["img_per_s"], r["scaling_efficiency"]))
+        out.setdefault(label(r["method"], r), []).append(
+            (r["gpus"], r["img_per_s"], r["scaling_efficiency"]))
         if r["method"] == "multigpu-single":
             for method in ("multigpu-ddp", "multigpu-dp"):
                 if any(x["method"] == method and x["model"] == r["model"]
-                       and x["batch_size"] == r["batch_size"] for x in rows):
-                    other = method if len(combos) == 1 else f"{method} {r['model']} b{r['batch_size']}"
-                    out.setdefault(other, []).append((1, r["img_per_s"], r["scaling_efficiency"]))
+                       and x["batch_size"] == r["batch_size"] and x["data"] == r["data"]
+                       for x in rows):
+                    out.setdefault(label(method, r), []).append(
+                        (1, r["img_per_s"], r["scaling_efficiency"]))
     return {k: sorted(set(v)) for k, v in out.items()}
 
 
@@ -174,8 +215,11 @@ def plot(report: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
     if rows:
         left.legend(fontsize=8)
-    fig.suptitle(f"multigpu bench, {report['date']}: {', '.join(report['settings']['models'])}, "
-                 f"batch {','.join(map(str, report['settings']['batch_sizes']))} per GPU", fontsize=10)
+    settings = report["settings"]
+    compiled = ", multigpu methods compiled" if settings.get("compile") else ""
+    fig.suptitle(f"multigpu bench, {report['date']}: {', '.join(settings['models'])}, "
+                 f"batch {','.join(map(str, settings['batch_sizes']))} per GPU, "
+                 f"{' and '.join(data_kinds(report))} data{compiled}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

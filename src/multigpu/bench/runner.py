@@ -15,11 +15,12 @@ from pathlib import Path
 
 from multigpu import console
 from multigpu.bench import realdata, report, stats
-from multigpu.bench.spec import NUM_CLASSES, BenchSettings, Group, gpu_counts, plan_groups
+from multigpu.bench.spec import (NUM_CLASSES, BenchSettings, Group, Task, gpu_counts,
+                                 plan_groups)
 from multigpu.devices import DevicePlan, resolve_devices
 from multigpu.errors import UsageError
 
-MAX_ATTEMPTS = 3  # per group: after a failed task, the rest of the group is started again
+MAX_ATTEMPTS = 3  # per group: after a failed task (see blamed()), the rest is started again
 # Exit codes of a launch stopped because *we* got SIGINT/SIGTERM (Ctrl-C, `timeout`): stop there.
 # A worker killed by another signal (137: SIGKILL from the OOM killer, 139: SIGSEGV) is a failed
 # task; the rest of its group is started again.
@@ -50,10 +51,19 @@ def group_plan(base: DevicePlan, group: Group) -> DevicePlan:
                                gpu_names=base.gpu_names[:k], tokens=base.tokens[:k])
 
 
-def prepare_data(s: BenchSettings, counts: tuple[int, ...]) -> tuple[str, int]:
-    """('synthetic', 1000) or ('folder:PATH', classes) with a JPEG folder big enough for one pass."""
-    if s.data != "real":
-        return "synthetic", NUM_CLASSES
+def prepare_data(s: BenchSettings, counts: tuple[int, ...]) -> dict[str, tuple[str, int]]:
+    """Data kind -> (Task.data, num_outputs) for each kind asked: ('synthetic', 1000), and
+    ('folder:PATH', classes) with a JPEG folder big enough for one pass."""
+    inputs = {}
+    if "synthetic" in s.data:
+        inputs["synthetic"] = ("synthetic", NUM_CLASSES)
+    if "real" in s.data:
+        inputs["real"] = (f"folder:{_image_folder(s, counts)}", realdata.CLASSES)
+    return inputs
+
+
+def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> Path:
+    """The cached JPEG folder, generated when missing: one image size, so one folder, for all."""
     sizes = {s.image_size or _default_size(m) for m in s.models}
     if len(sizes) > 1:
         raise UsageError(f"--data real with models of different default image sizes ({sorted(sizes)}); "
@@ -63,7 +73,7 @@ def prepare_data(s: BenchSettings, counts: tuple[int, ...]) -> tuple[str, int]:
     folder = realdata.ensure_image_folder(s.data_dir, need, sizes.pop())
     console.info(f"multigpu bench: {need:,} JPEG images in {folder} "
                  f"({time.perf_counter() - start:.1f} s, cached for the next run)")
-    return f"folder:{folder}", realdata.CLASSES
+    return folder
 
 
 def _default_size(model: str) -> int:
@@ -90,7 +100,8 @@ def new_report(s: BenchSettings, plan: DevicePlan, counts: tuple[int, ...], labe
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "command"}
     flags = {"cudnn.benchmark": True, "tf32": True} if plan.accelerator == "cuda" else {}
     settings |= {"gpus": list(counts), "models": list(s.models), "batch_sizes": list(s.batch_sizes),
-                 "methods": list(s.methods), "backend_flags": flags}  # set in worker.py
+                 "methods": list(s.methods), "data": list(s.data),
+                 "backend_flags": flags}  # set in worker.py
     return {"schema": report.SCHEMA, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": s.command,
             "machine": {"label": label, "hostname": platform.node(), "accelerator": plan.accelerator,
                         "gpu_name": plan.gpu_names[0] if plan.gpu_names else None,
@@ -100,6 +111,7 @@ def new_report(s: BenchSettings, plan: DevicePlan, counts: tuple[int, ...], labe
 
 
 def read_records(folder: Path) -> tuple[dict[str, list[dict]], dict | None]:
+    """Every rank's task records by key, and the first meta record (begin records: blamed())."""
     by_key: dict[str, list[dict]] = {}
     meta = None
     for path in sorted(folder.glob("rank*.jsonl")):
@@ -110,6 +122,42 @@ def read_records(folder: Path) -> tuple[dict[str, list[dict]], dict | None]:
             elif rec.get("kind") == "task":
                 by_key.setdefault(rec["key"], []).append(rec)
     return by_key, meta
+
+
+def last_begun(folder: Path) -> list[dict]:
+    """Each rank's last begin record (worker.py writes one before each build and before a set's
+    interleaved trials): what that rank was doing when the launch ended."""
+    last = []
+    for path in sorted(folder.glob("rank*.jsonl")):
+        begins = [rec for rec in map(json.loads, path.read_text().splitlines())
+                  if rec.get("kind") == "begin"]
+        last += begins[-1:]
+    return last
+
+
+def blamed(folder: Path, remaining: list[Task]) -> tuple[Task, dict | None]:
+    """The task a failed launch is blamed on, and the begin record that names it (None: no rank
+    had begun an unfinished task, e.g. a crash at start-up; then the first task, as before
+    interleaving). Ranks move through the tasks together (their collectives line up), so they
+    normally agree; where they do not, the earliest unfinished task in job order is taken. A
+    failure in a set's interleaved trials is blamed on the set's first task: it is dropped and the
+    rest of the set runs again (and is blamed in turn if the failure comes back)."""
+    order = {t.key: i for i, t in enumerate(remaining)}
+    begun = [rec for rec in last_begun(folder) if rec["key"] in order]
+    if not begun:
+        return remaining[0], None
+    rec = min(begun, key=lambda r: order[r["key"]])
+    return remaining[order[rec["key"]]], rec
+
+
+def _failure_note(task: Task, begin: dict | None, rc: int, folder: Path) -> str:
+    where = ""
+    if begin and begin.get("phase") == "trials":
+        others = len(begin["keys"]) - 1
+        where = (f" in the interleaved trials of its set, blamed on its first task; the other "
+                 f"{others} run again")
+    return (f"{task.describe()} failed (exit code {rc}){where}; traceback printed above, every "
+            f"rank's logs in {folder / 'logs'}")
 
 
 @dataclasses.dataclass
@@ -152,10 +200,9 @@ def run_group(index: int, group: Group, plan: DevicePlan, work: Path, rep: dict,
                 rep["notes"].append(f"launch {index + 1} exited with code {rc} after all its "
                                     f"tasks finished; logs in {folder / 'logs'}")
             return True
-        failed = remaining.pop(0)
-        rep["notes"].append(f"{failed.method} x{failed.gpus} {failed.model} batch {failed.batch_size} "
-                            f"failed (exit code {rc}); traceback printed above, every rank's logs "
-                            f"in {folder / 'logs'}")
+        failed, begin = blamed(folder, remaining)
+        remaining.remove(failed)
+        rep["notes"].append(_failure_note(failed, begin, rc, folder))
     if remaining:
         rep["notes"].append(f"gave up on {len(remaining)} task(s) of launch {index + 1} after "
                             f"{MAX_ATTEMPTS} failed attempts")
@@ -170,6 +217,7 @@ def finish(rep: dict, groups: list[Group], got: Collected, flops: dict, path: Pa
     rows = [report.build_row(t, got.records[t.key], flops.get(report.flops_key(t)))
             for g in groups for t in g.tasks if t.key in got.records]
     report.add_scaling(rows)
+    report.add_of_synthetic(rows)
     rep["rows"] = rows
     report.write_json(rep, path)
 
@@ -184,8 +232,7 @@ def run(s: BenchSettings) -> dict:
     label = report.machine_label(plan.accelerator, len(plan.gpu_ids) or plan.nproc,
                                  plan.gpu_names[0] if plan.gpu_names else None)
     path = resolve_out(s.out, label)
-    data, num_outputs = prepare_data(s, counts)
-    groups, skipped = plan_groups(s, plan.accelerator, counts, data, num_outputs)
+    groups, skipped = plan_groups(s, plan.accelerator, counts, prepare_data(s, counts))
     rep = new_report(s, plan, counts, label)
     rep["skipped"] = skipped
     for note in skipped:

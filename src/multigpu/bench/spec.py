@@ -4,13 +4,19 @@ Every (method, model, batch size, GPU count) is one Task. Tasks are grouped so t
 processes as possible are started, because each start costs seconds of GPU time (imports, CUDA
 context, NCCL setup) while a measurement costs a few seconds:
   1. one process on one GPU: multigpu-single (the reference) and the peers on 1 GPU;
-  2. for each GPU count N >= 2, largest first: N processes that run multigpu-ddp, then the
-     hand-written DDP, Accelerate and Fabric one after another in the same processes and the same
-     process group (Accelerate's PartialState and Fabric's _init_dist_connection both reuse an
-     initialised default group instead of creating one);
+  2. for each GPU count N >= 2, largest first: N processes that run multigpu-ddp, the
+     hand-written DDP, Accelerate and Fabric in the same processes and the same process group
+     (Accelerate's PartialState and Fabric's _init_dist_connection both reuse an initialised
+     default group instead of creating one);
   3. last, one process that drives N GPUs with DataParallel for each N (slow on some machines, so
      it has its own, smaller, --dp-steps and goes last: a time limit cuts it first).
 The order is also the order of importance, so a run stopped early keeps what matters most.
+Inside a group, consecutive tasks that differ only in the method (same model, batch, image size,
+data, GPU count and compile) run together: all are built, then their trials take turns (see
+worker.py), so a drift of the machine over minutes does not favour the method timed last.
+With several data kinds (--data synthetic,real) every group runs its synthetic tasks first, then
+the real-data ones, in the same processes: real as a share of synthetic is then measured within
+one run on one machine, without paying for more launches.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from multigpu.errors import UsageError
 
 METHODS = ("multigpu-single", "multigpu-dp", "multigpu-ddp", "ddp", "accelerate", "fabric")
 PEERS = ("ddp", "accelerate", "fabric")
+OURS = tuple(m for m in METHODS if m not in PEERS)  # the methods --compile applies to
 DATA_KINDS = ("synthetic", "real")
 NUM_CLASSES = 1000  # synthetic data: ImageNet-sized classifier head, as in BASELINE.md
 
@@ -32,7 +39,8 @@ class BenchSettings:
     precision: str = "auto"
     gpus: tuple[int, ...] | None = None  # GPU counts to measure; None = 1, 2, 4, ... up to all
     methods: tuple[str, ...] = METHODS
-    data: str = "synthetic"
+    data: tuple[str, ...] = ("synthetic",)  # in the order of DATA_KINDS
+    compile: bool = False  # torch.compile the multigpu methods' model, as `multigpu train --compile`
     steps: int = 30
     warmup: int = 10
     trials: int = 3
@@ -59,10 +67,21 @@ class Task:
     warmup: int
     steps: int
     trials: int
+    compile: bool = False  # torch.compile the prepared model (multigpu methods only)
+
+    @property
+    def data_kind(self) -> str:
+        return "real" if self.data.startswith("folder:") else "synthetic"
 
     @property
     def key(self) -> str:
-        return f"{self.method}|{self.model}|b{self.batch_size}|x{self.gpus}"
+        # The data kind too: one run can measure the same method/model/batch/GPUs on both kinds.
+        return f"{self.method}|{self.model}|b{self.batch_size}|x{self.gpus}|{self.data_kind}"
+
+    def describe(self) -> str:
+        """'multigpu-ddp x2 mlp batch 16', with ', real data' when that is what it reads."""
+        real = ", real data" if self.data_kind == "real" else ""
+        return f"{self.method} x{self.gpus} {self.model} batch {self.batch_size}{real}"
 
 
 @dataclass
@@ -99,6 +118,17 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return methods
 
 
+def parse_data(text: str) -> tuple[str, ...]:
+    """The data kinds, in the order of DATA_KINDS: each group runs synthetic before real."""
+    kinds = {k.strip() for k in str(text).split(",") if k.strip()}
+    unknown = sorted(kinds - set(DATA_KINDS))
+    if unknown or not kinds:
+        named = ", ".join(map(repr, unknown)) or "(none)"
+        raise UsageError(f"--data {text}: unknown kind {named}; choose from {','.join(DATA_KINDS)} "
+                         "(or both: --data synthetic,real)")
+    return tuple(k for k in DATA_KINDS if k in kinds)
+
+
 def parse_models(text: str) -> tuple[str, ...]:
     from multigpu.models import model_input_kind
 
@@ -120,8 +150,11 @@ def validate(s: BenchSettings) -> None:
         raise UsageError(f"--dp-steps {s.dp_steps} must be at least 1")
     if s.image_size is not None and s.image_size < 1:
         raise UsageError(f"--image-size {s.image_size} must be positive")
-    if s.data not in DATA_KINDS:
-        raise UsageError(f"--data {s.data}: choose synthetic or real")
+    if not s.data or any(k not in DATA_KINDS for k in s.data):
+        raise UsageError(f"--data {','.join(s.data)}: choose from {','.join(DATA_KINDS)} "
+                         "(or both: --data synthetic,real)")
+    if s.compile and s.warmup < 1:
+        raise UsageError("--compile compiles the model in the warm-up steps; use --warmup 1 or more")
 
 
 def gpu_counts(requested: tuple[int, ...] | None, available: int, unit: str,
@@ -141,53 +174,63 @@ def gpu_counts(requested: tuple[int, ...] | None, available: int, unit: str,
 # --------------------------------------------------------------------------- planning
 
 def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
-    """Why a peer cannot run here (one line), or None."""
+    """Why a peer cannot run here on this data kind (one line), or None. The machine's reasons come
+    first: they hold for every data kind, so a peer skipped for both kinds is named once."""
     if method not in PEERS:
         return None
-    if data == "real":
-        return "--data real times multigpu's own input pipeline; peers run on synthetic data only"
-    if method == "ddp":
-        return None
-    if accelerator != "cuda":
+    if method != "ddp" and accelerator != "cuda":
         return f"{method} is measured on GPUs only in this bench"
     if method == "accelerate" and importlib.util.find_spec("accelerate") is None:
         return "accelerate is not installed (pip install accelerate)"
     fabric_packages = ("lightning", "lightning_fabric")
     if method == "fabric" and not any(importlib.util.find_spec(m) for m in fabric_packages):
         return "lightning is not installed (pip install lightning)"
+    if data == "real":
+        return "--data real times multigpu's own input pipeline; peers run on synthetic data only"
     return None
 
 
-def plan_groups(s: BenchSettings, accelerator: str, counts: tuple[int, ...], data: str,
-                num_outputs: int) -> tuple[list[Group], list[dict]]:
-    """Tasks grouped into launches (see the module docstring), and the methods skipped, with why."""
+def plan_groups(s: BenchSettings, accelerator: str, counts: tuple[int, ...],
+                inputs: dict[str, tuple[str, int]]) -> tuple[list[Group], list[dict]]:
+    """Tasks grouped into launches (see the module docstring), and the methods skipped, with why.
+    `inputs`: data kind -> (Task.data, num_outputs), as runner.prepare_data makes them."""
     skipped: dict[tuple[str, str], None] = {}
+    on_gpu = accelerator == "cuda"
+    first = Group(1, 1 if on_gpu else 0)
+    ddp_groups = {n: Group(n, n if on_gpu else 0) for n in sorted(counts, reverse=True) if n > 1}
+    dp = Group(1, 0)
+    dp_steps = s.dp_steps or s.steps
+    for kind in (k for k in DATA_KINDS if k in inputs):  # synthetic first in every group
+        runnable = _runnable(s.methods, accelerator, kind, skipped)
+        dp_counts = [n for n in counts if n > 1] if "multigpu-dp" in runnable else []
+        for model in s.models:
+            size = s.image_size or _default_image_size(model)
+            for batch in s.batch_sizes:
+                make = _TaskMaker(s, model, batch, size, *inputs[kind])
+                if "multigpu-single" in runnable:
+                    first.tasks.append(make("multigpu-single", 1))
+                first.tasks += [make(m, 1) for m in runnable if m in PEERS and 1 in counts]
+                for n, group in ddp_groups.items():
+                    group.tasks += [make(m, n) for m in runnable if m == "multigpu-ddp" or m in PEERS]
+                dp.tasks += [make("multigpu-dp", n, dp_steps, min(s.warmup, dp_steps))
+                             for n in dp_counts]
+    dp.visible = max((t.gpus for t in dp.tasks), default=0)
+    groups = [g for g in (first, *ddp_groups.values(), dp) if g.tasks]
+    return groups, [{"method": m, "reason": r} for m, r in skipped]
+
+
+def _runnable(methods: tuple[str, ...], accelerator: str, kind: str,
+              skipped: dict[tuple[str, str], None]) -> list[str]:
+    """The methods that can run on this data kind here; the others go into `skipped`, with why."""
     runnable = []
-    for m in s.methods:
+    for m in methods:
         reason = "DataParallel needs GPUs; on CPU use multigpu-ddp" if (
-            m == "multigpu-dp" and accelerator != "cuda") else unavailable_reason(m, accelerator, s.data)
+            m == "multigpu-dp" and accelerator != "cuda") else unavailable_reason(m, accelerator, kind)
         if reason:
             skipped[(m, reason)] = None
         else:
             runnable.append(m)
-    on_gpu = accelerator == "cuda"
-    first = Group(1, 1 if on_gpu else 0)
-    ddp_groups = {n: Group(n, n if on_gpu else 0) for n in sorted(counts, reverse=True) if n > 1}
-    dp_counts = [n for n in counts if n > 1] if "multigpu-dp" in runnable else []
-    dp = Group(1, max(dp_counts, default=0))
-    dp_steps = s.dp_steps or s.steps
-    for model in s.models:
-        size = s.image_size or _default_image_size(model)
-        for batch in s.batch_sizes:
-            make = _TaskMaker(s, model, batch, size, data, num_outputs)
-            if "multigpu-single" in runnable:
-                first.tasks.append(make("multigpu-single", 1))
-            first.tasks += [make(m, 1) for m in runnable if m in PEERS and 1 in counts]
-            for n, group in ddp_groups.items():
-                group.tasks += [make(m, n) for m in runnable if m == "multigpu-ddp" or m in PEERS]
-            dp.tasks += [make("multigpu-dp", n, dp_steps, min(s.warmup, dp_steps)) for n in dp_counts]
-    groups = [g for g in (first, *ddp_groups.values(), dp) if g.tasks]
-    return groups, [{"method": m, "reason": r} for m, r in skipped]
+    return runnable
 
 
 @dataclass
@@ -204,7 +247,7 @@ class _TaskMaker:
         s = self.s
         return Task(method, self.model, self.batch, n, self.size, s.precision, self.data,
                     self.num_outputs, s.warmup if warmup is None else warmup,
-                    steps or s.steps, s.trials)
+                    steps or s.steps, s.trials, compile=s.compile and method in OURS)
 
 
 def _default_image_size(model: str) -> int:

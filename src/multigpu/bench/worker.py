@@ -1,12 +1,21 @@
 """Runs inside every process the bench launches: `python -m multigpu.bench.worker JOB.json`.
 
 The job file lists tasks; each rank runs all of them in order (the same order on every rank, so
-collectives line up), and appends one JSON line per task to <results_dir>/rank<RANK>.jsonl as soon
-as the task is done, so a crash or a time limit keeps every finished measurement.
+collectives line up). Consecutive comparable tasks (same model, batch, image size, data, GPU count
+and compile: only the method differs) form a set: each is built and warmed up in turn, then their
+trials take turns (trial 1 of each, trial 2 of each, ...), so a drift of the machine over minutes
+hits every method alike. Each rank appends JSON lines to <results_dir>/rank<RANK>.jsonl:
+  {"kind": "begin", "phase": "build", "key"}   before a task is built (and warmed up);
+  {"kind": "begin", "phase": "trials", "key", "keys"}   before a set's interleaved trials, with
+      the key of its first task (the one a failure there is blamed on) and of all its tasks;
+  {"kind": "task", "key", ...}   one per task when its set is done,
+so a crash or a time limit keeps every finished set, and the parent knows what was running.
 
 The multigpu methods go through exactly the code `multigpu train` runs: `multigpu.setup()`,
 `rt.prepare()`, `training.make_optimizer()` and `engine.train_step()`; with --data real also
 `training.build_job()` (datasets.load_data + make_loader + loader_workers + rt.prepare).
+With --compile the prepared model goes through torch.compile as in `multigpu train --compile`;
+it compiles in its first step, which is a warm-up step.
 """
 from __future__ import annotations
 
@@ -33,7 +42,7 @@ def _config(task: Task, strategy: str):
     data = task.data if task.data.startswith("folder:") else "digits"  # synthetic: unused by it
     return TrainConfig(model=task.model, data=data, batch_size=task.batch_size, optimizer="sgd",
                        lr=0.1, precision=task.precision, strategy=strategy,
-                       image_size=task.image_size)
+                       image_size=task.image_size, compile=task.compile)
 
 
 def _endless(loader):
@@ -65,6 +74,8 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
         if settings.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model = rt.prepare(model)
+        if cfg.compile:  # as training.build_job does; unwrap() below also peels torch.compile off
+            model = torch.compile(model)
         optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
         per_process = task.batch_size * rt.strategy.devices_per_process  # dp: split over GPUs
         batch = synthetic_batch(per_process, task, rt.device, settings.channels_last, seed=1 + rt.rank)
@@ -76,8 +87,9 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
         close, queue = None, 0
     devices = ([torch.device("cuda", i) for i in range(task.gpus)] if strategy == "dp"
                else [rt.device])
+    wrapped = getattr(model, "_orig_mod", model)  # the strategy's wrapper, not torch.compile's
     info = {"precision": rt.precision.kind, "strategy": rt.strategy.describe(),
-            "optimizer": measure.describe_optimizer(optimizer), "wrapper": type(model).__name__,
+            "optimizer": measure.describe_optimizer(optimizer), "wrapper": type(wrapped).__name__,
             "world_size": rt.world_size}
     return Prepared(step, devices, info, close, extra_warmup=queue)
 
@@ -100,24 +112,66 @@ def task_devices(task: Task, accelerator: str) -> list[torch.device]:
     return [torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))]
 
 
-def run_task(task: Task, accelerator: str) -> dict:
+def comparable(task: Task) -> tuple:
+    """What tasks must share for their trials to be interleaved: the same work on the same devices,
+    only the method differs. Under --compile the compiled multigpu methods take turns with the
+    eager peers: that is the comparison a user makes. (A real-data task is alone in its set, as the
+    peers run on synthetic data only; were it not, its loader would refill its queue while the
+    others ran.)"""
+    return task.model, task.batch_size, task.image_size, task.data, task.gpus
+
+
+def interleave_sets(tasks: list[Task]) -> list[list[Task]]:
+    """The tasks, in job order, cut into runs of consecutive comparable tasks."""
+    sets: list[list[Task]] = []
+    for task in tasks:
+        if sets and comparable(sets[-1][0]) == comparable(task):
+            sets[-1].append(task)
+        else:
+            sets.append([task])
+    return sets
+
+
+def start_run(task: Task, accelerator: str, build_fn) -> measure.Run:
+    """Build a task on freshly released memory; memory_before is read right before the build."""
     devices = task_devices(task, accelerator)
     measure.release_memory(devices)
     before = measure.allocated(devices)
     start = time.perf_counter()
-    prep = build(task, accelerator)
-    setup_seconds = time.perf_counter() - start
+    prep = build_fn(task, accelerator)
+    return measure.Run(task, prep, devices, before, time.perf_counter() - start,
+                       task.warmup + prep.extra_warmup)
+
+
+def run_set(tasks: list[Task], accelerator: str, begin, build_fn=build) -> list[dict]:
+    """Build and warm up each task in turn, time their trials round robin, then close them all;
+    one record per task. `begin(record)` writes the begin records (see the module docstring)."""
+    runs: list[measure.Run] = []
     try:
-        warmup = task.warmup + prep.extra_warmup
-        seconds, samples = measure.time_trials(prep, warmup, task.steps, task.trials)
-        peaks = measure.peak_allocated(devices)
+        for task in tasks:
+            begin({"kind": "begin", "phase": "build", "key": task.key})
+            runs.append(start_run(task, accelerator, build_fn))
+            measure.warm_up(runs[-1])
+        if len(tasks) > 1:
+            begin({"kind": "begin", "phase": "trials", "key": tasks[0].key,
+                   "keys": [t.key for t in tasks]})
+        measure.time_round_robin(runs)
     finally:
-        if prep.close:
-            prep.close()
-    names = [torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"]
-    return {"kind": "task", "key": task.key, "rank": int(os.environ.get("RANK", "0")),
-            "seconds": seconds, "samples": samples, "memory_before": before, "peak_memory": peaks,
-            "device_names": names, "setup_seconds": setup_seconds, "warmup": warmup, **prep.info}
+        for run in runs:
+            if run.prep.close:
+                run.prep.close()
+    return [result(run, len(tasks)) for run in runs]
+
+
+def result(run: measure.Run, interleaved: int) -> dict:
+    """The task's record. peak_memory, memory_before, memory_held_by_others: see measure.Run;
+    interleaved: how many tasks took turns in its set (1: timed alone)."""
+    names = [torch.cuda.get_device_name(d) for d in run.devices if d.type == "cuda"]
+    return {"kind": "task", "key": run.task.key, "rank": int(os.environ.get("RANK", "0")),
+            "seconds": run.seconds, "samples": run.samples, "memory_before": run.memory_before,
+            "peak_memory": run.peak, "memory_held_by_others": run.held_by_others,
+            "device_names": names, "setup_seconds": run.setup_seconds, "warmup": run.warmup,
+            "interleaved": interleaved, **run.prep.info}
 
 
 def environment(accelerator: str) -> dict:
@@ -152,15 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     configure_backends(accelerator)
     out = Path(job["results_dir"]) / f"rank{rank}.jsonl"
     _append(out, environment(accelerator))
-    for fields in job["tasks"]:
-        task = Task(**fields)
-        result = run_task(task, accelerator)
-        _append(out, result)
-        seconds = sum(result["seconds"])
-        console.info(f"bench: {task.method} x{task.gpus} {task.model} batch {task.batch_size}: "
-                     f"{sum(result['samples']) / seconds:,.0f} samples/s, "
-                     f"{1000 * seconds / (task.steps * task.trials):.1f} ms/step "
-                     "(rank 0's clock; the table uses the slowest rank)")
+    for tasks in interleave_sets([Task(**fields) for fields in job["tasks"]]):
+        for task, rec in zip(tasks, run_set(tasks, accelerator, lambda r: _append(out, r))):
+            _append(out, rec)
+            seconds = sum(rec["seconds"])
+            console.info(f"bench: {task.describe()}: "
+                         f"{sum(rec['samples']) / seconds:,.0f} samples/s, "
+                         f"{1000 * seconds / (task.steps * task.trials):.1f} ms/step "
+                         "(rank 0's clock; the table uses the slowest rank)")
     from multigpu.distributed import destroy_distributed
 
     destroy_distributed()

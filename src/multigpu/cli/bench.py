@@ -18,13 +18,16 @@ EXAMPLES = """\
 examples:
   multigpu bench --model resnet50 --batch-size 128 --precision bf16 --gpus 1,2,4
   multigpu bench --batch-size 32,64,256 --gpus 4 --methods multigpu-single,multigpu-ddp,ddp
-  multigpu bench --model resnet50 --data real --methods multigpu-single,multigpu-ddp --gpus 1,4
+  multigpu bench --model resnet50 --data synthetic,real --methods multigpu-single,multigpu-ddp --gpus 1,4
+  multigpu bench --model resnet50 --compile --methods multigpu-single,multigpu-ddp --gpus 1,4
   multigpu bench --model swin_t,vgg16 --methods multigpu-single,multigpu-ddp --gpus 1,4
   multigpu bench --model mlp --devices cpu:2 --gpus 1,2 --steps 3 --warmup 1 --image-size 8
 
 img/s is global (all GPUs); scaling = img/s / (GPUs x multigpu-single img/s) of the same run;
+of synth. = real-data img/s / synthetic img/s of the same method, model, batch and GPUs;
 MFU = FLOPs of one GPU's forward+backward / step time / the GPU's dense bf16 peak.
-Compare figures within one run: the same setup differs by up to 15 % between runs and machines.
+Methods with the same model, batch, data and GPUs take turns trial by trial, so a drifting
+machine (up to 27 % within minutes on 4x H200) does not favour one; compare figures within one run.
 """
 
 
@@ -45,9 +48,14 @@ def register(subparsers) -> argparse.ArgumentParser:
       help="GPU counts to measure (CPU processes with --devices cpu:N); default 1,2,4,... up to all")
     a("--methods", default=",".join(METHODS), metavar="M[,M...]",
       help=f"any of {','.join(METHODS)} (default all; peers not installed are skipped)")
-    a("--data", default="synthetic", choices=("synthetic", "real"),
+    a("--data", default="synthetic", metavar="KIND[,KIND]",
       help="synthetic: one random batch kept on the GPU (compute + communication only); real: a "
-           "generated JPEG folder through multigpu's whole input pipeline (default synthetic)")
+           "generated JPEG folder through multigpu's whole input pipeline; synthetic,real: both, "
+           "in the same launches, to show real as a share of synthetic (default synthetic; "
+           "peers run on synthetic data only)")
+    a("--compile", action="store_true",
+      help="torch.compile the model of the multigpu methods, as `multigpu train --compile` does; "
+           "it compiles during the warm-up (peers are not compiled)")
     a("--steps", type=int, default=30, help="timed steps per trial (default 30)")
     a("--warmup", type=int, default=10, help="untimed steps before the trials (default 10)")
     a("--trials", type=int, default=3, help="timed trials; the table shows their median (default 3)")
@@ -66,16 +74,16 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from multigpu.bench.spec import (BenchSettings, parse_int_list, parse_methods, parse_models,
-                                     validate)
+    from multigpu.bench.spec import (BenchSettings, parse_data, parse_int_list, parse_methods,
+                                     parse_models, validate)
 
     s = BenchSettings(
         models=parse_models(args.model),
         batch_sizes=parse_int_list(args.batch_size, "--batch-size"),
         precision=args.precision,
         gpus=None if str(args.gpus).strip() == "auto" else parse_int_list(args.gpus, "--gpus"),
-        methods=parse_methods(args.methods), data=args.data, steps=args.steps,
-        warmup=args.warmup, trials=args.trials, dp_steps=args.dp_steps,
+        methods=parse_methods(args.methods), data=parse_data(args.data), compile=args.compile,
+        steps=args.steps, warmup=args.warmup, trials=args.trials, dp_steps=args.dp_steps,
         image_size=args.image_size, devices=args.devices, min_free_memory=args.min_free_memory,
         out=args.out, data_dir=args.data_dir,
         command=shlex.join(["multigpu", *sys.argv[1:]]))
