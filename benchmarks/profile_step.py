@@ -27,11 +27,13 @@ from multigpu.engine import StepSettings, train_step
 from multigpu.models import build_model
 from multigpu.strategies import DDPOptions
 
-VARIANTS = {
+VARIANTS = {  # DDPOptions' defaults (100 MB buckets) unless named
     "default": {},
-    "bucket100": {"ddp": DDPOptions(bucket_cap_mb=100)},
+    "bucket25": {"ddp": DDPOptions(bucket_cap_mb=25)},  # torch's default
+    "bucket200": {"ddp": DDPOptions(bucket_cap_mb=200)},  # ResNet-50's gradients in one bucket
     "static": {"ddp": DDPOptions(static_graph=True)},
     "nobcast": {"ddp": DDPOptions(broadcast_buffers=False)},
+    "bf16hook": {},  # + torch's bf16_compress_hook: gradients all-reduced in bfloat16
 }
 
 
@@ -92,6 +94,10 @@ def main():
     per_process = a.batch * rt.strategy.devices_per_process
     model = build_model(a.model, (3, 224, 224), 1000).to(memory_format=torch.channels_last)
     model = rt.prepare(model)
+    if a.variant == "bf16hook" and rt.world_size > 1:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     x = torch.randn(per_process, 3, 224, 224, device=rt.device)
     y = torch.randint(0, 1000, (per_process,), device=rt.device)

@@ -5,17 +5,18 @@
 #
 # Stages, in order of importance; each is time-boxed with `timeout`, and all of them share one
 # budget (BUDGET seconds, default 530 s), so a hang costs at most its own box and a slow stage
-# only shortens the ones after it. Estimated total: about 7 minutes, 9 launches of worker
-# processes for the bench stages (see benchmarks/NOTES.md).
+# only shortens the ones after it. The whole list takes more than one 10-minute device call: name
+# the stages to run as arguments, e.g. `bash run_gpu_check.sh facts pytest-gpu bench-main`.
 #   0 facts       nvidia-smi, topology, versions                          (box  30 s)
 #   1 pytest-gpu  python -m pytest -m gpu tests/gpu                       (box 240 s)
 #   2 bench-main  resnet50 bf16 batch 128, 1/2/4 GPUs, every method       (box 210 s)
-#   2b profile    kernel timelines of 1 and 4 GPUs (benchmarks/profile_step.py) (box 90 s)
-#   2c variants   DDP knobs A/B on 4 GPUs: NCCL protocol, bucket size, static graph (box 200 s)
-#   2d dp-profile one profiled DataParallel step on 4 GPUs                 (box  60 s)
-#   3 bench-batch resnet50 batch 32/64/256, multigpu-ddp vs ddp, 4 GPUs   (box  90 s)
-#   4 bench-real  resnet50 batch 128, 4 GPUs, JPEG folder through our pipeline (box 100 s)
-#   5 bench-models swin_t and vgg16, multigpu-ddp on 1 and 4 GPUs         (box  90 s)
+#   3 bench-batch resnet50 batch 32/64/128/256, 4 GPUs, multigpu-ddp vs ddp and Accelerate (box 180 s)
+#   4 bench-real  resnet50 batch 128, 1 and 4 GPUs, synthetic and a JPEG folder, one invocation (box 120 s)
+#   5 variants    DDP knobs A/B on 4 GPUs: bucket size, static graph, bf16 hook, NCCL protocol (box 240 s)
+#   6 profile     kernel timelines of 1 and 4 GPUs (benchmarks/profile_step.py) (box 90 s)
+#   7 bench-compile resnet50 batch 32, --compile, 1 and 4 GPUs             (box 240 s)
+#   8 dp-profile  one profiled DataParallel step on 4 GPUs                 (box  60 s)
+#   9 bench-models swin_t and vgg16, multigpu-ddp on 1 and 4 GPUs         (box  90 s)
 # Everything lands in $OUT: <stage>.log for each stage, summary.txt, pytest-gpu.xml, and
 # bench-*.json / bench-*.png / bench-*-logs/ (per-rank logs of every launch).
 set -uo pipefail
@@ -76,33 +77,41 @@ stage facts 30 bash -c facts
 stage pytest-gpu 240 "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider \
     --junitxml="$OUT/pytest-gpu.xml"
 # DataParallel takes ~3 s a step at 4 GPUs here: 2 warm-up + 3 trials x 2 steps.
+# DataParallel: 5 warm-up steps (cuDNN tunes on the first) + 3 trials x 5 steps.
 stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,2,4 \
-    --steps 30 --warmup 10 --trials 3 --dp-steps 2 --out "$OUT/bench-main.json"
+    --steps 30 --warmup 10 --trials 3 --dp-steps 5 --out "$OUT/bench-main.json"
+stage bench-batch 180 "${BENCH[@]}" --model resnet50 --batch-size 32,64,128,256 --gpus 4 \
+    --methods multigpu-single,multigpu-ddp,ddp,accelerate --steps 25 --warmup 8 --trials 4 \
+    --out "$OUT/bench-batch.json"
+stage bench-real 120 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,4 \
+    --data synthetic,real --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
+    --data-dir "$IMAGES" --out "$OUT/bench-real.json"
+# A/B of DDP knobs on 4 GPUs, each in fresh processes (NCCL reads its env at communicator init).
+# "default" twice, first and last: the gap between the two is this run's noise.
+variants() {
+    local prof=(-m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/profile_step.py
+                --out "$OUT/variants" --no-profile)
+    "$PY" "${prof[@]}" --tag=-first
+    "$PY" "${prof[@]}" --variant bucket25
+    "$PY" "${prof[@]}" --variant bucket200
+    "$PY" "${prof[@]}" --variant static
+    "$PY" "${prof[@]}" --variant bf16hook
+    NCCL_PROTO=LL128 "$PY" "${prof[@]}" --tag=-ll128
+    "$PY" "${prof[@]}" --tag=-last
+    grep -h . "$OUT"/variants/time-*rank0.json
+}
+export -f variants
+stage variants 240 bash -c variants
 # Where a DDP step loses time: kernel timelines of 1 GPU and of 4 (benchmarks/profile_step.py).
 stage profile 90 bash -c "'$PY' -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/profile_step.py --out '$OUT/profile' && '$PY' -m torch.distributed.run \
     --standalone --nproc_per_node 4 benchmarks/profile_step.py --out '$OUT/profile'"
-# A/B of DDP knobs on 4 GPUs, each in fresh processes (NCCL reads its env at communicator init).
-variants() {
-    local prof=(-m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/profile_step.py
-                --out "$OUT/variants" --no-profile)
-    "$PY" "${prof[@]}" --tag=-default
-    NCCL_PROTO=LL128 "$PY" "${prof[@]}" --tag=-ll128
-    NCCL_PROTO=Simple "$PY" "${prof[@]}" --tag=-simple
-    "$PY" "${prof[@]}" --variant bucket100
-    "$PY" "${prof[@]}" --tag=-default-again
-    grep -h . "$OUT"/variants/time-*rank0.json
-}
-export -f variants
-stage variants 200 bash -c variants
+# Small batches are host-bound: does torch.compile (fewer, fused kernels) help?
+stage bench-compile 240 "${BENCH[@]}" --model resnet50 --batch-size 32 --gpus 1,4 --compile \
+    --methods multigpu-single,multigpu-ddp --steps 20 --warmup 10 --trials 3 \
+    --out "$OUT/bench-compile.json"
 # Why DataParallel is slow: one profiled step over 4 GPUs.
 stage dp-profile 60 "$PY" benchmarks/profile_step.py --dp 4 --out "$OUT/dp-profile"
-stage bench-batch 90 "${BENCH[@]}" --model resnet50 --batch-size 32,64,256 --gpus 4 \
-    --methods multigpu-single,multigpu-ddp,ddp --steps 20 --warmup 5 --trials 3 \
-    --out "$OUT/bench-batch.json"
-stage bench-real 100 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 4 --data real \
-    --methods multigpu-ddp --steps 15 --warmup 5 --trials 3 --data-dir "$IMAGES" \
-    --out "$OUT/bench-real.json"
 stage bench-models 90 "${BENCH[@]}" --model swin_t,vgg16 --batch-size 128 --gpus 1,4 \
     --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
     --out "$OUT/bench-models.json"
