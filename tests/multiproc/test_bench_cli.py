@@ -8,13 +8,16 @@ from .conftest import multigpu
 pytestmark = pytest.mark.slow
 
 TINY = ["--steps", "3", "--warmup", "1", "--trials", "2", "--image-size", "8"]
+# Every method, and two DDP variants: static runs on gloo, bf16hook needs NCCL and is skipped.
+ALL = ("multigpu-single,multigpu-dp,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bf16hook,ddp,"
+       "accelerate,fabric")
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "x.json"
     proc = multigpu("bench", "--model", "mlp", "--devices", "cpu:2", "--gpus", "1,2", *TINY,
-                    "--batch-size", "16", "--out", out)
+                    "--batch-size", "16", "--methods", ALL, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     return out, json.loads(out.read_text()), proc
 
@@ -22,7 +25,8 @@ def smoke(tmp_path_factory):
 def test_every_method_available_on_cpu_has_a_row(smoke):
     _, data, _ = smoke
     got = {(r["method"], r["gpus"]) for r in data["rows"]}
-    assert got == {("multigpu-single", 1), ("ddp", 1), ("multigpu-ddp", 2), ("ddp", 2)}
+    assert got == {("multigpu-single", 1), ("ddp", 1), ("multigpu-ddp", 2),
+                   ("multigpu-ddp:static", 2), ("ddp", 2)}
     for r in data["rows"]:
         assert len(r["trial_seconds"]) == 2 and r["img_per_s"] > 0 and r["step_ms"] > 0
         assert r["global_batch"] == 16 * r["gpus"] and r["flops_per_step_per_gpu"] > 0
@@ -31,19 +35,26 @@ def test_every_method_available_on_cpu_has_a_row(smoke):
     assert single["scaling_efficiency"] == 1.0 and single["optimizer"].startswith("SGD")
     ddp2 = next(r for r in data["rows"] if (r["method"], r["gpus"]) == ("multigpu-ddp", 2))
     assert ddp2["wrapper"] == "DistributedDataParallel" and ddp2["strategy"].startswith("ddp (2")
+    static = next(r for r in data["rows"] if r["method"] == "multigpu-ddp:static")
+    assert (static["variant"], ddp2["variant"], single["variant"]) == ("static", None, None)
+    assert static["wrapper"] == "DistributedDataParallel" and static["strategy"].startswith("ddp (2")
+    assert static["scaling_efficiency"] is not None
 
 
 def test_methods_at_the_same_batch_and_gpus_take_turns_trial_by_trial(smoke):
     _, data, proc = smoke
     assert {(r["method"], r["gpus"]): r["interleaved"] for r in data["rows"]} == {
-        ("multigpu-single", 1): 2, ("ddp", 1): 2, ("multigpu-ddp", 2): 2, ("ddp", 2): 2}
+        ("multigpu-single", 1): 2, ("ddp", 1): 2, ("multigpu-ddp", 2): 3,
+        ("multigpu-ddp:static", 2): 3, ("ddp", 2): 3}, "the DDP variant takes turns with its peers"
     assert "trials interleaved" in proc.stdout, proc.stdout[-3000:]
-    assert proc.stdout.count(" samples/s, ") == 4, ("one console line per task", proc.stdout[-3000:])
+    assert proc.stdout.count(" samples/s, ") == 5, ("one console line per task", proc.stdout[-3000:])
 
 
 def test_skipped_peers_are_named_with_a_reason_and_the_plot_is_written(smoke):
     out, data, proc = smoke
-    assert {s["method"] for s in data["skipped"]} >= {"multigpu-dp", "accelerate", "fabric"}
+    skipped = {s["method"]: s["reason"] for s in data["skipped"]}
+    assert set(skipped) >= {"multigpu-dp", "accelerate", "fabric", "multigpu-ddp:bf16hook"}
+    assert "gloo" in skipped["multigpu-ddp:bf16hook"]
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert data["machine"]["label"] == "2xCPU" and data["versions"]["torch"]
     assert len(data["launches"]) == 2, ("one launch per process count", data["launches"],

@@ -72,6 +72,23 @@ def test_parse_lists_and_methods():
         spec.parse_models("resnet51")
 
 
+def test_ddp_variants_are_methods_and_an_unknown_variant_lists_the_known_ones():
+    methods = "multigpu-single,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bucket25,ddp"
+    assert spec.parse_methods(methods) == tuple(methods.split(","))
+    assert set(spec.DDP_VARIANTS) == {"bucket25", "bucket200", "static", "nobcast", "bf16hook"}
+    with pytest.raises(UsageError, match="unknown DDP variant 'multigpu-ddp:fast'; choose from "
+                                         "multigpu-ddp:bucket25,multigpu-ddp:bucket200,"
+                                         "multigpu-ddp:static,multigpu-ddp:nobcast,"
+                                         "multigpu-ddp:bf16hook$"):
+        spec.parse_methods("multigpu-ddp,multigpu-ddp:fast")
+    with pytest.raises(UsageError, match="unknown DDP variant 'multigpu-ddp:'"):
+        spec.parse_methods("multigpu-ddp:")
+    with pytest.raises(UsageError, match="unknown method 'ddp:static'.*or multigpu-ddp:VARIANT"):
+        spec.parse_methods("ddp:static")
+    assert (spec.ddp_variant("multigpu-ddp:static"), spec.ddp_variant("multigpu-ddp"),
+            spec.ddp_variant("ddp")) == ("static", None, None)
+
+
 def test_gpu_counts_default_and_too_many():
     assert spec.gpu_counts(None, 4, "GPUs", "") == (1, 2, 4)
     assert spec.gpu_counts(None, 6, "GPUs", "") == (1, 2, 4, 6)
@@ -109,6 +126,39 @@ def test_plan_on_cpu_skips_dataparallel_and_library_peers_with_a_reason():
     assert [(g.nproc, g.visible) for g in groups] == [(1, 0), (2, 0)]
     assert [(t.method, t.batch_size) for t in groups[1].tasks] == [
         ("multigpu-ddp", 8), ("ddp", 8), ("multigpu-ddp", 16), ("ddp", 16)]
+
+
+def test_ddp_variants_run_in_the_n_process_groups_and_take_turns_with_multigpu_ddp():
+    from multigpu.bench import worker
+
+    methods = ("multigpu-single", "multigpu-ddp", "multigpu-ddp:static", "multigpu-ddp:bucket25",
+               "ddp", "multigpu-ddp:bf16hook")
+    s = BenchSettings(models=("mlp",), methods=methods, compile=True)
+    groups, skipped = spec.plan_groups(s, "cuda", (1, 2, 4), SYNTHETIC)
+    assert [t.method for t in groups[0].tasks] == ["multigpu-single", "ddp"]
+    for group, n in zip(groups[1:], (4, 2)):
+        assert [(t.method, t.gpus) for t in group.tasks] == [(m, n) for m in methods[1:]]
+        (one_set,) = worker.interleave_sets(group.tasks)
+        assert len(one_set) == 5, "all variants take turns with multigpu-ddp and the peer"
+    assert [(t.method, t.compile) for t in groups[1].tasks if t.method != "ddp"] == [
+        (m, True) for m in methods[1:] if m != "ddp"], "--compile applies to the variants too"
+    assert groups[1].describe().endswith(": " + ", ".join(methods[1:]))
+    assert not skipped
+    _, on_cpu = spec.plan_groups(s, "cpu", (1, 2), SYNTHETIC)
+    assert [x for x in on_cpu if x["method"].startswith("multigpu-ddp")] == [
+        {"method": "multigpu-ddp:bf16hook", "reason": "torch's bf16_compress_hook needs NCCL on "
+                                                      "GPUs (gloo refuses it)"}]
+
+
+def test_real_data_tasks_never_take_turns_not_even_ddp_variants():
+    from multigpu.bench import worker
+
+    s = BenchSettings(models=("mlp",), data=("synthetic", "real"),
+                      methods=("multigpu-ddp", "multigpu-ddp:nobcast"))
+    groups, _ = spec.plan_groups(s, "cpu", (2,), REAL | SYNTHETIC)
+    assert [[(t.method, t.data_kind) for t in one] for one in worker.interleave_sets(
+        groups[0].tasks)] == [[("multigpu-ddp", "synthetic"), ("multigpu-ddp:nobcast", "synthetic")],
+                              [("multigpu-ddp", "real")], [("multigpu-ddp:nobcast", "real")]]
 
 
 def test_real_data_skips_the_peers():
@@ -174,6 +224,54 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     assert not worker._config(plain, "single").compile
     worker.build_multigpu(plain, "cpu", "single").step()
     assert len(compiled) == 1
+
+
+@pytest.mark.parametrize("method,options", [
+    ("multigpu-ddp", {}), ("multigpu-ddp:bucket25", {"bucket_cap_mb": 25}),
+    ("multigpu-ddp:bucket200", {"bucket_cap_mb": 200}), ("multigpu-ddp:static", {"static_graph": True}),
+    ("multigpu-ddp:nobcast", {"broadcast_buffers": False}), ("multigpu-ddp:bf16hook", {}),
+])
+def test_the_worker_builds_a_ddp_variant_with_its_ddp_options(monkeypatch, method, options):
+    import multigpu.runtime
+    from multigpu.bench import worker
+    from multigpu.strategies import DDPOptions
+
+    runtimes, setup = [], multigpu.runtime.setup
+
+    def recording_setup(*args, **kwargs):
+        runtimes.append(setup(*args, **kwargs))
+        return runtimes[-1]
+
+    monkeypatch.setattr(multigpu.runtime, "setup", recording_setup)
+    task = Task(method, "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1)
+    prep = worker.build(task, "cpu")  # one process: DDP has nothing to wrap, the options still hold
+    assert prep.step() == 4
+    (rt,) = runtimes
+    assert rt.strategy.name == "ddp" and rt.strategy.options == DDPOptions(**options)
+    assert DDPOptions().bucket_cap_mb == 100, "bucket25 differs from our default"
+
+
+def test_the_bf16hook_variant_registers_the_hook_on_the_ddp_wrapper_only():
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from multigpu.bench import worker
+
+    class Wrapper(DistributedDataParallel):  # a DDP wrapper without a process group
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+        def register_comm_hook(self, state, hook):
+            hooks.append((state, hook))
+
+    hooks = []
+    worker.add_comm_hook(_task("multigpu-ddp:bf16hook", 2), Wrapper())
+    assert hooks == [(None, default_hooks.bf16_compress_hook)]
+    worker.add_comm_hook(_task("multigpu-ddp:bf16hook", 1), torch.nn.Linear(2, 2))  # one process
+    for method in ("multigpu-ddp", "multigpu-ddp:static", "ddp"):
+        worker.add_comm_hook(_task(method, 2), Wrapper())
+    assert len(hooks) == 1
 
 
 def test_consecutive_tasks_that_differ_only_in_the_method_form_one_set():
@@ -342,6 +440,21 @@ def test_plot_writes_a_png_and_the_table_prints(tmp_path, capsys):
     assert "multigpu-ddp" in out and "2xH200" in out
 
 
+def test_a_batch_sweep_at_one_gpu_count_is_plotted_against_the_batch(tmp_path):
+    def row(method, gpus, batch):
+        t = _task(method, gpus, batch=batch)
+        return report.build_row(t, _ranks(t, [[0.1] * 3] * gpus), None)
+
+    sweep = [row(m, g, b) for b in (32, 64) for m, g in (("multigpu-single", 1), ("ddp", 4))]
+    assert report.is_batch_sweep(sweep)
+    assert not report.is_batch_sweep(sweep + [row("ddp", 2, 32)]), "two GPU counts: by GPUs"
+    assert not report.is_batch_sweep([r for r in sweep if r["batch_size"] == 32]), "one batch"
+    rep = _report(tmp_path)
+    rep["rows"] = sweep
+    report.add_scaling(sweep)
+    assert report.plot(rep, tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_of_synthetic_is_real_over_the_synthetic_row_of_the_same_method_and_gpus():
     def row(method, gpus, data, seconds):
         t = _task(method, gpus, data=data)
@@ -373,6 +486,21 @@ def test_table_and_plot_keep_the_data_kinds_apart_and_mark_compiled_rows(tmp_pat
     assert "multigpu-ddp +compile" in out and "│ real" in out
     assert set(report._series(rep["rows"])) == {"multigpu-single", "multigpu-ddp",
                                                  "multigpu-ddp real"}
+    assert report.plot(rep, tmp_path / "r.png").exists()
+
+
+def test_a_ddp_variant_row_names_its_variant_and_its_line_starts_from_the_single_gpu_point(
+        tmp_path):
+    rep = _report(tmp_path)
+    static = _task("multigpu-ddp:static", 2)
+    rep["rows"].append(report.build_row(static, _ranks(static, [[0.1] * 3] * 2), None))
+    report.add_scaling(rep["rows"])
+    assert [r["variant"] for r in rep["rows"]] == [None, None, "static"]
+    assert rep["rows"][2]["scaling_efficiency"] == pytest.approx(1.0)
+    series = report._series(rep["rows"])
+    single = rep["rows"][0]["img_per_s"]
+    assert [p[0] for p in series["multigpu-ddp:static"]] == [1, 2]
+    assert series["multigpu-ddp:static"][0] == (1, single, 1.0) == series["multigpu-ddp"][0]
     assert report.plot(rep, tmp_path / "r.png").exists()
 
 

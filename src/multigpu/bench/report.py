@@ -14,12 +14,12 @@ import os
 from pathlib import Path
 
 from multigpu.bench import stats
-from multigpu.bench.spec import Task
+from multigpu.bench.spec import Task, base_method
 
 SCHEMA = "multigpu-bench/1"
 GIB = 1024**3
 ROW_KEYS = (
-    "method", "model", "batch_size", "gpus", "processes", "global_batch", "image_size",
+    "method", "variant", "model", "batch_size", "gpus", "processes", "global_batch", "image_size",
     "num_outputs", "data", "precision", "compile",
     "steps", "warmup", "trials", "interleaved", "trial_seconds", "img_per_s", "img_per_s_min",
     "img_per_s_max", "spread_pct", "step_ms", "step_ms_min", "step_ms_max", "scaling_efficiency",
@@ -27,6 +27,7 @@ ROW_KEYS = (
     "flops_per_step_per_gpu", "mfu", "gpu_name", "strategy", "wrapper", "optimizer",
     "setup_seconds",
 )
+# variant: the DDP variant of a multigpu-ddp:<variant> row (spec.DDP_VARIANTS), else None.
 # interleaved: how many methods, this one included, took turns trial by trial (1: alone).
 # peak_memory_gib: the whole device's peak during this method's own steps, so with interleaving it
 # includes what the other live methods hold: memory_held_by_others_gib (see measure.Run).
@@ -50,7 +51,7 @@ def build_row(task: Task, ranks: list[dict], flops: int | None) -> dict:
     seconds = [max(r["seconds"][i] for r in ranks) for i in range(task.trials)]
     first = ranks[0]
     samples = first["samples"]
-    row = {"method": task.method, "model": task.model, "batch_size": task.batch_size,
+    row = {"method": task.method, "variant": task.variant, "model": task.model, "batch_size": task.batch_size,
            "gpus": task.gpus, "processes": first.get("world_size", len(ranks)),
            "global_batch": samples[0] // task.steps, "image_size": task.image_size,
            "num_outputs": task.num_outputs, "data": task.data_kind,
@@ -161,8 +162,8 @@ def print_table(report: dict) -> None:
 # --------------------------------------------------------------------------- plot
 
 def _series(rows: list[dict]) -> dict[str, list[tuple[int, float, float | None]]]:
-    """label -> [(gpus, img/s, efficiency)]; the DDP/DP lines start from the single-GPU point,
-    since at one GPU multigpu-ddp and multigpu-dp are the single-GPU step."""
+    """label -> [(gpus, img/s, efficiency)]; the DDP/DP lines start from the single-GPU point
+    (see _starting_at_single)."""
     combos = {(r["model"], r["batch_size"]) for r in rows}
     mixed = len({r["data"] for r in rows}) > 1
 
@@ -175,17 +176,52 @@ def _series(rows: list[dict]) -> dict[str, list[tuple[int, float, float | None]]
         out.setdefault(label(r["method"], r), []).append(
             (r["gpus"], r["img_per_s"], r["scaling_efficiency"]))
         if r["method"] == "multigpu-single":
-            for method in ("multigpu-ddp", "multigpu-dp"):
-                if any(x["method"] == method and x["model"] == r["model"]
-                       and x["batch_size"] == r["batch_size"] and x["data"] == r["data"]
-                       for x in rows):
-                    out.setdefault(label(method, r), []).append(
-                        (1, r["img_per_s"], r["scaling_efficiency"]))
+            for method in _starting_at_single(r, rows):
+                out.setdefault(label(method, r), []).append(
+                    (1, r["img_per_s"], r["scaling_efficiency"]))
     return {k: sorted(set(v)) for k, v in out.items()}
 
 
+def _starting_at_single(single: dict, rows: list[dict]) -> list[str]:
+    """The methods whose line starts from this multigpu-single row: at one GPU multigpu-ddp and
+    multigpu-dp are the single-GPU step, and so is every multigpu-ddp:<variant> (its knobs act on
+    the all-reduce, which one GPU does not do)."""
+    return list(dict.fromkeys(
+        x["method"] for x in rows
+        if base_method(x["method"]) in ("multigpu-ddp", "multigpu-dp")
+        and (x["model"], x["batch_size"], x["data"]) == (single["model"], single["batch_size"],
+                                                          single["data"])))
+
+
+def is_batch_sweep(rows: list[dict]) -> bool:
+    """Several batch sizes of one model and data kind at one multi-GPU count: plotted against the
+    batch size, one line per method (against the GPU count, it would be a cloud of dots)."""
+    many = {r["gpus"] for r in rows if r["gpus"] > 1}
+    return (len(many) == 1 and len({r["batch_size"] for r in rows}) > 1
+            and len({(r["model"], r["data"]) for r in rows}) == 1)
+
+
+def _plot_batch_sweep(rows: list[dict], left, right) -> None:
+    n = max(r["gpus"] for r in rows)
+    batches = sorted({r["batch_size"] for r in rows})
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r["batch_size"], r) for r in rows if r["method"] == method)
+        xs = [b for b, _ in mine]
+        if method == "multigpu-single":  # the reference: N x one GPU, the ideal
+            left.plot(xs, [n * r["img_per_s"] for _, r in mine], ls=":", color="grey",
+                      label=f"{n} x multigpu-single (linear)")
+            continue
+        left.plot(xs, [r["img_per_s"] for _, r in mine], marker="o", label=f"{method} x{n}")
+        eff = [(b, r["scaling_efficiency"]) for b, r in mine if r["scaling_efficiency"] is not None]
+        right.plot([b for b, _ in eff], [100 * e for _, e in eff], marker="o", label=f"{method} x{n}")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+
+
 def plot(report: dict, path: Path) -> Path:
-    """Two panels against GPU count: throughput (with ideal linear scaling) and efficiency."""
+    """Two panels: throughput (with ideal linear scaling) and efficiency, against the GPU count,
+    or against the batch size for a batch sweep at one GPU count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,6 +229,19 @@ def plot(report: dict, path: Path) -> Path:
 
     rows = report["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    m = report["machine"]
+    unit = "GPUs" if m["accelerator"] == "cuda" else "CPU processes"
+    if is_batch_sweep(rows):
+        _plot_batch_sweep(rows, left, right)
+        right.axhline(100, ls=":", color="grey", lw=1)
+        left.set(title=f"throughput ({m['label']}, dotted: linear)", xlabel="batch per GPU",
+                 ylabel="images/s")
+        right.set(title="scaling efficiency vs multigpu-single", xlabel="batch per GPU",
+                  ylabel="% of linear")
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        return _finish_plot(fig, plt, report, path)
     for label, points in _series(rows).items():
         xs = [p[0] for p in points]
         single = label.startswith("multigpu-single")  # one point: drawn on top, as a star
@@ -206,8 +255,6 @@ def plot(report: dict, path: Path) -> Path:
         if r["method"] == "multigpu-single" and len(counts) > 1:
             left.plot(counts, [n * r["img_per_s"] for n in counts], ls=":", color="grey", lw=1)
     right.axhline(100, ls=":", color="grey", lw=1)
-    m = report["machine"]
-    unit = "GPUs" if m["accelerator"] == "cuda" else "CPU processes"
     left.set(title=f"throughput ({m['label']}, dotted: linear)", xlabel=unit, ylabel="images/s")
     right.set(title="scaling efficiency vs multigpu-single", xlabel=unit, ylabel="% of linear")
     for ax in (left, right):
@@ -215,6 +262,10 @@ def plot(report: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
     if rows:
         left.legend(fontsize=8)
+    return _finish_plot(fig, plt, report, path)
+
+
+def _finish_plot(fig, plt, report: dict, path: Path) -> Path:
     settings = report["settings"]
     compiled = ", multigpu methods compiled" if settings.get("compile") else ""
     fig.suptitle(f"multigpu bench, {report['date']}: {', '.join(settings['models'])}, "

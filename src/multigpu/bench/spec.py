@@ -4,16 +4,18 @@ Every (method, model, batch size, GPU count) is one Task. Tasks are grouped so t
 processes as possible are started, because each start costs seconds of GPU time (imports, CUDA
 context, NCCL setup) while a measurement costs a few seconds:
   1. one process on one GPU: multigpu-single (the reference) and the peers on 1 GPU;
-  2. for each GPU count N >= 2, largest first: N processes that run multigpu-ddp, the
-     hand-written DDP, Accelerate and Fabric in the same processes and the same process group
-     (Accelerate's PartialState and Fabric's _init_dist_connection both reuse an initialised
-     default group instead of creating one);
+  2. for each GPU count N >= 2, largest first: N processes that run multigpu-ddp, its variants
+     (multigpu-ddp:static, ...: one DDP knob changed), the hand-written DDP, Accelerate and Fabric
+     in the same processes and the same process group (Accelerate's PartialState and Fabric's
+     _init_dist_connection both reuse an initialised default group instead of creating one);
   3. last, one process that drives N GPUs with DataParallel for each N (slow on some machines, so
      it has its own, smaller, --dp-steps and goes last: a time limit cuts it first).
 The order is also the order of importance, so a run stopped early keeps what matters most.
 Inside a group, consecutive tasks that differ only in the method (same model, batch, image size,
 data, GPU count and compile) run together: all are built, then their trials take turns (see
-worker.py), so a drift of the machine over minutes does not favour the method timed last.
+worker.py), so a drift of the machine over minutes does not favour the method timed last. That is
+why a DDP knob is a method of its own: between two invocations the machine drifted by up to 27 %,
+more than any knob changes.
 With several data kinds (--data synthetic,real) every group runs its synthetic tasks first, then
 the real-data ones, in the same processes: real as a share of synthetic is then measured within
 one run on one machine, without paying for more launches.
@@ -30,6 +32,30 @@ PEERS = ("ddp", "accelerate", "fabric")
 OURS = tuple(m for m in METHODS if m not in PEERS)  # the methods --compile applies to
 DATA_KINDS = ("synthetic", "real")
 NUM_CLASSES = 1000  # synthetic data: ImageNet-sized classifier head, as in BASELINE.md
+DDP = "multigpu-ddp"
+
+
+@dataclass(frozen=True)
+class DDPVariant:
+    """multigpu-ddp with one knob changed, run as the method `multigpu-ddp:<name>`: a method of its
+    own, so that its trials take turns with multigpu-ddp's in the same launch."""
+    about: str  # one line, for --methods' help
+    options: dict = field(default_factory=dict)  # DDPOptions fields that differ from ours
+    bf16_hook: bool = False  # + torch's bf16_compress_hook on the DDP wrapper (needs NCCL)
+
+
+DDP_VARIANTS = {
+    "bucket25": DDPVariant("25 MB buckets, torch's default; ours are 100 MB",
+                           {"bucket_cap_mb": 25}),
+    "bucket200": DDPVariant("200 MB buckets, ResNet-50's gradients in one",
+                            {"bucket_cap_mb": 200}),
+    "static": DDPVariant("static_graph=True, DDP is told the graph never changes",
+                         {"static_graph": True}),
+    "nobcast": DDPVariant("broadcast_buffers=False, no copy of rank 0's buffers every forward",
+                          {"broadcast_buffers": False}),
+    "bf16hook": DDPVariant("gradients all-reduced in bf16 by torch's bf16_compress_hook; GPUs only",
+                           bf16_hook=True),
+}
 
 
 @dataclass
@@ -74,6 +100,10 @@ class Task:
         return "real" if self.data.startswith("folder:") else "synthetic"
 
     @property
+    def variant(self) -> str | None:
+        return ddp_variant(self.method)
+
+    @property
     def key(self) -> str:
         # The data kind too: one run can measure the same method/model/batch/GPUs on both kinds.
         return f"{self.method}|{self.model}|b{self.batch_size}|x{self.gpus}|{self.data_kind}"
@@ -111,11 +141,28 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
 
 def parse_methods(text: str) -> tuple[str, ...]:
     methods = tuple(dict.fromkeys(m.strip() for m in str(text).split(",") if m.strip()))
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS and base_method(m) != DDP]
     if unknown or not methods:
         named = ", ".join(map(repr, unknown)) or "(none)"
-        raise UsageError(f"--methods {text}: unknown method {named}; choose from {','.join(METHODS)}")
+        raise UsageError(f"--methods {text}: unknown method {named}; choose from {','.join(METHODS)}"
+                         f" or {DDP}:VARIANT")
+    bad = [m for m in methods if base_method(m) == DDP and m != DDP
+           and ddp_variant(m) not in DDP_VARIANTS]
+    if bad:
+        raise UsageError(f"--methods {text}: unknown DDP variant {bad[0]!r}; choose from "
+                         f"{','.join(f'{DDP}:{v}' for v in DDP_VARIANTS)}")
     return methods
+
+
+def base_method(method: str) -> str:
+    """'multigpu-ddp' for 'multigpu-ddp:static': what a variant runs, is planned and plotted as."""
+    return method.partition(":")[0]
+
+
+def ddp_variant(method: str) -> str | None:
+    """'static' for 'multigpu-ddp:static'; None for every other method, multigpu-ddp included."""
+    base, colon, variant = method.partition(":")
+    return variant if colon and base == DDP else None
 
 
 def parse_data(text: str) -> tuple[str, ...]:
@@ -174,8 +221,12 @@ def gpu_counts(requested: tuple[int, ...] | None, available: int, unit: str,
 # --------------------------------------------------------------------------- planning
 
 def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
-    """Why a peer cannot run here on this data kind (one line), or None. The machine's reasons come
-    first: they hold for every data kind, so a peer skipped for both kinds is named once."""
+    """Why a peer or a DDP variant cannot run here on this data kind (one line), or None. The
+    machine's reasons come first: they hold for every data kind, so a peer skipped for both kinds
+    is named once."""
+    variant = DDP_VARIANTS.get(ddp_variant(method) or "")
+    if variant and variant.bf16_hook and accelerator != "cuda":
+        return "torch's bf16_compress_hook needs NCCL on GPUs (gloo refuses it)"
     if method not in PEERS:
         return None
     if method != "ddp" and accelerator != "cuda":
@@ -211,7 +262,8 @@ def plan_groups(s: BenchSettings, accelerator: str, counts: tuple[int, ...],
                     first.tasks.append(make("multigpu-single", 1))
                 first.tasks += [make(m, 1) for m in runnable if m in PEERS and 1 in counts]
                 for n, group in ddp_groups.items():
-                    group.tasks += [make(m, n) for m in runnable if m == "multigpu-ddp" or m in PEERS]
+                    group.tasks += [make(m, n) for m in runnable
+                                    if base_method(m) == DDP or m in PEERS]
                 dp.tasks += [make("multigpu-dp", n, dp_steps, min(s.warmup, dp_steps))
                              for n in dp_counts]
     dp.visible = max((t.gpus for t in dp.tasks), default=0)
@@ -247,7 +299,7 @@ class _TaskMaker:
         s = self.s
         return Task(method, self.model, self.batch, n, self.size, s.precision, self.data,
                     self.num_outputs, s.warmup if warmup is None else warmup,
-                    steps or s.steps, s.trials, compile=s.compile and method in OURS)
+                    steps or s.steps, s.trials, compile=s.compile and base_method(method) in OURS)
 
 
 def _default_image_size(model: str) -> int:

@@ -15,7 +15,9 @@ The multigpu methods go through exactly the code `multigpu train` runs: `multigp
 `rt.prepare()`, `training.make_optimizer()` and `engine.train_step()`; with --data real also
 `training.build_job()` (datasets.load_data + make_loader + loader_workers + rt.prepare).
 With --compile the prepared model goes through torch.compile as in `multigpu train --compile`;
-it compiles in its first step, which is a warm-up step.
+it compiles in its first step, which is a warm-up step. A variant `multigpu-ddp:<name>` is the
+multigpu-ddp step with its spec.DDP_VARIANTS entry's DDPOptions (passed to `multigpu.setup(ddp=)`)
+or communication hook.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from multigpu import console
 from multigpu.bench import measure
 from multigpu.bench.measure import Prepared, synthetic_batch
-from multigpu.bench.spec import Task
+from multigpu.bench.spec import DDP_VARIANTS, Task, base_method
 
 
 def _config(task: Task, strategy: str):
@@ -58,7 +60,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
 
     cfg = _config(task, strategy)
     rt = setup(strategy, task.precision, devices=list(range(task.gpus)) if strategy == "dp" else None,
-               accelerator=accelerator, seed=0)
+               accelerator=accelerator, seed=0, ddp=ddp_options(task))
     if task.data.startswith("folder:"):  # the whole input pipeline, as `multigpu train` builds it
         _, model, optimizer, _, loader, _, settings = build_job(cfg, rt)
         batches = _endless(loader)
@@ -88,18 +90,41 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     devices = ([torch.device("cuda", i) for i in range(task.gpus)] if strategy == "dp"
                else [rt.device])
     wrapped = getattr(model, "_orig_mod", model)  # the strategy's wrapper, not torch.compile's
+    add_comm_hook(task, wrapped)
     info = {"precision": rt.precision.kind, "strategy": rt.strategy.describe(),
             "optimizer": measure.describe_optimizer(optimizer), "wrapper": type(wrapped).__name__,
             "world_size": rt.world_size}
     return Prepared(step, devices, info, close, extra_warmup=queue)
 
 
+def ddp_options(task: Task):
+    """The DDPOptions of a multigpu-ddp variant; None (multigpu's defaults) for other methods."""
+    if task.variant is None:
+        return None
+    from multigpu.strategies import DDPOptions
+
+    return DDPOptions(**DDP_VARIANTS[task.variant].options)
+
+
+def add_comm_hook(task: Task, model: torch.nn.Module) -> None:
+    """bf16hook: torch's bf16_compress_hook on the DDP wrapper, before its first backward. In one
+    process there is no wrapper (nothing is all-reduced), so nothing to register."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    variant = DDP_VARIANTS.get(task.variant or "")
+    if variant and variant.bf16_hook and isinstance(model, DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
 def build(task: Task, accelerator: str) -> Prepared:
     from multigpu.bench.peers import BUILDERS
 
     strategies = {"multigpu-single": "single", "multigpu-dp": "dp", "multigpu-ddp": "ddp"}
-    if task.method in strategies:
-        return build_multigpu(task, accelerator, strategies[task.method])
+    method = base_method(task.method)  # multigpu-ddp:static is multigpu-ddp with other options
+    if method in strategies:
+        return build_multigpu(task, accelerator, strategies[method])
     return BUILDERS[task.method](task, accelerator)
 
 
@@ -115,10 +140,12 @@ def task_devices(task: Task, accelerator: str) -> list[torch.device]:
 def comparable(task: Task) -> tuple:
     """What tasks must share for their trials to be interleaved: the same work on the same devices,
     only the method differs. Under --compile the compiled multigpu methods take turns with the
-    eager peers: that is the comparison a user makes. (A real-data task is alone in its set, as the
-    peers run on synthetic data only; were it not, its loader would refill its queue while the
-    others ran.)"""
-    return task.model, task.batch_size, task.image_size, task.data, task.gpus
+    eager peers: that is the comparison a user makes. A real-data task is alone in its set (the
+    method is part of its key): its loader would refill its queue while the others ran, and start
+    each trial with batches it loaded off the clock. (The peers run on synthetic data only, but
+    multigpu-ddp and its variants all read real data.)"""
+    alone = task.method if task.data_kind == "real" else None
+    return task.model, task.batch_size, task.image_size, task.data, task.gpus, alone
 
 
 def interleave_sets(tasks: list[Task]) -> list[list[Task]]:

@@ -11,7 +11,7 @@ import shlex
 import signal
 import sys
 
-from multigpu.bench.spec import METHODS
+from multigpu.bench.spec import DDP_VARIANTS, METHODS
 from multigpu.models import MODEL_NAMES
 
 EXAMPLES = """\
@@ -21,6 +21,7 @@ examples:
   multigpu bench --model resnet50 --data synthetic,real --methods multigpu-single,multigpu-ddp --gpus 1,4
   multigpu bench --model resnet50 --compile --methods multigpu-single,multigpu-ddp --gpus 1,4
   multigpu bench --model swin_t,vgg16 --methods multigpu-single,multigpu-ddp --gpus 1,4
+  multigpu bench --gpus 4 --methods multigpu-single,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bf16hook,ddp
   multigpu bench --model mlp --devices cpu:2 --gpus 1,2 --steps 3 --warmup 1 --image-size 8
 
 img/s is global (all GPUs); scaling = img/s / (GPUs x multigpu-single img/s) of the same run;
@@ -28,6 +29,7 @@ of synth. = real-data img/s / synthetic img/s of the same method, model, batch a
 MFU = FLOPs of one GPU's forward+backward / step time / the GPU's dense bf16 peak.
 Methods with the same model, batch, data and GPUs take turns trial by trial, so a drifting
 machine (up to 27 % within minutes on 4x H200) does not favour one; compare figures within one run.
+That is how to compare DDP settings too: each multigpu-ddp:VARIANT is a method of its own.
 """
 
 
@@ -46,8 +48,11 @@ def register(subparsers) -> argparse.ArgumentParser:
       help="auto = bf16 on GPUs that have it, else fp32 (default auto)")
     a("--gpus", default="auto", metavar="N[,N...]",
       help="GPU counts to measure (CPU processes with --devices cpu:N); default 1,2,4,... up to all")
+    variants = ", ".join(f"{name} ({v.about})" for name, v in DDP_VARIANTS.items())
     a("--methods", default=",".join(METHODS), metavar="M[,M...]",
-      help=f"any of {','.join(METHODS)} (default all; peers not installed are skipped)")
+      help=f"any of {','.join(METHODS)} (default all; peers not installed are skipped), and "
+           f"multigpu-ddp:VARIANT, multigpu-ddp with one DDP setting changed, timed in turns with "
+           f"it: {variants}")
     a("--data", default="synthetic", metavar="KIND[,KIND]",
       help="synthetic: one random batch kept on the GPU (compute + communication only); real: a "
            "generated JPEG folder through multigpu's whole input pipeline; synthetic,real: both, "
