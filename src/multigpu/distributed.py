@@ -149,26 +149,41 @@ def _resolve_accelerator(accelerator: str) -> bool:
     return available
 
 
-def destroy_distributed(wait_for_peers: bool = True) -> None:
-    """Tear down the process group, if any. With gloo the ranks first meet (at most
-    _EXIT_BARRIER_SECONDS): see below."""
+def destroy_distributed(wait_for_peers: bool = False) -> None:
+    """Tear down the process group, if any. `wait_for_peers`: with gloo, first wait (at most
+    _EXIT_WAIT_SECONDS, on every rank) until every rank has got here; see below."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if wait_for_peers and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=_EXIT_BARRIER_SECONDS))
-        except Exception:  # a rank that left early or died: nothing to wait for any more
-            pass
+        _meet_before_teardown(dist.get_world_size())
     dist.destroy_process_group()
 
 
 # At exit, a gloo rank that tears its connections down while a peer is still finishing can abort
-# after Python has shut down ("terminate called without an active exception", about 1 run in
-# 20 of a 2-process CPU script here, with the group already destroyed at exit). So on a clean
-# exit the ranks first meet; after an uncaught exception they do not wait (the others may never
-# arrive: the launcher stops them).
-_EXIT_BARRIER_SECONDS = 30
+# after Python has shut down ("terminate called without an active exception", 2 in 42 runs of a
+# 2-process CPU script here, with the group already destroyed at exit; none in 70 runs once the
+# ranks met first). So on a clean exit the ranks first meet, through the launcher's key-value
+# store rather than a collective: a store wait times out on every rank (a gloo barrier would block
+# the ranks other than 0 for the group's whole timeout, 30 minutes, if one rank never comes).
+# After an uncaught exception, a UsageError or a non-zero exit of the CLI they do not wait.
+_EXIT_WAIT_SECONDS = 30
 _failed = False
+
+
+def _meet_before_teardown(world_size: int) -> None:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        return
+    timeout = datetime.timedelta(seconds=_EXIT_WAIT_SECONDS)
+    run = (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")  # a restart starts afresh
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
+        if store.add(f"multigpu/exit/{run}/count", 1) == world_size:
+            store.set(f"multigpu/exit/{run}/all", "1")
+        store.wait([f"multigpu/exit/{run}/all"], timeout)
+    except Exception:  # a rank that left early or died, or the store is gone: stop waiting
+        pass
 
 
 def mark_failed() -> None:

@@ -1,13 +1,21 @@
-"""How a process leaves its process group: gloo ranks meet first, unless this one failed."""
+"""How a process leaves its process group: gloo ranks meet first (never waiting for ever), unless
+this one failed."""
+import datetime
+import threading
+import time
+
 import pytest
+import torch.distributed as torch_dist
 
 from multigpu import distributed
 
 
 class FakeDist:
-    def __init__(self, backend="gloo", world_size=2, barrier_error=None):
+    """The torch.distributed calls destroy_distributed makes, recorded."""
+
+    def __init__(self, backend="gloo", world_size=2):
         self.calls = []
-        self.backend, self.world_size, self.barrier_error = backend, world_size, barrier_error
+        self.backend, self.world_size = backend, world_size
 
     def is_available(self):
         return True
@@ -21,11 +29,6 @@ class FakeDist:
     def get_world_size(self):
         return self.world_size
 
-    def monitored_barrier(self, timeout):
-        self.calls.append(("barrier", timeout.total_seconds()))
-        if self.barrier_error:
-            raise self.barrier_error
-
     def destroy_process_group(self):
         self.calls.append("destroy")
 
@@ -36,6 +39,8 @@ def fake(monkeypatch):
         d = FakeDist(**kwargs)
         monkeypatch.setattr(distributed, "dist", d)
         monkeypatch.setattr(distributed, "_failed", False)
+        monkeypatch.setattr(distributed, "_meet_before_teardown",
+                            lambda world: d.calls.append(("meet", world)))
         return d
     return make
 
@@ -43,9 +48,9 @@ def fake(monkeypatch):
 def test_a_clean_exit_meets_the_other_gloo_ranks_then_destroys(fake):
     d = fake()
     distributed._destroy_at_exit()
-    assert d.calls == [("barrier", distributed._EXIT_BARRIER_SECONDS), "destroy"]
+    assert d.calls == [("meet", 2), "destroy"]
     distributed._destroy_at_exit()  # already gone: nothing more
-    assert d.calls == [("barrier", distributed._EXIT_BARRIER_SECONDS), "destroy"]
+    assert d.calls == [("meet", 2), "destroy"]
 
 
 def test_a_failed_rank_does_not_wait_for_the_others(fake):
@@ -55,12 +60,6 @@ def test_a_failed_rank_does_not_wait_for_the_others(fake):
     assert d.calls == ["destroy"]
 
 
-def test_a_peer_that_is_gone_does_not_stop_the_teardown(fake):
-    d = fake(barrier_error=RuntimeError("rank 1 did not reach monitoredBarrier"))
-    distributed._destroy_at_exit()
-    assert d.calls[-1] == "destroy"
-
-
 @pytest.mark.parametrize("backend,world", [("nccl", 2), ("gloo", 1)])
 def test_only_gloo_groups_of_several_ranks_wait(fake, backend, world):
     d = fake(backend=backend, world_size=world)
@@ -68,10 +67,52 @@ def test_only_gloo_groups_of_several_ranks_wait(fake, backend, world):
     assert d.calls == ["destroy"]
 
 
-def test_a_usage_error_in_the_cli_marks_the_process_failed(fake, capsys):
+@pytest.mark.parametrize("argv,code", [(["train", "--model", "no-such-model"], 2)])
+def test_a_usage_error_in_the_cli_marks_the_process_failed(fake, capsys, argv, code):
     from multigpu.cli import main
 
     fake()
-    assert main(["train", "--model", "no-such-model"]) == 2
+    assert main(argv) == code
     assert distributed._failed is True
     assert "no-such-model" in capsys.readouterr().err
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """A real key-value store, where the launcher's would be (MASTER_ADDR / MASTER_PORT)."""
+    server = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{time.monotonic_ns()}")
+    return server
+
+
+def _meet_in_threads(n: int, world: int) -> list[float]:
+    """n ranks (threads) of a world of `world` meet; the seconds each one waited."""
+    waited = [None] * n
+
+    def rank(i):
+        start = time.monotonic()
+        distributed._meet_before_teardown(world)
+        waited[i] = time.monotonic() - start
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a rank kept waiting past the exit timeout"
+    return waited
+
+
+def test_ranks_meet_through_the_store_and_go_on_together(store):
+    waited = _meet_in_threads(3, 3)
+    assert all(w < distributed._EXIT_WAIT_SECONDS for w in waited)
+    assert store.get(f"multigpu/exit/{distributed.os.environ['TORCHELASTIC_RUN_ID']}/0/all") == b"1"
+
+
+def test_a_rank_that_never_comes_costs_the_others_the_timeout_not_more(store, monkeypatch):
+    monkeypatch.setattr(distributed, "_EXIT_WAIT_SECONDS", 1)
+    waited = _meet_in_threads(1, 2)  # its peer never arrives
+    assert 0.9 < waited[0] < 10

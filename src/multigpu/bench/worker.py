@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(rank 0's clock; the table uses the slowest rank)")
     from multigpu.distributed import destroy_distributed
 
-    destroy_distributed()
+    destroy_distributed(wait_for_peers=True)  # a clean end: see distributed.py
     return 0
 
 

@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args._main(args) or 0)
+        code = int(args._main(args) or 0)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _mark_failed()
+        raise
     except UsageError as exc:
         _mark_failed()
         if args.debug:
@@ -71,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         _mark_failed()
         print("multigpu: interrupted", file=sys.stderr)
         return 130
+    if code:
+        _mark_failed()
+    return code
 
 
 if __name__ == "__main__":
