@@ -80,13 +80,17 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any],
     futures: list[Future] = [
         _pool(d).submit(state.run, d, torch.cuda.current_stream(d), m, a, k)
         for m, a, k, d in zip(replicas, inputs, kwargs, devices)]
-    outputs = []
+    outputs, failure = [], None
     for i, (future, d) in enumerate(zip(futures, devices)):
+        error = future.exception()  # waits; every replica finishes before anything is raised
+        if error is not None and failure is None:
+            error.add_note(f"(in DataParallel replica {i}, on cuda:{d})")
+            failure = error
+        outputs.append(None if error is not None else future.result())
+    del futures, future  # they hold the exception, whose traceback holds this frame: no cycle
+    if failure is not None:
         try:
-            outputs.append(future.result())
-        except BaseException as exc:
-            for other in futures[i + 1:]:  # let the others finish before raising
-                other.exception()
-            exc.add_note(f"(in DataParallel replica {i}, on cuda:{d})")
-            raise
+            raise failure
+        finally:
+            del failure, error  # free the failed forward's tensors now, not at the next gc
     return outputs
