@@ -446,6 +446,7 @@ def test_a_batch_sweep_at_one_gpu_count_is_plotted_against_the_batch(tmp_path):
         return report.build_row(t, _ranks(t, [[0.1] * 3] * gpus), None)
 
     sweep = [row(m, g, b) for b in (32, 64) for m, g in (("multigpu-single", 1), ("ddp", 4))]
+    sweep += [row("ddp", 1, b) for b in (64, 32)]  # a peer also measured on one GPU (--gpus 1,4)
     assert report.is_batch_sweep(sweep)
     assert not report.is_batch_sweep(sweep + [row("ddp", 2, 32)]), "two GPU counts: by GPUs"
     assert not report.is_batch_sweep([r for r in sweep if r["batch_size"] == 32]), "one batch"
@@ -615,15 +616,37 @@ def test_the_failure_is_blamed_on_the_task_begun_last_without_a_result(tmp_path)
     assert runner.blamed(tmp_path, [t3, t4]) == (t3, None)
 
 
-def test_a_failure_in_interleaved_trials_is_blamed_on_the_sets_first_task(tmp_path):
-    t1, t2, t3, t4 = _group().tasks
-    _write_records(tmp_path, 0, [("begin", t1), ("begin", t2), ("begin", t1, "trials")])
-    task, begin = runner.blamed(tmp_path, [t1, t2, t3, t4])
-    assert task is t1 and begin["phase"] == "trials"
-    begin["keys"] = [t1.key, t2.key]
-    note = runner._failure_note(task, begin, 1, tmp_path)
-    assert note.startswith("multigpu-single x1 mlp batch 4 failed (exit code 1) in the "
-                           "interleaved trials") and "the other 1 run again" in note
+def test_a_failure_in_interleaved_trials_drops_that_set_and_the_next_sets_still_run(
+        monkeypatch, tmp_path):
+    import multigpu.launch
+
+    t1, t2, t3, t4 = tasks = _group().tasks
+    tasks[2:] = [dataclasses.replace(t, batch_size=8) for t in (t3, t4)]  # a second set
+    calls = []
+
+    def launch(cmd, plan, opts):  # the first set fails in its trials, then all goes well
+        job = json.loads(open(cmd[-1]).read())
+        keys = [Task(**t).key for t in job["tasks"]]
+        calls.append(keys)
+        with open(f"{job['results_dir']}/rank0.jsonl", "w") as f:
+            if len(calls) == 1:
+                for k in keys[:2]:
+                    f.write(json.dumps({"kind": "begin", "phase": "build", "key": k}) + "\n")
+                f.write(json.dumps({"kind": "begin", "phase": "trials", "key": keys[0],
+                                    "keys": keys[:2]}) + "\n")
+                return 1
+            for k in keys:
+                f.write(json.dumps({"kind": "task", "key": k, "rank": 0}) + "\n")
+        return 0
+
+    monkeypatch.setattr(multigpu.launch, "launch", launch)
+    group = spec.Group(1, 0, tasks)
+    rep, got = {"launches": [], "notes": []}, runner.Collected()
+    assert runner.run_group(0, group, DevicePlan("cpu", (), 1), tmp_path, rep, got, lambda: None)
+    assert calls[1] == [tasks[2].key, tasks[3].key], "the failed set is not retried"
+    assert set(got.records) == {tasks[2].key, tasks[3].key}
+    assert rep["notes"][0].startswith("multigpu-single x1 mlp batch 4 and the 1 other method(s) "
+                                      "timed in turns with it failed (exit code 1)")
 
 
 def test_a_launch_stopped_by_sigterm_stops_the_bench(monkeypatch, tmp_path):

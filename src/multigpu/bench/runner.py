@@ -140,8 +140,8 @@ def blamed(folder: Path, remaining: list[Task]) -> tuple[Task, dict | None]:
     had begun an unfinished task, e.g. a crash at start-up; then the first task, as before
     interleaving). Ranks move through the tasks together (their collectives line up), so they
     normally agree; where they do not, the earliest unfinished task in job order is taken. A
-    failure in a set's interleaved trials is blamed on the set's first task: it is dropped and the
-    rest of the set runs again (and is blamed in turn if the failure comes back)."""
+    failure in a set's interleaved trials names the set's first task and the begin record lists
+    the whole set, which run_group then drops."""
     order = {t.key: i for i, t in enumerate(remaining)}
     begun = [rec for rec in last_begun(folder) if rec["key"] in order]
     if not begun:
@@ -151,12 +151,13 @@ def blamed(folder: Path, remaining: list[Task]) -> tuple[Task, dict | None]:
 
 
 def _failure_note(task: Task, begin: dict | None, rc: int, folder: Path) -> str:
-    where = ""
     if begin and begin.get("phase") == "trials":
-        others = len(begin["keys"]) - 1
-        where = (f" in the interleaved trials of its set, blamed on its first task; the other "
-                 f"{others} run again")
-    return (f"{task.describe()} failed (exit code {rc}){where}; traceback printed above, every "
+        n = len(begin["keys"])
+        return (f"{task.describe()} and the {n - 1} other method(s) timed in turns with it failed "
+                f"(exit code {rc}) in their interleaved trials; that set is not measured (all its "
+                f"methods are resident at once: try fewer --methods); every rank's logs in "
+                f"{folder / 'logs'}")
+    return (f"{task.describe()} failed (exit code {rc}); traceback printed above, every "
             f"rank's logs in {folder / 'logs'}")
 
 
@@ -201,7 +202,10 @@ def run_group(index: int, group: Group, plan: DevicePlan, work: Path, rep: dict,
                                     f"tasks finished; logs in {folder / 'logs'}")
             return True
         failed, begin = blamed(folder, remaining)
-        remaining.remove(failed)
+        lost = {failed.key}
+        if begin and begin.get("phase") == "trials":  # the set failed as a whole: e.g. out of
+            lost |= set(begin["keys"])  # memory with every method resident; retrying it would
+        remaining = [t for t in remaining if t.key not in lost]  # use up the group's attempts
         rep["notes"].append(_failure_note(failed, begin, rc, folder))
     if remaining:
         rep["notes"].append(f"gave up on {len(remaining)} task(s) of launch {index + 1} after "
@@ -278,6 +282,6 @@ def count_flops(tasks) -> dict:
 def _plot(rep: dict, path: Path) -> str | None:
     try:
         return str(report.plot(rep, path))
-    except ImportError as exc:  # matplotlib is a dependency, but the JSON matters more
-        rep["notes"].append(f"no plot: {exc}")
+    except Exception as exc:  # the measurements matter more than the picture: keep the JSON
+        rep["notes"].append(f"no plot: {type(exc).__name__}: {exc}")
         return None
