@@ -24,17 +24,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import multigpu
 from multigpu.engine import StepSettings, train_step
+from multigpu.bench.spec import DDP_VARIANTS
 from multigpu.models import build_model
 from multigpu.strategies import DDPOptions
 
-VARIANTS = {  # DDPOptions' defaults (100 MB buckets) unless named
-    "default": {},
-    "bucket25": {"ddp": DDPOptions(bucket_cap_mb=25)},  # torch's default
-    "bucket200": {"ddp": DDPOptions(bucket_cap_mb=200)},  # ResNet-50's gradients in one bucket
-    "static": {"ddp": DDPOptions(static_graph=True)},
-    "nobcast": {"ddp": DDPOptions(broadcast_buffers=False)},
-    "bf16hook": {},  # + torch's bf16_compress_hook: gradients all-reduced in bfloat16
-}
+# "default" (DDPOptions' defaults, 100 MB buckets) or one of bench's multigpu-ddp:VARIANT settings.
+VARIANTS = ("default", *DDP_VARIANTS)
 
 
 def union_length(intervals):
@@ -87,14 +82,16 @@ def main():
     a = p.parse_args()
 
     torch.backends.cudnn.benchmark = True
+    variant = DDP_VARIANTS.get(a.variant)  # None: "default"
     if a.dp:
         rt = multigpu.setup("dp", "bf16", seed=0, devices=list(range(a.dp)))
     else:
-        rt = multigpu.setup("auto", "bf16", seed=0, **VARIANTS[a.variant])
+        options = DDPOptions(**variant.options) if variant else None
+        rt = multigpu.setup("auto", "bf16", seed=0, ddp=options)
     per_process = a.batch * rt.strategy.devices_per_process
     model = build_model(a.model, (3, 224, 224), 1000).to(memory_format=torch.channels_last)
     model = rt.prepare(model)
-    if a.variant == "bf16hook" and rt.world_size > 1:
+    if variant and variant.bf16_hook and rt.world_size > 1:  # one process (or dp): no all-reduce
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)

@@ -88,15 +88,7 @@ def build_accelerate(task: Task, accelerator: str) -> Prepared:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = acc.prepare(model, optimizer)
     x, y = synthetic_batch(task.batch_size, task, acc.device, channels_last, seed=1 + acc.process_index)
-    global_batch = task.batch_size * acc.num_processes
-
-    def step() -> int:
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).float(), y)
-        acc.backward(loss)
-        optimizer.step()
-        return global_batch
-
+    step = _library_step(model, optimizer, acc.backward, x, y, task.batch_size * acc.num_processes)
     info = {"precision": kind, "optimizer": describe_optimizer(optimizer),
             "wrapper": type(model).__name__, "world_size": acc.num_processes}
     return Prepared(step, [acc.device], info, close=acc.free_memory)
@@ -120,19 +112,23 @@ def build_fabric(task: Task, accelerator: str) -> Prepared:
     model, optimizer = fabric.setup(model, optimizer)
     x, y = synthetic_batch(task.batch_size, task, fabric.device, channels_last,
                            seed=1 + fabric.global_rank)
-    global_batch = task.batch_size * fabric.world_size
-
-    def step() -> int:
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).float(), y)
-        fabric.backward(loss)
-        optimizer.step()
-        return global_batch
-
+    step = _library_step(model, optimizer, fabric.backward, x, y,
+                         task.batch_size * fabric.world_size)
     info = {"precision": kind, "optimizer": describe_optimizer(optimizer),
             "wrapper": type(getattr(model, "_forward_module", model)).__name__,
             "world_size": fabric.world_size}
     return Prepared(step, [fabric.device], info)
+
+
+def _library_step(model, optimizer, backward, x, y, global_batch: int):
+    """The training step both libraries document: their backward (it applies their precision and
+    loss scaling), then the optimizer's step."""
+    def step() -> int:
+        optimizer.zero_grad(set_to_none=True)
+        backward(F.cross_entropy(model(x).float(), y))
+        optimizer.step()
+        return global_batch
+    return step
 
 
 BUILDERS = {"ddp": build_ddp, "accelerate": build_accelerate, "fabric": build_fabric}

@@ -208,9 +208,9 @@ def _plot_batch_sweep(rows: list[dict], left, right) -> None:
         # Only the sweep's GPU count (peers also have 1-GPU rows), and the reference.
         mine = sorted(((r["batch_size"], r) for r in rows if r["method"] == method
                        and (r["gpus"] == n or method == "multigpu-single")), key=lambda t: t[0])
-        xs = [b for b, _ in mine]
         if not mine:
             continue
+        xs = [b for b, _ in mine]
         if method == "multigpu-single":  # the reference: N x one GPU, the ideal
             left.plot(xs, [n * r["img_per_s"] for _, r in mine], ls=":", color="grey",
                       label=f"{n} x multigpu-single (linear)")
