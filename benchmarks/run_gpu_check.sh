@@ -12,7 +12,7 @@
 #   2 bench-main  resnet50 bf16 batch 128, 1/2/4 GPUs, every method       (box 210 s)
 #   3 bench-batch resnet50 batch 32/64/128/256, 4 GPUs, multigpu-ddp vs ddp and Accelerate (box 180 s)
 #   4 bench-real  resnet50 batch 128, 1 and 4 GPUs, synthetic and a JPEG folder, one invocation (box 120 s)
-#   5 variants    DDP knobs A/B on 4 GPUs: bucket size, static graph, bf16 hook, NCCL protocol (box 240 s)
+#   5 knobs       DDP knobs on 4 GPUs, interleaved with the default and the peers (box 300 s)
 #   6 profile     kernel timelines of 1 and 4 GPUs (benchmarks/profile_step.py) (box 90 s)
 #   7 bench-compile resnet50 batch 32, --compile, 1 and 4 GPUs             (box 240 s)
 #   8 dp-profile  one profiled DataParallel step on 4 GPUs                 (box  60 s)
@@ -62,6 +62,12 @@ stage() {
 facts() {
     nvidia-smi
     nvidia-smi topo -m
+    # NUMA: which CPUs sit near which GPU (a rank far from its GPU pays on every launch and copy)
+    lscpu | grep -iE "^(model name|socket|numa|cpu\(s\)|thread)" || true
+    for d in /sys/bus/pci/drivers/nvidia/0000:*; do
+        [[ -e $d/numa_node ]] && echo "GPU $(basename "$d"): numa_node $(cat "$d/numa_node")"
+    done
+    command -v numactl >/dev/null && numactl -H || echo "numactl: not installed"
     "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
     "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|accelerate|lightning|matplotlib|rich|numpy|pillow) " || true
@@ -86,22 +92,13 @@ stage bench-batch 180 "${BENCH[@]}" --model resnet50 --batch-size 32,64,128,256 
 stage bench-real 120 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,4 \
     --data synthetic,real --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
     --data-dir "$IMAGES" --out "$OUT/bench-real.json"
-# A/B of DDP knobs on 4 GPUs, each in fresh processes (NCCL reads its env at communicator init).
-# "default" twice, first and last: the gap between the two is this run's noise.
-variants() {
-    local prof=(-m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/profile_step.py
-                --out "$OUT/variants" --no-profile)
-    "$PY" "${prof[@]}" --tag=-first
-    "$PY" "${prof[@]}" --variant bucket25
-    "$PY" "${prof[@]}" --variant bucket200
-    "$PY" "${prof[@]}" --variant static
-    "$PY" "${prof[@]}" --variant bf16hook
-    NCCL_PROTO=LL128 "$PY" "${prof[@]}" --tag=-ll128
-    "$PY" "${prof[@]}" --tag=-last
-    grep -h . "$OUT"/variants/time-*rank0.json
-}
-export -f variants
-stage variants 240 bash -c variants
+# A/B of DDP knobs on 4 GPUs: each knob is a method of its own (multigpu-ddp:VARIANT, see
+# bench/spec.py), timed in turns with the default and the peers in one launch, so the machine's
+# drift hits all alike; per-trial GPU clocks are in the JSON (trial_gpu).
+stage knobs 300 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 4 \
+    --methods multigpu-single,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bf16hook,\
+multigpu-ddp:bucket25,multigpu-ddp:bucket200,multigpu-ddp:ctas8,multigpu-ddp:bucket25-ctas8,\
+ddp,accelerate,fabric --steps 30 --warmup 10 --trials 8 --out "$OUT/bench-knobs.json"
 # Where a DDP step loses time: kernel timelines of 1 GPU and of 4 (benchmarks/profile_step.py).
 stage profile 90 bash -c "'$PY' -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/profile_step.py --out '$OUT/profile' && '$PY' -m torch.distributed.run \

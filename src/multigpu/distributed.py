@@ -136,6 +136,21 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
                    dist.get_backend())
 
 
+def nccl_group_with_max_ctas(max_ctas: int):
+    """A new NCCL process group over every rank whose kernels may use at most `max_ctas` thread
+    blocks, i.e. SMs (NCCL's maxCTAs communicator setting). A collective called with it competes
+    less with the compute running beside it, at the price of a slower collective alone. Every rank
+    must call it (creating a group is collective)."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        raise UsageError(f"nccl_max_ctas={max_ctas} needs the NCCL backend (one process per GPU); "
+                         "leave it unset on CPU")
+    if max_ctas < 1:
+        raise UsageError(f"nccl_max_ctas={max_ctas} must be at least 1")
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = max_ctas
+    return dist.new_group(backend="nccl", pg_options=options)
+
+
 def _resolve_accelerator(accelerator: str) -> bool:
     """True when this process should use CUDA."""
     if accelerator not in ("auto", "cuda", "gpu", "cpu"):

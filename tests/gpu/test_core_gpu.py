@@ -4,6 +4,7 @@ Run on a machine with 2+ GPUs:  make test-gpu   (pytest -m gpu tests/gpu)
 """
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +177,27 @@ def check_prefetch():
         assert torch.equal(xb.cpu(), x[yb.cpu()])
         seen.append(yb.cpu())
     assert sorted(torch.cat(seen).tolist()) == list(range(1000))
+
+
+def test_ddp_with_nccl_max_ctas_trains_as_the_default_in_a_group_of_its_own(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "multiproc" / "lib_scripts" / "max_ctas.py"
+    proc = run_multigpu("run", "--devices", "2", "--log-dir", tmp_path, script)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["world_size"] == 2 and result["own_group"] is True
+    assert result["max_diff"] < 1e-5, "capping NCCL's SMs must not change the sums"
+
+
+def test_bench_records_gpu_clocks_per_trial_and_runs_the_nccl_variants(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_multigpu("bench", "--model", "mlp", "--devices", "0,1", "--gpus", "1,2",
+                        "--methods", "multigpu-single,multigpu-ddp,multigpu-ddp:ctas8",
+                        "--batch-size", "256", "--steps", "20", "--warmup", "3", "--trials", "2",
+                        "--out", out)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    rows = {(r["method"], r["gpus"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("multigpu-single", 1), ("multigpu-ddp", 2), ("multigpu-ddp:ctas8", 2)}
+    for row in rows.values():
+        assert len(row["trial_gpu"]) == 2, row
+        for trial in row["trial_gpu"]:
+            assert trial["sm_mhz"] > 100 and trial["samples"] >= 2 and trial["temp_c"] > 0, trial

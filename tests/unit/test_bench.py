@@ -75,11 +75,13 @@ def test_parse_lists_and_methods():
 def test_ddp_variants_are_methods_and_an_unknown_variant_lists_the_known_ones():
     methods = "multigpu-single,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bucket25,ddp"
     assert spec.parse_methods(methods) == tuple(methods.split(","))
-    assert set(spec.DDP_VARIANTS) == {"bucket25", "bucket200", "static", "nobcast", "bf16hook"}
+    assert set(spec.DDP_VARIANTS) == {"bucket25", "bucket200", "static", "nobcast", "bf16hook",
+                                      "ctas8", "bucket25-ctas8"}
     with pytest.raises(UsageError, match="unknown DDP variant 'multigpu-ddp:fast'; choose from "
                                          "multigpu-ddp:bucket25,multigpu-ddp:bucket200,"
                                          "multigpu-ddp:static,multigpu-ddp:nobcast,"
-                                         "multigpu-ddp:bf16hook$"):
+                                         "multigpu-ddp:bf16hook,multigpu-ddp:ctas8,"
+                                         "multigpu-ddp:bucket25-ctas8$"):
         spec.parse_methods("multigpu-ddp,multigpu-ddp:fast")
     with pytest.raises(UsageError, match="unknown DDP variant 'multigpu-ddp:'"):
         spec.parse_methods("multigpu-ddp:")
@@ -148,6 +150,26 @@ def test_ddp_variants_run_in_the_n_process_groups_and_take_turns_with_multigpu_d
     assert [x for x in on_cpu if x["method"].startswith("multigpu-ddp")] == [
         {"method": "multigpu-ddp:bf16hook", "reason": "torch's bf16_compress_hook needs NCCL on "
                                                       "GPUs (gloo refuses it)"}]
+
+
+def test_nccl_only_variants_are_skipped_on_cpu_with_the_reason():
+    s = BenchSettings(models=("mlp",), methods=("multigpu-ddp", "multigpu-ddp:ctas8",
+                                                "multigpu-ddp:bucket25-ctas8"))
+    groups, skipped = spec.plan_groups(s, "cpu", (2,), SYNTHETIC)
+    assert [t.method for g in groups for t in g.tasks] == ["multigpu-ddp"]
+    assert skipped == [{"method": m, "reason": "NCCL's maxCTAs is a setting of NCCL "
+                                               "communicators; gloo has none"}
+                       for m in ("multigpu-ddp:ctas8", "multigpu-ddp:bucket25-ctas8")]
+    on_gpus, none_skipped = spec.plan_groups(s, "cuda", (2,), SYNTHETIC)
+    assert len(on_gpus[0].tasks) == 3 and not none_skipped
+
+
+def test_nccl_max_ctas_without_nccl_is_a_usage_error():
+    from multigpu.distributed import nccl_group_with_max_ctas
+
+    with pytest.raises(UsageError, match=r"nccl_max_ctas=8 needs the NCCL backend .* leave it "
+                                         r"unset on CPU"):
+        nccl_group_with_max_ctas(8)
 
 
 def test_real_data_tasks_never_take_turns_not_even_ddp_variants():
@@ -230,6 +252,8 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     ("multigpu-ddp", {}), ("multigpu-ddp:bucket25", {"bucket_cap_mb": 25}),
     ("multigpu-ddp:bucket200", {"bucket_cap_mb": 200}), ("multigpu-ddp:static", {"static_graph": True}),
     ("multigpu-ddp:nobcast", {"broadcast_buffers": False}), ("multigpu-ddp:bf16hook", {}),
+    ("multigpu-ddp:ctas8", {"nccl_max_ctas": 8}),
+    ("multigpu-ddp:bucket25-ctas8", {"bucket_cap_mb": 25, "nccl_max_ctas": 8}),
 ])
 def test_the_worker_builds_a_ddp_variant_with_its_ddp_options(monkeypatch, method, options):
     import multigpu.runtime

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from multigpu.bench import telemetry
 from multigpu.bench.spec import Task
 
 
@@ -89,6 +90,8 @@ class Run:
     peak: list[int] | None = None
     resident: list[int] | None = None
     held_by_others: list[int] | None = None
+    sampler: telemetry.Sampler | None = None  # NVML clocks during trials (None on CPU)
+    gpu_trials: list[dict | None] = field(default_factory=list)  # per trial: telemetry.summarize
 
     def note_peak(self) -> None:
         """Fold the peak since the last reset into `peak`."""
@@ -113,6 +116,8 @@ def time_trial(run: Run) -> None:
         run.held_by_others = _minus(allocated(run.devices), run.resident)
     reset_peak(run.devices)
     barrier(run.prep.devices)  # also waits for whatever ran before (warm-up, another method)
+    if run.sampler:
+        run.sampler.start()
     start = time.perf_counter()
     count = 0
     for _ in range(run.task.steps):
@@ -120,6 +125,8 @@ def time_trial(run: Run) -> None:
     synchronize(run.prep.devices)
     run.seconds.append(time.perf_counter() - start)
     run.samples.append(count)
+    if run.sampler:
+        run.gpu_trials.append(run.sampler.stop())
     run.note_peak()
 
 

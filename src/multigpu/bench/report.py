@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from multigpu.bench import stats
+from multigpu.bench import stats, telemetry
 from multigpu.bench.spec import Task, base_method
 
 SCHEMA = "multigpu-bench/1"
@@ -25,10 +25,12 @@ ROW_KEYS = (
     "img_per_s_max", "spread_pct", "step_ms", "step_ms_min", "step_ms_max", "scaling_efficiency",
     "of_synthetic", "peak_memory_gib", "memory_before_gib", "memory_held_by_others_gib",
     "flops_per_step_per_gpu", "mfu", "gpu_name", "strategy", "wrapper", "optimizer",
-    "setup_seconds",
+    "setup_seconds", "trial_gpu",
 )
 # variant: the DDP variant of a multigpu-ddp:<variant> row (spec.DDP_VARIANTS), else None.
 # interleaved: how many methods, this one included, took turns trial by trial (1: alone).
+# trial_gpu: per trial, the GPUs' SM clock, power, temperature and clock-event reasons over every
+# rank (telemetry.merge_ranks); None on CPU or without NVML.
 # peak_memory_gib: the whole device's peak during this method's own steps, so with interleaving it
 # includes what the other live methods hold: memory_held_by_others_gib (see measure.Run).
 
@@ -72,7 +74,8 @@ def build_row(task: Task, ranks: list[dict], flops: int | None) -> dict:
             "mfu": stats.mfu(flops, row["step_ms"] / 1000,
                              stats.peak_flops(gpu_name, row["precision"])),
             "gpu_name": gpu_name, "strategy": first.get("strategy"), "wrapper": first.get("wrapper"),
-            "optimizer": first.get("optimizer"), "setup_seconds": round(first["setup_seconds"], 2)}
+            "optimizer": first.get("optimizer"), "setup_seconds": round(first["setup_seconds"], 2),
+            "trial_gpu": telemetry.merge_ranks([r.get("gpu_trials") for r in ranks], task.trials)}
     return row
 
 
@@ -155,7 +158,7 @@ def print_table(report: dict) -> None:
                       markup=False)
     for s in report["skipped"]:
         console.print(f"skipped {s['method']}: {s['reason']}", markup=False)
-    for note in report["notes"]:
+    for note in report["notes"] + report.get("gpu_notes", []):
         console.print(f"note: {note}", markup=False)
 
 

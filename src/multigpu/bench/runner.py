@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from multigpu import console
-from multigpu.bench import realdata, report, stats
+from multigpu.bench import realdata, report, stats, telemetry
 from multigpu.bench.spec import (NUM_CLASSES, BenchSettings, Group, Task, gpu_counts,
                                  plan_groups)
 from multigpu.devices import DevicePlan, resolve_devices
@@ -106,7 +106,7 @@ def new_report(s: BenchSettings, plan: DevicePlan, counts: tuple[int, ...], labe
             "machine": {"label": label, "hostname": platform.node(), "accelerator": plan.accelerator,
                         "gpu_name": plan.gpu_names[0] if plan.gpu_names else None,
                         "gpu_count": len(plan.gpu_ids), "cpus": os.cpu_count()},
-            "versions": _versions(), "settings": settings, "rows": [], "skipped": [], "notes": [],
+            "versions": _versions(), "settings": settings, "rows": [], "skipped": [], "notes": [], "gpu_notes": [],
             "launches": []}
 
 
@@ -223,6 +223,7 @@ def finish(rep: dict, groups: list[Group], got: Collected, flops: dict, path: Pa
     report.add_scaling(rows)
     report.add_of_synthetic(rows)
     rep["rows"] = rows
+    rep["gpu_notes"] = telemetry.slowdown_notes(rows)  # recomputed at every save, not appended
     report.write_json(rep, path)
 
 

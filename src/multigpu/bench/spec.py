@@ -43,6 +43,11 @@ class DDPVariant:
     options: dict = field(default_factory=dict)  # DDPOptions fields that differ from ours
     bf16_hook: bool = False  # + torch's bf16_compress_hook on the DDP wrapper (needs NCCL)
 
+    @property
+    def needs_nccl(self) -> bool:
+        """Skipped on CPU: gloo has neither the bf16 hook nor NCCL's communicator settings."""
+        return self.bf16_hook or self.options.get("nccl_max_ctas") is not None
+
 
 DDP_VARIANTS = {
     "bucket25": DDPVariant("25 MB buckets, torch's default; ours are 100 MB",
@@ -55,6 +60,10 @@ DDP_VARIANTS = {
                           {"broadcast_buffers": False}),
     "bf16hook": DDPVariant("gradients all-reduced in bf16 by torch's bf16_compress_hook; GPUs only",
                            bf16_hook=True),
+    "ctas8": DDPVariant("NCCL may take at most 8 SMs from the backward (maxCTAs); GPUs only",
+                        {"nccl_max_ctas": 8}),
+    "bucket25-ctas8": DDPVariant("25 MB buckets, overlapped with the backward, on at most 8 SMs; "
+                                 "GPUs only", {"bucket_cap_mb": 25, "nccl_max_ctas": 8}),
 }
 
 
@@ -225,8 +234,10 @@ def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
     machine's reasons come first: they hold for every data kind, so a peer skipped for both kinds
     is named once."""
     variant = DDP_VARIANTS.get(ddp_variant(method) or "")
-    if variant and variant.bf16_hook and accelerator != "cuda":
-        return "torch's bf16_compress_hook needs NCCL on GPUs (gloo refuses it)"
+    if variant and variant.needs_nccl and accelerator != "cuda":
+        if variant.bf16_hook:
+            return "torch's bf16_compress_hook needs NCCL on GPUs (gloo refuses it)"
+        return "NCCL's maxCTAs is a setting of NCCL communicators; gloo has none"
     if method not in PEERS:
         return None
     if method != "ddp" and accelerator != "cuda":

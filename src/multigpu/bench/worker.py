@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from multigpu import console
-from multigpu.bench import measure
+from multigpu.bench import measure, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
 from multigpu.bench.spec import DDP_VARIANTS, Task, base_method
 
@@ -167,7 +167,8 @@ def start_run(task: Task, accelerator: str, build_fn) -> measure.Run:
     start = time.perf_counter()
     prep = build_fn(task, accelerator)
     return measure.Run(task, prep, devices, before, time.perf_counter() - start,
-                       task.warmup + prep.extra_warmup)
+                       task.warmup + prep.extra_warmup,
+                       sampler=telemetry.Sampler.for_devices(prep.devices))
 
 
 def run_set(tasks: list[Task], accelerator: str, begin, build_fn=build) -> list[dict]:
@@ -198,7 +199,7 @@ def result(run: measure.Run, interleaved: int) -> dict:
             "seconds": run.seconds, "samples": run.samples, "memory_before": run.memory_before,
             "peak_memory": run.peak, "memory_held_by_others": run.held_by_others,
             "device_names": names, "setup_seconds": run.setup_seconds, "warmup": run.warmup,
-            "interleaved": interleaved, **run.prep.info}
+            "interleaved": interleaved, "gpu_trials": run.gpu_trials or None, **run.prep.info}
 
 
 def environment(accelerator: str) -> dict:

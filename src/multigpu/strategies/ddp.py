@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.distributed import DistEnv
+from multigpu.distributed import DistEnv, nccl_group_with_max_ctas
 from multigpu.strategies.base import Strategy
 
 
@@ -25,6 +25,9 @@ class DDPOptions:
     static_graph: bool = False
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
+    # NCCL only: the most SMs the gradient all-reduce may take from the backward's kernels
+    # (NCCL's maxCTAs, in a process group of the model's own). None: NCCL's choice.
+    nccl_max_ctas: int | None = None
 
 
 class DDP(Strategy):
@@ -45,6 +48,8 @@ class DDP(Strategy):
         # Newer torch renames broadcast_buffers and warns when it is passed: only pass it to turn
         # it off, and keep torch's default (buffers synced from rank 0 every forward) otherwise.
         extra = {} if o.broadcast_buffers else {"broadcast_buffers": False}
+        if o.nccl_max_ctas is not None:
+            extra["process_group"] = nccl_group_with_max_ctas(o.nccl_max_ctas)
         return DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb,
             gradient_as_bucket_view=o.gradient_as_bucket_view,
