@@ -10,7 +10,7 @@
 #   0 facts       nvidia-smi, topology, versions                          (box  30 s)
 #   1 pytest-gpu  python -m pytest -m gpu tests/gpu                       (box 240 s)
 #   2 bench-main  resnet50 bf16 batch 128, 1/2/4 GPUs, every method       (box 210 s)
-#   3 bench-batch resnet50 batch 32/64/128/256, 4 GPUs, multigpu-ddp vs ddp and Accelerate (box 180 s)
+#   3 bench-batch resnet50 batch 32/64/128/256, 4 GPUs, multigpu-ddp vs every peer (box 400 s)
 #   4 bench-real  resnet50 batch 128, 1 and 4 GPUs, synthetic and a JPEG folder, one invocation (box 120 s)
 #   5 knobs       DDP knobs on 4 GPUs, interleaved with the default and the peers (box 300 s)
 #   6 profile     kernel timelines of 1 and 4 GPUs (benchmarks/profile_step.py) (box 90 s)
@@ -86,8 +86,9 @@ stage pytest-gpu 240 "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider \
 # DataParallel: 5 warm-up steps (cuDNN tunes on the first) + 3 trials x 5 steps.
 stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,2,4 \
     --steps 30 --warmup 10 --trials 3 --dp-steps 5 --out "$OUT/bench-main.json"
-stage bench-batch 180 "${BENCH[@]}" --model resnet50 --batch-size 32,64,128,256 --gpus 4 \
-    --methods multigpu-single,multigpu-ddp,ddp,accelerate --steps 25 --warmup 8 --trials 4 \
+# The README's command: every peer, 6 interleaved trials.
+stage bench-batch 400 "${BENCH[@]}" --model resnet50 --batch-size 32,64,128,256 --gpus 4 \
+    --methods multigpu-single,multigpu-ddp,ddp,accelerate,fabric --steps 25 --warmup 8 --trials 6 \
     --out "$OUT/bench-batch.json"
 stage bench-real 120 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,4 \
     --data synthetic,real --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
