@@ -113,3 +113,34 @@ def test_rows_carry_the_merged_telemetry_and_slowed_trials_become_a_note():
                                         (0x4 | 0x40, ["sw_power_cap", "hw_thermal"])])
 def test_reason_bits_have_names(mask, names):
     assert telemetry.reason_names(mask) == names
+
+
+def test_a_trial_samples_between_its_first_and_last_step_and_stops_even_when_a_step_fails():
+    import torch
+
+    from multigpu.bench import measure
+
+    events = []
+
+    class Recorder:
+        def start(self):
+            events.append("start")
+
+        def stop(self):
+            events.append("stop")
+            return _trial(1980, 1980)
+
+    def step():
+        events.append("step")
+        if len(events) > 4:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return 8
+
+    task = Task("multigpu-single", "mlp", 8, 1, 8, "fp32", "synthetic", 10, 0, 2, 2)
+    run = measure.Run(task, measure.Prepared(step, [torch.device("cpu")]), [torch.device("cpu")],
+                      None, 0.0, 0, sampler=Recorder())
+    measure.time_trial(run)
+    assert events == ["start", "step", "step", "stop"] and run.gpu_trials == [_trial(1980, 1980)]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        measure.time_trial(run)
+    assert events[-1] == "stop", "the sampling thread is stopped when a step fails"

@@ -118,15 +118,17 @@ def time_trial(run: Run) -> None:
     barrier(run.prep.devices)  # also waits for whatever ran before (warm-up, another method)
     if run.sampler:
         run.sampler.start()
-    start = time.perf_counter()
-    count = 0
-    for _ in range(run.task.steps):
-        count += run.prep.step()
-    synchronize(run.prep.devices)
-    run.seconds.append(time.perf_counter() - start)
-    run.samples.append(count)
-    if run.sampler:
-        run.gpu_trials.append(run.sampler.stop())
+    try:
+        start = time.perf_counter()
+        count = 0
+        for _ in range(run.task.steps):
+            count += run.prep.step()
+        synchronize(run.prep.devices)
+        run.seconds.append(time.perf_counter() - start)
+        run.samples.append(count)
+    finally:  # a failed step must not leave the sampling thread running
+        if run.sampler:
+            run.gpu_trials.append(run.sampler.stop())
     run.note_peak()
 
 
