@@ -105,6 +105,18 @@ def test_rows_carry_the_merged_telemetry_and_slowed_trials_become_a_note():
     calm = report.build_row(task, [dict(r, gpu_trials=[_trial(1980, 1980, ["idle"])] * 3)
                                    for r in ranks], None)
     assert telemetry.slowdown_notes([calm]) == []
+    noisy = report.build_row(task, [dict(c, seconds=[0.3, 0.4, 0.3]) for c in
+                                    [dict(r, gpu_trials=[_trial(1980, 1965)] * 3) for r in ranks]],
+                             None)
+    other = dict(noisy, method="ddp", spread_pct=12.4)
+    assert telemetry.slowdown_notes([noisy, other, calm]) == [
+        "resnet50 batch 128 x2: the trials of 2 methods spread 12-25 % while no GPU clock was held "
+        "down (lowest 1,965 MHz), so the time went elsewhere (host CPU, other jobs, waiting for a "
+        "slower rank); min-max shows each one's worst and best trial"]
+    alone = dict(noisy, method="multigpu-single", gpus=1)
+    (note,) = telemetry.slowdown_notes([alone])
+    assert note.startswith("resnet50 batch 128 x1: the trials of 1 method spread 25 %")
+    assert "(host CPU, other jobs);" in note, "one process waits for no other rank"
     cpu = report.build_row(task, [dict(r, gpu_trials=None) for r in ranks], None)
     assert cpu["trial_gpu"] is None and telemetry.slowdown_notes([cpu]) == []
 

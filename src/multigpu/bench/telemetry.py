@@ -10,7 +10,8 @@ Per process and trial, `Sampler.stop()` gives one summary over the devices the t
      "power_w": highest mean power draw, "temp_c": highest temperature,
      "reasons": sorted names of every clock-event reason seen, "samples": how many}
 `merge_ranks` folds the ranks' summaries of each trial into one, the same way; `slowdown_notes`
-turns trials held down by power or heat into report notes. Samples are taken every 20 ms; an NVML
+turns trials held down by power or heat into report notes, and names rows whose trials spread
+widely at full clocks. Samples are taken every 20 ms; an NVML
 query costs tens of microseconds and ctypes releases the GIL, so the step is not disturbed.
 """
 from __future__ import annotations
@@ -155,19 +156,36 @@ def merge_ranks(per_rank: list[list[dict | None] | None], trials: int) -> list[d
     return [merge([r[i] for r in ranks if i < len(r) and r[i]]) for i in range(trials)]
 
 
+NOISY_SPREAD_PCT = 10.0  # trials of one row further apart than this get a note
+
+
 def slowdown_notes(rows: list[dict]) -> list[str]:
-    """A note per row whose trials ran with clocks held down by power or heat."""
-    notes = []
+    """A note per row whose trials ran with clocks held down by power or heat; and one per set of
+    rows (same model, batch, GPU count) whose trials spread widely while the clocks were not held
+    down, since then the cause was elsewhere."""
+    notes, noisy = [], {}
     for row in rows:
         trials = row.get("trial_gpu") or []
         slowed = [(i + 1, t) for i, t in enumerate(trials)
                   if t and set(t["reasons"]) & set(SLOWDOWNS)]
-        if not slowed:
-            continue
-        why = sorted({r for _, t in slowed for r in t["reasons"] if r in SLOWDOWNS})
-        lowest = min(t["sm_mhz_min"] for _, t in slowed)
-        notes.append(f"{row['method']} x{row['gpus']} {row['model']} batch {row['batch_size']}: "
-                     f"GPU clocks held down ({', '.join(why)}) in trial"
-                     f"{'s' if len(slowed) > 1 else ''} {', '.join(str(i) for i, _ in slowed)}"
-                     f" of {len(trials)}; SM clock down to {lowest:,} MHz")
+        if slowed:
+            why = sorted({r for _, t in slowed for r in t["reasons"] if r in SLOWDOWNS})
+            lowest = min(t["sm_mhz_min"] for _, t in slowed)
+            notes.append(f"{row['method']} x{row['gpus']} {row['model']} batch {row['batch_size']}: "
+                         f"GPU clocks held down ({', '.join(why)}) in trial"
+                         f"{'s' if len(slowed) > 1 else ''} {', '.join(str(i) for i, _ in slowed)}"
+                         f" of {len(trials)}; SM clock down to {lowest:,} MHz")
+        elif trials and all(trials) and (row.get("spread_pct") or 0) > NOISY_SPREAD_PCT:
+            key = (row["model"], row["batch_size"], row["gpus"], row.get("data"))
+            noisy.setdefault(key, []).append(row)
+    for (model, batch, gpus, _), group in noisy.items():
+        spreads = [r["spread_pct"] for r in group]
+        low = min(t["sm_mhz_min"] for r in group for t in r["trial_gpu"])
+        who = "1 method" if len(group) == 1 else f"{len(group)} methods"
+        span = (f"{spreads[0]:.0f} %" if len(group) == 1
+                else f"{min(spreads):.0f}-{max(spreads):.0f} %")
+        where = "host CPU, other jobs" + (", waiting for a slower rank" if gpus > 1 else "")
+        notes.append(f"{model} batch {batch} x{gpus}: the trials of {who} spread {span} while no "
+                     f"GPU clock was held down (lowest {low:,} MHz), so the time went elsewhere "
+                     f"({where}); min-max shows each one's worst and best trial")
     return notes
