@@ -14,6 +14,7 @@ numbers per step:
 One JSON line per rank goes to DIR/profile-<variant>-rank<r>.json; rank 0 also prints its top kernels.
 """
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -26,9 +27,10 @@ import multigpu
 from multigpu.engine import StepSettings, train_step
 from multigpu.bench.spec import DDP_VARIANTS
 from multigpu.models import build_model
-from multigpu.strategies import DDPOptions
+from multigpu.config import TrainConfig
+from multigpu.training import ddp_options
 
-# "default" (DDPOptions' defaults, 100 MB buckets) or one of bench's multigpu-ddp:VARIANT settings.
+# "default" (multigpu train's DDP settings: training.ddp_options) or one of bench's multigpu-ddp:VARIANT settings.
 VARIANTS = ("default", *DDP_VARIANTS)
 
 
@@ -86,7 +88,8 @@ def main():
     if a.dp:
         rt = multigpu.setup("dp", "bf16", seed=0, devices=list(range(a.dp)))
     else:
-        options = DDPOptions(**variant.options) if variant else None
+        options = ddp_options(TrainConfig(model=a.model))  # multigpu train's, as bench does
+        options = dataclasses.replace(options, **variant.options) if variant else options
         rt = multigpu.setup("auto", "bf16", seed=0, ddp=options)
     per_process = a.batch * rt.strategy.devices_per_process
     model = build_model(a.model, (3, 224, 224), 1000).to(memory_format=torch.channels_last)

@@ -58,6 +58,13 @@ class DistEnv:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def broadcast_tensors(self, tensors, src: int = 0) -> None:
+        """Overwrite each tensor, in place, with rank `src`'s. A no-op with one process."""
+        if self.is_distributed:
+            with torch.no_grad():
+                for t in tensors:
+                    dist.broadcast(t, src=src)
+
     def barrier(self) -> None:
         if self.is_distributed:
             if self.backend == "nccl":

@@ -145,6 +145,13 @@ class Runtime:
             for model in self._models:
                 self.strategy.set_grad_sync(model, info.sync)
 
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Give every rank rank 0's buffers (BatchNorm running statistics, ...). Collective: call
+        it on every rank. With DDPOptions(broadcast_buffers=False) each rank's buffers follow its
+        own data; call this before evaluating on every rank, so each evaluates the model that
+        rank 0 saves. A no-op in one process."""
+        self.env.broadcast_tensors(list(self.strategy.unwrap(model).buffers()))
+
     # --- the training step ------------------------------------------------------------------------
     def autocast(self):
         return self.precision.autocast()

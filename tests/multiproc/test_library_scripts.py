@@ -57,3 +57,10 @@ def test_accumulation_all_reduces_once_per_window_and_matches_the_big_batch(tmp_
     assert acc["allreduce_calls"] == acc["optimizer_steps"] == big["allreduce_calls"]
     for a, b in zip(big["weights"], acc["weights"]):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_buffers_not_broadcast_every_step_start_equal_and_sync_from_rank0(tmp_path):
+    proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path, SCRIPTS / "buffers.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "after_prepare": True, "after_training": False, "after_sync": True}

@@ -156,3 +156,27 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_from_its_last_epoch(tm
     b = torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):
+    """BatchNorm statistics differ per rank during training (not copied every step); before the
+    evaluation every rank takes rank 0's, so the metrics are those of the checkpoint."""
+    import dataclasses
+
+    from multigpu import engine, setup, training
+    from multigpu.config import TrainConfig
+
+    out = tmp_path / "bn"
+    proc = multigpu("train", "--model", "cnn", "--data", "digits", "--epochs", "1",
+                    "--batch-size", "16", "--workers", "0", "--devices", "cpu:2", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((out / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in names} | {"strategy": "single"})
+    rt = setup("single", cfg.precision, accelerator="cpu", seed=cfg.seed)
+    _, model, _, _, _, val_loader, settings = training.build_job(cfg, rt)
+    rt.load(out / "checkpoints" / "last.pt", model=model)
+    alone = engine.evaluate(rt, model, torch.nn.functional.cross_entropy, val_loader, True, settings)
+    logged = read_metrics(out)[-1]
+    assert alone["val_samples"] == logged["val_samples"]
+    assert alone["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)

@@ -75,11 +75,11 @@ def test_parse_lists_and_methods():
 def test_ddp_variants_are_methods_and_an_unknown_variant_lists_the_known_ones():
     methods = "multigpu-single,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bucket25,ddp"
     assert spec.parse_methods(methods) == tuple(methods.split(","))
-    assert set(spec.DDP_VARIANTS) == {"bucket25", "bucket200", "static", "nobcast", "bf16hook",
+    assert set(spec.DDP_VARIANTS) == {"bucket25", "bucket200", "static", "bcast", "bf16hook",
                                       "ctas8", "bucket25-ctas8"}
     with pytest.raises(UsageError, match="unknown DDP variant 'multigpu-ddp:fast'; choose from "
                                          "multigpu-ddp:bucket25,multigpu-ddp:bucket200,"
-                                         "multigpu-ddp:static,multigpu-ddp:nobcast,"
+                                         "multigpu-ddp:static,multigpu-ddp:bcast,"
                                          "multigpu-ddp:bf16hook,multigpu-ddp:ctas8,"
                                          "multigpu-ddp:bucket25-ctas8$"):
         spec.parse_methods("multigpu-ddp,multigpu-ddp:fast")
@@ -176,11 +176,11 @@ def test_real_data_tasks_never_take_turns_not_even_ddp_variants():
     from multigpu.bench import worker
 
     s = BenchSettings(models=("mlp",), data=("synthetic", "real"),
-                      methods=("multigpu-ddp", "multigpu-ddp:nobcast"))
+                      methods=("multigpu-ddp", "multigpu-ddp:bcast"))
     groups, _ = spec.plan_groups(s, "cpu", (2,), REAL | SYNTHETIC)
     assert [[(t.method, t.data_kind) for t in one] for one in worker.interleave_sets(
-        groups[0].tasks)] == [[("multigpu-ddp", "synthetic"), ("multigpu-ddp:nobcast", "synthetic")],
-                              [("multigpu-ddp", "real")], [("multigpu-ddp:nobcast", "real")]]
+        groups[0].tasks)] == [[("multigpu-ddp", "synthetic"), ("multigpu-ddp:bcast", "synthetic")],
+                              [("multigpu-ddp", "real")], [("multigpu-ddp:bcast", "real")]]
 
 
 def test_real_data_skips_the_peers():
@@ -251,7 +251,7 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
 @pytest.mark.parametrize("method,options", [
     ("multigpu-ddp", {}), ("multigpu-ddp:bucket25", {"bucket_cap_mb": 25}),
     ("multigpu-ddp:bucket200", {"bucket_cap_mb": 200}), ("multigpu-ddp:static", {"static_graph": True}),
-    ("multigpu-ddp:nobcast", {"broadcast_buffers": False}), ("multigpu-ddp:bf16hook", {}),
+    ("multigpu-ddp:bcast", {"broadcast_buffers": True}), ("multigpu-ddp:bf16hook", {}),
     ("multigpu-ddp:ctas8", {"nccl_max_ctas": 8}),
     ("multigpu-ddp:bucket25-ctas8", {"bucket_cap_mb": 25, "nccl_max_ctas": 8}),
 ])
@@ -271,7 +271,8 @@ def test_the_worker_builds_a_ddp_variant_with_its_ddp_options(monkeypatch, metho
     prep = worker.build(task, "cpu")  # one process: DDP has nothing to wrap, the options still hold
     assert prep.step() == 4
     (rt,) = runtimes
-    assert rt.strategy.name == "ddp" and rt.strategy.options == DDPOptions(**options)
+    train = DDPOptions(broadcast_buffers=False)  # multigpu train's settings (training.ddp_options)
+    assert rt.strategy.name == "ddp" and rt.strategy.options == dataclasses.replace(train, **options)
     assert DDPOptions().bucket_cap_mb == 100, "bucket25 differs from our default"
 
 

@@ -56,8 +56,8 @@ DDP_VARIANTS = {
                             {"bucket_cap_mb": 200}),
     "static": DDPVariant("static_graph=True, DDP is told the graph never changes",
                          {"static_graph": True}),
-    "nobcast": DDPVariant("broadcast_buffers=False, no copy of rank 0's buffers every forward",
-                          {"broadcast_buffers": False}),
+    "bcast": DDPVariant("broadcast_buffers=True, torch's default: rank 0's buffers copied to every "
+                        "rank before every forward", {"broadcast_buffers": True}),
     "bf16hook": DDPVariant("gradients all-reduced in bf16 by torch's bf16_compress_hook; GPUs only",
                            bf16_hook=True),
     "ctas8": DDPVariant("NCCL may take at most 8 SMs from the backward (maxCTAs); GPUs only",

@@ -13,14 +13,16 @@ so a crash or a time limit keeps every finished set, and the parent knows what w
 
 The multigpu methods go through exactly the code `multigpu train` runs: `multigpu.setup()`,
 `rt.prepare()`, `training.make_optimizer()` and `engine.train_step()`; with --data real also
-`training.build_job()` (datasets.load_data + make_loader + loader_workers + rt.prepare).
+`training.build_job()` (datasets.load_data + make_loader + loader_workers + rt.prepare), and
+the DDP settings of `training.ddp_options()`.
 With --compile the prepared model goes through torch.compile as in `multigpu train --compile`;
 it compiles in its first step, which is a warm-up step. A variant `multigpu-ddp:<name>` is the
-multigpu-ddp step with its spec.DDP_VARIANTS entry's DDPOptions (passed to `multigpu.setup(ddp=)`)
-or communication hook.
+multigpu-ddp step with its spec.DDP_VARIANTS entry's changes to those DDPOptions (passed to
+`multigpu.setup(ddp=)`) or communication hook.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -98,12 +100,12 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
 
 
 def ddp_options(task: Task):
-    """The DDPOptions of a multigpu-ddp variant; None (multigpu's defaults) for other methods."""
-    if task.variant is None:
-        return None
-    from multigpu.strategies import DDPOptions
+    """The DDPOptions `multigpu train` uses, with a multigpu-ddp variant's changes on top."""
+    from multigpu.training import ddp_options as train_options
 
-    return DDPOptions(**DDP_VARIANTS[task.variant].options)
+    options = train_options(_config(task, "ddp"))
+    variant = DDP_VARIANTS.get(task.variant or "")
+    return dataclasses.replace(options, **variant.options) if variant else options
 
 
 def add_comm_hook(task: Task, model: torch.nn.Module) -> None:

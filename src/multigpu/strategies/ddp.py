@@ -23,6 +23,11 @@ class DDPOptions:
     # backward (see Runtime), which is faster and clearer than searching for it every step.
     find_unused_parameters: bool = False
     static_graph: bool = False
+    # True (torch's default): rank 0's buffers (BatchNorm running statistics, ...) are copied to
+    # every rank before every forward: one more collective per step, ~160 small copies for
+    # ResNet-50, and a point where every rank waits for the slowest. False: each rank updates its
+    # own, they are made equal once when wrapping, and Runtime.sync_buffers() copies rank 0's
+    # before an evaluation on every rank. `multigpu train` uses False (training.ddp_options).
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
     # NCCL only: the most SMs the gradient all-reduce may take from the backward's kernels
@@ -48,6 +53,8 @@ class DDP(Strategy):
         # Newer torch renames broadcast_buffers and warns when it is passed: only pass it to turn
         # it off, and keep torch's default (buffers synced from rank 0 every forward) otherwise.
         extra = {} if o.broadcast_buffers else {"broadcast_buffers": False}
+        if not o.broadcast_buffers:  # DDP then skips the buffers in its initial sync as well
+            self.env.broadcast_tensors(list(model.buffers()))
         if o.nccl_max_ctas is not None:
             extra["process_group"] = nccl_group_with_max_ctas(o.nccl_max_ctas)
         return DistributedDataParallel(
