@@ -10,7 +10,9 @@ started by a barrier, the parts of a DDP step separately:
   compute    ResNet-50 bf16 batch 128 forward, backward and SGD step, no communication
              (four single-GPU jobs side by side);
   allreduce  one all-reduce of ResNet-50's gradients (25.6 M fp32 values, ~100 MB) per step;
-  ddp        multigpu's DDP step, the two overlapped (multigpu.engine.train_step);
+  ddp        multigpu.engine.train_step with the library's default DDPOptions, the two overlapped
+             (these broadcast rank 0's buffers before every forward, as when run 8 measured it;
+             `multigpu train` no longer does);
   host       a fixed pure-Python loop on the CPU, no GPU (host jitter, CPU steal);
 each for --steps steps, the slowest rank's time kept. It also reads the CPU steal time of
 /proc/stat over the round (a virtual machine's vCPUs waiting for the host). Rank 0 writes one
@@ -76,7 +78,8 @@ def main() -> None:
     alone, alone_opt = model_and_opt(prepare=False)
     x = torch.randn(128, 3, 224, 224, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (128,), device=device)
-    grads = torch.randn(25_557_032, device=device)  # ResNet-50's parameter count, fp32
+    grads = torch.zeros(25_557_032, device=device)  # ResNet-50's parameter count, fp32; zeros
+    # stay zeros however often they are summed (the time does not depend on the values)
 
     def compute():
         with torch.autocast("cuda", torch.bfloat16):

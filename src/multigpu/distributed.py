@@ -59,11 +59,19 @@ class DistEnv:
         return box[0]
 
     def broadcast_tensors(self, tensors, src: int = 0) -> None:
-        """Overwrite each tensor, in place, with rank `src`'s. A no-op with one process."""
-        if self.is_distributed:
-            with torch.no_grad():
-                for t in tensors:
-                    dist.broadcast(t, src=src)
+        """Overwrite each tensor, in place, with rank `src`'s: one broadcast per dtype (the
+        tensors flattened into one), whatever their layout. A no-op with one process."""
+        if not self.is_distributed:
+            return
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for same in groups.values():
+                flat = torch.cat([t.reshape(-1) for t in same])
+                dist.broadcast(flat, src=src)
+                for t, part in zip(same, flat.split([t.numel() for t in same])):
+                    t.copy_(part.view(t.shape))
 
     def barrier(self) -> None:
         if self.is_distributed:
@@ -144,18 +152,22 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
 
 
 def nccl_group_with_max_ctas(max_ctas: int):
-    """A new NCCL process group over every rank whose kernels may use at most `max_ctas` thread
+    """An NCCL process group over every rank whose kernels may use at most `max_ctas` thread
     blocks, i.e. SMs (NCCL's maxCTAs communicator setting). A collective called with it competes
-    less with the compute running beside it, at the price of a slower collective alone. Every rank
-    must call it (creating a group is collective)."""
+    less with the compute running beside it, at the price of a slower collective alone. Made once
+    per value and reused (each group holds NCCL buffers and threads); every rank must call it the
+    same way, since creating a group is collective."""
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         raise UsageError(f"nccl_max_ctas={max_ctas} needs the NCCL backend (one process per GPU); "
                          "leave it unset on CPU")
-    if max_ctas < 1:
-        raise UsageError(f"nccl_max_ctas={max_ctas} must be at least 1")
-    options = dist.ProcessGroupNCCL.Options()
-    options.config.max_ctas = max_ctas
-    return dist.new_group(backend="nccl", pg_options=options)
+    if max_ctas not in _CTA_GROUPS:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        _CTA_GROUPS[max_ctas] = dist.new_group(backend="nccl", pg_options=options)
+    return _CTA_GROUPS[max_ctas]
+
+
+_CTA_GROUPS: dict[int, object] = {}  # max_ctas -> its group; emptied with the default group
 
 
 def _resolve_accelerator(accelerator: str) -> bool:
@@ -178,6 +190,7 @@ def destroy_distributed(wait_for_peers: bool = False) -> None:
         return
     if wait_for_peers and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
         _meet_before_teardown(dist.get_world_size())
+    _CTA_GROUPS.clear()
     dist.destroy_process_group()
 
 

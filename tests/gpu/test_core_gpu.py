@@ -184,7 +184,7 @@ def test_ddp_with_nccl_max_ctas_trains_as_the_default_in_a_group_of_its_own(tmp_
     proc = run_multigpu("run", "--devices", "2", "--log-dir", tmp_path, script)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["world_size"] == 2 and result["own_group"] is True
+    assert result["world_size"] == 2 and result["own_group"] is True and result["max_ctas"] == 2
     assert result["max_diff"] < 1e-5, "capping NCCL's SMs must not change the sums"
 
 

@@ -723,3 +723,11 @@ def test_data_takes_one_kind_or_both_and_compile_is_a_flag():
         settings_from_args(parse(["bench", "--data", "bogus"]))
     with pytest.raises(UsageError, match="--compile .*--warmup 1 or more"):
         settings_from_args(parse(["bench", "--compile", "--warmup", "0"]))
+
+
+def test_nccl_max_ctas_below_one_is_refused_when_the_options_are_made():
+    from multigpu.strategies import DDPOptions
+
+    with pytest.raises(UsageError, match=r"DDPOptions\(nccl_max_ctas=0\): give at least 1"):
+        DDPOptions(nccl_max_ctas=0)
+    assert DDPOptions(nccl_max_ctas=1).nccl_max_ctas == 1

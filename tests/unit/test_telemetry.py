@@ -113,6 +113,9 @@ def test_rows_carry_the_merged_telemetry_and_slowed_trials_become_a_note():
         "resnet50 batch 128 x2: the trials of 2 methods spread 12-25 % while no GPU clock was held "
         "down (lowest 1,965 MHz), so the time went elsewhere (host CPU, other jobs, waiting for a "
         "slower rank); min-max shows each one's worst and best trial"]
+    real = dict(noisy, data="real")
+    assert [n.split(":")[0] for n in telemetry.slowdown_notes([noisy, real])] == [
+        "resnet50 batch 128 x2", "resnet50 batch 128 x2, real data"]
     alone = dict(noisy, method="multigpu-single", gpus=1)
     (note,) = telemetry.slowdown_notes([alone])
     assert note.startswith("resnet50 batch 128 x1: the trials of 1 method spread 25 %")

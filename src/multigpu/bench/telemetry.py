@@ -11,8 +11,9 @@ Per process and trial, `Sampler.stop()` gives one summary over the devices the t
      "reasons": sorted names of every clock-event reason seen, "samples": how many}
 `merge_ranks` folds the ranks' summaries of each trial into one, the same way; `slowdown_notes`
 turns trials held down by power or heat into report notes, and names rows whose trials spread
-widely at full clocks. Samples are taken every 20 ms; an NVML
-query costs tens of microseconds and ctypes releases the GIL, so the step is not disturbed.
+widely at full clocks. Samples are taken every 20 ms (more slowly when the GIL is busy), one just
+before the first step and one just after the last; an NVML query costs tens of microseconds and
+ctypes releases the GIL while it waits, so the thread takes little from the step it measures.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class Sampler:
     def stop(self) -> dict | None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=1.0)  # a hung NVML call must not hold up the bench
             self._thread = None
         self._sample()
         per_device = [summarize(s) for s in self._samples]
@@ -178,14 +179,15 @@ def slowdown_notes(rows: list[dict]) -> list[str]:
         elif trials and all(trials) and (row.get("spread_pct") or 0) > NOISY_SPREAD_PCT:
             key = (row["model"], row["batch_size"], row["gpus"], row.get("data"))
             noisy.setdefault(key, []).append(row)
-    for (model, batch, gpus, _), group in noisy.items():
+    for (model, batch, gpus, data), group in noisy.items():
         spreads = [r["spread_pct"] for r in group]
         low = min(t["sm_mhz_min"] for r in group for t in r["trial_gpu"])
         who = "1 method" if len(group) == 1 else f"{len(group)} methods"
         span = (f"{spreads[0]:.0f} %" if len(group) == 1
                 else f"{min(spreads):.0f}-{max(spreads):.0f} %")
         where = "host CPU, other jobs" + (", waiting for a slower rank" if gpus > 1 else "")
-        notes.append(f"{model} batch {batch} x{gpus}: the trials of {who} spread {span} while no "
+        kind = ", real data" if data == "real" else ""
+        notes.append(f"{model} batch {batch} x{gpus}{kind}: the trials of {who} spread {span} while no "
                      f"GPU clock was held down (lowest {low:,} MHz), so the time went elsewhere "
                      f"({where}); min-max shows each one's worst and best trial")
     return notes

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.distributed import DistEnv, nccl_group_with_max_ctas
+from multigpu.errors import UsageError
 from multigpu.strategies.base import Strategy
 
 
@@ -33,6 +34,11 @@ class DDPOptions:
     # NCCL only: the most SMs the gradient all-reduce may take from the backward's kernels
     # (NCCL's maxCTAs, in a process group of the model's own). None: NCCL's choice.
     nccl_max_ctas: int | None = None
+
+    def __post_init__(self):
+        if self.nccl_max_ctas is not None and self.nccl_max_ctas < 1:
+            raise UsageError(f"DDPOptions(nccl_max_ctas={self.nccl_max_ctas}): give at least 1 "
+                             "(thread blocks, one SM each), or None for NCCL's own choice")
 
 
 class DDP(Strategy):

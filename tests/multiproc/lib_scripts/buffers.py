@@ -19,9 +19,10 @@ class Net(nn.Module):
         self.fc = nn.Linear(4, 4)
         self.bn = nn.BatchNorm1d(4)
         self.register_buffer("noise", torch.randn(3))  # differs per rank: seeded with seed + rank
+        self.register_buffer("grid", torch.randn(4, 3).t())  # not contiguous, differs per rank
 
     def forward(self, x):
-        return self.bn(self.fc(x)) + self.noise.sum()
+        return self.bn(self.fc(x)) + self.noise.sum() + self.grid.sum()
 
 
 rt = multigpu.setup("ddp", accelerator="cpu", seed=0, ddp=DDPOptions(broadcast_buffers=False))

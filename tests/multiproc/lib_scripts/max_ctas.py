@@ -2,7 +2,8 @@
 
 Two copies of one model train side by side on the same batches, one with NCCL's choice of thread
 blocks and one in a group capped at 2; rank 0 prints one JSON line with the largest difference
-between their weights and whether the capped model really uses a group of its own.
+between their weights, whether the capped model really uses a group of its own, and the maxCTAs
+that group's NCCL communicator was configured with.
 """
 import json
 
@@ -31,5 +32,6 @@ for _ in range(5):
         opt.step()
 diff = max((a - b).abs().max().item() for a, b in zip(default.parameters(), capped.parameters()))
 if rt.is_main:
+    nccl = capped.process_group._get_backend(torch.device("cuda"))  # what NCCL was configured with
     print(json.dumps({"max_diff": diff, "own_group": capped.process_group is not default.process_group,
-                      "world_size": rt.world_size}))
+                      "max_ctas": nccl.options.config.max_ctas, "world_size": rt.world_size}))
