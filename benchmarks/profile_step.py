@@ -14,7 +14,6 @@ numbers per step:
 One JSON line per rank goes to DIR/profile-<variant>-rank<r>.json; rank 0 also prints its top kernels.
 """
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -89,15 +88,13 @@ def main():
         rt = multigpu.setup("dp", "bf16", seed=0, devices=list(range(a.dp)))
     else:
         options = ddp_options(TrainConfig(model=a.model))  # multigpu train's, as bench does
-        options = dataclasses.replace(options, **variant.options) if variant else options
+        options = variant.apply(options) if variant else options
         rt = multigpu.setup("auto", "bf16", seed=0, ddp=options)
     per_process = a.batch * rt.strategy.devices_per_process
     model = build_model(a.model, (3, 224, 224), 1000).to(memory_format=torch.channels_last)
     model = rt.prepare(model)
-    if variant and variant.bf16_hook and rt.world_size > 1:  # one process (or dp): no all-reduce
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if variant:
+        variant.add_comm_hook(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     x = torch.randn(per_process, 3, 224, 224, device=rt.device)
     y = torch.randint(0, 1000, (per_process,), device=rt.device)

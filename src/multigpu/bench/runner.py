@@ -106,8 +106,8 @@ def new_report(s: BenchSettings, plan: DevicePlan, counts: tuple[int, ...], labe
             "machine": {"label": label, "hostname": platform.node(), "accelerator": plan.accelerator,
                         "gpu_name": plan.gpu_names[0] if plan.gpu_names else None,
                         "gpu_count": len(plan.gpu_ids), "cpus": os.cpu_count()},
-            "versions": _versions(), "settings": settings, "rows": [], "skipped": [], "notes": [], "gpu_notes": [],
-            "launches": []}
+            "versions": _versions(), "settings": settings, "rows": [], "skipped": [], "notes": [],
+            "gpu_notes": [], "launches": []}
 
 
 def read_records(folder: Path) -> tuple[dict[str, list[dict]], dict | None]:

@@ -23,7 +23,7 @@ one run on one machine, without paying for more launches.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from multigpu.errors import UsageError
 
@@ -47,6 +47,20 @@ class DDPVariant:
     def needs_nccl(self) -> bool:
         """Skipped on CPU: gloo has neither the bf16 hook nor NCCL's communicator settings."""
         return self.bf16_hook or self.options.get("nccl_max_ctas") is not None
+
+    def apply(self, options):
+        """`options` (DDPOptions) with this variant's changes."""
+        return replace(options, **self.options)
+
+    def add_comm_hook(self, model) -> None:
+        """bf16hook: torch's bf16_compress_hook on a DDP wrapper, before its first backward. Any
+        other module (one process, DataParallel) all-reduces nothing: nothing to register."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.bf16_hook and isinstance(model, DistributedDataParallel):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
 
 
 DDP_VARIANTS = {
@@ -174,6 +188,11 @@ def ddp_variant(method: str) -> str | None:
     return variant if colon and base == DDP else None
 
 
+def variant_of(method: str) -> DDPVariant | None:
+    """The DDP_VARIANTS entry of a multigpu-ddp:<variant> method; None for every other method."""
+    return DDP_VARIANTS.get(ddp_variant(method) or "")
+
+
 def parse_data(text: str) -> tuple[str, ...]:
     """The data kinds, in the order of DATA_KINDS: each group runs synthetic before real."""
     kinds = {k.strip() for k in str(text).split(",") if k.strip()}
@@ -233,7 +252,7 @@ def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
     """Why a peer or a DDP variant cannot run here on this data kind (one line), or None. The
     machine's reasons come first: they hold for every data kind, so a peer skipped for both kinds
     is named once."""
-    variant = DDP_VARIANTS.get(ddp_variant(method) or "")
+    variant = variant_of(method)
     if variant and variant.needs_nccl and accelerator != "cuda":
         if variant.bf16_hook:
             return "torch's bf16_compress_hook needs NCCL on GPUs (gloo refuses it)"

@@ -22,7 +22,7 @@ multigpu-ddp step with its spec.DDP_VARIANTS entry's changes to those DDPOptions
 """
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -37,7 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from multigpu import console
 from multigpu.bench import measure, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
-from multigpu.bench.spec import DDP_VARIANTS, Task, base_method
+from multigpu.bench.spec import Task, base_method, variant_of
 
 
 def _config(task: Task, strategy: str):
@@ -104,20 +104,15 @@ def ddp_options(task: Task):
     from multigpu.training import ddp_options as train_options
 
     options = train_options(_config(task, "ddp"))
-    variant = DDP_VARIANTS.get(task.variant or "")
-    return dataclasses.replace(options, **variant.options) if variant else options
+    variant = variant_of(task.method)
+    return variant.apply(options) if variant else options
 
 
 def add_comm_hook(task: Task, model: torch.nn.Module) -> None:
-    """bf16hook: torch's bf16_compress_hook on the DDP wrapper, before its first backward. In one
-    process there is no wrapper (nothing is all-reduced), so nothing to register."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    variant = DDP_VARIANTS.get(task.variant or "")
-    if variant and variant.bf16_hook and isinstance(model, DistributedDataParallel):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    """A variant's communication hook (bf16hook), on the DDP wrapper only (DDPVariant)."""
+    variant = variant_of(task.method)
+    if variant:
+        variant.add_comm_hook(model)
 
 
 def build(task: Task, accelerator: str) -> Prepared:
@@ -152,13 +147,7 @@ def comparable(task: Task) -> tuple:
 
 def interleave_sets(tasks: list[Task]) -> list[list[Task]]:
     """The tasks, in job order, cut into runs of consecutive comparable tasks."""
-    sets: list[list[Task]] = []
-    for task in tasks:
-        if sets and comparable(sets[-1][0]) == comparable(task):
-            sets[-1].append(task)
-        else:
-            sets.append([task])
-    return sets
+    return [list(run) for _, run in itertools.groupby(tasks, key=comparable)]
 
 
 def start_run(task: Task, accelerator: str, build_fn) -> measure.Run:

@@ -71,8 +71,7 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any],
     if not len(replicas) == len(inputs) == len(kwargs) == len(devices):
         raise ValueError(f"{len(replicas)} replicas, {len(inputs)} inputs, {len(kwargs)} kwargs "
                          f"and {len(devices)} devices: they must be as many")
-    devices = [torch.device("cuda", d).index if isinstance(d, int) else torch.device(d).index
-               for d in devices]
+    devices = [d if isinstance(d, int) else torch.device(d).index for d in devices]
     if getattr(_local, "device", None) is not None:  # DataParallel inside a replica: no deadlock
         from torch.nn.parallel import parallel_apply as torch_parallel_apply
         return torch_parallel_apply(replicas, inputs, kwargs, devices)
