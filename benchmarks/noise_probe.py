@@ -45,15 +45,18 @@ def steal_jiffies() -> int:
 
 
 def timed(fn, steps: int, device) -> float:
-    """Seconds for `steps` calls of fn on the slowest rank, started together."""
-    dist.barrier(device_ids=[device.index])
+    """Seconds for `steps` calls of fn on the slowest rank, started together (also used by
+    cudagraph_probe.py, which may run as one process without a process group)."""
+    if dist.is_initialized():
+        dist.barrier(device_ids=[device.index])
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         fn()
     torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - start], device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    if dist.is_initialized():
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
 

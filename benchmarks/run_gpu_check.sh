@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU check in one command, for a machine with 4 GPUs (the 4x H200 machines):
+# The whole GPU check in one command, for a machine with N GPUs (written for the 4x H200 machines;
+# GPUS=N uses the first N, default all that nvidia-smi lists):
 #
 #     OUT=/some/empty/dir bash benchmarks/run_gpu_check.sh
 #
@@ -9,14 +10,14 @@
 # the stages to run as arguments, e.g. `bash run_gpu_check.sh facts pytest-gpu bench-main`.
 #   0 facts       nvidia-smi, topology, versions                          (box  30 s)
 #   1 pytest-gpu  python -m pytest -m gpu tests/gpu                       (box 240 s)
-#   2 bench-main  resnet50 bf16 batch 128, 1/2/4 GPUs, every method       (box 210 s)
-#   3 bench-batch resnet50 batch 32/64/128/256, 4 GPUs, multigpu-ddp vs every peer (box 400 s)
-#   4 bench-real  resnet50 batch 128, 1 and 4 GPUs, synthetic and a JPEG folder, one invocation (box 120 s)
-#   5 knobs       DDP knobs on 4 GPUs, interleaved with the default and the peers (box 300 s)
-#   6 profile     kernel timelines of 1 and 4 GPUs (benchmarks/profile_step.py) (box 90 s)
-#   7 bench-compile resnet50 batch 32, --compile, 1 and 4 GPUs             (box 240 s)
-#   8 dp-profile  one profiled DataParallel step on 4 GPUs                 (box  60 s)
-#   9 bench-models swin_t and vgg16, multigpu-ddp on 1 and 4 GPUs         (box  90 s)
+#   2 bench-main  resnet50 bf16 batch 128, 1/2/4../N GPUs, every method   (box 210 s)
+#   3 bench-batch resnet50 batch 32/64/128/256, N GPUs, multigpu-ddp vs every peer (box 400 s)
+#   4 bench-real  resnet50 batch 128, 1 and N GPUs, synthetic and a JPEG folder, one invocation (box 120 s)
+#   5 knobs       DDP knobs on N GPUs, interleaved with the default and the peers (box 300 s)
+#   6 profile     kernel timelines of 1 and N GPUs (benchmarks/profile_step.py) (box 90 s)
+#   7 bench-compile resnet50 batch 32/128, --compile reduce-overhead vs ddp, 1 and N GPUs (box 300 s)
+#   8 dp-profile  one profiled DataParallel step on N GPUs                 (box  60 s)
+#   9 bench-models swin_t and vgg16, multigpu-ddp on 1 and N GPUs         (box  90 s)
 # Everything lands in $OUT: <stage>.log for each stage, summary.txt, pytest-gpu.xml, and
 # bench-*.json / bench-*.png / bench-*-logs/ (per-rank logs of every launch).
 set -uo pipefail
@@ -35,6 +36,14 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # no install needed
 export MPLBACKEND=Agg PYTHONUNBUFFERED=1
 START=$SECONDS
 ONLY=("$@")  # stage names to run (default: all), e.g. `bash run_gpu_check.sh facts pytest-gpu`
+N="${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"
+if (( N < 1 )); then
+    echo "run_gpu_check.sh: no GPU found (nvidia-smi -L lists none); set GPUS=N to say how many" >&2
+    exit 2
+fi
+DEVICES=$(seq -s, 0 $(( N - 1 )))  # 0,1,..,N-1
+SCALE=1; for (( g = 2; g < N; g *= 2 )); do SCALE+=",$g"; done
+(( N > 1 )) && SCALE+=",$N"  # 1,2,4,..,N: the GPU counts of the scaling stages
 
 # stage NAME BOX_SECONDS COMMAND...: run COMMAND for at most min(BOX, budget left) seconds.
 stage() {
@@ -77,40 +86,40 @@ export PY
 export -f facts
 # GPUs named, not "auto": a process left over from an earlier stage must not shrink the plan
 # (nvidia-smi in facts.log and memory_before_gib in the JSON show what else was there).
-BENCH=("$PY" -m multigpu bench --precision bf16 --devices 0,1,2,3 --min-free-memory 0)
+BENCH=("$PY" -m multigpu bench --precision bf16 --devices "$DEVICES" --min-free-memory 0)
 
 stage facts 30 bash -c facts
 stage pytest-gpu 240 "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider \
     --junitxml="$OUT/pytest-gpu.xml"
-# DataParallel takes ~3 s a step at 4 GPUs here: 2 warm-up + 3 trials x 2 steps.
 # DataParallel: 5 warm-up steps (cuDNN tunes on the first) + 3 trials x 5 steps.
-stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,2,4 \
+stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus "$SCALE" \
     --steps 30 --warmup 10 --trials 3 --dp-steps 5 --out "$OUT/bench-main.json"
-# The README's command: every peer, 6 interleaved trials.
-stage bench-batch 400 "${BENCH[@]}" --model resnet50 --batch-size 32,64,128,256 --gpus 4 \
-    --methods multigpu-single,multigpu-ddp,ddp,accelerate,fabric --steps 25 --warmup 8 --trials 6 \
+# The README's command: every peer and torch's buffer default (bcast), 6 interleaved trials.
+stage bench-batch 400 "${BENCH[@]}" --model resnet50 --batch-size 32,64,128,256 --gpus "$N" \
+    --methods multigpu-single,multigpu-ddp,multigpu-ddp:bcast,ddp,accelerate,fabric --steps 25 --warmup 8 --trials 6 \
     --out "$OUT/bench-batch.json"
-stage bench-real 120 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 1,4 \
+stage bench-real 120 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus "1,$N" \
     --data synthetic,real --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
     --data-dir "$IMAGES" --out "$OUT/bench-real.json"
-# A/B of DDP knobs on 4 GPUs: each knob is a method of its own (multigpu-ddp:VARIANT, see
+# A/B of DDP knobs on N GPUs: each knob is a method of its own (multigpu-ddp:VARIANT, see
 # bench/spec.py), timed in turns with the default and the peers in one launch, so the machine's
 # drift hits all alike; per-trial GPU clocks are in the JSON (trial_gpu).
-stage knobs 300 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus 4 \
+stage knobs 300 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus "$N" \
     --methods multigpu-single,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bf16hook,\
 multigpu-ddp:bucket25,multigpu-ddp:bucket200,multigpu-ddp:ctas8,multigpu-ddp:bucket25-ctas8,\
 ddp,accelerate,fabric --steps 30 --warmup 10 --trials 8 --out "$OUT/bench-knobs.json"
-# Where a DDP step loses time: kernel timelines of 1 GPU and of 4 (benchmarks/profile_step.py).
+# Where a DDP step loses time: kernel timelines of 1 GPU and of N (benchmarks/profile_step.py).
 stage profile 90 bash -c "'$PY' -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/profile_step.py --out '$OUT/profile' && '$PY' -m torch.distributed.run \
-    --standalone --nproc_per_node 4 benchmarks/profile_step.py --out '$OUT/profile'"
-# Small batches are host-bound: does torch.compile (fewer, fused kernels) help?
-stage bench-compile 240 "${BENCH[@]}" --model resnet50 --batch-size 32 --gpus 1,4 --compile \
-    --methods multigpu-single,multigpu-ddp --steps 20 --warmup 10 --trials 3 \
-    --out "$OUT/bench-compile.json"
-# Why DataParallel is slow: one profiled step over 4 GPUs.
-stage dp-profile 60 "$PY" benchmarks/profile_step.py --dp 4 --out "$OUT/dp-profile"
-stage bench-models 90 "${BENCH[@]}" --model swin_t,vgg16 --batch-size 128 --gpus 1,4 \
+    --standalone --nproc_per_node $N benchmarks/profile_step.py --out '$OUT/profile'"
+# Small batches are host-bound: CUDA graphs (--compile reduce-overhead) against hand-written DDP
+# (eager) in the same sets; compiling and recording takes 30-40 s per batch size and GPU count.
+stage bench-compile 300 "${BENCH[@]}" --model resnet50 --batch-size 32,128 --gpus "1,$N" \
+    --compile reduce-overhead --methods multigpu-single,multigpu-ddp,ddp --steps 25 --warmup 8 \
+    --trials 4 --out "$OUT/bench-compile.json"
+# Why DataParallel is slow: one profiled step over N GPUs.
+stage dp-profile 60 "$PY" benchmarks/profile_step.py --dp "$N" --out "$OUT/dp-profile"
+stage bench-models 90 "${BENCH[@]}" --model swin_t,vgg16 --batch-size 128 --gpus "1,$N" \
     --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
     --out "$OUT/bench-models.json"
 

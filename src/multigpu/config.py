@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
+from multigpu.compiling import MODES as COMPILE_MODES
 
-def _f(default, help: str, choices=None, metavar=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+
+def _f(default, help: str, choices=None, metavar=None, const=None):
+    """A field; with `const`, its flag may be given alone and then means `const`."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
+                                            "const": const})
 
 
 @dataclass
@@ -51,7 +55,11 @@ class TrainConfig:
                                    "data, else the CPU cores per GPU)")
     find_unused_parameters: bool = _f(False, "let DDP search for parameters the loss does not use "
                                              "(slower; the default reports them by name instead)")
-    compile: bool = _f(False, "torch.compile the model")
+    compile: str | None = _f(None, "torch.compile the model in MODE: default (--compile alone), "
+                                   "reduce-overhead (CUDA graphs: a step's kernels launched at "
+                                   "once; much faster small batches, GPUs only), max-autotune, "
+                                   "max-autotune-no-cudagraphs",
+                             choices=COMPILE_MODES, metavar="MODE", const="default")
     resume: str | None = _f(None, "continue from a checkpoint file or a run folder (its "
                                   "checkpoints/last.pt), from any strategy or device count; the run "
                                   "goes on in that folder unless --out is given")
@@ -72,6 +80,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls=TrainConfig) -> No
             continue
         kwargs = dict(type=_TYPES[f.type], default=default, choices=meta.get("choices"),
                       help=meta["help"] + ("" if default is None else f" (default: {default})"))
+        if meta.get("const") is not None:
+            kwargs.update(nargs="?", const=meta["const"])
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
         if f.default is MISSING:
             kwargs["required"] = True
         parser.add_argument(flag, **kwargs)

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from multigpu import compiling
 from multigpu.console import EpochProgress
 from multigpu.metrics import Sums, correct_count
 from multigpu.runtime import Runtime
@@ -48,6 +49,7 @@ def train_step(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, 
     """Forward, backward and optimizer step for one (micro-)batch; returns the detached loss."""
     x, y = batch
     x = prepare_inputs(x, settings)
+    compiling.begin_step(model)
     with rt.autocast():
         out = model(x)
     loss = loss_fn(out.float(), y)  # the loss in fp32, whatever the autocast dtype
@@ -91,6 +93,7 @@ def evaluate(rt: Runtime, model: nn.Module, loss_fn: LossFn, loader, classificat
     sums = Sums(rt.env)
     for x, y in loader:
         x = prepare_inputs(x, settings)
+        compiling.begin_step(model)
         with rt.autocast():
             out = model(x).float()
         n = y.shape[0]

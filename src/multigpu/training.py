@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import console
+from multigpu import compiling, console
 from multigpu.config import TrainConfig
 from multigpu.datasets import load_data
 from multigpu.distributed import destroy_distributed
@@ -146,8 +146,8 @@ def build_job(cfg: TrainConfig, rt: Runtime):
     train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
     val_loader = make_loader(data.val, cfg.batch_size, False, workers)
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
-    if cfg.compile:
-        model = torch.compile(model)
+    compiling.check(cfg.compile, rt.device.type, rt.strategy.name)
+    model = compiling.compile_model(model, cfg.compile)
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
     scheduler = make_scheduler(cfg, optimizer)
     return data, model, optimizer, scheduler, train_loader, val_loader, settings

@@ -78,6 +78,10 @@ def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
     (["--model", "mlp", "--data", "folder:/no/such/dir"], "does not exist"),
     (["--model", "mlp", "--devices", "0,9"], "GPU"),
     (["--model", "mlp", "--epochs", "0"], "--epochs 0 must be at least 1"),
+    (["--model", "cnn", "--compile", "reduce-overhead", "--devices", "cpu:2"],
+     "--compile reduce-overhead records CUDA graphs, which need GPUs; on cpu use --compile default"),
+    (["--model", "cnn", "--compile", "reduce-overhead", "--strategy", "dp"],
+     "DataParallel drives all GPUs from one process: use --strategy ddp"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(tmp_path, args, message):
     proc = multigpu("train", *args, "--out", tmp_path / "x")

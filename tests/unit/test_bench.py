@@ -135,7 +135,7 @@ def test_ddp_variants_run_in_the_n_process_groups_and_take_turns_with_multigpu_d
 
     methods = ("multigpu-single", "multigpu-ddp", "multigpu-ddp:static", "multigpu-ddp:bucket25",
                "ddp", "multigpu-ddp:bf16hook")
-    s = BenchSettings(models=("mlp",), methods=methods, compile=True)
+    s = BenchSettings(models=("mlp",), methods=methods, compile="default")
     groups, skipped = spec.plan_groups(s, "cuda", (1, 2, 4), SYNTHETIC)
     assert [t.method for t in groups[0].tasks] == ["multigpu-single", "ddp"]
     for group, n in zip(groups[1:], (4, 2)):
@@ -143,7 +143,7 @@ def test_ddp_variants_run_in_the_n_process_groups_and_take_turns_with_multigpu_d
         (one_set,) = worker.interleave_sets(group.tasks)
         assert len(one_set) == 5, "all variants take turns with multigpu-ddp and the peer"
     assert [(t.method, t.compile) for t in groups[1].tasks if t.method != "ddp"] == [
-        (m, True) for m in methods[1:] if m != "ddp"], "--compile applies to the variants too"
+        (m, "default") for m in methods[1:] if m != "ddp"], "--compile applies to the variants too"
     assert groups[1].describe().endswith(": " + ", ".join(methods[1:]))
     assert not skipped
     _, on_cpu = spec.plan_groups(s, "cpu", (1, 2), SYNTHETIC)
@@ -209,15 +209,28 @@ def test_both_data_kinds_share_the_launches_synthetic_first_and_peers_on_synthet
 
 def test_compile_lands_in_the_multigpu_tasks_and_rows_only():
     s = BenchSettings(models=("mlp",), methods=("multigpu-single", "multigpu-ddp", "ddp"),
-                      compile=True)
+                      compile="reduce-overhead")
     groups, _ = spec.plan_groups(s, "cpu", (1, 2), SYNTHETIC)
     assert [(t.method, t.compile) for g in groups for t in g.tasks] == [
-        ("multigpu-single", True), ("ddp", False), ("multigpu-ddp", True), ("ddp", False)]
+        ("multigpu-single", "reduce-overhead"), ("ddp", None), ("multigpu-ddp", "reduce-overhead"),
+        ("ddp", None)]
     single, peer = groups[0].tasks
-    assert report.build_row(single, _ranks(single, [[0.1] * 3]), None)["compile"] is True
-    assert report.build_row(peer, _ranks(peer, [[0.1] * 3]), None)["compile"] is False
+    rows = [report.build_row(t, _ranks(t, [[0.1] * 3]), None) for t in (single, peer)]
+    assert [r["compile"] for r in rows] == ["reduce-overhead", None]
+    assert [report.compile_label(m) for m in ("reduce-overhead", "default", True, None, False)] == [
+        " +compile:reduce-overhead", " +compile", " +compile", "", ""]  # True/False: older JSON
     no_compile, _ = spec.plan_groups(BenchSettings(models=("mlp",)), "cpu", (1,), SYNTHETIC)
     assert not any(t.compile for t in no_compile[0].tasks)
+
+
+def test_cuda_graph_modes_are_refused_with_dataparallel_and_on_cpu():
+    graphs = dict(models=("mlp",), compile="reduce-overhead")
+    with pytest.raises(UsageError, match="leave multigpu-dp out of --methods"):
+        spec.validate(BenchSettings(**graphs))  # the default methods include multigpu-dp
+    with pytest.raises(UsageError, match="need GPUs; on cpu use --compile default"):
+        spec.validate(BenchSettings(**graphs, methods=("multigpu-ddp",), devices="cpu:2"))
+    spec.validate(BenchSettings(**graphs, methods=("multigpu-ddp",)))
+    spec.validate(BenchSettings(models=("mlp",), compile="default", devices="cpu:2"))
 
 
 def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
@@ -228,8 +241,9 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     compiled = []
 
     class Compiled(torch.nn.Module):  # stands in for torch.compile's OptimizedModule
-        def __init__(self, model):
+        def __init__(self, model, mode=None):
             super().__init__()
+            self.mode = mode
             self._orig_mod = model
             compiled.append(model)
 
@@ -237,12 +251,13 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
             return self._orig_mod(*args, **kwargs)
 
     monkeypatch.setattr(torch, "compile", Compiled)
-    task = Task("multigpu-single", "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1, compile=True)
+    task = Task("multigpu-single", "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1,
+                compile="default")
     assert worker._config(task, "single").compile  # the real-data path: training.build_job compiles
     prep = worker.build_multigpu(task, "cpu", "single")
     assert prep.step() == 4 and len(compiled) == 1
     assert prep.info["wrapper"] == type(compiled[0]).__name__ != "Compiled"
-    plain = dataclasses.replace(task, compile=False)
+    plain = dataclasses.replace(task, compile=None)
     assert not worker._config(plain, "single").compile
     worker.build_multigpu(plain, "cpu", "single").step()
     assert len(compiled) == 1
@@ -708,15 +723,17 @@ def test_flags_become_settings_and_bad_values_are_usage_errors():
         settings_from_args(parse(["bench", "--batch-size", "x"]))
 
 
-def test_data_takes_one_kind_or_both_and_compile_is_a_flag():
+def test_data_takes_one_kind_or_both_and_compile_takes_an_optional_mode():
     from multigpu.cli import build_parser
     from multigpu.cli.bench import settings_from_args
 
     parse = build_parser().parse_args
     default = settings_from_args(parse(["bench"]))
-    assert (default.data, default.compile) == (("synthetic",), False)
+    assert (default.data, default.compile) == (("synthetic",), None)
     both = settings_from_args(parse(["bench", "--data", "synthetic,real", "--compile"]))
-    assert (both.data, both.compile) == (("synthetic", "real"), True)
+    assert (both.data, both.compile) == (("synthetic", "real"), "default")
+    graphs = parse(["bench", "--compile", "reduce-overhead", "--methods", "multigpu-ddp"])
+    assert settings_from_args(graphs).compile == "reduce-overhead"
     assert settings_from_args(parse(["bench", "--data", "real, synthetic"])).data == both.data
     with pytest.raises(UsageError, match=r"--data bogus: unknown kind 'bogus'; choose from "
                                          r"synthetic,real"):

@@ -34,3 +34,50 @@ def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
     assert message.startswith("CUDA out of memory on cuda:1 (80 GiB) with --batch-size 256 per GPU")
     assert "--batch-size 128" in message and "--accumulate 2" in message
     assert "--precision bf16" in message and "\n" not in message
+
+
+class FakeCompiled(torch.nn.Module):
+    """Stands in for torch.compile's OptimizedModule (a `_orig_mod` attribute), on CPU."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._orig_mod = model
+
+    def forward(self, x):
+        return self._orig_mod(x)
+
+
+def test_every_step_of_a_compiled_model_marks_a_new_cuda_graph_step(monkeypatch):
+    import multigpu
+    from multigpu.engine import evaluate, train_step
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    rt = multigpu.setup("single", accelerator="cpu")
+    batch = (torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
+    for model, expected in ((torch.nn.Linear(3, 2), 0), (FakeCompiled(torch.nn.Linear(3, 2)), 3)):
+        marks.clear()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            train_step(rt, model, opt, torch.nn.functional.cross_entropy, batch, StepSettings())
+        evaluate(rt, model, torch.nn.functional.cross_entropy, [batch], True, StepSettings())
+        assert len(marks) == expected, "two steps and one eval batch, on compiled models only"
+
+
+def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run():
+    import pytest
+
+    from multigpu import compiling
+    from multigpu.errors import UsageError
+
+    for mode in (None, "default", "max-autotune-no-cudagraphs"):
+        compiling.check(mode, "cpu", "single")  # no CUDA graphs: fine anywhere
+    compiling.check("reduce-overhead", "cuda", "ddp")
+    with pytest.raises(UsageError, match="need GPUs; on cpu use --compile default"):
+        compiling.check("reduce-overhead", "cpu", "ddp")
+    with pytest.raises(UsageError, match="one process per GPU.*use --strategy ddp"):
+        compiling.check("max-autotune", "cuda", "dp")
+    with pytest.raises(UsageError, match="--compile fast: choose from default, reduce-overhead"):
+        compiling.check("fast", "cuda", "ddp")
+    model = torch.nn.Linear(2, 2)
+    assert compiling.compile_model(model, None) is model and not compiling.is_compiled(model)

@@ -112,6 +112,14 @@ def write_json(report: dict, path: Path) -> None:
 
 # --------------------------------------------------------------------------- console table
 
+def compile_label(mode) -> str:
+    """What a row's method gets in the table: ' +compile' in torch's default mode, ' +compile:MODE'
+    in another, nothing when not compiled (JSON written before modes existed holds True/False)."""
+    if not mode:
+        return ""
+    return " +compile" if mode in (True, "default") else f" +compile:{mode}"
+
+
 def _fmt(value, spec: str, empty: str = "-") -> str:
     return empty if value is None else format(value, spec)
 
@@ -145,7 +153,7 @@ def print_table(report: dict) -> None:
     for r in report["rows"]:
         mem = r["peak_memory_gib"]
         table.add_row(
-            r["method"] + (" +compile" if r.get("compile") else ""), r["model"],
+            r["method"] + compile_label(r.get("compile")), r["model"],
             *([r["data"]] if mixed else []), str(r["batch_size"]), str(r["gpus"]),
             f"{r['img_per_s']:,.0f}", f"{r['img_per_s_min']:,.0f}-{r['img_per_s_max']:,.0f}",
             f"{r['step_ms']:.1f}", _fmt(r["scaling_efficiency"], ".0%"),
@@ -274,7 +282,8 @@ def plot(report: dict, path: Path) -> Path:
 
 def _finish_plot(fig, plt, report: dict, path: Path) -> Path:
     settings = report["settings"]
-    compiled = ", multigpu methods compiled" if settings.get("compile") else ""
+    mode = settings.get("compile")
+    compiled = f", multigpu methods compiled ({'default' if mode is True else mode})" if mode else ""
     fig.suptitle(f"multigpu bench, {report['date']}: {', '.join(settings['models'])}, "
                  f"batch {','.join(map(str, settings['batch_sizes']))} per GPU, "
                  f"{' and '.join(data_kinds(report))} data{compiled}", fontsize=10)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field, replace
 
+from multigpu import compiling
 from multigpu.errors import UsageError
 
 METHODS = ("multigpu-single", "multigpu-dp", "multigpu-ddp", "ddp", "accelerate", "fabric")
@@ -89,7 +90,8 @@ class BenchSettings:
     gpus: tuple[int, ...] | None = None  # GPU counts to measure; None = 1, 2, 4, ... up to all
     methods: tuple[str, ...] = METHODS
     data: tuple[str, ...] = ("synthetic",)  # in the order of DATA_KINDS
-    compile: bool = False  # torch.compile the multigpu methods' model, as `multigpu train --compile`
+    compile: str | None = None  # torch.compile mode for the multigpu methods' model, as
+    # `multigpu train --compile MODE` (None: not compiled)
     steps: int = 30
     warmup: int = 10
     trials: int = 3
@@ -116,7 +118,7 @@ class Task:
     warmup: int
     steps: int
     trials: int
-    compile: bool = False  # torch.compile the prepared model (multigpu methods only)
+    compile: str | None = None  # torch.compile mode of the prepared model (multigpu methods only)
 
     @property
     def data_kind(self) -> str:
@@ -230,6 +232,11 @@ def validate(s: BenchSettings) -> None:
                          "(or both: --data synthetic,real)")
     if s.compile and s.warmup < 1:
         raise UsageError("--compile compiles the model in the warm-up steps; use --warmup 1 or more")
+    if s.compile in compiling.CUDA_GRAPH_MODES and "multigpu-dp" in s.methods:
+        raise UsageError(f"--compile {s.compile} records CUDA graphs, which DataParallel cannot "
+                         "replay (one process drives every GPU): leave multigpu-dp out of --methods")
+    # GPUs unless asked for CPU processes; bench's workers check again on the devices they got
+    compiling.check(s.compile, "cpu" if s.devices.startswith("cpu") else "cuda", "ddp")
 
 
 def gpu_counts(requested: tuple[int, ...] | None, available: int, unit: str,
@@ -329,7 +336,7 @@ class _TaskMaker:
         s = self.s
         return Task(method, self.model, self.batch, n, self.size, s.precision, self.data,
                     self.num_outputs, s.warmup if warmup is None else warmup,
-                    steps or s.steps, s.trials, compile=s.compile and base_method(method) in OURS)
+                    steps or s.steps, s.trials, compile=s.compile if base_method(method) in OURS else None)
 
 
 def _default_image_size(model: str) -> int:

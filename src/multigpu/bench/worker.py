@@ -15,8 +15,8 @@ The multigpu methods go through exactly the code `multigpu train` runs: `multigp
 `rt.prepare()`, `training.make_optimizer()` and `engine.train_step()`; with --data real also
 `training.build_job()` (datasets.load_data + make_loader + loader_workers + rt.prepare), and
 the DDP settings of `training.ddp_options()`.
-With --compile the prepared model goes through torch.compile as in `multigpu train --compile`;
-it compiles in its first step, which is a warm-up step. A variant `multigpu-ddp:<name>` is the
+With --compile MODE the prepared model goes through torch.compile as in `multigpu train --compile
+MODE`; it compiles (and records its CUDA graphs) in the warm-up steps. A variant `multigpu-ddp:<name>` is the
 multigpu-ddp step with its spec.DDP_VARIANTS entry's changes to those DDPOptions (passed to
 `multigpu.setup(ddp=)`) or communication hook.
 """
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from multigpu import console
+from multigpu import compiling, console
 from multigpu.bench import measure, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
 from multigpu.bench.spec import Task, base_method, variant_of
@@ -78,8 +78,9 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
         if settings.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model = rt.prepare(model)
-        if cfg.compile:  # as training.build_job does; unwrap() below also peels torch.compile off
-            model = torch.compile(model)
+        # as training.build_job does; unwrap() below also peels torch.compile off
+        compiling.check(cfg.compile, rt.device.type, rt.strategy.name)
+        model = compiling.compile_model(model, cfg.compile)
         optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
         per_process = task.batch_size * rt.strategy.devices_per_process  # dp: split over GPUs
         batch = synthetic_batch(per_process, task, rt.device, settings.channels_last, seed=1 + rt.rank)
@@ -166,6 +167,8 @@ def run_set(tasks: list[Task], accelerator: str, begin, build_fn=build) -> list[
     """Build and warm up each task in turn, time their trials round robin, then close them all;
     one record per task. `begin(record)` writes the begin records (see the module docstring)."""
     runs: list[measure.Run] = []
+    if any(t.compile for t in tasks):  # compile afresh: no guards or dynamic shapes carried over
+        torch._dynamo.reset()          # from another set's batch size
     try:
         for task in tasks:
             begin({"kind": "begin", "phase": "build", "key": task.key})

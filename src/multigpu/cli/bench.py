@@ -12,6 +12,7 @@ import signal
 import sys
 
 from multigpu.bench.spec import DDP_VARIANTS, METHODS
+from multigpu.compiling import MODES as COMPILE_MODES
 from multigpu.models import MODEL_NAMES
 
 EXAMPLES = """\
@@ -19,7 +20,7 @@ examples:
   multigpu bench --model resnet50 --batch-size 128 --precision bf16 --gpus 1,2,4
   multigpu bench --batch-size 32,64,256 --gpus 4 --methods multigpu-single,multigpu-ddp,ddp
   multigpu bench --model resnet50 --data synthetic,real --methods multigpu-single,multigpu-ddp --gpus 1,4
-  multigpu bench --model resnet50 --compile --methods multigpu-single,multigpu-ddp --gpus 1,4
+  multigpu bench --model resnet50 --compile reduce-overhead --methods multigpu-single,multigpu-ddp --gpus 1,4
   multigpu bench --model swin_t,vgg16 --methods multigpu-single,multigpu-ddp --gpus 1,4
   multigpu bench --gpus 4 --methods multigpu-single,multigpu-ddp,multigpu-ddp:static,multigpu-ddp:bf16hook,ddp
   multigpu bench --model mlp --devices cpu:2 --gpus 1,2 --steps 3 --warmup 1 --image-size 8
@@ -58,9 +59,10 @@ def register(subparsers) -> argparse.ArgumentParser:
            "generated JPEG folder through multigpu's whole input pipeline; synthetic,real: both, "
            "in the same launches, to show real as a share of synthetic (default synthetic; "
            "peers run on synthetic data only)")
-    a("--compile", action="store_true",
-      help="torch.compile the model of the multigpu methods, as `multigpu train --compile` does; "
-           "it compiles during the warm-up (peers are not compiled)")
+    a("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
+      help="torch.compile the model of the multigpu methods in MODE, as `multigpu train --compile "
+           "MODE` does: default (--compile alone) or reduce-overhead (CUDA graphs), max-autotune, "
+           "max-autotune-no-cudagraphs; it compiles during the warm-up (peers are not compiled)")
     a("--steps", type=int, default=30, help="timed steps per trial (default 30)")
     a("--warmup", type=int, default=10, help="untimed steps before the trials (default 10)")
     a("--trials", type=int, default=3, help="timed trials; the table shows their median (default 3)")

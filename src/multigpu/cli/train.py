@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from multigpu import console
+from multigpu import compiling, console
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.errors import UsageError
 
@@ -50,6 +50,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.image_size is not None and cfg.image_size < 1:
         raise UsageError(f"--image-size {cfg.image_size} must be positive")
     model_input_kind(cfg.model)  # raises on an unknown model
+    # GPUs unless asked for CPU processes; the worker checks again once the devices are known
+    compiling.check(cfg.compile, "cpu" if cfg.devices.startswith("cpu") else "cuda", cfg.strategy)
 
 
 def main(args: argparse.Namespace) -> int:

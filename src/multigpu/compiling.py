@@ -1,0 +1,54 @@
+"""torch.compile for `multigpu train --compile [MODE]`, bench and the library's users.
+
+Modes are torch.compile's. "reduce-overhead" (and "max-autotune") also capture the compiled
+graphs as CUDA graphs: a step's hundreds of kernels are then launched by one call, which removes
+the host's launch time that limits small batches (ResNet-50 bf16 at batch 32 on an H200: ~21 ms
+a step eager, ~7 ms with CUDA graphs; benchmarks/NOTES.md, runs 13-15). Two rules come with them:
+- every step must start with `begin_step(model)`: a graph's outputs live in memory that its next
+  replay overwrites, and this tells torch that the previous step's outputs are no longer used
+  (engine.train_step and engine.evaluate call it);
+- CUDA graphs need one process per GPU (they are per device and per thread): not on CPU and not
+  under DataParallel, which drives every GPU from its own thread.
+Every new input shape (the last, partial batch of an epoch; validation) is compiled and recorded
+once more, at the cost of time and memory, then replayed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from multigpu.errors import UsageError
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check(mode: str | None, device_type: str, strategy: str) -> None:
+    """Refuse a mode the devices cannot run, with the fix, before anything is compiled."""
+    if mode is None:
+        return
+    if mode not in MODES:
+        raise UsageError(f"--compile {mode}: choose from {', '.join(MODES)}")
+    if mode in CUDA_GRAPH_MODES and device_type != "cuda":
+        raise UsageError(f"--compile {mode} records CUDA graphs, which need GPUs; on "
+                         f"{device_type} use --compile default")
+    if mode in CUDA_GRAPH_MODES and strategy == "dp":
+        raise UsageError(f"--compile {mode} records CUDA graphs, which need one process per GPU; "
+                         "DataParallel drives all GPUs from one process: use --strategy ddp")
+
+
+def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
+    """`model` compiled in `mode` (None: returned as it is). Compiling happens at the first call."""
+    if mode is None:
+        return model
+    return torch.compile(model, mode=None if mode == "default" else mode)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return hasattr(model, "_orig_mod")  # torch.compile's OptimizedModule
+
+
+def begin_step(model: nn.Module) -> None:
+    """Mark a new step for CUDA graphs (see the module's docstring); free for other models."""
+    if is_compiled(model):
+        torch.compiler.cudagraph_mark_step_begin()
