@@ -8,7 +8,9 @@ a step eager, ~7 ms with CUDA graphs; benchmarks/NOTES.md, runs 13-15). Two rule
   replay overwrites, and this tells torch that the previous step's outputs are no longer used
   (engine.train_step and engine.evaluate call it);
 - CUDA graphs need one process per GPU (they are per device and per thread): not on CPU and not
-  under DataParallel, which drives every GPU from its own thread.
+  under DataParallel, which drives every GPU from its own thread;
+- no gradient accumulation: the first micro-step's gradients would be graph memory that the next
+  replay overwrites.
 Every new input shape (the last, partial batch of an epoch; validation) is compiled and recorded
 once more, at the cost of time and memory, then replayed.
 """
@@ -23,29 +25,44 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-def check(mode: str | None, device_type: str, strategy: str) -> None:
-    """Refuse a mode the devices cannot run, with the fix, before anything is compiled."""
+def check(mode: str | None, device_type: str, strategy: str, accumulate: int = 1) -> None:
+    """Refuse a mode the run cannot use, with the fix, before anything is compiled."""
     if mode is None:
         return
     if mode not in MODES:
         raise UsageError(f"--compile {mode}: choose from {', '.join(MODES)}")
-    if mode in CUDA_GRAPH_MODES and device_type != "cuda":
-        raise UsageError(f"--compile {mode} records CUDA graphs, which need GPUs; on "
-                         f"{device_type} use --compile default")
-    if mode in CUDA_GRAPH_MODES and strategy == "dp":
+    if mode not in CUDA_GRAPH_MODES:
+        return
+    fix = "--compile default" if mode == "reduce-overhead" else "--compile max-autotune-no-cudagraphs"
+    if accumulate > 1:  # the first micro-step's .grad would be graph memory the next replay reuses
+        raise UsageError(f"--compile {mode} records CUDA graphs, whose next replay overwrites the "
+                         f"gradients that --accumulate {accumulate} adds up; use --accumulate 1 "
+                         f"with a larger --batch-size, or {fix}")
+    if strategy == "dp":
         raise UsageError(f"--compile {mode} records CUDA graphs, which need one process per GPU; "
                          "DataParallel drives all GPUs from one process: use --strategy ddp")
+    if device_type != "cuda":
+        raise UsageError(f"--compile {mode} records CUDA graphs, which need GPUs; on "
+                         f"{device_type} use {fix}")
 
 
 def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
     """`model` compiled in `mode` (None: returned as it is). Compiling happens at the first call."""
     if mode is None:
         return model
+    if isinstance(model, nn.DataParallel):
+        check(mode, "cuda", "dp")
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
 def is_compiled(model: nn.Module) -> bool:
-    return hasattr(model, "_orig_mod")  # torch.compile's OptimizedModule
+    """Whether `model`, or the module a DDP/DataParallel wrapper holds, went through torch.compile
+    (torch.compile(m) or m.compile())."""
+    while isinstance(model, nn.Module):
+        if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def begin_step(model: nn.Module) -> None:

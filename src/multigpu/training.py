@@ -146,7 +146,7 @@ def build_job(cfg: TrainConfig, rt: Runtime):
     train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
     val_loader = make_loader(data.val, cfg.batch_size, False, workers)
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
-    compiling.check(cfg.compile, rt.device.type, rt.strategy.name)
+    compiling.check(cfg.compile, rt.device.type, rt.strategy.name, cfg.accumulate)
     model = compiling.compile_model(model, cfg.compile)
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
     scheduler = make_scheduler(cfg, optimizer)

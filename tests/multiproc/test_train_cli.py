@@ -82,6 +82,8 @@ def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
      "--compile reduce-overhead records CUDA graphs, which need GPUs; on cpu use --compile default"),
     (["--model", "cnn", "--compile", "reduce-overhead", "--strategy", "dp"],
      "DataParallel drives all GPUs from one process: use --strategy ddp"),
+    (["--model", "cnn", "--compile", "reduce-overhead", "--accumulate", "2", "--devices", "cpu:2"],
+     "--accumulate 2 adds up; use --accumulate 1 with a larger --batch-size, or --compile default"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(tmp_path, args, message):
     proc = multigpu("train", *args, "--out", tmp_path / "x")
@@ -89,6 +91,7 @@ def test_bad_arguments_give_one_line_and_exit_2(tmp_path, args, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert not (tmp_path / "x").exists(), "refused before the run folder is made"
 
 
 def test_existing_run_folder_is_never_overwritten(tmp_path):

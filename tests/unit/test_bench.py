@@ -243,9 +243,8 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     class Compiled(torch.nn.Module):  # stands in for torch.compile's OptimizedModule
         def __init__(self, model, mode=None):
             super().__init__()
-            self.mode = mode
-            self._orig_mod = model
-            compiled.append(model)
+            self._orig_mod, self.mode = model, mode
+            compiled.append(self)
 
         def forward(self, *args, **kwargs):
             return self._orig_mod(*args, **kwargs)
@@ -256,7 +255,11 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     assert worker._config(task, "single").compile  # the real-data path: training.build_job compiles
     prep = worker.build_multigpu(task, "cpu", "single")
     assert prep.step() == 4 and len(compiled) == 1
-    assert prep.info["wrapper"] == type(compiled[0]).__name__ != "Compiled"
+    assert compiled[0].mode is None  # "default" is torch.compile's default mode
+    graphs = dataclasses.replace(task, compile="reduce-overhead")
+    with pytest.raises(UsageError, match="need GPUs; on cpu use --compile default"):
+        worker.build_multigpu(graphs, "cpu", "single")
+    assert prep.info["wrapper"] == type(compiled[0]._orig_mod).__name__ != "Compiled"
     plain = dataclasses.replace(task, compile=None)
     assert not worker._config(plain, "single").compile
     worker.build_multigpu(plain, "cpu", "single").step()

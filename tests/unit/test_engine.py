@@ -36,32 +36,47 @@ def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
     assert "--precision bf16" in message and "\n" not in message
 
 
-class FakeCompiled(torch.nn.Module):
-    """Stands in for torch.compile's OptimizedModule (a `_orig_mod` attribute), on CPU."""
+class Logged(torch.nn.Module):
+    """A linear layer that logs its forwards; with `compiled`, it looks like torch.compile's
+    OptimizedModule (an `_orig_mod` attribute), on CPU."""
 
-    def __init__(self, model):
+    def __init__(self, log: list, compiled: bool):
         super().__init__()
-        self._orig_mod = model
+        self.fc, self.log = torch.nn.Linear(3, 2), log
+        if compiled:
+            self._orig_mod = self.fc
 
     def forward(self, x):
-        return self._orig_mod(x)
+        self.log.append("forward")
+        return self.fc(x)
 
 
-def test_every_step_of_a_compiled_model_marks_a_new_cuda_graph_step(monkeypatch):
+class Wrapper(torch.nn.Module):  # holds its model as `.module`, as DDP and DataParallel do
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def test_every_step_of_a_compiled_model_marks_a_new_cuda_graph_step_before_its_forward(monkeypatch):
     import multigpu
     from multigpu.engine import evaluate, train_step
 
-    marks = []
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    log = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: log.append("mark"))
     rt = multigpu.setup("single", accelerator="cpu")
     batch = (torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
-    for model, expected in ((torch.nn.Linear(3, 2), 0), (FakeCompiled(torch.nn.Linear(3, 2)), 3)):
-        marks.clear()
+    for model, compiled in ((Logged(log, False), False), (Logged(log, True), True),
+                            (Wrapper(Logged(log, True)), True)):
+        log.clear()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(2):
             train_step(rt, model, opt, torch.nn.functional.cross_entropy, batch, StepSettings())
         evaluate(rt, model, torch.nn.functional.cross_entropy, [batch], True, StepSettings())
-        assert len(marks) == expected, "two steps and one eval batch, on compiled models only"
+        step = ["mark", "forward"] if compiled else ["forward"]
+        assert log == step * 3, "two steps and one eval batch, marked before each forward"
 
 
 def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run():
@@ -79,5 +94,15 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run
         compiling.check("max-autotune", "cuda", "dp")
     with pytest.raises(UsageError, match="--compile fast: choose from default, reduce-overhead"):
         compiling.check("fast", "cuda", "ddp")
+    with pytest.raises(UsageError, match="overwrites the gradients that --accumulate 4 adds up; "
+                                         "use --accumulate 1 with a larger --batch-size, or "
+                                         "--compile default"):
+        compiling.check("reduce-overhead", "cuda", "ddp", accumulate=4)
+    with pytest.raises(UsageError, match="on cpu use --compile max-autotune-no-cudagraphs"):
+        compiling.check("max-autotune", "cpu", "single")
+    with pytest.raises(UsageError, match="use --strategy ddp"):  # the library's own call
+        compiling.compile_model(torch.nn.DataParallel(torch.nn.Linear(2, 2)), "reduce-overhead")
     model = torch.nn.Linear(2, 2)
     assert compiling.compile_model(model, None) is model and not compiling.is_compiled(model)
+    model.compile()  # nn.Module.compile(): compiled in place, at its first call
+    assert compiling.is_compiled(model) and compiling.is_compiled(Wrapper(model))

@@ -13,7 +13,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from multigpu import console
+from multigpu import compiling, console
 from multigpu.bench import realdata, report, stats, telemetry
 from multigpu.bench.spec import (NUM_CLASSES, BenchSettings, Group, Task, gpu_counts,
                                  plan_groups)
@@ -229,6 +229,7 @@ def finish(rep: dict, groups: list[Group], got: Collected, flops: dict, path: Pa
 
 def run(s: BenchSettings) -> dict:
     plan = resolve_devices(s.devices, one_process=False, min_free_memory_gb=s.min_free_memory)
+    compiling.check(s.compile, plan.accelerator, "ddp")  # e.g. reduce-overhead where "auto" found no GPU
     if plan.accelerator == "cuda":
         counts = gpu_counts(s.gpus, len(plan.gpu_ids), "GPUs", f"--devices {s.devices}")
     else:

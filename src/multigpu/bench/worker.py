@@ -167,8 +167,9 @@ def run_set(tasks: list[Task], accelerator: str, begin, build_fn=build) -> list[
     """Build and warm up each task in turn, time their trials round robin, then close them all;
     one record per task. `begin(record)` writes the begin records (see the module docstring)."""
     runs: list[measure.Run] = []
-    if any(t.compile for t in tasks):  # compile afresh: no guards or dynamic shapes carried over
-        torch._dynamo.reset()          # from another set's batch size
+    compiled = any(t.compile for t in tasks)
+    if compiled:  # compile afresh: no guards or dynamic shapes carried over from another set
+        torch._dynamo.reset()
     try:
         for task in tasks:
             begin({"kind": "begin", "phase": "build", "key": task.key})
@@ -182,7 +183,11 @@ def run_set(tasks: list[Task], accelerator: str, begin, build_fn=build) -> list[
         for run in runs:
             if run.prep.close:
                 run.prep.close()
-    return [result(run, len(tasks)) for run in runs]
+    records = [result(run, len(tasks)) for run in runs]
+    if compiled:  # free the CUDA graphs' memory pool before the next set measures its memory
+        runs.clear()
+        torch._dynamo.reset()
+    return records
 
 
 def result(run: measure.Run, interleaved: int) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from multigpu import compiling, console
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
@@ -50,8 +51,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.image_size is not None and cfg.image_size < 1:
         raise UsageError(f"--image-size {cfg.image_size} must be positive")
     model_input_kind(cfg.model)  # raises on an unknown model
-    # GPUs unless asked for CPU processes; the worker checks again once the devices are known
-    compiling.check(cfg.compile, "cpu" if cfg.devices.startswith("cpu") else "cuda", cfg.strategy)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -66,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
     validate(cfg)
     plan = _plan_devices(cfg)
     opts = options_from_args(args)
+    made = not (Path(cfg.out).exists() if cfg.out else False)  # a folder we make, we may remove
     out = reserve_out(cfg)
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
@@ -74,7 +74,12 @@ def main(args: argparse.Namespace) -> int:
         opts.log_dir = opts.log_dir or str(out / "logs")
         argv = ["-m", "multigpu"] + (["--debug"] if args.debug else []) + ["train", *config_to_argv(cfg)]
         return launch(argv, plan, opts)
-    run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator)
+    try:
+        run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator)
+    except UsageError:
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # refused before writing anything: leave no empty run folder behind
+        raise
     return 0
 
 
@@ -91,6 +96,7 @@ def _plan_devices(cfg: TrainConfig):
     if cfg.strategy == "single" and plan.accelerator == "cpu" and plan.nproc > 1:
         raise UsageError(f"--strategy single runs one process, but --devices {cfg.devices} asks "
                          "for several; use --devices cpu:1 or --strategy ddp")
+    compiling.check(cfg.compile, plan.accelerator, cfg.strategy, cfg.accumulate)
     if cfg.strategy == "dp" and plan.accelerator != "cuda":
         raise UsageError("--strategy dp (nn.DataParallel) needs GPUs; on CPU use --strategy ddp "
                          "with --devices cpu:N")
