@@ -3,7 +3,8 @@
 Modes are torch.compile's. "reduce-overhead" (and "max-autotune") also capture the compiled
 graphs as CUDA graphs: a step's hundreds of kernels are then launched by one call, which removes
 the host's launch time that limits small batches (ResNet-50 bf16 at batch 32 on an H200: ~21 ms
-a step eager, ~7 ms with CUDA graphs; benchmarks/NOTES.md, runs 13-15). Two rules come with them:
+a step eager, ~7 ms with CUDA graphs; benchmarks/NOTES.md, runs 13-15). Three rules come with
+them:
 - every step must start with `begin_step(model)`: a graph's outputs live in memory that its next
   replay overwrites, and this tells torch that the previous step's outputs are no longer used
   (engine.train_step and engine.evaluate call it);

@@ -337,7 +337,8 @@ class _TaskMaker:
         s = self.s
         return Task(method, self.model, self.batch, n, self.size, s.precision, self.data,
                     self.num_outputs, s.warmup if warmup is None else warmup,
-                    steps or s.steps, s.trials, compile=s.compile if base_method(method) in OURS else None)
+                    steps or s.steps, s.trials,
+                    compile=s.compile if base_method(method) in OURS else None)
 
 
 def _default_image_size(model: str) -> int:

@@ -16,9 +16,9 @@ The multigpu methods go through exactly the code `multigpu train` runs: `multigp
 `training.build_job()` (datasets.load_data + make_loader + loader_workers + rt.prepare), and
 the DDP settings of `training.ddp_options()`.
 With --compile MODE the prepared model goes through torch.compile as in `multigpu train --compile
-MODE`; it compiles (and records its CUDA graphs) in the warm-up steps. A variant `multigpu-ddp:<name>` is the
-multigpu-ddp step with its spec.DDP_VARIANTS entry's changes to those DDPOptions (passed to
-`multigpu.setup(ddp=)`) or communication hook.
+MODE`; it compiles (and records its CUDA graphs) in the warm-up steps. A variant
+`multigpu-ddp:<name>` is the multigpu-ddp step with its spec.DDP_VARIANTS entry's changes to those
+DDPOptions (passed to `multigpu.setup(ddp=)`) or communication hook.
 """
 from __future__ import annotations
 
