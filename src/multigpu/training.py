@@ -96,6 +96,13 @@ def ddp_options(cfg: TrainConfig) -> DDPOptions:
     return DDPOptions(find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
 
 
+def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module) -> nn.Module:
+    """The prepared model, compiled in --compile's mode (unchanged without it), once the run's
+    devices, strategy and accumulation are known to allow that mode."""
+    compiling.check(cfg.compile, rt.device.type, rt.strategy.name, cfg.accumulate)
+    return compiling.compile_model(model, cfg.compile)
+
+
 def make_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     lr = cfg.lr if cfg.lr is not None else (0.05 if cfg.optimizer == "sgd" else 1e-3)
     # Fused kernels on GPUs: one launch for all parameters instead of several per tensor.
@@ -146,8 +153,7 @@ def build_job(cfg: TrainConfig, rt: Runtime):
     train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
     val_loader = make_loader(data.val, cfg.batch_size, False, workers)
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
-    compiling.check(cfg.compile, rt.device.type, rt.strategy.name, cfg.accumulate)
-    model = compiling.compile_model(model, cfg.compile)
+    model = compile_prepared(cfg, rt, model)
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
     scheduler = make_scheduler(cfg, optimizer)
     return data, model, optimizer, scheduler, train_loader, val_loader, settings

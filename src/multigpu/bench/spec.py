@@ -232,9 +232,8 @@ def validate(s: BenchSettings) -> None:
                          "(or both: --data synthetic,real)")
     if s.compile and s.warmup < 1:
         raise UsageError("--compile compiles the model in the warm-up steps; use --warmup 1 or more")
-    if s.devices.startswith("cpu"):  # runner.run checks again once "auto" is resolved
-        compiling.check(s.compile, "cpu", "ddp")
-    compiling.check(s.compile, "cuda", "ddp")  # the mode's name
+    # GPUs unless CPU processes are asked for; runner.run checks again once "auto" is resolved
+    compiling.check(s.compile, "cpu" if s.devices.startswith("cpu") else "cuda", "ddp")
     if s.compile in compiling.CUDA_GRAPH_MODES and "multigpu-dp" in s.methods:
         raise UsageError(f"--compile {s.compile} records CUDA graphs, which DataParallel cannot "
                          "replay (one process drives every GPU): leave multigpu-dp out of --methods")

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from multigpu import compiling, console
+from multigpu import console
 from multigpu.bench import measure, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
 from multigpu.bench.spec import Task, base_method, variant_of
@@ -58,7 +58,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     from multigpu.engine import StepSettings, train_step
     from multigpu.models import build_model, is_convnet
     from multigpu.runtime import setup
-    from multigpu.training import build_job, make_optimizer
+    from multigpu.training import build_job, compile_prepared, make_optimizer
 
     cfg = _config(task, strategy)
     rt = setup(strategy, task.precision, devices=list(range(task.gpus)) if strategy == "dp" else None,
@@ -77,10 +77,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
         settings = StepSettings(channels_last=rt.device.type == "cuda" and is_convnet(task.model))
         if settings.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        model = rt.prepare(model)
-        # as training.build_job does; unwrap() below also peels torch.compile off
-        compiling.check(cfg.compile, rt.device.type, rt.strategy.name)
-        model = compiling.compile_model(model, cfg.compile)
+        model = compile_prepared(cfg, rt, rt.prepare(model))  # unwrap() peels compile off
         optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
         per_process = task.batch_size * rt.strategy.devices_per_process  # dp: split over GPUs
         batch = synthetic_batch(per_process, task, rt.device, settings.channels_last, seed=1 + rt.rank)

@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
     validate(cfg)
     plan = _plan_devices(cfg)
     opts = options_from_args(args)
-    made = not (Path(cfg.out).exists() if cfg.out else False)  # a folder we make, we may remove
+    made = not (cfg.out and Path(cfg.out).exists())  # a folder we make, we may remove
     out = reserve_out(cfg)
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
