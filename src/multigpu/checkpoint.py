@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from multigpu import fileio
 from multigpu.data import map_tensors
 from multigpu.errors import UsageError
 
@@ -61,20 +61,8 @@ def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], strict
 
 
 def atomic_save(obj, path: str | os.PathLike) -> Path:
-    """torch.save to a temp file beside `path`, fsync, then rename over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """torch.save `obj` to `path`; the file appears whole or not at all (fileio.atomic_write)."""
+    return fileio.atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def check_loadable(extra: dict) -> None:
@@ -91,9 +79,17 @@ def check_loadable(extra: dict) -> None:
                          "or a tensor") from None
 
 
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be read: missing, truncated, corrupt, or refused as unsafe."""
+
+
 def load(path: str | os.PathLike) -> dict:
     """Read a checkpoint safely (no pickled code is executed) onto the CPU."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # every way a file can fail to be a checkpoint: one line, no traceback
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"{path} cannot be loaded as a checkpoint ({first})") from None
 
 
 # --- RNG state: plain tensors and ints only, so weights_only loading accepts it -------------------

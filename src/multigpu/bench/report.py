@@ -10,9 +10,9 @@ JSON layout (SCHEMA below), one file per invocation:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from multigpu import fileio
 from multigpu.bench import stats, telemetry
 from multigpu.bench.spec import Task, base_method
 
@@ -104,10 +104,7 @@ def add_of_synthetic(rows: list[dict]) -> None:
 
 def write_json(report: dict, path: Path) -> None:
     """Atomically: a reader (or a time limit) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
+    fileio.atomic_write_text(path, json.dumps(report, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- console table

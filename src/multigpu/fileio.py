@@ -1,0 +1,145 @@
+"""Files that appear whole or not at all: the one way multigpu writes a file a crash must not break.
+
+`atomic_write(path, write)`:
+- writes to a temporary file with a unique name beside `path` (two writers never share one, and a
+  crashed writer's leftover is recognisable: `.NAME.<random>.tmp`);
+- flushes and fsyncs it, gives it the mode the user's umask gives any new file (mkstemp alone
+  leaves 0600, so a checkpoint would be unreadable to the user's group), renames it over `path`,
+  then fsyncs the folder, so that the rename itself survives a power cut;
+- on any error removes the temporary file and leaves `path` as it was.
+
+`atomic_link(src, dst)` makes `dst` a second name of `src` (a hard link, so no bytes are copied;
+a copy where the filesystem has no hard links), replacing `dst` atomically.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+TEMP_SUFFIX = ".tmp"
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask would set it,
+    briefly, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # read once, on the importing (main) thread
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename or unlink in `folder` durable. Filesystems that cannot fsync a folder are
+    skipped silently (nothing more can be done there)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Call `write(f)` on a temporary file, then put it in place of `path` (see module docstring)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    f = _Writes(os.fdopen(fd, "wb"))
+    try:
+        with f.raw:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            os.fchmod(f.fileno(), FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if f.error is not None and exc is not f.error:
+            raise f.error from None  # the disk's error, not what a serialiser made of it
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+class _Writes:
+    """A file that remembers the first OSError of a write: torch.save turns a failed write into
+    "RuntimeError: [enforce fail at inline_container.cc] unexpected pos", hiding "No space left
+    on device"."""
+
+    def __init__(self, raw):
+        self.raw, self.error = raw, None
+
+    def write(self, data) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def atomic_link(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Make `dst` name the same bytes as `src`, atomically replacing what `dst` was."""
+    src, dst = Path(src), Path(dst)
+    while True:
+        tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        try:
+            os.link(src, tmp)
+            break
+        except FileExistsError:  # that random name is taken: draw another
+            continue
+        except OSError:  # no hard links on this filesystem: copy, with the same guarantees
+            return atomic_write(dst, lambda f: _copy_into(src, f))
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dst.parent)
+    return dst
+
+
+def _copy_into(src: Path, f: BinaryIO) -> None:
+    with open(src, "rb") as s:
+        shutil.copyfileobj(s, f, 16 << 20)
+
+
+def sha256_bytes(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_temp_name(name: str) -> bool:
+    """A leftover of an interrupted atomic write (see the module docstring)."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
