@@ -60,9 +60,17 @@ class TrainConfig:
                                    "once; much faster small batches, GPUs only), max-autotune, "
                                    "max-autotune-no-cudagraphs",
                              choices=COMPILE_MODES, metavar="MODE", const="default")
-    resume: str | None = _f(None, "continue from a checkpoint file or a run folder (its "
-                                  "checkpoints/last.pt), from any strategy or device count; the run "
-                                  "goes on in that folder unless --out is given")
+    resume: str | None = _f(None, "continue from a checkpoint file or a run folder (its newest "
+                                  "readable checkpoint), from any strategy or device count, inside "
+                                  "an epoch too; the run goes on in that folder unless --out is "
+                                  "given (running the same command again continues in --out)")
+    checkpoint_every: str = _f("10m", "also checkpoint inside epochs: every N steps (500), or "
+                                      "every so long (30s, 10m, 2h); 0: at the end of each epoch "
+                                      "only", metavar="N|TIME")
+    keep: int = _f(3, "checkpoints kept: the N newest, plus best.pt")
+    deterministic: bool = _f(False, "deterministic kernels (cuDNN, torch.use_deterministic_"
+                                    "algorithms): an interrupted and resumed run ends with the "
+                                    "same weights as an uninterrupted one, bit for bit")
 
 
 # argparse type for each annotation

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
-from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler,
-                              Sampler, SequentialSampler, Subset, SubsetRandomSampler)
+from torch.utils.data import Sampler
 
 from multigpu.errors import UsageError
 
@@ -98,14 +97,41 @@ class ShardedBatchSampler(Sampler[list[int]]):
         devices = devices_per_rank * num_ranks
         # At least 2 samples per device in the last step where the data allows: BatchNorm cannot
         # train on a single sample whose feature map is 1x1 (ResNets on small images).
-        min_step = devices * min(2, batch_size) if n >= 2 * devices else devices
-        self.steps = plan_global_steps(n, self.global_batch, min_step, drop_last)
-        if devices_per_rank > 1:
-            self.steps = _fit_dataparallel_chunks(self.steps, num_ranks, devices_per_rank,
-                                                  min(2, batch_size))
+        self.min_step = devices * min(2, batch_size) if n >= 2 * devices else devices
+        self.full_plan = self._plan(0)
+        self.steps = self.full_plan  # the plan of the epoch being iterated
+        self.start = 0
+        self.tag_epoch = False  # yield (epoch, index) pairs, for PerSampleSeed
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def _plan(self, start: int, min_step: int | None = None) -> list[tuple[int, int]]:
+        steps = [(start + lo, start + hi) for lo, hi in
+                 plan_global_steps(self.n - start, self.global_batch, min_step or self.min_step,
+                                   self.drop_last)]
+        if self.devices_per_rank > 1:
+            steps = _fit_dataparallel_chunks(steps, self.num_ranks, self.devices_per_rank,
+                                             min(2, self.batch_size))
+        return steps
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Iterate epoch `epoch` from position `start` of its order (0: the whole epoch).
+
+        Resuming inside an epoch: the samples at positions >= start are planned into steps of this
+        run's global batch, whatever the world size that trained positions < start, so no sample
+        of the epoch is repeated or skipped. With the same global batch the steps are those of an
+        uninterrupted epoch (checkpoints are taken between steps)."""
+        self.epoch, self.start = epoch, start
+        self.steps = self.full_plan if start == 0 else self._resume_plan(start)
+
+    def _resume_plan(self, start: int) -> list[tuple[int, int]]:
+        left, devices = self.n - start, self.num_ranks * self.devices_per_rank
+        if left <= 0 or (self.drop_last and left < self.global_batch):
+            return []
+        if left < devices:  # only after a resume onto more devices than samples remain
+            warnings.warn(f"{left} sample(s) of epoch {self.epoch} remain after the resume, fewer "
+                          f"than the {devices} devices that must each get one; they are skipped",
+                          stacklevel=3)
+            return []
+        return self._plan(start, min(self.min_step, left))  # one per device if two are too many
 
     def order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -113,11 +139,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.n, generator=g)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list]:
         order = self.order().tolist()
         for start, end in self.steps:
             lo, hi = split_share(start, end, self.num_ranks, self.rank)
-            yield order[lo:hi]
+            yield [(self.epoch, i) for i in order[lo:hi]] if self.tag_epoch else order[lo:hi]
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -125,7 +151,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     @property
     def num_samples(self) -> int:
         """Distinct samples one epoch covers, over all ranks."""
-        return self.steps[-1][1]
+        return self.full_plan[-1][1]
 
     def step_infos(self, accumulate: int = 1) -> list[StepInfo]:
         infos = []
@@ -155,129 +181,3 @@ def map_tensors(fn, obj):
 def move_to_device(batch, device: torch.device, non_blocking: bool = True):
     """Tensors in nested tuples/lists/dicts to `device`; everything else unchanged."""
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
-
-
-class PreparedLoader:
-    """A DataLoader whose batches are this rank's exact share, already on the device.
-
-    Iterating it starts a new epoch: the order is reshuffled (no `set_epoch` to forget), and
-    before each batch is yielded `on_step(info)` tells the runtime how many real samples it holds.
-    """
-
-    def __init__(self, loader: DataLoader, sampler: ShardedBatchSampler, device: torch.device,
-                 on_step: Callable[[StepInfo | None], None], accumulate: int = 1):
-        self.loader, self.sampler, self.device = loader, sampler, device
-        self.on_step, self.accumulate = on_step, accumulate
-        self.epoch = 0
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
-    @property
-    def num_samples(self) -> int:
-        return self.sampler.num_samples
-
-    def set_epoch(self, epoch: int) -> None:
-        """Only needed to resume: iteration otherwise advances the epoch by itself."""
-        self.epoch = epoch
-
-    def __iter__(self):
-        self.sampler.set_epoch(self.epoch)
-        infos = self.sampler.step_infos(self.accumulate)
-        self.epoch += 1
-        batches = zip(infos, self.loader, strict=True)
-        if self.device.type == "cuda":
-            batches = _prefetch_to_gpu(batches, self.device)
-        else:
-            batches = ((info, move_to_device(b, self.device, False)) for info, b in batches)
-        for info, batch in batches:
-            self.on_step(info)
-            yield batch
-        self.on_step(None)
-
-
-def _prefetch_to_gpu(batches, device: torch.device):
-    """Copy batch k+1 to the GPU on a side stream while the model computes on batch k.
-
-    The copies come from pinned memory, so they overlap compute instead of queuing on the compute
-    stream. `record_stream` keeps the caching allocator from reusing a batch's memory while the
-    compute stream may still read it.
-    """
-    stream = torch.cuda.Stream(device)
-
-    def issue(item):
-        info, batch = item
-        with torch.cuda.stream(stream):
-            return info, move_to_device(batch, device, non_blocking=True)
-
-    pending = None
-    for item in batches:
-        # Hand batch k over before issuing k+1's copy: the compute stream then waits for k's copy
-        # only, and k+1's copy runs while the caller's step k computes.
-        if pending is not None:
-            yield _handoff(pending, stream)
-        pending = issue(item)
-    if pending is not None:
-        yield _handoff(pending, stream)
-
-
-def _handoff(item, stream):
-    current = torch.cuda.current_stream(stream.device)
-    current.wait_stream(stream)
-    map_tensors(lambda t: t.record_stream(current), item[1])
-    return item
-
-
-def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_rank: int,
-                 device: torch.device, seed: int, on_step: Callable[[StepInfo | None], None],
-                 accumulate: int = 1, drop_last: bool | None = None) -> PreparedLoader | DataLoader:
-    """Rebuild `loader` around a ShardedBatchSampler, keeping the user's loader settings."""
-    if isinstance(loader.dataset, IterableDataset):
-        warnings.warn("an IterableDataset cannot be sharded exactly by multigpu: each rank gets "
-                      "the whole stream unless the dataset splits itself by rank", stacklevel=3)
-        return loader
-    if loader.batch_size is None:
-        raise UsageError("this DataLoader was built with its own batch_sampler, which multigpu "
-                         "cannot shard; build it with batch_size=B (per device) instead")
-    dataset, shuffle = _dataset_and_order(loader)
-    sampler = ShardedBatchSampler(
-        len(dataset), loader.batch_size, num_ranks=num_ranks, rank=rank,
-        devices_per_rank=devices_per_rank, shuffle=shuffle, seed=seed,
-        drop_last=loader.drop_last if drop_last is None else drop_last)
-    workers = loader.num_workers
-    rebuilt = DataLoader(
-        dataset, batch_sampler=sampler, num_workers=workers,
-        collate_fn=loader.collate_fn, pin_memory=device.type == "cuda" or loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context if workers else None,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers if workers else False)
-    return PreparedLoader(rebuilt, sampler, device, on_step, accumulate)
-
-
-def _dataset_and_order(loader: DataLoader):
-    """The dataset to shard and whether to shuffle it, from the user's sampler.
-
-    Only samplers whose meaning survives sharding are accepted: an unknown sampler (weighted,
-    grouped by length, ...) would otherwise be dropped silently and train on the wrong samples.
-    """
-    sampler, dataset = loader.sampler, loader.dataset
-    if isinstance(sampler, SubsetRandomSampler):  # a train/val split done with a sampler
-        return Subset(dataset, [int(i) for i in sampler.indices]), True
-    if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler.num_samples != len(dataset):
-            raise UsageError("a RandomSampler with replacement or num_samples cannot be sharded "
-                             "exactly; use shuffle=True, or shard the data yourself")
-        return dataset, True
-    if isinstance(sampler, SequentialSampler):
-        return dataset, False
-    if isinstance(sampler, DistributedSampler):  # code written for hand-made DDP: replaced
-        return dataset, sampler.shuffle
-    raise UsageError(f"the DataLoader uses a {type(sampler).__name__}, which multigpu cannot shard "
-                     "exactly; use shuffle=True/False, a SubsetRandomSampler, or pass the loader "
-                     "unprepared and shard it yourself")

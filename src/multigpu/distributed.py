@@ -44,19 +44,29 @@ class DistEnv:
         return tensor
 
     def all_gather_object(self, obj):
-        """A list with every rank's `obj`, in rank order."""
+        """A list with every rank's `obj`, in rank order (through host memory, never the GPU)."""
         if not self.is_distributed:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=_CPU_GROUP)
         return out
 
     def broadcast_object(self, obj, src: int = 0):
+        """Rank `src`'s `obj` on every rank (through host memory, never the GPU)."""
         if not self.is_distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
         return box[0]
+
+    def all_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum over ranks of small integers, exchanged on the CPU: no GPU
+        work and no host-device sync, so a training loop can agree on decisions cheaply."""
+        if not self.is_distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CPU_GROUP)
+        return t.tolist()
 
     def broadcast_tensors(self, tensors, src: int = 0) -> None:
         """Overwrite each tensor, in place, with rank `src`'s: one broadcast per dtype (the
@@ -141,6 +151,10 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
         if backend == "nccl":
             kwargs["device_id"] = device  # eager NCCL init, bound to this GPU
         dist.init_process_group(**kwargs)
+        global _CPU_GROUP
+        # Objects and loop decisions go through gloo on the CPU: with NCCL they would be copied to
+        # the GPU and back, and wait behind the step's kernels.
+        _CPU_GROUP = dist.new_group(backend="gloo") if backend == "nccl" else None
         # A process that exits with its group alive can abort in the group's destructor
         # ("terminate called without an active exception", seen with gloo): tear down first.
         atexit.register(_destroy_at_exit)
@@ -168,6 +182,7 @@ def nccl_group_with_max_ctas(max_ctas: int):
 
 
 _CTA_GROUPS: dict[int, object] = {}  # max_ctas -> its group; emptied with the default group
+_CPU_GROUP = None  # a gloo group over every rank when the default group is NCCL (else the default)
 
 
 def _resolve_accelerator(accelerator: str) -> bool:
@@ -190,7 +205,9 @@ def destroy_distributed(wait_for_peers: bool = False) -> None:
         return
     if wait_for_peers and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
         _meet_before_teardown(dist.get_world_size())
+    global _CPU_GROUP
     _CTA_GROUPS.clear()
+    _CPU_GROUP = None
     dist.destroy_process_group()
 
 

@@ -58,30 +58,56 @@ def train_step(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, 
     return loss.detach()
 
 
+@dataclass
+class EpochCursor:
+    """Where an epoch in progress stands, after an optimizer step (see `train_epoch`)."""
+    position: int        # samples of the epoch's order trained so far, over all ranks
+    steps: int           # batches trained in this call
+    loss_sum: torch.Tensor  # this rank's loss summed over its samples in this call (on the device)
+    local_samples: int   # this rank's samples in this call
+    start: float         # perf_counter() when this call began
+
+    def totals(self, env) -> tuple[float, int]:
+        """(loss sum, samples) of this call over all ranks. A collective and a sync point."""
+        sums = Sums(env)
+        sums.add(loss_sum=self.loss_sum, samples=self.local_samples)
+        t = sums.reduce()
+        return t["loss_sum"], int(t["samples"])
+
+
 def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loader,
-                settings: StepSettings, description: str = "train") -> dict:
+                settings: StepSettings, description: str = "train", *, start: int = 0,
+                carried: tuple[float, int, float] = (0.0, 0, 0.0),
+                after_step: Callable[[EpochCursor], None] | None = None) -> dict:
+    """Train one epoch (or its rest, from position `start` of its order, with the loss sum,
+    samples and seconds `carried` over from before the resume). `after_step(cursor)` runs after
+    every optimizer step; it may raise to leave the epoch (the loop holds no other state)."""
     model.train()
-    sums = Sums(rt.env)
     progress = EpochProgress(len(loader), description)
-    start = time.perf_counter()
-    local_samples = 0
+    cursor = EpochCursor(start, 0, torch.zeros((), dtype=torch.float64, device=rt.device), 0,
+                         time.perf_counter())
     try:
         for batch in loader:
             loss = train_step(rt, model, optimizer, loss_fn, batch, settings)
-            n = rt.step_info.local_count
-            local_samples += n
-            sums.add(loss_sum=loss * n)
-            progress.update(rt.step_info.global_count, loss)
+            info = rt.step_info
+            n = info.local_count
+            cursor.loss_sum += loss.to(torch.float64) * n
+            cursor.local_samples += n
+            cursor.position += info.global_count
+            cursor.steps += 1
+            progress.update(info.global_count, loss)
+            if after_step is not None and info.sync:
+                after_step(cursor)
     finally:
         progress.close()
-    sums.add(samples=local_samples)
-    totals = sums.reduce()  # a sync point: the epoch's time includes all of its GPU work
-    seconds = time.perf_counter() - start
+    loss_sum, samples = cursor.totals(rt.env)  # a sync point: the time includes all GPU work
+    loss_sum, samples = loss_sum + carried[0], samples + carried[1]
+    seconds = time.perf_counter() - cursor.start + carried[2]
     return {
-        "train_loss": totals["loss_sum"] / max(totals["samples"], 1),
-        "train_samples": int(totals["samples"]),
+        "train_loss": loss_sum / max(samples, 1),
+        "train_samples": samples,
         "epoch_seconds": seconds,
-        "samples_per_second": totals["samples"] / seconds,
+        "samples_per_second": samples / max(seconds, 1e-9),
     }
 
 

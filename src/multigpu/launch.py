@@ -185,14 +185,18 @@ def _quiet_torchelastic():
     """torchrun logs its own banners and failure dumps; we print one summary instead."""
     import logging
 
-    log = logging.getLogger("torch.distributed.elastic")
-    old = log.level
+    # torch's elastic modules set a level on their own loggers, so the parent's is not enough.
+    names = ["torch.distributed.elastic"] + [n for n in logging.root.manager.loggerDict
+                                              if n.startswith("torch.distributed.elastic.")]
+    saved = {n: logging.getLogger(n).level for n in names}
     if not os.environ.get("MULTIGPU_DEBUG"):
-        log.setLevel(logging.CRITICAL)
+        for n in names:
+            logging.getLogger(n).setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(old)
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
 
 
 # --------------------------------------------------------------------------- launching

@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from multigpu import checkpoint
-from multigpu.data import StepInfo, shard_loader
+from multigpu.data import StepInfo
+from multigpu.loaders import shard_loader
 from multigpu.distributed import DistEnv, init_distributed
 from multigpu.errors import UsageError
 from multigpu.precision import Precision, resolve_precision
@@ -214,23 +215,28 @@ class Runtime:
              **extra) -> None:
         """Collective: call on every rank. Rank 0 writes `path` atomically; all ranks then wait,
         and all of them raise if the write failed."""
-        rng = self.env.all_gather_object(checkpoint.rng_state())
+        state = self.checkpoint_state(model, optimizer, scheduler, **extra)
         error = None
         if self.env.is_main:
             try:
-                self._write_checkpoint(path, model, optimizer, scheduler, rng, extra)
+                checkpoint.atomic_save(checkpoint.to_cpu(state), path)
             except Exception as exc:  # tell the other ranks instead of leaving them in a barrier
                 error = (isinstance(exc, UsageError), f"saving {path} failed on rank 0: {exc}")
         error = self.env.broadcast_object(error)
         if error:
             raise (UsageError if error[0] else RuntimeError)(error[1])
 
-    def _write_checkpoint(self, path, model, optimizer, scheduler, rng, extra) -> None:
+    def checkpoint_state(self, model: nn.Module, optimizer=None, scheduler=None, **extra) -> dict | None:
+        """Collective (every rank's RNG is gathered). On rank 0 the checkpoint as a dict, its
+        tensors where they live (copy them before training goes on); None on the other ranks."""
+        rng = self.env.all_gather_object(checkpoint.rng_state())
+        if not self.env.is_main:
+            return None
         checkpoint.check_loadable(extra)
-        state = {
+        return {
             "format": checkpoint.FORMAT_VERSION,
-            "model": checkpoint.to_cpu(self.strategy.model_state_dict(model)),
-            "optimizer": checkpoint.to_cpu(self.strategy.optimizer_state_dict(optimizer)) if optimizer else None,
+            "model": self.strategy.model_state_dict(model),
+            "optimizer": self.strategy.optimizer_state_dict(optimizer) if optimizer else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "precision": self.precision.state_dict(),
             "rng": rng,
@@ -238,12 +244,12 @@ class Runtime:
             "strategy": self.strategy.name,
             **extra,
         }
-        checkpoint.atomic_save(state, path)
 
-    def load(self, path: str | Path, *, model: nn.Module | None = None, optimizer=None,
+    def load(self, path: str | Path | dict, *, model: nn.Module | None = None, optimizer=None,
              scheduler=None) -> dict:
-        """Restore what `save` wrote (from any strategy); returns the whole checkpoint dict."""
-        state = checkpoint.load(path)
+        """Restore what `save` wrote (from any strategy), from a file or an already loaded
+        checkpoint dict; returns the whole checkpoint dict."""
+        state = path if isinstance(path, dict) else checkpoint.load(path)
         if model is not None:
             checkpoint.load_model_state(model, state["model"])
         if optimizer is not None and state.get("optimizer"):

@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from multigpu.data import ShardedBatchSampler, plan_global_steps, shard_loader
+from multigpu.data import ShardedBatchSampler, plan_global_steps
+from multigpu.loaders import shard_loader
 from multigpu.errors import UsageError
 
 
@@ -125,3 +126,85 @@ def test_samplers_that_cannot_be_sharded_exactly_are_refused():
     ds = TensorDataset(torch.arange(10))
     with pytest.raises(UsageError, match="WeightedRandomSampler, which multigpu cannot shard"):
         _prepare(DataLoader(ds, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 10)))
+
+
+# --- resuming inside an epoch ----------------------------------------------------------------------
+
+def _steps_from(n, batch, ranks, epoch, start):
+    """Each global step's indices (all ranks) of `epoch` from position `start`."""
+    samplers = [ShardedBatchSampler(n, batch, num_ranks=ranks, rank=r, shuffle=True, seed=7)
+                for r in range(ranks)]
+    for s in samplers:
+        s.set_epoch(epoch, start)
+    return [[i for part in step for i in part] for step in zip(*(list(s) for s in samplers))]
+
+
+@pytest.mark.parametrize("n,batch,before,after,steps_done", [
+    (1000, 8, 2, 1, 20), (1000, 8, 2, 3, 20), (8607, 4, 4, 3, 100), (205, 4, 2, 3, 25), (100, 8, 3, 2, 4)])
+def test_resume_on_another_world_size_neither_repeats_nor_skips_a_sample(n, batch, before, after, steps_done):
+    first = _steps_from(n, batch, before, epoch=3, start=0)[:steps_done]
+    position = sum(len(s) for s in first)
+    rest = _steps_from(n, batch, after, epoch=3, start=position)
+    seen = [i for step in first + rest for i in step]
+    assert sorted(seen) == list(range(n))
+    full_order = ShardedBatchSampler(n, batch, shuffle=True, seed=7)
+    full_order.set_epoch(3)
+    assert seen == full_order.order().tolist(), "the epoch's order, continued where it stopped"
+
+
+def test_resume_on_the_same_world_size_runs_the_uninterrupted_steps():
+    whole = _steps_from(8607, 4, 4, epoch=1, start=0)
+    position = sum(len(s) for s in whole[:300])
+    assert _steps_from(8607, 4, 4, epoch=1, start=position) == whole[300:]
+
+
+def test_resume_at_the_end_of_an_epoch_has_no_steps_left():
+    assert _steps_from(100, 8, 2, epoch=0, start=100) == []
+
+
+def test_a_prepared_loader_reports_and_restores_its_position():
+    data = TensorDataset(torch.arange(50))
+    seen = []
+
+    def loader(ranks=1):
+        return shard_loader(DataLoader(data, batch_size=4, shuffle=True), num_ranks=ranks, rank=0,
+                            devices_per_rank=1, device=torch.device("cpu"), seed=3, on_step=lambda i: None)
+
+    a = loader()
+    it = iter(a)
+    for _ in range(5):
+        seen += next(it)[0].tolist()
+    state = a.state_dict()
+    assert state == {"epoch": 0, "position": 20}
+    b = loader()
+    b.load_state_dict(state)
+    assert len(b) == 8  # 30 samples left in steps of 4 (the last one of 6)
+    rest = [i for (x,) in b for i in x.tolist()]
+    assert sorted(seen + rest) == list(range(50))
+    assert b.state_dict() == {"epoch": 1, "position": 0}
+    assert len(b) == 13  # the next epoch is whole again
+
+
+class RandomAugment(torch.utils.data.Dataset):
+    """A sample's 'augmentation' is one draw from torch's global RNG, as torchvision's are."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), torch.rand(1)
+
+
+def _augmentations(workers, start=0):
+    loader = shard_loader(DataLoader(RandomAugment(), batch_size=4, shuffle=True, num_workers=workers),
+                          num_ranks=1, rank=0, devices_per_rank=1, device=torch.device("cpu"),
+                          seed=5, on_step=lambda i: None)
+    loader.set_epoch(2, start)
+    return {int(x): float(r) for xs, rs in loader for x, r in zip(xs.flatten(), rs.flatten())}
+
+
+def test_augmentation_in_workers_depends_on_the_sample_not_on_workers_or_a_resume():
+    two = _augmentations(2)
+    assert len(set(two.values())) == 40, "still random from sample to sample"
+    assert _augmentations(1) == two
+    assert _augmentations(2, start=16) == {i: r for i, r in two.items() if i in _augmentations(1, start=16)}

@@ -25,7 +25,7 @@ def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
     from types import SimpleNamespace
 
     from multigpu.config import TrainConfig
-    from multigpu.training import _oom_message
+    from multigpu.training import oom_message as _oom_message
 
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=80 * 2**30))

@@ -64,7 +64,8 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     rt = setup(strategy, task.precision, devices=list(range(task.gpus)) if strategy == "dp" else None,
                accelerator=accelerator, seed=0, ddp=ddp_options(task))
     if task.data.startswith("folder:"):  # the whole input pipeline, as `multigpu train` builds it
-        _, model, optimizer, _, loader, _, settings = build_job(cfg, rt)
+        job = build_job(cfg, rt)
+        model, optimizer, loader, settings = job.model, job.optimizer, job.train_loader, job.settings
         batches = _endless(loader)
         queue = loader.loader.num_workers * (loader.loader.prefetch_factor or 0)
 

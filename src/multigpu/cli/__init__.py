@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from multigpu.errors import UsageError
+from multigpu.errors import Stopped, UsageError
 
 # name -> module under multigpu.cli; the order is the order in --help.
 COMMANDS = {
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"multigpu: error: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:
+        print(f"multigpu: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except KeyboardInterrupt:
         _mark_failed()
         print("multigpu: interrupted", file=sys.stderr)

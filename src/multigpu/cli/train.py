@@ -40,6 +40,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def validate(cfg: TrainConfig) -> None:
     """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
+    from multigpu.control import Cadence
     from multigpu.models import model_input_kind
 
     for name in ("epochs", "batch_size", "accumulate", "seq_length", "future_length"):
@@ -50,12 +51,17 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--lr {cfg.lr} must be positive")
     if cfg.image_size is not None and cfg.image_size < 1:
         raise UsageError(f"--image-size {cfg.image_size} must be positive")
+    if cfg.keep < 1:
+        raise UsageError(f"--keep {cfg.keep} must be at least 1 (the newest checkpoint is always kept)")
+    Cadence.parse(cfg.checkpoint_every)
     model_input_kind(cfg.model)  # raises on an unknown model
 
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.launch import in_worker, launch, options_from_args
-    from multigpu.training import OUT_RESERVED_ENV, reserve_out, run_training
+    from multigpu.runfolder import OUT_RESERVED_ENV, only_claimed
+    from multigpu.training import reserve_out
+    from multigpu.trainloop import run_training
 
     cfg = config_from_args(args)
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
@@ -77,8 +83,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator)
     except UsageError:
-        if made and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # refused before writing anything: leave no empty run folder behind
+        if made and only_claimed(out):  # refused before writing anything: leave no folder behind
+            (out / "config.json").unlink()
+            out.rmdir()
         raise
     return 0
 

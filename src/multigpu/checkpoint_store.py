@@ -1,0 +1,210 @@
+"""The checkpoints of one run folder, kept so that none is ever lost or half-written.
+
+    checkpoints/
+        step-000001200.pt     the --keep newest checkpoints, named by the run's step count
+        last.pt               the newest one (a second name of the same file: no bytes copied)
+        best.pt               the one with the best validation score so far
+        manifest.json         every complete checkpoint: file, size, SHA-256, where the run stood
+
+Writing (one writer per folder, held by a lock for the life of the run):
+1. the step file is written atomically (fileio.atomic_write: unique temporary name, fsync,
+   rename, fsync of the folder);
+2. its size and SHA-256 go into the manifest, itself written atomically: only now is the
+   checkpoint complete; last.pt (and best.pt) then become names of it;
+3. only then are checkpoints beyond the --keep newest removed.
+A crash at any point leaves every checkpoint that was complete before it, and at worst a
+temporary file or an unlisted step file, which the next writer removes, or last.pt one
+checkpoint behind the manifest, which the next writer points forward.
+
+Reading: the newest complete checkpoint whose size and checksum match and which torch can load;
+each one skipped is reported in one line and the one before it is tried.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from multigpu import checkpoint, fileio
+from multigpu.errors import UsageError
+
+MANIFEST = "manifest.json"
+LAST, BEST = "last.pt", "best.pt"
+LOCK = ".writer.lock"
+_STEP_FILE = re.compile(r"step-(\d+)\.pt")
+LOCK_WAIT_SECONDS = 60  # a writer of a run that was just stopped may still be finishing its save
+
+
+def step_file_name(global_step: int) -> str:
+    return f"step-{global_step:09d}.pt"
+
+
+@dataclass
+class Entry:
+    """One complete checkpoint, as the manifest lists it."""
+    file: str
+    size: int
+    sha256: str
+    global_step: int
+    run: dict = field(default_factory=dict)  # where the run stood (RunState.summary())
+    time: float = 0.0
+
+
+class CheckpointStore:
+    def __init__(self, folder: str | os.PathLike, keep: int = 3):
+        if keep < 1:
+            raise UsageError(f"--keep {keep} must be at least 1 (the newest checkpoint is always kept)")
+        self.folder, self.keep = Path(folder), keep
+        self._lock_fd: int | None = None
+
+    # --- reading -----------------------------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        """Complete checkpoints, oldest first; [] when the folder has no manifest."""
+        manifest = self._read_manifest()
+        return [Entry(**e) for e in manifest.get("checkpoints", [])] if manifest else []
+
+    def best_entry(self) -> Entry | None:
+        best = (self._read_manifest() or {}).get("best")
+        return Entry(**best) if best else None
+
+    def has_checkpoints(self) -> bool:
+        return bool(self._candidates())
+
+    def load_newest(self, warn: Callable[[str], None]) -> tuple[dict, Path] | None:
+        """The newest checkpoint that verifies and loads, and its path; None when there is none.
+        Every damaged one is reported through `warn` (one line each) and skipped. Raises
+        CheckpointError when there are checkpoints but none of them can be read."""
+        candidates = self._candidates()
+        problems = []
+        for path, entry in candidates:
+            try:
+                state = verify_and_load(path, entry)
+            except checkpoint.CheckpointError as exc:
+                problems.append(f"{path.name}: {exc}")
+                warn(f"checkpoint {path} is damaged ({exc}); "
+                     + ("trying the one before it" if (path, entry) != candidates[-1] else "it was the last one"))
+                continue
+            return state, path
+        if problems:
+            raise checkpoint.CheckpointError(f"no readable checkpoint in {self.folder}: "
+                                             + "; ".join(problems))
+        return None
+
+    def _candidates(self) -> list[tuple[Path, Entry | None]]:
+        """Newest first. From the manifest when there is one; otherwise (a run folder of an older
+        multigpu, or a lost manifest) last.pt and the step files, unverified."""
+        if not self.folder.is_dir():
+            return []
+        listed = self.entries()
+        if listed or (self.folder / MANIFEST).exists():
+            return [(self.folder / e.file, e) for e in reversed(listed)]
+        steps = sorted((p for p in self.folder.iterdir() if _STEP_FILE.fullmatch(p.name)),
+                       key=lambda p: int(_STEP_FILE.fullmatch(p.name).group(1)), reverse=True)
+        last = self.folder / LAST
+        return [(p, None) for p in ([last] if last.is_file() else []) + steps]
+
+    def _read_manifest(self) -> dict | None:
+        path = self.folder / MANIFEST
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:  # written atomically, so only outside damage does this
+            raise checkpoint.CheckpointError(f"{path} cannot be read ({exc}); move it away to fall "
+                                             "back to the checkpoint files themselves") from None
+
+    # --- writing -----------------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Become this folder's one writer (waits for a stopping writer to finish its save)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise UsageError(f"another multigpu process (pid {holder}) is still writing "
+                                     f"checkpoints to {self.folder}; wait for it to end or stop it, "
+                                     "then start again") from None
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+        self._remove_leftovers()
+        self._repair_links()
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None
+
+    def write(self, state: dict, *, global_step: int, run: dict, best: bool) -> Path:
+        """Save `state` as the newest checkpoint (steps 1-3 of the module docstring)."""
+        assert self._lock_fd is not None, "acquire() first"
+        name = step_file_name(global_step)
+        path = fileio.atomic_write(self.folder / name, lambda f: torch.save(state, f))
+        entry = Entry(name, path.stat().st_size, fileio.sha256_file(path), global_step, run,
+                      round(time.time(), 3))
+        manifest = self._read_manifest() or {}
+        listed = [Entry(**e) for e in manifest.get("checkpoints", []) if e["file"] != name]
+        kept = (listed + [entry])[-self.keep:]
+        best_entry = asdict(entry) | {"file": BEST} if best else manifest.get("best")
+        fileio.atomic_write_text(self.folder / MANIFEST, json.dumps(
+            {"format": 1, "checkpoints": [asdict(e) for e in kept], "best": best_entry},
+            indent=1) + "\n")
+        if best:
+            fileio.atomic_link(path, self.folder / BEST)
+        fileio.atomic_link(path, self.folder / LAST)
+        for old in listed[:len(listed) + 1 - len(kept)]:
+            (self.folder / old.file).unlink(missing_ok=True)
+        return path
+
+    def _repair_links(self) -> None:
+        """last.pt and best.pt name what the manifest says (a crash between the manifest and the
+        links leaves them one checkpoint behind)."""
+        entries = self.entries()
+        best = self.best_entry()
+        for name, entry in ((LAST, entries[-1] if entries else None), (BEST, best)):
+            target = self.folder / (step_file_name(entry.global_step) if entry else "")
+            link = self.folder / name
+            if entry and target.is_file() and not (link.exists() and os.path.samefile(link, target)):
+                fileio.atomic_link(target, link)
+
+    def _remove_leftovers(self) -> None:
+        """Temporary files of interrupted writes, and step files the manifest does not list."""
+        manifest = self._read_manifest()
+        if manifest is None and any(_STEP_FILE.fullmatch(p.name) for p in self.folder.iterdir()):
+            return  # no manifest to tell complete from incomplete: remove nothing
+        listed = {e["file"] for e in (manifest or {}).get("checkpoints", [])}
+        for p in self.folder.iterdir():
+            if fileio.is_temp_name(p.name) or (_STEP_FILE.fullmatch(p.name) and p.name not in listed):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+
+def verify_and_load(path: Path, entry: Entry | None) -> dict:
+    """Load `path` after checking its size and SHA-256 against the manifest `entry` (if any)."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise checkpoint.CheckpointError(f"cannot read it: {exc.strerror or exc}") from None
+    if entry is not None:
+        if size != entry.size:
+            raise checkpoint.CheckpointError(f"{size} bytes, the manifest says {entry.size}: "
+                                             "truncated or overwritten")
+        if fileio.sha256_file(path) != entry.sha256:
+            raise checkpoint.CheckpointError("its SHA-256 differs from the manifest's: the file "
+                                             "was changed or corrupted after it was written")
+    return checkpoint.load(path)

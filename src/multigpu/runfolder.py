@@ -1,0 +1,118 @@
+"""A run's folder: claimed without races, never someone else's, and its metrics kept consistent.
+
+    runs/<time>-<model>-<data>/
+        config.json      the resolved settings (first a claim: created exclusively, so two runs
+                         started at the same moment never share a folder)
+        metrics.jsonl    one line per finished epoch
+        checkpoints/     see checkpoint_store
+        logs/            each rank's output, with several processes
+
+A folder that holds anything is only ever used again to continue the run in it (--resume).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from multigpu import fileio
+from multigpu.errors import UsageError
+
+CONFIG, METRICS = "config.json", "metrics.jsonl"
+OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
+_CLAIM = b'{"status": "starting"}\n'
+
+
+def default_out(model: str, data: str) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model.replace(':', '-')}-{data.split(':', 1)[0]}"
+
+
+def reserve(out: str | None, *, model: str, data: str, continuing: bool) -> Path:
+    """The run folder, claimed for this run. `continuing`: --resume was given, so an existing
+    run folder (the one resumed, or this command's own from an earlier attempt) is taken as is."""
+    if out is None:
+        base = default_out(model, data)
+        for n in range(1, 1000):  # runs started in the same second get -2, -3, ...
+            candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            if _claim(candidate, fresh_only=True):
+                return candidate
+        raise UsageError(f"could not claim a new folder next to {base}; pass --out")
+    path = Path(out)
+    if os.environ.get(OUT_RESERVED_ENV) == str(path.resolve()):
+        return path  # a worker of a launch whose parent claimed it
+    if continuing and is_run_folder(path):
+        return path
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder for the run")
+    if not _claim(path, fresh_only=False):
+        raise UsageError(f"--out {out} already exists and is not empty; multigpu never overwrites "
+                         "a run: choose another --out, or leave it out for a new timestamped folder "
+                         "(to continue that run, add --resume)")
+    return path
+
+
+def is_run_folder(path: Path) -> bool:
+    return (path / CONFIG).is_file() or (path / "checkpoints").is_dir()
+
+
+def _claim(path: Path, fresh_only: bool) -> bool:
+    """Create `path` (or take it empty) with an exclusively created config.json: exactly one of
+    several runs racing for the same folder gets True."""
+    try:
+        path.mkdir(parents=True)
+    except FileExistsError:
+        if fresh_only or not path.is_dir():
+            return False
+    try:
+        fd = os.open(path / CONFIG, os.O_CREAT | os.O_EXCL | os.O_WRONLY, fileio.FILE_MODE)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(_CLAIM)
+    if any(p.name != CONFIG for p in path.iterdir()):  # it held something already: not ours
+        (path / CONFIG).unlink()
+        return False
+    return True
+
+
+def only_claimed(path: Path) -> bool:
+    """True while the folder holds nothing but this run's claim (nothing worth keeping)."""
+    entries = list(path.iterdir()) if path.is_dir() else [None]
+    return len(entries) == 1 and entries[0].name == CONFIG and entries[0].read_bytes() == _CLAIM
+
+
+def write_config(out: Path, resolved: dict) -> None:
+    fileio.atomic_write_text(out / CONFIG, json.dumps(resolved, indent=2) + "\n")
+
+
+def append_metrics(out: Path, record: dict) -> None:
+    with open(out / METRICS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def reconcile_metrics(out: Path, completed_epochs: int, last_record: dict | None) -> None:
+    """After a resume in the same folder: one line per epoch up to the checkpoint's, none after.
+
+    A line can be missing (a crash between the checkpoint and its line; the checkpoint keeps the
+    epoch's record, so it is written back), torn (a crash mid-line: dropped), or ahead of the
+    checkpoint (resumed from an older checkpoint because the newest was damaged: dropped, the
+    epoch is trained again)."""
+    path = out / METRICS
+    records = {}
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+                epoch = int(record["epoch"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if epoch <= completed_epochs:
+                records[epoch] = record
+    # Only a folder whose lines start at epoch 1 or go on to the checkpoint's epoch gets it back:
+    # a run resumed into a new folder logs the epochs trained there, not the one before them.
+    if last_record and last_record.get("epoch") == completed_epochs and (records or completed_epochs == 1):
+        records.setdefault(completed_epochs, last_record)
+    text = "".join(json.dumps(records[e]) + "\n" for e in sorted(records))
+    if path.is_file() or text:
+        fileio.atomic_write_text(path, text)

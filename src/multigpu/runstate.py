@@ -1,0 +1,115 @@
+"""Where a run stands, as one value, and the one decision of where a run resumes from.
+
+`RunState` is everything besides the weights, optimizer, scheduler and precision that a run needs
+to go on exactly: the epoch in progress, the position in that epoch's sample order, the partial
+train-loss sum, the best score so far, and every rank's RNG. Every checkpoint holds one.
+
+`resume_point()` is called on every rank and decided on rank 0 alone: rank 0 finds the newest
+readable checkpoint (the run folder's own first: after an automatic restart, or when the same
+command is run again; then the one --resume names), loads it, and broadcasts it. Other ranks
+never read the disk, so ranks on machines without a shared filesystem cannot diverge.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from multigpu import console
+from multigpu.checkpoint_store import CheckpointStore, verify_and_load
+from multigpu.distributed import DistEnv
+from multigpu.errors import UsageError
+
+
+@dataclass
+class RunState:
+    epoch: int = 1             # the epoch in progress, 1-based
+    position: int = 0          # samples of this epoch's order already trained (on any world size)
+    global_step: int = 0       # batches trained since the start of the run
+    loss_sum: float = 0.0      # this epoch's train loss summed over its trained samples
+    seconds: float = 0.0       # this epoch's training time so far
+    best: float | None = None  # best validation score so far (higher is better)
+    rng: list = field(default_factory=list, repr=False)  # each rank's RNG state, rank order
+
+    @property
+    def completed_epochs(self) -> int:
+        return self.epoch - 1
+
+    def summary(self) -> dict:
+        """The JSON-able part (the checkpoint manifest lists it)."""
+        return {k: v for k, v in asdict(self).items() if k != "rng"}
+
+    def to_checkpoint(self) -> dict:
+        """The checkpoint's keys for this state (the RNG goes in as the checkpoint's "rng").
+        epoch/step/best also as multigpu's first checkpoint format had them, for its readers."""
+        return {"run": self.summary(), "epoch": self.completed_epochs, "step": self.global_step,
+                "best": self.best}
+
+    @classmethod
+    def from_checkpoint(cls, state: dict) -> "RunState":
+        if "run" in state:
+            return cls(**state["run"], rng=list(state.get("rng") or []))
+        # format 1: saved at the end of an epoch only
+        return cls(epoch=int(state["epoch"]) + 1, global_step=int(state.get("step", 0)),
+                   best=state.get("best"), rng=list(state.get("rng") or []))
+
+
+@dataclass
+class ResumePoint:
+    state: dict          # the whole checkpoint
+    path: str            # where rank 0 read it
+    in_place: bool       # it is the run folder's own (so its metrics.jsonl goes on)
+
+    @property
+    def run(self) -> RunState:
+        return RunState.from_checkpoint(self.state)
+
+
+def resume_point(env: DistEnv, out: Path, resume: str | None, keep: int) -> ResumePoint | None:
+    """Decided on rank 0 and broadcast (a collective: call it on every rank)."""
+    decision = None
+    if env.is_main:
+        try:
+            decision = _find(out, resume, keep, console.warn)
+        except UsageError as exc:
+            decision = exc
+    decision = env.broadcast_object(decision)
+    if isinstance(decision, UsageError):
+        raise decision
+    return decision
+
+
+def _find(out: Path, resume: str | None, keep: int,
+          warn: Callable[[str], None]) -> ResumePoint | None:
+    own = CheckpointStore(out / "checkpoints", keep)
+    if own.has_checkpoints():  # this run's own newest: a restart, or the same command again
+        found = own.load_newest(warn)
+        if found:
+            return ResumePoint(found[0], str(found[1]), in_place=True)
+    if not resume:
+        return None
+    path = Path(resume)
+    if path.is_dir():
+        store = CheckpointStore(path / "checkpoints" if (path / "checkpoints").is_dir() else path, keep)
+        found = store.load_newest(warn) if store.has_checkpoints() else None
+        if not found:
+            raise UsageError(f"--resume {resume}: no checkpoint there (expected a .pt file, or a "
+                             "run folder with checkpoints/)")
+        return ResumePoint(found[0], str(found[1]), in_place=_same(path, out))
+    if not path.is_file():
+        raise missing_resume(resume)
+    listed = {e.file: e for e in CheckpointStore(path.parent).entries()}
+    return ResumePoint(verify_and_load(path, listed.get(path.name)), str(path),
+                       in_place=_same(path.parent.parent, out))
+
+
+def missing_resume(resume: str) -> UsageError:
+    return UsageError(f"--resume {resume}: no checkpoint there (no such file or folder); give a "
+                      "checkpoint file or a run folder")
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False

@@ -1,0 +1,251 @@
+"""`multigpu train`'s run from start to end: resume, epochs, checkpoints inside and between them.
+
+    rt = setup(...); out = the claimed run folder; job = build_job(cfg, rt)
+    point = resume_point(...)                 rank 0 decides, every rank gets the same checkpoint
+    for epoch in range(run.epoch, epochs + 1):
+        train_epoch(..., start=run.position)  after each optimizer step: control.after_step()
+                                              may save a checkpoint (--checkpoint-every) or stop
+        evaluate; scheduler.step(); save the end-of-epoch checkpoint; metrics.jsonl line
+
+A stop (SIGTERM, SIGUSR1, Ctrl-C, the launcher gone) finishes the step in progress on every rank,
+writes a checkpoint, waits until it is complete and ends with `Stopped`, naming the checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from multigpu import console, runfolder
+from multigpu.checkpoint_store import CheckpointStore, step_file_name
+from multigpu.checkpoint_writer import BackgroundWriter
+from multigpu.config import TrainConfig
+from multigpu.control import Cadence, Control
+from multigpu.distributed import destroy_distributed
+from multigpu.engine import evaluate, train_epoch
+from multigpu.errors import Stopped, UsageError
+from multigpu.loaders import sample_seed
+from multigpu.runstate import ResumePoint, RunState, resume_point
+from multigpu.runtime import Runtime, seed_everything, setup
+from multigpu.training import (Job, build_job, ddp_options, oom_message, reserve_out,
+                               resolved_config)
+
+
+def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
+                 accelerator: str = "auto") -> dict:
+    if cfg.deterministic:
+        make_deterministic()
+    rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
+               seed=cfg.seed, accumulate=cfg.accumulate, ddp=ddp_options(cfg))
+    console.configure(rt.is_main)
+    if rt.device.type == "cuda" and not cfg.deterministic:
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
+    control = Control(rt.env, Cadence.parse(cfg.checkpoint_every))
+    out = _on_rank0(rt, lambda: reserve_out(cfg))
+    job = build_job(cfg, rt)
+    config = resolved_config(cfg, rt, job, out)
+    store = CheckpointStore(out / "checkpoints", cfg.keep)
+    _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
+    saver = Checkpointer(rt, job, store, config)
+    try:
+        console.info(f"multigpu train: {cfg.model} on {job.data.name} ({len(job.data.train)} train / "
+                     f"{len(job.data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
+                     f"global batch {config['global_batch']}, checkpoints "
+                     f"{control.cadence.describe()} -> {out}")
+        point = resume_point(rt.env, out, cfg.resume, cfg.keep)
+        run = restore(cfg, rt, job, point, out) if point else RunState()
+        with control.signal_handlers():
+            record = _epochs(cfg, rt, job, run, control, saver, out,
+                             point.state.get("metrics") if point else None)
+        saver.finish()
+    finally:
+        saver.close()
+        store.release()
+    # Every rank done with its collectives before any tears down: a gloo rank that exits while a
+    # peer's last exchange is in flight can abort ("terminate called without an active
+    # exception", seen once in 4-process runs here).
+    rt.env.barrier()
+    destroy_distributed()
+    return record
+
+
+def make_deterministic() -> None:
+    """--deterministic: the same kernels and reductions on every run. Before any CUDA work (cuBLAS
+    reads its workspace setting when it starts). Kernels without a deterministic version (some
+    pooling backwards on GPUs) keep running and torch warns once naming them."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Path) -> RunState:
+    run = point.run
+    rt.load(point.state, model=job.model, optimizer=job.optimizer, scheduler=job.scheduler)
+    if len(run.rng) != rt.world_size:  # another layout: fresh streams, not those of step 0 again
+        seed_everything(sample_seed(cfg.seed, run.global_step, rt.rank))
+    if rt.is_main and point.in_place:
+        runfolder.reconcile_metrics(out, run.completed_epochs, point.state.get("metrics"))
+    where = (f"epoch {run.epoch}, {run.position} of {job.train_loader.num_samples} samples in"
+             if run.position else f"after epoch {run.completed_epochs}")
+    console.info(f"resumed from {point.path} ({where}, step {run.global_step}; saved by "
+                 f"{point.state.get('world_size')} x {point.state.get('strategy')})")
+    return run
+
+
+def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
+            saver: "Checkpointer", out: Path, last: dict | None) -> dict:
+    record = {}
+    for epoch in range(run.epoch, cfg.epochs + 1):
+        job.train_loader.set_epoch(epoch - 1, run.position)
+        steps, base = len(job.train_loader), run.global_step
+
+        def after_step(cursor, epoch=epoch, base=base, begun=run):
+            step = base + cursor.steps
+            if saver.failed:
+                control.request_stop("checkpoint save failed")
+            decision = control.after_step(step)
+            if decision is None:
+                return
+            loss, samples = cursor.totals(rt.env)
+            at = RunState(epoch, cursor.position, step, begun.loss_sum + loss,
+                          begun.seconds + time.perf_counter() - cursor.start, begun.best)
+            _save_or_stop(rt, saver, control, at, last, decision.stop, out)
+
+        record = {"epoch": epoch, "lr": job.optimizer.param_groups[0]["lr"]}
+        try:
+            record |= train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
+                                  job.settings, description=f"epoch {epoch}/{cfg.epochs}",
+                                  start=run.position, carried=(run.loss_sum, run.position, run.seconds),
+                                  after_step=after_step)
+        except torch.cuda.OutOfMemoryError:
+            raise UsageError(oom_message(cfg, rt)) from None
+        rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved below
+        record |= evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification, job.settings)
+        if rt.precision.scaler is not None:
+            record["skipped_steps"] = rt.precision.skipped_steps
+        if job.scheduler is not None:
+            job.scheduler.step()
+        score = record["val_accuracy"] if job.classification else -record["val_loss"]
+        improved = run.best is None or score > run.best
+        run = RunState(epoch + 1, 0, base + steps, best=score if improved else run.best)
+        saver.save(run, metrics=record, best=improved)
+        control.saved(run.global_step)
+        _report(rt, out, record, job.classification)
+        last = record
+        if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
+            _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)
+    return record
+
+
+def _save_or_stop(rt, saver, control, at: RunState, last, stop: str | None, out: Path,
+                  saved: bool = False) -> None:
+    """A checkpoint of `at` (unless `saved`); then, with a reason to stop, wait for it and stop."""
+    if stop == "checkpoint save failed":
+        saver.finish()  # raises rank 0's error on every rank
+    path = saver.last_path if saved else saver.save(at, metrics=last, best=False, wait=bool(stop))
+    control.saved(at.global_step)
+    if not saved:
+        console.info(f"checkpoint {path.name}: epoch {at.epoch}, {at.position} samples in, "
+                     f"training paused {saver.pause * 1e3:.0f} ms")
+    if stop:
+        saver.finish()
+        raise Stopped(f"stopped by {stop} at epoch {at.epoch}, step {at.global_step}: checkpoint "
+                      f"{path} is complete; run the same command with --resume {out} to go on",
+                      exit_code=_exit_code(stop))
+
+
+def _exit_code(reason: str) -> int:
+    sig = getattr(signal, reason, None) if reason.startswith("SIG") else None
+    return 128 + int(sig) if sig is not None else 1
+
+
+def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
+    if not rt.is_main:
+        return
+    runfolder.append_metrics(out, record)
+    acc = f"  val_acc {record['val_accuracy']:.2%}" if classification else ""
+    console.info(f"epoch {record['epoch']}  train_loss {record['train_loss']:.4f}  "
+                 f"val_loss {record['val_loss']:.4f}{acc}  "
+                 f"({record['train_samples']} train / {record['val_samples']} val samples)  "
+                 f"{record['epoch_seconds']:.1f} s  {record['samples_per_second']:,.0f} samples/s")
+
+
+def _on_rank0(rt: Runtime, work):
+    """Run `work()` on rank 0 and give every rank its result, or its UsageError to raise."""
+    result = None
+    if rt.is_main:
+        try:
+            result = work()
+        except UsageError as exc:
+            result = exc
+    result = rt.env.broadcast_object(result)
+    if isinstance(result, UsageError):
+        raise result
+    return result
+
+
+class Checkpointer:
+    """Writes a run's checkpoints: a snapshot on the training thread, the file in the background
+    (checkpoint_writer), complete in the store (checkpoint_store). Every method is collective."""
+
+    def __init__(self, rt: Runtime, job: Job, store: CheckpointStore, config: dict):
+        self.rt, self.job, self.store, self.config = rt, job, store, config
+        self.writer = BackgroundWriter() if rt.is_main else None
+        self.last_path: Path | None = None
+        self.pause = 0.0  # seconds the last save held training up (rank 0)
+
+    def save(self, run: RunState, *, metrics: dict | None, best: bool, wait: bool = False) -> Path:
+        job = self.job
+        state = self.rt.checkpoint_state(job.model, job.optimizer, job.scheduler,
+                                         **run.to_checkpoint(), metrics=metrics, config=self.config)
+        path = self.store.folder / step_file_name(run.global_step)
+        error = None
+        if self.writer is not None:
+            began = time.perf_counter()
+            try:
+                self.writer.save(state, lambda s: self.store.write(
+                    s, global_step=run.global_step, run=run.summary(), best=best))
+                if wait:
+                    self.writer.wait()
+            except Exception as exc:
+                error = self._failure(exc)
+            self.pause = time.perf_counter() - began
+        self._raise_everywhere(error)
+        self.last_path = path
+        return path
+
+    @property
+    def failed(self) -> bool:
+        return self.writer is not None and self.writer.failed
+
+    def finish(self) -> None:
+        """Wait for the last write; every rank raises if it failed."""
+        error = None
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except Exception as exc:
+                error = self._failure(exc)
+        self._raise_everywhere(error)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def _failure(self, exc: BaseException) -> str:
+        entries = self.store.entries()
+        kept = (f"the last complete checkpoint, {self.store.folder / entries[-1].file}, is intact"
+                if entries else "no earlier checkpoint exists")
+        why = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return (f"saving a checkpoint to {self.store.folder} failed: {why}; {kept}. Free space "
+                f"(df -h {self.store.folder}) or fix the folder, then run the same command with "
+                f"--resume {self.store.folder.parent}")
+
+    def _raise_everywhere(self, error: str | None) -> None:
+        error = self.rt.env.broadcast_object(error)
+        if error:
+            raise UsageError(error)

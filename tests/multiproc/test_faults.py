@@ -1,0 +1,217 @@
+"""Fault injection: kill anything at any moment; a resumed run ends with the same weights, bit for
+bit, as one never interrupted, and no checkpoint is ever lost.
+
+Every fault is caused for real (kill -9, SIGTERM, a truncated file, a file size limit standing in
+for a full disk) on `multigpu train` runs of 2 CPU processes (gloo) through the real launcher.
+The random moments come from a seeded generator; its draws are in the assertion messages.
+"""
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from multigpu.checkpoint_store import CheckpointStore
+
+from .conftest import cli_env, multigpu, read_metrics
+
+pytestmark = pytest.mark.slow
+
+N = 6000  # samples: 188 steps of 32 per epoch, about 2 s an epoch here
+ARGS = ["--model", "mlp", "--data", f"synthetic:{N}", "--epochs", "3", "--batch-size", "16",
+        "--optimizer", "sgd", "--lr", "0.05", "--workers", "0", "--seed", "4",
+        "--checkpoint-every", "40", "--deterministic"]
+
+
+def start(out: Path, *extra, devices="cpu:2", preexec_fn=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--devices", devices,
+                             "--out", str(out), *map(str, extra)], env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=preexec_fn)
+
+
+def finish(proc: subprocess.Popen, timeout=300) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+                p.kill()
+
+
+def weights(out: Path) -> dict:
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_same_weights(a: Path, b: Path, why: str = "") -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{why}: not bit-identical: {different}"
+
+
+def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for p in kids:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "train" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # gone while we looked
+            pass
+    return found
+
+
+def wait_for_new_workers(proc: subprocess.Popen, dead: set[int], timeout=120) -> list[psutil.Process]:
+    """The two workers of a new attempt (none of whose pids is in `dead`)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before the fault"
+        workers = [w for w in workers_of(proc) if w.pid not in dead]
+        if len(workers) == 2:
+            return workers
+        time.sleep(0.05)
+    raise AssertionError("no new workers in time")
+
+
+def wait_for_checkpoint(out: Path, proc: subprocess.Popen, newer_than: int = -1, timeout=120) -> int:
+    """The newest complete checkpoint's step, once there is one newer than `newer_than`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before the fault"
+        try:
+            entries = CheckpointStore(out / "checkpoints").entries()
+        except Exception:  # mid-rename: look again
+            entries = []
+        if entries and entries[-1].global_step > newer_than:
+            return entries[-1].global_step
+        time.sleep(0.05)
+    raise AssertionError("no new checkpoint in time")
+
+
+def check_epochs(out: Path) -> None:
+    records = read_metrics(out)
+    assert [r["epoch"] for r in records] == [1, 2, 3], "every epoch exactly once"
+    assert all(r["train_samples"] == N for r in records)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "uninterrupted"
+    proc = multigpu("train", *ARGS, "--devices", "cpu:2", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_epochs(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, reference) -> tuple[Path, str]:
+    """A run stopped by SIGTERM to its launcher, at a random moment after its first checkpoint."""
+    out = tmp_path_factory.mktemp("faults") / "sigterm"
+    proc = start(out)
+    first = wait_for_checkpoint(out, proc)
+    delay = random.Random(7).uniform(0.0, 1.0)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    return out, stdout + stderr + f"\n(first checkpoint at step {first}, SIGTERM {delay:.2f} s later)"
+
+
+def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal(stopped, reference, tmp_path):
+    folder, output = stopped
+    assert "SIGTERM: finishing this step, then saving a checkpoint" in output
+    assert "stopped by SIGTERM at epoch" in output and "is complete; run the same command with --resume" in output
+    assert "Received 15 death signal" not in output
+    out = tmp_path / "run"
+    shutil.copytree(folder, out)
+    proc = start(out, "--resume", out)
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    check_epochs(out)
+    assert_same_weights(reference, out, output[-200:])
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:3"])
+def test_resume_inside_an_epoch_on_another_process_count_trains_each_sample_once(reference, tmp_path, devices):
+    inside = [e for e in CheckpointStore(reference / "checkpoints").entries() if e.run["position"]]
+    assert inside, "the reference keeps a checkpoint from inside its last epoch"
+    entry = inside[-1]
+    out = tmp_path / "run"
+    proc = start(out, "--resume", reference / "checkpoints" / entry.file, devices=devices)
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"{entry.run['position']} of {N} samples in" in stdout
+    assert "skipped" not in stderr
+    # the resumed epoch counts N samples over 2 then 1 or 3 processes: none twice, none left out
+    assert [(r["epoch"], r["train_samples"]) for r in read_metrics(out)] == [(3, N)]
+
+
+def test_kill_9_of_a_worker_at_random_moments_restarts_and_ends_equal(reference, tmp_path):
+    out = tmp_path / "killed"
+    rng = random.Random(3)
+    proc = start(out, "--max-restarts", "3")
+    kills, dead = [], set()
+    for _ in range(2):
+        victims = wait_for_new_workers(proc, dead)
+        newest = CheckpointStore(out / "checkpoints").entries()
+        step = wait_for_checkpoint(out, proc, newer_than=newest[-1].global_step if newest else -1)
+        delay = rng.uniform(0.0, 1.5)  # this attempt has saved once: kill it somewhere after
+        time.sleep(delay)
+        victim = rng.choice(victims)
+        victim.kill()
+        kills.append(f"after step {step} +{delay:.2f} s")
+        dead |= {v.pid for v in victims}
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("resumed from") == 2, (kills, stdout[-2000:])
+    check_epochs(out)
+    assert_same_weights(reference, out, f"kills {kills}")
+
+
+def test_a_truncated_newest_checkpoint_is_reported_and_the_one_before_used(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    newest = CheckpointStore(out / "checkpoints").entries()[-1]
+    path = out / "checkpoints" / newest.file
+    with open(path, "r+b") as f:
+        f.truncate(newest.size // 3)
+    proc = start(out, "--resume", out)
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"checkpoint {path} is damaged" in stderr and "trying the one before it" in stderr
+    check_epochs(out)
+    assert_same_weights(reference, out, "after the fallback")  # epoch 3's end trained again
+
+
+def _file_size_limit():
+    # Files may not grow past 200 KB (the checkpoints are ~650 KB): a write beyond fails with
+    # EFBIG, as one on a full disk fails with ENOSPC.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+
+def test_a_full_disk_stops_the_run_with_one_clear_line_and_the_checkpoints_stay_intact(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = CheckpointStore(out / "checkpoints").entries()
+    proc = start(out, "--resume", out, "--epochs", "4", preexec_fn=_file_size_limit)
+    stdout, stderr = finish(proc)
+    assert proc.returncode != 0
+    assert f"saving a checkpoint to {out / 'checkpoints'} failed: File too large" in stderr, stderr[-3000:]
+    assert f"the last complete checkpoint, {out / 'checkpoints' / before[-1].file}, is intact" in stderr
+    assert "Traceback" not in stderr.split("failed first")[0]
+    store = CheckpointStore(out / "checkpoints")
+    assert store.entries() == before
+    state, _ = store.load_newest(lambda w: pytest.fail(w))
+    assert state["run"]["epoch"] == 4

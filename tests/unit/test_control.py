@@ -1,0 +1,85 @@
+"""Control: when to checkpoint inside an epoch, and stops on a signal (one process; the agreement
+between ranks is exercised by the multi-process fault tests)."""
+import os
+import signal
+
+import pytest
+
+from multigpu.control import Cadence, Control, Decision
+from multigpu.distributed import DistEnv
+from multigpu.errors import UsageError
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("text,steps,seconds", [
+    ("500", 500, None), ("30s", None, 30.0), ("10m", None, 600.0), ("1.5h", None, 5400.0),
+    ("0", None, None), (" 2m ", None, 120.0)])
+def test_cadence_parses_steps_times_and_off(text, steps, seconds):
+    c = Cadence.parse(text)
+    assert (c.steps, c.seconds) == (steps, seconds)
+
+
+@pytest.mark.parametrize("text", ["10 minutes", "-5", "1.5", "m", ""])
+def test_a_bad_cadence_says_what_is_accepted(text):
+    with pytest.raises(UsageError, match=r"--checkpoint-every .*: (use a number of steps \(500\), "
+                                         r"a time \(30s, 10m, 2h\)|a number of steps is a whole)"):
+        Cadence.parse(text)
+
+
+def test_step_cadence_saves_exactly_every_n_steps():
+    control = Control(DistEnv(), Cadence(steps=3))
+    saves = []
+    for step in range(1, 11):
+        if control.after_step(step) == Decision(True, None):
+            saves.append(step)
+            control.saved(step)
+    assert saves == [3, 6, 9]
+
+
+def test_time_cadence_saves_once_the_time_has_passed_since_the_last_save():
+    clock = Clock()
+    control = Control(DistEnv(), Cadence(seconds=600), clock=clock)
+    clock.now += 599
+    assert control.after_step(1) is None
+    clock.now += 2
+    assert control.after_step(2) == Decision(True, None)
+    control.saved(2)
+    clock.now += 300
+    assert control.after_step(3) is None
+
+
+def test_a_stop_request_means_save_and_stop_and_the_strongest_reason_wins():
+    control = Control(DistEnv(), Cadence())
+    assert control.after_step(1) is None
+    control.request_stop("SIGTERM")
+    control.request_stop("SIGINT")
+    assert control.after_step(2) == Decision(True, "SIGTERM")
+
+
+def test_the_first_signal_asks_for_a_stop_the_second_stops_at_once(capsys):
+    control = Control(DistEnv(), Cadence())
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    with control.signal_handlers():
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+        assert control.stop_requested == "SIGINT"
+        assert "SIGINT: finishing this step, then saving a checkpoint" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    signal.signal(signal.SIGINT, before)
+
+
+def test_an_ignored_signal_stays_ignored():
+    before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as under nohup
+    try:
+        with Control(DistEnv(), Cadence()).signal_handlers():
+            assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before)

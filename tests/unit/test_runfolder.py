@@ -1,0 +1,91 @@
+"""Run folders: claimed without races, never someone else's, metrics consistent after a resume."""
+import json
+import threading
+
+import pytest
+
+from multigpu import runfolder
+from multigpu.errors import UsageError
+
+
+def _race(n, work):
+    barrier, results = threading.Barrier(n), [None] * n
+
+    def one(i):
+        barrier.wait()
+        try:
+            results[i] = work()
+        except UsageError as exc:
+            results[i] = exc
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261123-120000")
+    folders = _race(6, lambda: runfolder.reserve(None, model="mlp", data="digits", continuing=False))
+    assert len({str(f) for f in folders}) == 6
+    assert sorted(f.name for f in folders)[:2] == ["20261123-120000-mlp-digits",
+                                                   "20261123-120000-mlp-digits-2"]
+    assert all(runfolder.only_claimed(f) for f in folders)
+
+
+def test_two_runs_racing_for_one_out_folder_one_wins(tmp_path):
+    out = tmp_path / "run"
+    results = _race(4, lambda: runfolder.reserve(str(out), model="m", data="d", continuing=False))
+    assert sum(not isinstance(r, UsageError) for r in results) == 1
+    assert all("already exists and is not empty" in str(r) for r in results if isinstance(r, UsageError))
+
+
+def test_an_empty_folder_is_taken_one_with_anything_in_it_is_not(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert runfolder.reserve(str(tmp_path / "empty"), model="m", data="d", continuing=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(UsageError, match="already exists and is not empty.*add --resume"):
+        runfolder.reserve(str(mine), model="m", data="d", continuing=False)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="is a file"):
+        runfolder.reserve(str(tmp_path / "file"), model="m", data="d", continuing=False)
+
+
+def test_a_run_folder_is_taken_again_only_to_continue_it(tmp_path):
+    run = runfolder.reserve(str(tmp_path / "run"), model="m", data="d", continuing=False)
+    runfolder.write_config(run, {"model": "m"})
+    assert runfolder.reserve(str(run), model="m", data="d", continuing=True) == run
+    with pytest.raises(UsageError):
+        runfolder.reserve(str(run), model="m", data="d", continuing=False)
+
+
+def _lines(out):
+    return [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _write_lines(out, text):
+    (out / "metrics.jsonl").write_text(text)
+
+
+def test_reconcile_puts_back_the_line_of_the_checkpointed_epoch(tmp_path):
+    _write_lines(tmp_path, '{"epoch": 1}\n{"epoch": 2}\n')
+    runfolder.reconcile_metrics(tmp_path, 3, {"epoch": 3, "val_loss": 0.5})
+    assert _lines(tmp_path) == [1, 2, 3]
+
+
+def test_reconcile_drops_a_torn_line_and_lines_ahead_of_the_checkpoint(tmp_path):
+    _write_lines(tmp_path, '{"epoch": 1}\n{"epoch": 2}\n{"epoch": 3}\n{"epo')
+    runfolder.reconcile_metrics(tmp_path, 2, {"epoch": 2})
+    assert _lines(tmp_path) == [1, 2]
+
+
+def test_reconcile_in_a_folder_that_began_with_a_resume_adds_no_earlier_epoch(tmp_path):
+    runfolder.reconcile_metrics(tmp_path, 4, {"epoch": 4})  # restarted before its first epoch ended
+    assert not (tmp_path / "metrics.jsonl").exists()
+    runfolder.reconcile_metrics(tmp_path, 1, {"epoch": 1})  # a run's own first epoch
+    assert _lines(tmp_path) == [1]
