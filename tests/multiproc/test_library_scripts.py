@@ -64,3 +64,15 @@ def test_buffers_not_broadcast_every_step_start_equal_and_sync_from_rank0(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         "after_prepare": True, "after_training": False, "after_sync": True}
+
+
+@pytest.mark.parametrize("procs", [1, 3])
+def test_a_users_loop_resumes_inside_an_epoch_on_another_process_count(tmp_path, procs):
+    script = SCRIPTS / "resume_loader.py"
+    stop = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "a", script, tmp_path, "stop")
+    assert stop.returncode == 0, stop.stderr[-3000:]
+    resume = multigpu("run", "--devices", f"cpu:{procs}", "--log-dir", tmp_path / "b", script,
+                      tmp_path, "resume")
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    seen = [i for f in sorted(tmp_path.glob("*-rank*.json")) for i in json.loads(f.read_text())]
+    assert sorted(seen) == list(range(50)), "every sample of the epoch once"
