@@ -77,8 +77,8 @@ class Control:
         self._reason = 0
         self._signals = 0
         self._next_check = 0
-        self._last_check = (0, clock())  # (step, time) of the last exchange
-        self._saved = (0, clock())       # (step, time) of the last checkpoint
+        self._last_check: tuple[int, float] | None = None  # (step, time) of the last exchange
+        self._saved = (0, clock())  # (step, time) of the last checkpoint (or of the resume)
 
     # --- reasons to stop, from signal handlers and other threads (an int store is atomic) ------
     def request_stop(self, reason: str) -> None:
@@ -131,8 +131,8 @@ class Control:
         if step < self._next_check:
             return Decision(True, None) if due_steps else None
         now = self.clock()
-        interval = 0
-        if self.env.is_main:
+        interval = 1  # until rank 0 has timed some steps
+        if self.env.is_main and self._last_check is not None:
             last_step, last_time = self._last_check
             per_step = (now - last_time) / max(step - last_step, 1)
             interval = min(MAX_INTERVAL, max(1, math.floor(CHECK_SECONDS / max(per_step, 1e-6))))

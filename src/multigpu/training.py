@@ -33,15 +33,17 @@ PREFETCH_FACTOR = 4   # batches each worker keeps ready
 
 def reserve_out(cfg: TrainConfig) -> Path:
     """The run folder, claimed for this run (runfolder.reserve). --resume without --out goes on
-    in the resumed run's folder."""
+    in the resumed run's folder (a lone checkpoint file starts a new one)."""
     out = cfg.out
     if cfg.resume and not out:
         path = Path(cfg.resume)
-        if path.is_file():
+        if path.is_file():  # a checkpoint inside a run folder goes on there, any other: a new one
             path = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        elif not path.is_dir():
+            out = str(path) if runfolder.is_run_folder(path) else None
+        elif path.is_dir():
+            out = str(path)
+        else:
             raise missing_resume(cfg.resume)
-        out = str(path)
     return runfolder.reserve(out, model=cfg.model, data=cfg.data, continuing=bool(cfg.resume))
 
 

@@ -57,6 +57,7 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
                      f"{control.cadence.describe()} -> {out}")
         point = resume_point(rt.env, out, cfg.resume, cfg.keep)
         run = restore(cfg, rt, job, point, out) if point else RunState()
+        control.saved(run.global_step)  # --checkpoint-every counts from here
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get("metrics") if point else None)

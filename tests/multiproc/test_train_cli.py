@@ -147,3 +147,26 @@ def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):
     logged = read_metrics(out)[-1]
     assert alone["val_samples"] == logged["val_samples"]
     assert alone["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
+
+
+def test_two_nodes_sharing_a_filesystem_train_into_one_folder(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from .conftest import cli_env
+
+    with socket.socket() as s:  # test-only: a port for the two "nodes" to agree on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    common = ["--model", "linear", "--data", "synthetic:64", "--epochs", "1", "--workers", "0",
+              "--devices", "cpu:1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--start-timeout", "90", "--out", str(out)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "multigpu", "train", *common, "--node-rank", r],
+                              env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in ("1", "0")]
+    results = [n.communicate(timeout=200) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in results]
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    assert [m["train_samples"] for m in read_metrics(out)] == [64]

@@ -83,3 +83,31 @@ def test_an_ignored_signal_stays_ignored():
             assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+class TwoRanks(DistEnv):
+    """Rank 0 of two, whose peer contributes nothing: the exchanges are recorded."""
+
+    def __init__(self):
+        super().__init__(world_size=2)
+        object.__setattr__(self, "exchanges", [])
+
+    def all_max(self, values):
+        self.exchanges.append(values)
+        return list(values)
+
+
+def test_exchanges_come_about_every_second_also_right_after_a_resume():
+    clock, env = Clock(), TwoRanks()
+    control = Control(env, Cadence(), clock=clock)
+    control.saved(1000)  # resumed at step 1000
+    steps_exchanged = []
+    for step in range(1001, 1400):
+        clock.now += 0.01  # 10 ms a step
+        before = len(env.exchanges)
+        control.after_step(step)
+        if len(env.exchanges) > before:
+            steps_exchanged.append(step)
+    assert steps_exchanged[:2] == [1001, 1002], "at once after the resume, not 1000 steps later"
+    gaps = [b - a for a, b in zip(steps_exchanged[1:], steps_exchanged[2:])]
+    assert gaps and all(99 <= g <= 100 for g in gaps), f"then about every second: {gaps}"

@@ -59,6 +59,7 @@ def validate(cfg: TrainConfig) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.launch import in_worker, launch, options_from_args
+    from multigpu import runfolder
     from multigpu.runfolder import OUT_RESERVED_ENV, only_claimed
     from multigpu.training import reserve_out
     from multigpu.trainloop import run_training
@@ -72,7 +73,12 @@ def main(args: argparse.Namespace) -> int:
     plan = _plan_devices(cfg)
     opts = options_from_args(args)
     made = not (cfg.out and Path(cfg.out).exists())  # a folder we make, we may remove
-    out = reserve_out(cfg)
+    if opts.nnodes != "1" and opts.node_rank not in (None, 0):
+        # Node 0 claims the folder (on a shared filesystem a second claim would fail); global
+        # rank 0, wherever it runs, tells every rank which folder that is.
+        out = Path(cfg.out) if cfg.out else runfolder.default_out(cfg.model, cfg.data)
+    else:
+        out = reserve_out(cfg)
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
     console.info(f"multigpu train: {plan.describe()}")
