@@ -30,20 +30,32 @@ ARGS = ["--model", "mlp", "--data", f"synthetic:{N}", "--epochs", "3", "--batch-
         "--checkpoint-every", "40", "--deterministic"]
 
 
+STARTED: list[psutil.Process] = []  # every launcher and its workers, killed after each test
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind():
+    yield
+    for p in STARTED:
+        try:
+            for q in [p, *p.children(recursive=True)]:
+                q.kill()
+        except psutil.Error:
+            pass
+    STARTED.clear()
+
+
 def start(out: Path, *extra, devices="cpu:2", preexec_fn=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--devices", devices,
+    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--devices", devices,
                              "--out", str(out), *map(str, extra)], env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=preexec_fn)
+    STARTED.append(psutil.Process(proc.pid))
+    return proc
 
 
-def finish(proc: subprocess.Popen, timeout=300) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
-                p.kill()
+def finish(proc: subprocess.Popen, timeout=240) -> tuple[str, str]:
+    return proc.communicate(timeout=timeout)
 
 
 def weights(out: Path) -> dict:
