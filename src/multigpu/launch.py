@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from multigpu import ports, sysinfo
+from multigpu import ports, sysinfo, watchdog
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
+from multigpu.launch_failures import (err, rendezvous_failed_message, rendezvous_timeout_message,
+                                      report_child_failed)
 
 # Rules of our GPU machines: NVLink SHARP / multicast stays off (set unless the user set them).
 GPU_MACHINE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -54,6 +55,7 @@ class LaunchOptions:
     max_restarts: int = 0
     tee: bool = False  # show every rank's output with a rank prefix
     log_dir: str | None = None  # per-rank logs go here (default: runs/logs/<time>-<pid>)
+    hang_timeout: float = watchdog.DEFAULT_HANG_TIMEOUT  # 0: no hang watchdog
 
 
 def add_launch_arguments(parser) -> None:
@@ -80,6 +82,11 @@ def add_launch_arguments(parser) -> None:
                    help="show every rank's output, prefixed with [rankN] (default: rank 0 only)")
     g.add_argument("--log-dir", default=None, metavar="DIR",
                    help="where per-rank logs go (default runs/logs/<time>-<pid>)")
+    g.add_argument("--hang-timeout", type=float, default=watchdog.DEFAULT_HANG_TIMEOUT,
+                   metavar="SECONDS",
+                   help="when no rank has made progress for this long, write every rank's stack, "
+                        "name where each one is stuck and stop (default "
+                        f"{watchdog.DEFAULT_HANG_TIMEOUT:g}; 0: off)")
 
 
 def options_from_args(args) -> LaunchOptions:
@@ -88,7 +95,10 @@ def options_from_args(args) -> LaunchOptions:
         nnodes=args.nnodes or "1", node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         start_timeout=args.start_timeout, max_restarts=args.max_restarts, tee=args.tee,
-        log_dir=args.log_dir)
+        log_dir=args.log_dir, hang_timeout=args.hang_timeout)
+    if not (opts.hang_timeout == 0 or 1 <= opts.hang_timeout < float("inf")):
+        raise UsageError(f"--hang-timeout {args.hang_timeout:g}: give seconds (at least 1, e.g. "
+                         "--hang-timeout 300), or 0 to turn the watchdog off")
     slurm = sysinfo.slurm_launch_defaults() if args.nnodes is None else {}
     if slurm:
         if slurm["tasks"] != int(slurm["nnodes"]):
@@ -111,6 +121,12 @@ def in_worker() -> bool:
 
 # --------------------------------------------------------------------------- building the command
 
+def python_command(module: str, *args: str) -> list[str]:
+    """`python -P -u -m MODULE ARGS` with this interpreter. -P: the current folder stays off
+    sys.path, so a user's file named like a module of ours (multigpu.py) cannot shadow it."""
+    return [sys.executable, "-P", "-u", "-m", module, *args]
+
+
 def default_log_dir() -> str:
     return os.path.join("runs", "logs", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
@@ -125,6 +141,10 @@ def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: R
             "--rdzv-id", rdzv.run_id,
             "--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv.conf.items()),
             "--max-restarts", str(opts.max_restarts), "--log-dir", log_dir]
+    if rdzv.endpoint == ports.LOOPBACK_ENDPOINT:
+        argv += ["--local-addr", "127.0.0.1"]  # workers meet at the store on loopback
+    if _torchrun_has("--signals-to-handle"):  # SLURM's --signal sends SIGUSR1 before the end
+        argv += ["--signals-to-handle", STOP_SIGNALS]
     if opts.tee:
         argv += ["--tee", "3"]
     elif plan.nproc > 1:  # local rank 0 keeps the console (a tty: colours, progress bars)
@@ -139,11 +159,31 @@ def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: R
     return argv + list(cmd)
 
 
+STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def _torchrun_has(option: str) -> bool:
+    import torch.distributed.run as torchrun
+
+    return any(option in a.option_strings for a in torchrun.get_args_parser()._actions)
+
+
 @contextlib.contextmanager
-def child_environment(plan: DevicePlan, opts: LaunchOptions):
+def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None = None):
     """The environment the agent copies into every worker; ours is restored afterwards."""
     saved = dict(os.environ)
     try:
+        os.environ[watchdog.HANG_TIMEOUT_ENV] = f"{opts.hang_timeout:g}"
+        if log_dir:
+            os.environ[watchdog.LOG_DIR_ENV] = str(Path(log_dir).resolve())
+            # torch's NCCL flight recorder: record the last collectives, dump them on a timeout
+            if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # its old name
+                os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE",
+                                  str(Path(log_dir).resolve() / "nccl_trace_rank_"))
+        if not _torchrun_has("--signals-to-handle"):
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = STOP_SIGNALS
         cvd = plan.cuda_visible_devices()
         if cvd is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cvd
@@ -170,7 +210,7 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions):
 @contextlib.contextmanager
 def _restore_signal_handlers():
     """The agent replaces SIGINT/SIGTERM/... handlers while workers run; put ours back after."""
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
     saved = {s: signal.getsignal(s) for s in sigs}
     try:
         yield
@@ -178,6 +218,34 @@ def _restore_signal_handlers():
         for s, h in saved.items():
             with contextlib.suppress(ValueError, TypeError):  # not in the main thread
                 signal.signal(s, h)
+
+
+class _SecondSignalKills:
+    """torch's agent answers every stop signal by signalling the workers and waiting up to its
+    shutdown timeout (30 s) for them; a second signal should not wait. Its handler is a module
+    function that PContext.start installs by name, so we put ours there for the launch (private
+    torch API; without it, the agent's wait stands)."""
+
+    def __init__(self):
+        self.signals = 0
+
+    def __enter__(self):
+        from torch.distributed.elastic.multiprocessing import api
+
+        self._api, self._original = api, getattr(api, "_terminate_process_handler", None)
+        if self._original is not None:
+            api._terminate_process_handler = self._handler
+        return self
+
+    def _handler(self, signum, frame):
+        self.signals += 1
+        if self.signals > 1:
+            _kill_workers_left()
+        self._original(signum, frame)
+
+    def __exit__(self, *exc):
+        if self._original is not None:
+            self._api._terminate_process_handler = self._original
 
 
 @contextlib.contextmanager
@@ -219,7 +287,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
 
     ports.register_rendezvous_backend()
     ports.OBSERVER.reset()
-    with child_environment(plan, opts), _restore_signal_handlers(), _quiet_torchelastic():
+    with child_environment(plan, opts, log_dir), _restore_signal_handlers(), _quiet_torchelastic(), \
+            _SecondSignalKills() as signals:
         args = torchrun.get_args_parser().parse_args(argv)
         try:
             torchrun.run(args)
@@ -227,18 +296,36 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
         except ChildFailedError as exc:
             return report_child_failed(exc, log_dir)
         except SignalException as exc:
-            _err(f"stopped by {exc.sigval.name}; every rank of this node was stopped")
+            at_once = _kill_workers_left() or signals.signals > 1
+            err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"
+                 + (" (a second signal: killed at once)" if at_once else ""))
             return 128 + int(exc.sigval)
         except RendezvousTimeoutError:
-            _err(f"error: {rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())}")
+            err(f"error: {rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())}")
             return 1
         except RendezvousError as exc:
-            _err(f"error: {rendezvous_failed_message(exc, opts, rdzv)}")
+            err(f"error: {rendezvous_failed_message(exc, opts, rdzv)}")
+            return 1
+        except Exception as exc:  # torchrun's agent itself failed: one line, the logs say more
+            if os.environ.get("MULTIGPU_DEBUG"):
+                raise
+            err(f"error: torchrun's agent failed ({type(exc).__name__}: {exc}); "
+                 f"logs of every rank: {log_dir}")
+            _kill_workers_left()
             return 1
 
 
-def _err(msg: str) -> None:
-    print(f"multigpu: {msg}", file=sys.stderr, flush=True)
+def _kill_workers_left() -> int:
+    """SIGKILL to the workers still alive, with their children (they run in sessions of their
+    own, so a Ctrl-C in the terminal does not reach them)."""
+    import psutil
+
+    left = [p for p in psutil.Process().children() if p.is_running()]
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            for q in [*p.children(recursive=True), p]:
+                q.kill()
+    return len(left)
 
 
 def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str) -> str:
@@ -247,101 +334,3 @@ def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str
     where = "" if hi == 1 else f" on node {node} of {opts.nnodes}, rendezvous {rdzv.endpoint}"
     shown = "every rank shown" if opts.tee else "rank 0 shown here"
     return f"{plan.describe()}{where}; {shown}, all ranks logged in {log_dir}"
-
-
-# --------------------------------------------------------------------------- failure messages
-
-def _checks(opts: LaunchOptions, rdzv: Rendezvous) -> str:
-    slurm = (" Under SLURM start it with srun --ntasks-per-node=1."
-             if "SLURM_JOB_ID" in os.environ else "")
-    return (f"Check that every node runs the same command with --nnodes {opts.nnodes} and the same "
-            f"rendezvous {rdzv.endpoint}, that this address and port are reachable from every node "
-            f"(firewall), and that each node has its own --node-rank 0..N-1.{slurm}")
-
-
-def rendezvous_timeout_message(opts: LaunchOptions, rdzv: Rendezvous, joined: list[str]) -> str:
-    lo, _ = parse_nnodes(opts.nnodes)
-    seen = (f"{len(joined)} of {lo} nodes joined ({', '.join(n.rsplit('_', 2)[0] for n in joined)})"
-            if joined else f"fewer than {lo} nodes joined")
-    return (f"the rendezvous at {rdzv.endpoint} did not complete within --start-timeout "
-            f"{opts.start_timeout:g} s: {seen}, expected {opts.nnodes}. {_checks(opts, rdzv)}")
-
-
-def rendezvous_failed_message(exc: BaseException, opts: LaunchOptions, rdzv: Rendezvous) -> str:
-    inner = exc.__cause__ or exc  # torchrun wraps the store's error; its first line says it
-    cause = (str(inner).strip().splitlines() or [type(inner).__name__])[0].rstrip(".")
-    port = rdzv.endpoint.rsplit(":", 1)[-1]
-    full = str(inner)
-    if "address already in use" in full.lower() or "EADDRINUSE" in full:
-        holder = ports.port_holder(int(port)) if port.isdigit() else None
-        return (f"port {port} of the rendezvous {rdzv.endpoint} is already in use"
-                f"{f' (held by {holder})' if holder else ''}; name another port with "
-                "--master-port, or leave it out on a single machine")
-    return (f"could not reach the rendezvous at {rdzv.endpoint} ({cause}). "
-            f"Node 0 must be started and listening there. {_checks(opts, rdzv)}")
-
-
-_COLLATERAL = re.compile(r"gloo|nccl|DistBackendError|DistNetworkError|Connection (reset|closed)|"
-                         r"Broken pipe|ProcessGroup|timed out|SIGTERM", re.IGNORECASE)
-
-
-def report_child_failed(exc, log_dir: str) -> int:
-    """Print which rank failed first and its traceback; return the exit code to use."""
-    failures = list(exc.failures.items())  # in the order the agent saw them fail
-    texts = {rank: _failure_text(f, log_dir) for rank, f in failures}
-
-    def blame(item) -> tuple[int, int]:
-        rank, f = item
-        text = texts[rank]
-        if f.exitcode < 0:  # killed by a signal: usually stopped by the agent after another died
-            score = 3
-        elif text is None:  # its output is on the console, we cannot read it
-            score = 1
-        else:  # a communication error in one rank is most often the echo of a crash elsewhere
-            score = 2 if _COLLATERAL.search(text.splitlines()[-1] if text else "") else 0
-        return score, failures.index(item)
-
-    rank, first = min(failures, key=blame)
-    what = _how(first).replace("exit", "exit code")
-    lines = [f"rank {rank} failed first ({what}, local rank {first.local_rank}, pid {first.pid})"]
-    if texts[rank]:
-        lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
-    elif _stderr_logs(log_dir, first.local_rank):
-        lines.append("it wrote no traceback to stderr; see its logs")
-    else:
-        lines.append("its traceback is in its output above")
-    others = [f"rank {r} ({_how(f)})" for r, f in failures if r != rank]
-    if others:
-        lines.append("also stopped: " + ", ".join(others))
-    lines.append(f"logs of every rank: {log_dir}")
-    _err("\nmultigpu: ".join(lines))
-    return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
-
-
-def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:
-    """The error a failed rank left: its error file (@record) or the end of its stderr log."""
-    data = getattr(failure, "error_file_data", None) or {}
-    msg = data.get("message")
-    if isinstance(msg, dict):
-        tb = (msg.get("extraInfo") or {}).get("py_callstack")
-        return str(tb or msg.get("message") or "").rstrip() or None
-    if isinstance(msg, str) and msg and msg != "<NONE>":  # "<NONE>": torchrun's "no error file"
-        return msg.rstrip()
-    logs = _stderr_logs(log_dir, failure.local_rank)
-    if not logs:
-        return None
-    text = logs[-1].read_text(errors="replace").rstrip()
-    start = text.rfind("Traceback (most recent call last)")
-    lines = (text[start:] if start >= 0 else text).splitlines()
-    return "\n".join(lines[-max_lines:]) or None
-
-
-def _stderr_logs(log_dir: str, local_rank: int) -> list[Path]:
-    """stderr.log files of a local rank, oldest attempt first (none: it wrote to the console)."""
-    return sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"),
-                  key=lambda p: p.stat().st_mtime)
-
-
-def _how(failure) -> str:
-    return (f"signal {failure.signal_name()}" if failure.exitcode < 0
-            else f"exit {failure.exitcode}")

@@ -2,7 +2,8 @@
 
 We never pick a port by binding it, closing it and handing the number on: another job can take it
 in between (trap 8, "Address already in use" when several jobs start at once). Single-node runs
-let the rendezvous store bind port 0 instead, so the kernel picks.
+let the rendezvous store bind port 0 instead, so the kernel picks, on 127.0.0.1 only: nothing
+outside the machine can reach the job's store.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from multigpu.launch import LaunchOptions
 
 DEFAULT_PORT = 29500
+LOOPBACK_ENDPOINT = "127.0.0.1:0"  # one machine: the store on loopback, its port picked by the kernel
 
 
 def port_holder(port: int) -> str | None:
@@ -129,7 +131,7 @@ def plan_rendezvous(opts: LaunchOptions) -> Rendezvous:
 
     if max_nodes == 1:
         if host is None and port is None:
-            return Rendezvous("localhost:0", opts.rdzv_id or f"multigpu-{uuid.uuid4().hex[:8]}",
+            return Rendezvous(LOOPBACK_ENDPOINT, opts.rdzv_id or f"multigpu-{uuid.uuid4().hex[:8]}",
                               conf | {"is_host": "1"}, None)
         host, port = host or "localhost", port or DEFAULT_PORT
         return Rendezvous(_join(host, port), opts.rdzv_id or f"multigpu-{uuid.uuid4().hex[:8]}",
@@ -203,8 +205,38 @@ def _create_rendezvous_handler(params):
             OBSERVER.saw(result[0] if result else None)
             return result
 
-    _, store = c10d.create_backend(params)  # binds (or connects to) the TCP store
-    return create_handler(store, ObservedC10dBackend(store, params.run_id), params)
+    loopback = params.endpoint == LOOPBACK_ENDPOINT
+    store = loopback_store(params.get_as_int("read_timeout", 60)) if loopback else None
+    if store is None:
+        _, store = c10d.create_backend(params)  # binds (or connects to) the TCP store
+    handler = create_handler(store, ObservedC10dBackend(store, params.run_id), params)
+    if loopback and hasattr(handler, "_create_tcp_store_server"):
+        # The agent also hosts the workers' store (MASTER_ADDR:MASTER_PORT); on loopback too.
+        torch_default = handler._create_tcp_store_server
+        handler._create_tcp_store_server = lambda addr, port: loopback_store(300) or torch_default(addr, port)
+    return handler
+
+
+def loopback_store(timeout_s: int):
+    """A TCPStore server listening on 127.0.0.1 only (one torch creates binds every interface):
+    we bind the socket, port 0 so the kernel picks, and hand it over. None where this torch
+    cannot take a socket (then torch binds as it always has)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        store = TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, multi_tenant=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.fileno())
+    except (TypeError, RuntimeError, ValueError, OSError):
+        sock.close()
+        return None
+    sock.detach()  # the store owns the socket now
+    return store
 
 
 def register_rendezvous_backend() -> None:

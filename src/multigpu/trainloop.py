@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from multigpu import console, runfolder
+from multigpu import console, runfolder, watchdog
 from multigpu.checkpoint_store import CheckpointStore, step_file_name
 from multigpu.checkpoint_writer import BackgroundWriter
 from multigpu.config import TrainConfig
 from multigpu.control import Cadence, Control
-from multigpu.distributed import destroy_distributed
+from multigpu.distributed import destroy_distributed, mark_failed
 from multigpu.engine import evaluate, train_epoch
 from multigpu.errors import Stopped, UsageError
 from multigpu.loaders import sample_seed
@@ -44,6 +44,8 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
     control = Control(rt.env, Cadence.parse(cfg.checkpoint_every))
+    # Under the launcher: hangs named, and a dead launcher makes every rank save and stop.
+    watchdog.start_from_env(on_orphan=lambda: control.request_stop("launcher gone"))
     out = _on_rank0(rt, lambda: reserve_out(cfg))
     job = build_job(cfg, rt)
     config = resolved_config(cfg, rt, job, out)
@@ -154,7 +156,10 @@ def _save_or_stop(rt, saver, control, at: RunState, last, stop: str | None, out:
                      f"training paused {saver.pause * 1e3:.0f} ms")
     if stop:
         saver.finish()
-        raise Stopped(f"stopped by {stop} at epoch {at.epoch}, step {at.global_step}: checkpoint "
+        if stop == "launcher gone":
+            mark_failed()  # its rendezvous store is gone too: do not meet there before exiting
+        why = f"by {stop}" if stop.startswith("SIG") else f"({stop})"
+        raise Stopped(f"stopped {why} at epoch {at.epoch}, step {at.global_step}: checkpoint "
                       f"{path} is complete; run the same command with --resume {out} to go on",
                       exit_code=_exit_code(stop))
 

@@ -192,6 +192,29 @@ def test_kill_9_of_a_worker_at_random_moments_restarts_and_ends_equal(reference,
     assert_same_weights(reference, out, f"kills {kills}")
 
 
+def test_kill_9_of_the_launcher_workers_save_and_stop_then_resume_ends_equal(reference, tmp_path):
+    out = tmp_path / "orphaned"
+    rng = random.Random(5)
+    proc = start(out)
+    workers = wait_for_new_workers(proc, set())
+    step = wait_for_checkpoint(out, proc)
+    delay = rng.uniform(0.0, 1.5)
+    time.sleep(delay)
+    proc.kill()  # the launcher, as the OOM killer or a careless kill -9 would
+    proc.wait()
+    began = time.monotonic()
+    _, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, "workers went on without their launcher"
+    assert time.monotonic() - began < 10
+    log = "".join(p.read_text() for p in out.glob("logs/*/attempt_0/1/stderr.log"))
+    assert "the launcher" in log and "is gone" in log and "is complete" in log, log[-2000:]
+    resumed = start(out, "--resume", out)
+    stdout, stderr = finish(resumed)
+    assert resumed.returncode == 0, stderr[-3000:]
+    check_epochs(out)
+    assert_same_weights(reference, out, f"launcher killed {delay:.2f} s after step {step}")
+
+
 def test_a_truncated_newest_checkpoint_is_reported_and_the_one_before_used(reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference, out)

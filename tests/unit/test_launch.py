@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from multigpu import launch, ports, sysinfo
+from multigpu import launch, launch_failures, ports, sysinfo
 from multigpu.cli import run as run_cli
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
@@ -40,7 +40,8 @@ def test_launch_flags_are_pinned():
     launch.add_launch_arguments(p)
     flags = {s for a in p._actions for s in a.option_strings} - {"-h", "--help"}
     assert flags == {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint",
-                     "--rdzv-id", "--start-timeout", "--max-restarts", "--tee", "--log-dir"}
+                     "--rdzv-id", "--start-timeout", "--max-restarts", "--tee", "--log-dir",
+                     "--hang-timeout"}
 
 
 def test_options_defaults(no_slurm):
@@ -71,7 +72,7 @@ def test_single_node_argv_uses_c10d_on_port_zero():
     argv = torchrun_argv(["train.py", "--lr", "0.1"], CPU2, opts, rdzv, "/logs")
     assert flag_value(argv, "--nproc-per-node") == "2"
     assert flag_value(argv, "--rdzv-backend") == ports.BACKEND_NAME
-    assert flag_value(argv, "--rdzv-endpoint") == "localhost:0"
+    assert flag_value(argv, "--rdzv-endpoint") == "127.0.0.1:0"
     conf = dict(kv.split("=") for kv in flag_value(argv, "--rdzv-conf").split(","))
     assert conf["join_timeout"] == "300" and conf["is_host"] == "1"
     assert flag_value(argv, "--redirects") == "1:3"  # rank 0 keeps the console
@@ -216,7 +217,7 @@ def test_options_read_slurm(monkeypatch, no_slurm):
 
 def test_rendezvous_timeout_message():
     opts = LaunchOptions(nnodes="2", node_rank=0, master_addr="n01", start_timeout=10)
-    msg = launch.rendezvous_timeout_message(opts, plan_rendezvous(opts), ["n01_123_0"])
+    msg = launch_failures.rendezvous_timeout_message(opts, plan_rendezvous(opts), ["n01_123_0"])
     assert "did not complete within --start-timeout 10 s: 1 of 2 nodes joined (n01)" in msg
     assert "--node-rank" in msg and "n01:29500" in msg and "\n" not in msg
 
@@ -225,7 +226,7 @@ def test_rendezvous_port_in_use_message():
     opts = LaunchOptions(master_port=29999)
     exc = RuntimeError("The server socket has failed to listen on any local network address. "
                        "port: 29999, useIpv6: false, code: -98, name: EADDRINUSE")
-    msg = launch.rendezvous_failed_message(exc, opts, plan_rendezvous(opts))
+    msg = launch_failures.rendezvous_failed_message(exc, opts, plan_rendezvous(opts))
     assert "port 29999" in msg and "already in use" in msg and "--master-port" in msg
 
 
@@ -253,7 +254,7 @@ def test_failure_report_blames_the_crashing_rank(tmp_path, capsys):
     none = str(tmp_path / "missing.json")
     failures = {0: ProcessFailure(0, 100, -15, none), 2: ProcessFailure(2, 102, 1, none),
                 1: ProcessFailure(1, 101, 1, none)}
-    code = launch.report_child_failed(ChildFailedError("x", failures), str(tmp_path))
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path))
     err = capsys.readouterr().err
     assert code == 1
     assert "rank 1 failed first (exit code 1" in err and "ValueError: boom-rank-1" in err
@@ -303,3 +304,19 @@ def test_module_source(tmp_path, monkeypatch):
     assert run_cli.module_source("pkg.train") == tmp_path / "pkg" / "train.py"
     with pytest.raises(UsageError, match="-m no_such_module_xyz: no module"):
         run_cli.module_source("no_such_module_xyz")
+
+
+@pytest.mark.parametrize("value", ["-1", "0.5", "inf", "nan"])
+def test_a_bad_hang_timeout_is_one_line_with_the_fix(no_slurm, value):
+    with pytest.raises(UsageError, match=rf"--hang-timeout .*: give seconds \(at least 1, e.g. "
+                                         r"--hang-timeout 300\), or 0 to turn the watchdog off"):
+        launch.options_from_args(parse("--hang-timeout", value))
+
+
+def test_workers_get_the_hang_timeout_the_log_dir_and_the_flight_recorder(tmp_path):
+    with launch.child_environment(CPU2, LaunchOptions(hang_timeout=20), str(tmp_path)):
+        assert os.environ["MULTIGPU_HANG_TIMEOUT"] == "20"
+        assert os.environ["MULTIGPU_LOG_DIR"] == str(tmp_path.resolve())
+        assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path.resolve() / "nccl_trace_rank_")
+        assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert "MULTIGPU_HANG_TIMEOUT" not in os.environ

@@ -66,11 +66,11 @@ def main(args) -> int:
             raise UsageError(f"script {target!r} not found (in {os.getcwd()}); give the path of a "
                              "Python script, or -m package.module to run a module")
         cmd, python = script_command(source)
-    if python:
-        cmd += local_rank_args(args.local_rank_arg, source)
+    if python:  # through multigpu.worker: the hang watchdog, then the script as python runs it
+        cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
     opts = launch.options_from_args(args)
-    return launch.launch(cmd + script_args, plan, opts, python=python)
+    return launch.launch(cmd + script_args, plan, opts, python=False)
 
 
 def script_command(path: Path) -> tuple[list[str], bool]:

@@ -58,7 +58,7 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.launch import in_worker, launch, options_from_args
+    from multigpu.launch import in_worker, launch, options_from_args, python_command
     from multigpu import runfolder
     from multigpu.runfolder import OUT_RESERVED_ENV, only_claimed
     from multigpu.training import reserve_out
@@ -84,8 +84,9 @@ def main(args: argparse.Namespace) -> int:
     console.info(f"multigpu train: {plan.describe()}")
     if plan.nproc > 1 or opts.nnodes != "1":
         opts.log_dir = opts.log_dir or str(out / "logs")
-        argv = ["-m", "multigpu"] + (["--debug"] if args.debug else []) + ["train", *config_to_argv(cfg)]
-        return launch(argv, plan, opts)
+        argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
+                              *config_to_argv(cfg))
+        return launch(argv, plan, opts, python=False)
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator)
     except UsageError:

@@ -1,0 +1,120 @@
+"""What the launcher says when a launch fails: which rank failed first and why, a hang's summary,
+a rendezvous that did not complete. Pure text from torchrun's failure objects and the logs."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from multigpu import ports, watchdog
+from multigpu.ports import Rendezvous, parse_nnodes
+
+if TYPE_CHECKING:
+    from multigpu.launch import LaunchOptions
+
+
+def err(msg: str) -> None:
+    print(f"multigpu: {msg}", file=sys.stderr, flush=True)
+
+
+def _checks(opts: LaunchOptions, rdzv: Rendezvous) -> str:
+    slurm = (" Under SLURM start it with srun --ntasks-per-node=1."
+             if "SLURM_JOB_ID" in os.environ else "")
+    return (f"Check that every node runs the same command with --nnodes {opts.nnodes} and the same "
+            f"rendezvous {rdzv.endpoint}, that this address and port are reachable from every node "
+            f"(firewall), and that each node has its own --node-rank 0..N-1.{slurm}")
+
+
+def rendezvous_timeout_message(opts: LaunchOptions, rdzv: Rendezvous, joined: list[str]) -> str:
+    lo, _ = parse_nnodes(opts.nnodes)
+    seen = (f"{len(joined)} of {lo} nodes joined ({', '.join(n.rsplit('_', 2)[0] for n in joined)})"
+            if joined else f"fewer than {lo} nodes joined")
+    return (f"the rendezvous at {rdzv.endpoint} did not complete within --start-timeout "
+            f"{opts.start_timeout:g} s: {seen}, expected {opts.nnodes}. {_checks(opts, rdzv)}")
+
+
+def rendezvous_failed_message(exc: BaseException, opts: LaunchOptions, rdzv: Rendezvous) -> str:
+    inner = exc.__cause__ or exc  # torchrun wraps the store's error; its first line says it
+    cause = (str(inner).strip().splitlines() or [type(inner).__name__])[0].rstrip(".")
+    port = rdzv.endpoint.rsplit(":", 1)[-1]
+    full = str(inner)
+    if "address already in use" in full.lower() or "EADDRINUSE" in full:
+        holder = ports.port_holder(int(port)) if port.isdigit() else None
+        return (f"port {port} of the rendezvous {rdzv.endpoint} is already in use"
+                f"{f' (held by {holder})' if holder else ''}; name another port with "
+                "--master-port, or leave it out on a single machine")
+    return (f"could not reach the rendezvous at {rdzv.endpoint} ({cause}). "
+            f"Node 0 must be started and listening there. {_checks(opts, rdzv)}")
+
+
+_COLLATERAL = re.compile(r"gloo|nccl|DistBackendError|DistNetworkError|Connection (reset|closed)|"
+                         r"Broken pipe|ProcessGroup|timed out|SIGTERM", re.IGNORECASE)
+
+
+def report_child_failed(exc, log_dir: str) -> int:
+    """Print which rank failed first and its traceback; return the exit code to use."""
+    failures = list(exc.failures.items())  # in the order the agent saw them fail
+    texts = {rank: _failure_text(f, log_dir) for rank, f in failures}
+    hang = next((texts[r] for r, f in failures if f.exitcode == watchdog.EXIT_HANG and texts[r]
+                 and texts[r].startswith(watchdog.HANG_HEADER)), None)
+    if hang is not None:
+        err("\nmultigpu: ".join(hang.splitlines() + [f"logs of every rank: {log_dir}"]))
+        return watchdog.EXIT_HANG
+
+    def blame(item) -> tuple[int, int]:
+        rank, f = item
+        text = texts[rank]
+        if f.exitcode < 0:  # killed by a signal: usually stopped by the agent after another died
+            score = 3
+        elif text is None:  # its output is on the console, we cannot read it
+            score = 1
+        else:  # a communication error in one rank is most often the echo of a crash elsewhere
+            score = 2 if _COLLATERAL.search(text.splitlines()[-1] if text else "") else 0
+        return score, failures.index(item)
+
+    rank, first = min(failures, key=blame)
+    what = _how(first).replace("exit", "exit code")
+    lines = [f"rank {rank} failed first ({what}, local rank {first.local_rank}, pid {first.pid})"]
+    if texts[rank]:
+        lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
+    elif _stderr_logs(log_dir, first.local_rank):
+        lines.append("it wrote no traceback to stderr; see its logs")
+    else:
+        lines.append("its traceback is in its output above")
+    others = [f"rank {r} ({_how(f)})" for r, f in failures if r != rank]
+    if others:
+        lines.append("also stopped: " + ", ".join(others))
+    lines.append(f"logs of every rank: {log_dir}")
+    err("\nmultigpu: ".join(lines))
+    return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
+
+
+def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:
+    """The error a failed rank left: its error file (@record) or the end of its stderr log."""
+    data = getattr(failure, "error_file_data", None) or {}
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        tb = (msg.get("extraInfo") or {}).get("py_callstack")
+        return str(tb or msg.get("message") or "").rstrip() or None
+    if isinstance(msg, str) and msg and msg != "<NONE>":  # "<NONE>": torchrun's "no error file"
+        return msg.rstrip()
+    logs = _stderr_logs(log_dir, failure.local_rank)
+    if not logs:
+        return None
+    text = logs[-1].read_text(errors="replace").rstrip()
+    start = text.rfind("Traceback (most recent call last)")
+    lines = (text[start:] if start >= 0 else text).splitlines()
+    return "\n".join(lines[-max_lines:]) or None
+
+
+def _stderr_logs(log_dir: str, local_rank: int) -> list[Path]:
+    """stderr.log files of a local rank, oldest attempt first (none: it wrote to the console)."""
+    return sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def _how(failure) -> str:
+    return (f"signal {failure.signal_name()}" if failure.exitcode < 0
+            else f"exit {failure.exitcode}")
