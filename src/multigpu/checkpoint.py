@@ -79,6 +79,20 @@ def check_loadable(extra: dict) -> None:
                          "or a tensor") from None
 
 
+def match_optimizer_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each parameter's optimizer state the parameter's memory layout. A checkpoint from a
+    run whose weights were laid out otherwise (channels_last on GPUs, not on CPUs) loads its
+    state as it was saved, and CUDA's fused optimizers refuse "params, grads, exp_avgs, and
+    exp_avg_sqs must have same dtype, device, and layout"."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if (isinstance(value, torch.Tensor) and value.shape == p.shape
+                        and value.stride() != p.stride()):
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
 class CheckpointError(UsageError):
     """A checkpoint that cannot be read: missing, truncated, corrupt, or refused as unsafe."""
 

@@ -41,10 +41,20 @@ class Snapshot:
         if i >= len(self._buffers):
             self._buffers.extend([torch.empty(0)] * (i + 1 - len(self._buffers)))
         buf = self._buffers[i]
-        if buf.shape != t.shape or buf.dtype != t.dtype or not buf.is_pinned():
-            buf = self._buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if (buf.shape, buf.stride(), buf.dtype) != (t.shape, t.stride(), t.dtype) or not buf.is_pinned():
+            buf = self._buffers[i] = staging_buffer(t, pin_memory=True)
         self._queued = True
         return buf.copy_(t, non_blocking=True)
+
+
+def staging_buffer(t: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    """An empty host tensor for a copy of `t`, with `t`'s strides where they are a dense layout
+    (a channels_last weight stays channels_last in the file), else contiguous."""
+    dense = (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+             or t.is_contiguous(memory_format=torch.channels_last_3d))
+    if dense:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=pin_memory)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin_memory)
 
 
 class BackgroundWriter:

@@ -6,6 +6,8 @@ the GPU ahead of the step, and can go on from a position inside an epoch.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import warnings
@@ -194,17 +196,22 @@ class PerSampleSeed(Dataset):
 
 
 class _WorkerInit:
-    """DataLoader workers leave SIGINT/SIGTERM/SIGUSR1 to their rank's main process.
+    """DataLoader workers leave stop signals to their rank's main process.
 
-    torchrun delivers a stop signal to the worker's whole process group, loader workers included;
-    a worker killed by it makes the rank fail in the middle of the step it should finish before
-    saving a checkpoint. The main process ends its workers itself when it stops."""
+    torchrun delivers a stop signal to the worker's whole process group, and a terminal's Ctrl-C
+    to the foreground one, loader workers included; a loader worker killed by it makes the rank
+    fail in the middle of the step it should finish before saving a checkpoint. So each loader
+    worker moves to a process group of its own and ignores SIGINT and SIGUSR1. SIGTERM sent to the
+    worker itself keeps its default: that is how torch ends a loader worker that does not stop.
+    The main process ends its workers itself when it stops, and they notice if it dies."""
 
     def __init__(self, user_fn):
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        for sig in (signal.SIGINT, getattr(signal, "SIGUSR1", None)):
             if sig is not None:
                 signal.signal(sig, signal.SIG_IGN)
         if self.user_fn is not None:

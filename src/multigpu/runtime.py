@@ -254,6 +254,7 @@ class Runtime:
             checkpoint.load_model_state(model, state["model"])
         if optimizer is not None and state.get("optimizer"):
             optimizer.load_state_dict(state["optimizer"])
+            checkpoint.match_optimizer_layout(optimizer)
         if scheduler is not None and state.get("scheduler"):
             scheduler.load_state_dict(state["scheduler"])
         if state.get("precision"):

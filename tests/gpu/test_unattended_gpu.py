@@ -22,8 +22,8 @@ from multigpu.checkpoint_store import CheckpointStore
 
 pytestmark = pytest.mark.gpu
 
-N = 4096
-ARGS = ["--model", "resnet50", "--data", f"synthetic:{N}", "--image-size", "96", "--epochs", "2",
+N = 2048
+ARGS = ["--model", "resnet50", "--data", f"synthetic:{N}", "--image-size", "64", "--epochs", "2",
         "--batch-size", "64", "--workers", "2", "--checkpoint-every", "10", "--devices", "2"]
 
 
@@ -33,16 +33,46 @@ def two_gpus():
         pytest.skip("needs 2 GPUs")
 
 
+STARTED: list[psutil.Process] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind():
+    """A test that fails must not leave GPU workers behind for the next ones."""
+    yield
+    for p in STARTED:
+        try:
+            for q in [*p.children(recursive=True), p]:
+                q.kill()
+        except psutil.Error:
+            pass
+    STARTED.clear()
+
+
 def start(out: Path, *extra) -> subprocess.Popen:
+    """The launcher, its output in files beside the run (kept when a test times out)."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    return subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--out", str(out),
-                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.parent.glob(f"{out.name}-launch*.out")))
+    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--out", str(out),
+                             "--hang-timeout", "60", *extra], env=env, text=True,
+                            stdout=open(out.parent / f"{out.name}-launch{n}.out", "w"),
+                            stderr=open(out.parent / f"{out.name}-launch{n}.err", "w"))
+    STARTED.append(psutil.Process(proc.pid))
+    return proc
+
+
+def output(out: Path, proc: subprocess.Popen, timeout=240) -> tuple[str, str]:
+    proc.wait(timeout)
+    n = len(list(out.parent.glob(f"{out.name}-launch*.out"))) - 1
+    return ((out.parent / f"{out.name}-launch{n}.out").read_text(),
+            (out.parent / f"{out.name}-launch{n}.err").read_text())
 
 
 def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout=240) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, output(out, proc)[1][-3000:]
         entries = CheckpointStore(out / "checkpoints").entries() if (out / "checkpoints" / "manifest.json").exists() else []
         if entries:
             return entries[-1].global_step
@@ -61,7 +91,7 @@ def test_kill_9_of_one_gpu_worker_restarts_and_resumes(tmp_path):
     workers = [p for p in psutil.Process(proc.pid).children() if "train" in " ".join(p.cmdline())]
     assert len(workers) == 2
     workers[1].kill()
-    stdout, stderr = proc.communicate(timeout=600)
+    stdout, stderr = output(out, proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert stdout.count("resumed from") == 1
     assert [(r["epoch"], r["train_samples"]) for r in records(out)] == [(1, N), (2, N)]
@@ -73,11 +103,29 @@ def test_sigterm_on_gpus_saves_and_resume_finishes(tmp_path):
     wait_for_checkpoint(out, proc)
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = output(out, proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by SIGTERM" in stdout + stderr and "is complete" in stdout + stderr
     resumed = start(out, "--resume", str(out))
-    stdout, stderr = resumed.communicate(timeout=600)
+    stdout, stderr = output(out, resumed)
     assert resumed.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout
     assert [(r["epoch"], r["train_samples"]) for r in records(out)] == [(1, N), (2, N)]
+
+
+def test_a_hang_on_nccl_is_named_and_the_flight_recorder_dumped(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    began = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", "2", "--hang-timeout", "15",
+                        "--log-dir", str(tmp_path), str(Path(__file__).parent / "scripts" / "skip_allreduce_nccl.py")],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 124, r.stderr[-3000:]
+    assert time.monotonic() - began < 15 + 60
+    assert "rank 1: stuck" in r.stderr and "in after_skipping" in r.stderr
+    assert "rank 0: stuck" in r.stderr and "skip_allreduce_nccl.py:2" in r.stderr  # line 23 or 24
+    for rank in (0, 1):
+        assert (tmp_path / f"hang-rank{rank}.txt").stat().st_size > 0
+    trace = tmp_path / "nccl_trace_rank0.pkl"
+    assert trace.is_file() and trace.stat().st_size > 0, sorted(p.name for p in tmp_path.iterdir())
+    print(r.stderr[-1500:])
+    print("flight recorder:", {p.name: p.stat().st_size for p in tmp_path.glob("nccl_trace*")})

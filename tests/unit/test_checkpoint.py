@@ -90,3 +90,21 @@ def test_a_real_child_named_module_is_not_taken_for_a_wrapper_prefix():
     dst.module.weight.data.zero_()
     checkpoint.load_model_state(dst, wrapped)
     assert torch.equal(dst.module.weight, src.module.weight)
+
+
+def test_optimizer_state_takes_the_layout_of_channels_last_weights():
+    # A CPU run's checkpoint (contiguous state) resumed on GPUs (channels_last convnet weights):
+    # CUDA's fused Adam refuses state laid out unlike its parameter.
+    model = nn.Conv2d(3, 8, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    gpu_like = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    opt2 = torch.optim.Adam(gpu_like.parameters())
+    opt2.load_state_dict(saved)
+    checkpoint.match_optimizer_layout(opt2)
+    for key in ("exp_avg", "exp_avg_sq"):
+        state = opt2.state[gpu_like.weight][key]
+        assert state.stride() == gpu_like.weight.stride()
+        torch.testing.assert_close(state, saved["state"][0][key], rtol=0, atol=0)

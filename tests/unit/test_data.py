@@ -208,3 +208,29 @@ def test_augmentation_in_workers_depends_on_the_sample_not_on_workers_or_a_resum
     assert len(set(two.values())) == 40, "still random from sample to sample"
     assert _augmentations(1) == two
     assert _augmentations(2, start=16) == {i: r for i, r in two.items() if i in _augmentations(1, start=16)}
+
+
+class WorkerIdentity(torch.utils.data.Dataset):
+    def __len__(self):
+        return 400  # more batches than the loader fetches ahead
+
+    def __getitem__(self, i):
+        import os
+        return torch.tensor([os.getpid(), os.getpgid(0)])
+
+
+def test_loader_workers_keep_out_of_the_ranks_process_group_but_die_on_sigterm():
+    import os
+    import signal
+
+    loader = shard_loader(DataLoader(WorkerIdentity(), batch_size=4, num_workers=1,
+                                     persistent_workers=True),
+                          num_ranks=1, rank=0, devices_per_rank=1, device=torch.device("cpu"),
+                          seed=0, on_step=lambda i: None)
+    it = iter(loader)
+    pid, pgid = next(it)[0].tolist()
+    assert pgid == pid != os.getpgid(0), "a group of its own: torchrun's killpg does not reach it"
+    os.kill(pid, signal.SIGTERM)  # how torch ends a worker that does not stop by itself
+    with pytest.raises(RuntimeError, match="DataLoader worker .* exited unexpectedly|killed by signal"):
+        for _ in range(50):
+            next(it)
