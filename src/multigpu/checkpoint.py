@@ -13,6 +13,8 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
+import zipfile
 from pathlib import Path
 from typing import Mapping
 
@@ -98,12 +100,33 @@ class CheckpointError(UsageError):
 
 
 def load(path: str | os.PathLike) -> dict:
-    """Read a checkpoint safely (no pickled code is executed) onto the CPU."""
+    """Read a checkpoint safely (weights_only: no pickled code is ever run) onto the CPU; any file
+    that is not a readable checkpoint raises CheckpointError with one line saying why."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # every way a file can fail to be a checkpoint: one line, no traceback
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"{path} cannot be loaded as a checkpoint ({first})") from None
+        raise CheckpointError(f"{path}: {_why_unreadable(path, exc)}") from None
+
+
+def _why_unreadable(path, exc: Exception) -> str:
+    text = str(exc)
+    if isinstance(exc, OSError):
+        return f"cannot be read ({exc.strerror or text})"
+    if "Weights only load failed" in text and zipfile.is_zipfile(path):
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        what = found.group(1) if found else "objects other than tensors and plain values"
+        return (f"refused: it holds {what}, which unpickling could run as code; multigpu reads "
+                "checkpoints with weights_only=True and never runs code from one. If you made "
+                "the file and trust it, load it yourself and save its state dicts with torch.save")
+    size = os.path.getsize(path)
+    if size == 0:
+        return "the file is empty (a write that never finished?); use an earlier checkpoint"
+    if not zipfile.is_zipfile(path):
+        if "zip archive" in text:
+            return f"truncated or corrupt ({size} bytes): torch cannot find the end of its archive"
+        return "not a checkpoint: torch.save writes a zip archive and this file is none"
+    first = (text.strip().splitlines() or [type(exc).__name__])[0]
+    return f"torch cannot read it ({first})"
 
 
 # --- RNG state: plain tensors and ints only, so weights_only loading accepts it -------------------

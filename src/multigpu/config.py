@@ -51,6 +51,10 @@ class TrainConfig:
     accumulate: int = _f(1, "micro-batches per optimizer step (gradients all-reduced on the last only)")
     clip_grad_norm: float | None = _f(None, "clip the global gradient norm to this value")
     drop_last: bool = _f(False, "drop the last partial step of each epoch instead of training on it")
+    bad_images: str = _f("skip", "folder: data, an image that cannot be decoded: skip (the next "
+                                 "readable image takes its place, it is named and counted; the "
+                                 "run stops if over 1 %% of an epoch's images are bad) or fail",
+                         choices=("skip", "fail"))
     workers: int | None = _f(None, "DataLoader worker processes per rank (default: 0 for in-memory "
                                    "data, else the CPU cores per GPU)")
     find_unused_parameters: bool = _f(False, "let DDP search for parameters the loss does not use "

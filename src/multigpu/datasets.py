@@ -27,7 +27,6 @@ import csv
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -68,7 +67,8 @@ class DataBundle:
 
 
 def load_data(
-    spec: str, *, input_kind: str, image_size: int, seq_length: int = 12, future_length: int = 1
+    spec: str, *, input_kind: str, image_size: int, seq_length: int = 12, future_length: int = 1,
+    bad_images: str = "skip",
 ) -> DataBundle:
     """Build the DataBundle for `--data SPEC`; `input_kind` is models.model_input_kind() of the model."""
     assert input_kind in ("flat", "image"), f"input_kind must be 'flat' or 'image', got {input_kind!r}"
@@ -78,7 +78,9 @@ def load_data(
     if sep and kind == "synthetic":
         return _synthetic(spec, arg, input_kind, _positive(image_size, "--image-size"))
     if sep and kind == "folder" and arg:
-        return _folder(arg, _positive(image_size, "--image-size"))
+        from multigpu.imagefolder import load_folder
+
+        return load_folder(arg, _positive(image_size, "--image-size"), bad_images=bad_images)
     if sep and kind == "timeseries" and arg:
         if input_kind == "image":
             raise UsageError(
@@ -178,124 +180,6 @@ def _synthetic(spec: str, count: str, input_kind: str, image_size: int) -> DataB
         input_shape=shape,
         num_outputs=SYNTHETIC_CLASSES,
         name=f"synthetic:{n}",
-    )
-
-
-# --- folder -----------------------------------------------------------------------------------------
-
-
-class ImageFolderDataset(Dataset):
-    """Decodes images with PIL; training samples get a random resized crop and flip, validation a centre crop."""
-
-    def __init__(self, samples: list[tuple[str, int]], classes: list[str], image_size: int, train: bool) -> None:
-        self.samples, self.classes, self.image_size, self.train = samples, classes, image_size, train
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from PIL import Image
-
-        path, label = self.samples[index]
-        try:
-            with Image.open(path) as raw:
-                image = raw.convert("RGB")
-        except OSError as exc:
-            raise OSError(f"cannot read image '{path}' ({exc}): delete or replace the file") from exc
-        image = _random_crop(image, self.image_size) if self.train else _center_crop(image, self.image_size)
-        return _to_tensor(image), torch.tensor(label, dtype=torch.int64)
-
-
-def _random_crop(image, size: int):
-    """Crop a random region (35-100% of the area, aspect 3/4-4/3), resize it to size x size, maybe flip it."""
-    from PIL import Image
-
-    width, height = image.size
-    area = width * height
-    box = None
-    for _ in range(10):
-        target = area * float(torch.empty(1).uniform_(0.35, 1.0))
-        aspect = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
-        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            left = int(torch.randint(width - w + 1, (1,)))
-            top = int(torch.randint(height - h + 1, (1,)))
-            box = (left, top, left + w, top + h)
-            break
-    if box is None:  # very elongated image: fall back to the largest centred square
-        side = min(width, height)
-        left, top = (width - side) // 2, (height - side) // 2
-        box = (left, top, left + side, top + side)
-    image = image.resize((size, size), Image.Resampling.BILINEAR, box=box)
-    if float(torch.rand(1)) < 0.5:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return image
-
-
-def _center_crop(image, size: int):
-    """Resize the shorter side to size * 8/7 (256 for 224), then cut out the centre size x size."""
-    from PIL import Image
-
-    width, height = image.size
-    short = round(size * 8 / 7)
-    scale = short / min(width, height)
-    width, height = max(short, round(width * scale)), max(short, round(height * scale))
-    image = image.resize((width, height), Image.Resampling.BILINEAR)
-    left, top = (width - size) // 2, (height - size) // 2
-    return image.crop((left, top, left + size, top + size))
-
-
-def _to_tensor(image) -> torch.Tensor:
-    """uint8 (C, H, W); see DataBundle.normalize."""
-    return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()
-
-
-_FOLDER_LAYOUT = "expected PATH/train/<class>/<image> and PATH/val/<class>/<image>"
-
-
-def _class_images(split_dir: Path) -> dict[str, list[str]]:
-    images = {}
-    for folder in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-        files = sorted(str(f) for f in folder.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise UsageError(
-                f"class folder '{folder}' has no images: add .jpg/.png files to it or remove the folder"
-            )
-        images[folder.name] = files
-    if not images:
-        raise UsageError(f"'{split_dir}' has no class folders: {_FOLDER_LAYOUT}")
-    return images
-
-
-def _folder(path: str, image_size: int) -> DataBundle:
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise UsageError(f"data folder '{path}' does not exist: check the path in --data folder:{path}")
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise UsageError(f"data folder '{path}' has no {split}/ subfolder: {_FOLDER_LAYOUT}")
-    train_images = _class_images(root / "train")
-    val_images = _class_images(root / "val")
-    classes = list(train_images)
-    extra = sorted(set(val_images) - set(classes))
-    if extra:
-        raise UsageError(
-            f"'{root / 'val'}' has class folders missing from train/ ({', '.join(extra)}): "
-            "val/ must use the same class folders as train/"
-        )
-    index = {name: i for i, name in enumerate(classes)}
-
-    def pairs(images: dict[str, list[str]]) -> list[tuple[str, int]]:
-        return [(file, index[name]) for name, files in images.items() for file in files]
-
-    return DataBundle(
-        train=ImageFolderDataset(pairs(train_images), classes, image_size, train=True),
-        val=ImageFolderDataset(pairs(val_images), classes, image_size, train=False),
-        task="classification",
-        input_shape=(3, image_size, image_size),
-        num_outputs=len(classes),
-        name=f"folder:{path}",
-        normalize=(IMAGENET_MEAN, IMAGENET_STD),
     )
 
 

@@ -239,6 +239,9 @@ def parse_devices(spec: str) -> tuple[str, int | tuple[int, ...] | None]:
 def resolve_devices(spec: str, *, one_process: bool = False,
                     min_free_memory_gb: float = 2.0) -> DevicePlan:
     """Turn a `--devices` value into a DevicePlan; user mistakes raise UsageError (one line)."""
+    if not 0 <= min_free_memory_gb < float("inf"):  # also nan
+        raise UsageError(f"--min-free-memory {min_free_memory_gb:g} must be a number of GB, at least "
+                         "0, e.g. --min-free-memory 2 (0 uses busy GPUs too)")
     kind, value = parse_devices(spec)
     if kind == "cpu":
         if one_process and value > 1:

@@ -96,6 +96,12 @@ def options_from_args(args) -> LaunchOptions:
         master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         start_timeout=args.start_timeout, max_restarts=args.max_restarts, tee=args.tee,
         log_dir=args.log_dir, hang_timeout=args.hang_timeout)
+    ports.parse_nnodes(opts.nnodes)  # before anything is made for the run
+    if opts.max_restarts < 0:
+        raise UsageError(f"--max-restarts {opts.max_restarts}: must be 0 or more, e.g. --max-restarts 3")
+    if not 0 < opts.start_timeout < float("inf"):
+        raise UsageError(f"--start-timeout {args.start_timeout:g}: give seconds, more than 0, e.g. "
+                         "--start-timeout 300")
     if not (opts.hang_timeout == 0 or 1 <= opts.hang_timeout < float("inf")):
         raise UsageError(f"--hang-timeout {args.hang_timeout:g}: give seconds (at least 1, e.g. "
                          "--hang-timeout 300), or 0 to turn the watchdog off")

@@ -76,10 +76,35 @@ def _claim(path: Path, fresh_only: bool) -> bool:
     return True
 
 
-def only_claimed(path: Path) -> bool:
-    """True while the folder holds nothing but this run's claim (nothing worth keeping)."""
-    entries = list(path.iterdir()) if path.is_dir() else [None]
-    return len(entries) == 1 and entries[0].name == CONFIG and entries[0].read_bytes() == _CLAIM
+def nothing_trained(path: Path) -> bool:
+    """True while the folder holds only what a run writes before its first epoch ends: its
+    config.json and a checkpoints/ folder with no checkpoint in it (nothing worth keeping)."""
+    if not path.is_dir():
+        return False
+    for entry in path.iterdir():
+        if entry.name == "checkpoints" and entry.is_dir():
+            if any(not p.name.startswith(".") for p in entry.iterdir()):
+                return False
+        elif entry.name != CONFIG:
+            return False
+    return True
+
+
+def remove_untrained(path: Path, up_to: Path) -> None:
+    """Remove a folder for which nothing_trained() holds, and the empty folders above it that
+    this run made (up to `up_to`, the outermost one)."""
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir():
+        for p in checkpoints.iterdir():
+            p.unlink()
+        checkpoints.rmdir()
+    (path / CONFIG).unlink(missing_ok=True)
+    path = path.absolute()
+    path.rmdir()
+    up_to = up_to.absolute()
+    while path != up_to and up_to in path.parents and not any(path.parent.iterdir()):
+        path = path.parent
+        path.rmdir()
 
 
 def write_config(out: Path, resolved: dict) -> None:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from multigpu import console
+from multigpu import checkpoint, console
 from multigpu.checkpoint_store import CheckpointStore, verify_and_load
 from multigpu.distributed import DistEnv
 from multigpu.errors import UsageError
@@ -88,19 +88,29 @@ def _find(out: Path, resume: str | None, keep: int,
             return ResumePoint(found[0], str(found[1]), in_place=True)
     if not resume:
         return None
+    state, path = load_source(resume, warn)
+    folder = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return ResumePoint(state, str(path), in_place=_same(folder, out))
+
+
+def load_source(resume: str, warn: Callable[[str], None] = lambda _: None) -> tuple[dict, Path]:
+    """The checkpoint --resume names (a file, or a run folder's newest readable one), loaded; a
+    one-line UsageError when there is none. The CLI calls it before it makes a run folder."""
     path = Path(resume)
     if path.is_dir():
-        store = CheckpointStore(path / "checkpoints" if (path / "checkpoints").is_dir() else path, keep)
+        store = CheckpointStore(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
         found = store.load_newest(warn) if store.has_checkpoints() else None
         if not found:
             raise UsageError(f"--resume {resume}: no checkpoint there (expected a .pt file, or a "
                              "run folder with checkpoints/)")
-        return ResumePoint(found[0], str(found[1]), in_place=_same(path, out))
+        return found
     if not path.is_file():
         raise missing_resume(resume)
     listed = {e.file: e for e in CheckpointStore(path.parent).entries()}
-    return ResumePoint(verify_and_load(path, listed.get(path.name)), str(path),
-                       in_place=_same(path.parent.parent, out))
+    try:
+        return verify_and_load(path, listed.get(path.name)), path
+    except checkpoint.CheckpointError as exc:
+        raise checkpoint.CheckpointError(f"--resume {exc}") from None
 
 
 def missing_resume(resume: str) -> UsageError:

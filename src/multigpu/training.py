@@ -125,7 +125,8 @@ def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy."""
     image_size = cfg.image_size or default_image_size(cfg.model)
     data = load_data(cfg.data, input_kind=model_input_kind(cfg.model), image_size=image_size,
-                     seq_length=cfg.seq_length, future_length=cfg.future_length)
+                     seq_length=cfg.seq_length, future_length=cfg.future_length,
+                     bad_images=cfg.bad_images)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.clip_grad_norm,
                                      channels_last=rt.device.type == "cuda" and is_convnet(cfg.model))

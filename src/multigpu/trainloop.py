@@ -27,7 +27,9 @@ from multigpu.control import Cadence, Control
 from multigpu.distributed import destroy_distributed, mark_failed
 from multigpu.engine import evaluate, train_epoch
 from multigpu.errors import Stopped, UsageError
+from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.loaders import sample_seed
+from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
 from multigpu.training import (Job, build_job, ddp_options, oom_message, reserve_out,
@@ -101,7 +103,7 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
             saver: "Checkpointer", out: Path, last: dict | None) -> dict:
-    record = {}
+    record, bad_before = {}, 0
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
@@ -113,7 +115,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
             decision = control.after_step(step)
             if decision is None:
                 return
-            loss, samples = cursor.totals(rt.env)
+            loss, _ = cursor.totals(rt.env)
             at = RunState(epoch, cursor.position, step, begun.loss_sum + loss,
                           begun.seconds + time.perf_counter() - cursor.start, begun.best)
             _save_or_stop(rt, saver, control, at, last, decision.stop, out)
@@ -126,6 +128,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
                                   after_step=after_step)
         except torch.cuda.OutOfMemoryError:
             raise UsageError(oom_message(cfg, rt)) from None
+        bad_before = _count_bad_images(rt, job, record, bad_before)
         rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved below
         record |= evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification, job.settings)
         if rt.precision.scaler is not None:
@@ -167,6 +170,23 @@ def _save_or_stop(rt, saver, control, at: RunState, last, stop: str | None, out:
 def _exit_code(reason: str) -> int:
     sig = getattr(signal, reason, None) if reason.startswith("SIG") else None
     return 128 + int(sig) if sig is not None else 1
+
+
+def _count_bad_images(rt: Runtime, job: Job, record: dict, before: int) -> int:
+    """folder: data: how many unreadable images the epoch met, over all ranks (in `record`); the
+    run stops when they are over 10 and over 1 % of its samples. Returns the new total."""
+    dataset = job.train_loader.dataset
+    if not hasattr(dataset, "bad_count"):
+        return before
+    sums = Sums(rt.env)
+    sums.add(bad=dataset.bad_count)
+    total = int(sums.reduce()["bad"])
+    record["bad_images"] = total - before
+    if record["bad_images"] > max(MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION * record["train_samples"]):
+        raise UsageError(f"{record['bad_images']} of the {record['train_samples']} images of epoch "
+                         f"{record['epoch']} could not be read (over {MAX_BAD_FRACTION:.0%}): the "
+                         "data looks broken; the files are named in the warnings above")
+    return total
 
 
 def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:

@@ -77,7 +77,7 @@ def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
     (["--model", "resnet19"], "unknown model 'resnet19'"),
     (["--model", "mlp", "--data", "folder:/no/such/dir"], "does not exist"),
     (["--model", "mlp", "--devices", "0,9"], "GPU"),
-    (["--model", "mlp", "--epochs", "0"], "--epochs 0 must be at least 1"),
+    (["--model", "mlp", "--epochs", "0"], "--epochs 0 must be a number at least 1, e.g. --epochs 1"),
     (["--model", "cnn", "--compile", "reduce-overhead", "--devices", "cpu:2"],
      "--compile reduce-overhead records CUDA graphs, which need GPUs; on cpu use --compile default"),
     (["--model", "cnn", "--compile", "reduce-overhead", "--strategy", "dp"],
@@ -170,3 +170,20 @@ def test_two_nodes_sharing_a_filesystem_train_into_one_folder(tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in results]
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     assert [m["train_samples"] for m in read_metrics(out)] == [64]
+
+
+def test_an_unreadable_image_is_skipped_counted_and_the_run_finishes(tmp_path):
+    from PIL import Image
+
+    for split, n in (("train", 12), ("val", 2)):
+        for cls in ("a", "b"):
+            (tmp_path / "imgs" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (12, 12), (20 * i, 0, 0)).save(tmp_path / "imgs" / split / cls / f"{i}.png")
+    (tmp_path / "imgs" / "train" / "a" / "3.png").write_bytes(b"\x89PNG cut off")
+    out = tmp_path / "run"
+    proc = multigpu("train", "--model", "cnn", "--data", f"folder:{tmp_path / 'imgs'}", "--image-size", "8",
+                    "--epochs", "2", "--batch-size", "4", "--workers", "2", "--devices", "cpu:2", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped unreadable image" in proc.stderr and "train/a/3.png" in proc.stderr
+    assert [(m["train_samples"], m["bad_images"]) for m in read_metrics(out)] == [(24, 1), (24, 1)]

@@ -257,3 +257,48 @@ def test_bad_image_size():
     assert str(excinfo.value) == (
         "--image-size 0 is not a positive integer: pass a value of 1 or more, e.g. --image-size 32"
     )
+
+
+def _image_folder(root, bad=()):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (12, 12), (60 * i, 0, 0)).save(root / split / cls / f"{i}.png")
+    for rel in bad:
+        (root / rel).write_bytes(b"\x89PNG broken")
+
+
+def test_an_unreadable_image_is_replaced_by_the_next_counted_and_named_once(tmp_path, capsys):
+    _image_folder(tmp_path, bad=["train/a/1.png"])
+    data = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8)
+    bad_index = [p for p, _ in data.train.samples].index(str(tmp_path / "train/a/1.png"))
+    x, y = data.train[bad_index]
+    nxt, label = data.train[bad_index + 1]
+    assert torch.equal(x, nxt) and y == label, "the next image of the split takes its place"
+    data.train[bad_index]
+    assert data.train.bad_count == 2, "counted each time it is met"
+    err = capsys.readouterr().err
+    assert err.count("skipped unreadable image") == 1 and "train/a/1.png" in err
+
+
+def test_with_bad_images_fail_the_first_one_stops_with_its_name(tmp_path):
+    from multigpu.imagefolder import BadImageError
+
+    _image_folder(tmp_path, bad=["train/b/0.png"])
+    data = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8, bad_images="fail")
+    index = [p for p, _ in data.train.samples].index(str(tmp_path / "train/b/0.png"))
+    with pytest.raises(BadImageError, match=r"cannot read image '.*train/b/0.png' .*--bad-images skip"):
+        data.train[index]
+
+
+def test_a_folder_of_one_class_is_refused(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        (tmp_path / split / "only").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / split / "only" / "x.png")
+    with pytest.raises(UsageError, match="has one class folder \\(only\\): a classifier of one class"):
+        load_data(f"folder:{tmp_path}", input_kind="image", image_size=8)

@@ -308,7 +308,7 @@ def test_module_source(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("value", ["-1", "0.5", "inf", "nan"])
 def test_a_bad_hang_timeout_is_one_line_with_the_fix(no_slurm, value):
-    with pytest.raises(UsageError, match=rf"--hang-timeout .*: give seconds \(at least 1, e.g. "
+    with pytest.raises(UsageError, match=r"--hang-timeout .*: give seconds \(at least 1, e.g. "
                                          r"--hang-timeout 300\), or 0 to turn the watchdog off"):
         launch.options_from_args(parse("--hang-timeout", value))
 

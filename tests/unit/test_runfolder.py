@@ -32,7 +32,7 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     assert len({str(f) for f in folders}) == 6
     assert sorted(f.name for f in folders)[:2] == ["20261123-120000-mlp-digits",
                                                    "20261123-120000-mlp-digits-2"]
-    assert all(runfolder.only_claimed(f) for f in folders)
+    assert all(runfolder.nothing_trained(f) for f in folders)
 
 
 def test_two_runs_racing_for_one_out_folder_one_wins(tmp_path):

@@ -52,6 +52,17 @@ def _mark_failed() -> None:
         distributed.mark_failed()
 
 
+def one_line(exc: BaseException) -> str:
+    """The message of a UsageError; one raised in a DataLoader worker arrives wrapped in the
+    worker's traceback ("Caught X in DataLoader worker process 0. Original Traceback ..."), whose
+    last line is the message."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    last = text.strip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last and "Error" in last.split(": ", 1)[0] else last
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         _mark_failed()
         if args.debug:
             raise
-        print(f"multigpu: error: {exc}", file=sys.stderr)
+        print(f"multigpu: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except Stopped as exc:
         print(f"multigpu: {exc}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ device. Inside a worker, only the training runs.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -38,29 +39,41 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# flag -> (smallest allowed value, whether that value itself is allowed): every number must also
+# be finite. One table, so that a new numeric flag gets its check in one place.
+_LIMITS = {"epochs": (1, True), "batch_size": (1, True), "accumulate": (1, True),
+           "seq_length": (1, True), "future_length": (1, True), "step_size": (1, True),
+           "keep": (1, True), "image_size": (1, True), "workers": (0, True),
+           "lr": (0, False), "weight_decay": (0, True), "gamma": (0, False),
+           "clip_grad_norm": (0, False), "min_free_memory": (0, True)}
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
     from multigpu.control import Cadence
     from multigpu.models import model_input_kind
 
-    for name in ("epochs", "batch_size", "accumulate", "seq_length", "future_length"):
+    for name, (low, inclusive) in _LIMITS.items():
         value = getattr(cfg, name)
-        if value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} {value} must be at least 1")
-    if cfg.lr is not None and cfg.lr <= 0:
-        raise UsageError(f"--lr {cfg.lr} must be positive")
-    if cfg.image_size is not None and cfg.image_size < 1:
-        raise UsageError(f"--image-size {cfg.image_size} must be positive")
-    if cfg.keep < 1:
-        raise UsageError(f"--keep {cfg.keep} must be at least 1 (the newest checkpoint is always kept)")
+        if value is None:  # optional and left out
+            continue
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            flag = "--" + name.replace("_", "-")
+            bound = f"at least {low}" if inclusive else f"more than {low}"
+            raise UsageError(f"{flag} {value:g} must be a number {bound}, e.g. {flag} "
+                             f"{_EXAMPLES.get(name, max(low, 1))}")
     Cadence.parse(cfg.checkpoint_every)
     model_input_kind(cfg.model)  # raises on an unknown model
+
+
+_EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 1.0,
+             "min_free_memory": 2, "workers": 4, "batch_size": 64, "image_size": 224}
 
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.launch import in_worker, launch, options_from_args, python_command
     from multigpu import runfolder
-    from multigpu.runfolder import OUT_RESERVED_ENV, only_claimed
+    from multigpu.runfolder import OUT_RESERVED_ENV, nothing_trained, remove_untrained
     from multigpu.training import reserve_out
     from multigpu.trainloop import run_training
 
@@ -72,7 +85,8 @@ def main(args: argparse.Namespace) -> int:
     validate(cfg)
     plan = _plan_devices(cfg)
     opts = options_from_args(args)
-    made = not (cfg.out and Path(cfg.out).exists())  # a folder we make, we may remove
+    _check_resume(cfg)
+    made = _first_missing(Path(cfg.out) if cfg.out else Path("runs"))  # what we make, we may remove
     if opts.nnodes != "1" and opts.node_rank not in (None, 0):
         # Node 0 claims the folder (on a shared filesystem a second claim would fail); global
         # rank 0, wherever it runs, tells every rank which folder that is.
@@ -90,11 +104,31 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator)
     except UsageError:
-        if made and only_claimed(out):  # refused before writing anything: leave no folder behind
-            (out / "config.json").unlink()
-            out.rmdir()
+        if made is not None and nothing_trained(out):  # stopped before an epoch: leave nothing
+            remove_untrained(out, up_to=made)
         raise
     return 0
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` (itself included) that does not exist yet, or None."""
+    missing = None
+    for p in [path.absolute(), *path.absolute().parents]:
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
+def _check_resume(cfg: TrainConfig) -> None:
+    """A --resume that cannot be used fails here, before a run folder is made (its checkpoint is
+    read twice: here and on rank 0). Skipped when --out already has checkpoints of its own: the
+    run goes on from those."""
+    from multigpu.checkpoint_store import CheckpointStore
+    from multigpu.runstate import load_source
+
+    if cfg.resume and not (cfg.out and CheckpointStore(Path(cfg.out) / "checkpoints").has_checkpoints()):
+        load_source(cfg.resume)
 
 
 def _plan_devices(cfg: TrainConfig):

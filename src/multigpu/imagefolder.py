@@ -1,0 +1,189 @@
+"""`folder:PATH` data: an ImageFolder layout decoded with PIL, and what happens to a broken image.
+
+    PATH/train/<class>/<image>    PATH/val/<class>/<image>
+
+Classes are the sorted folder names under train/ (at least two). Training images get a random
+resized crop and a random flip; validation images are resized and centre-cropped. Samples are uint8
+(C, H, W); the float conversion and normalisation happen on the device (DataBundle.normalize).
+
+A file that cannot be decoded (truncated, not an image, ...): with `--bad-images skip` (the
+default: one unreadable file among a million must not end a week-long run at 99 %) it is replaced
+by the next readable image of the same split, so every step keeps its sample count, and it is
+named once in a warning and counted (`bad_images` in metrics.jsonl); when more than 10 and more
+than 1 % of an epoch's images were bad the run stops, since the data itself is broken.
+With `--bad-images fail` the first one stops the run, naming the file.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from multigpu.datasets import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
+from multigpu.errors import UsageError
+
+BAD_IMAGE_CHOICES = ("skip", "fail")
+MAX_BAD_FRACTION, MAX_BAD_ALWAYS_ALLOWED = 0.01, 10
+_SLOTS = 256  # one counter per DataLoader worker (and one for the main process): no races
+
+
+class BadImageError(UsageError):
+    """An image that cannot be decoded, with --bad-images fail."""
+
+
+class ImageFolderDataset(Dataset):
+    """Decodes images with PIL; training samples get a random resized crop and flip, validation a
+    centre crop. An unreadable file is handled per `bad_images` (module docstring)."""
+
+    def __init__(self, samples: list[tuple[str, int]], classes: list[str], image_size: int,
+                 train: bool, bad_images: str = "skip") -> None:
+        if bad_images not in BAD_IMAGE_CHOICES:
+            raise UsageError(f"--bad-images {bad_images}: choose skip or fail")
+        self.samples, self.classes, self.image_size, self.train = samples, classes, image_size, train
+        self.bad_images = bad_images
+        # Shared memory, so counts made in DataLoader workers reach the main process.
+        self.bad_counts = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()
+        self._named: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def bad_count(self) -> int:
+        """Unreadable files met so far (each time one is met)."""
+        return int(self.bad_counts.sum())
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        for offset in range(len(self.samples)):
+            path, label = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = _decode(path)
+            except Exception as exc:  # PIL: OSError, SyntaxError, ValueError, DecompressionBombError
+                self._bad(path, exc)
+                continue
+            image = _random_crop(image, self.image_size) if self.train else _center_crop(image, self.image_size)
+            return _to_tensor(image), torch.tensor(label, dtype=torch.int64)
+        raise UsageError("no image of this split can be read: check the files of --data folder:")
+
+    def _bad(self, path: str, exc: BaseException) -> None:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if self.bad_images == "fail":
+            raise BadImageError(f"cannot read image '{path}' ({why}): delete or replace the file, "
+                                "or pass --bad-images skip to train without it")
+        info = get_worker_info()
+        self.bad_counts[(info.id + 1) % _SLOTS if info else 0] += 1
+        if path not in self._named:
+            self._named.add(path)
+            print(f"multigpu: warning: skipped unreadable image '{path}' ({why}); the next image "
+                  "of the split takes its place (--bad-images fail to stop instead)",
+                  file=sys.stderr, flush=True)
+
+
+def _decode(path: str):
+    from PIL import Image
+
+    with Image.open(path) as raw:
+        return raw.convert("RGB")
+
+
+def _random_crop(image, size: int):
+    """Crop a random region (35-100% of the area, aspect 3/4-4/3), resize it to size x size, maybe flip it."""
+    from PIL import Image
+
+    width, height = image.size
+    area = width * height
+    box = None
+    for _ in range(10):
+        target = area * float(torch.empty(1).uniform_(0.35, 1.0))
+        aspect = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(torch.randint(width - w + 1, (1,)))
+            top = int(torch.randint(height - h + 1, (1,)))
+            box = (left, top, left + w, top + h)
+            break
+    if box is None:  # very elongated image: fall back to the largest centred square
+        side = min(width, height)
+        left, top = (width - side) // 2, (height - side) // 2
+        box = (left, top, left + side, top + side)
+    image = image.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    if float(torch.rand(1)) < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return image
+
+
+def _center_crop(image, size: int):
+    """Resize the shorter side to size * 8/7 (256 for 224), then cut out the centre size x size."""
+    from PIL import Image
+
+    width, height = image.size
+    short = round(size * 8 / 7)
+    scale = short / min(width, height)
+    width, height = max(short, round(width * scale)), max(short, round(height * scale))
+    image = image.resize((width, height), Image.Resampling.BILINEAR)
+    left, top = (width - size) // 2, (height - size) // 2
+    return image.crop((left, top, left + size, top + size))
+
+
+def _to_tensor(image) -> torch.Tensor:
+    """uint8 (C, H, W); see DataBundle.normalize."""
+    return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()
+
+
+_FOLDER_LAYOUT = "expected PATH/train/<class>/<image> and PATH/val/<class>/<image>"
+
+
+def _class_images(split_dir: Path) -> dict[str, list[str]]:
+    images = {}
+    for folder in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+        files = sorted(str(f) for f in folder.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise UsageError(
+                f"class folder '{folder}' has no images: add .jpg/.png files to it or remove the folder"
+            )
+        images[folder.name] = files
+    if not images:
+        raise UsageError(f"'{split_dir}' has no class folders: {_FOLDER_LAYOUT}")
+    return images
+
+
+def load_folder(path: str, image_size: int, bad_images: str = "skip") -> DataBundle:
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UsageError(f"data folder '{path}' does not exist: check the path in --data folder:{path}")
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise UsageError(f"data folder '{path}' has no {split}/ subfolder: {_FOLDER_LAYOUT}")
+    train_images = _class_images(root / "train")
+    val_images = _class_images(root / "val")
+    classes = list(train_images)
+    if len(classes) < 2:
+        raise UsageError(f"'{root / 'train'}' has one class folder ({classes[0]}): a classifier "
+                         "of one class is always right and learns nothing; add a folder per "
+                         f"class: {_FOLDER_LAYOUT}")
+    extra = sorted(set(val_images) - set(classes))
+    if extra:
+        raise UsageError(
+            f"'{root / 'val'}' has class folders missing from train/ ({', '.join(extra)}): "
+            "val/ must use the same class folders as train/"
+        )
+    index = {name: i for i, name in enumerate(classes)}
+
+    def pairs(images: dict[str, list[str]]) -> list[tuple[str, int]]:
+        return [(file, index[name]) for name, files in images.items() for file in files]
+
+    return DataBundle(
+        train=ImageFolderDataset(pairs(train_images), classes, image_size, True, bad_images),
+        val=ImageFolderDataset(pairs(val_images), classes, image_size, False, bad_images),
+        task="classification",
+        input_shape=(3, image_size, image_size),
+        num_outputs=len(classes),
+        name=f"folder:{path}",
+        normalize=(IMAGENET_MEAN, IMAGENET_STD),
+    )
+
+
