@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import compiling, runfolder
+from multigpu import compiling, provenance, runfolder
 from multigpu.config import TrainConfig
 from multigpu.datasets import DataBundle, load_data
 from multigpu.engine import StepSettings
@@ -65,8 +65,19 @@ def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module) -> nn.Modu
     return compiling.compile_model(model, cfg.compile)
 
 
+def learning_rate(cfg: TrainConfig) -> float:
+    return cfg.lr if cfg.lr is not None else (0.05 if cfg.optimizer == "sgd" else 1e-3)
+
+
+def image_size(cfg: TrainConfig) -> int | None:
+    """The image side the data is made at (synthetic images, folder: data); others have none."""
+    made = cfg.data.startswith("folder:") or (cfg.data.startswith("synthetic:")
+                                              and model_input_kind(cfg.model) == "image")
+    return (cfg.image_size or default_image_size(cfg.model)) if made else cfg.image_size
+
+
 def make_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    lr = cfg.lr if cfg.lr is not None else (0.05 if cfg.optimizer == "sgd" else 1e-3)
+    lr = learning_rate(cfg)
     # Fused kernels on GPUs: one launch for all parameters instead of several per tensor.
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -123,8 +134,8 @@ class Job:
 
 def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy."""
-    image_size = cfg.image_size or default_image_size(cfg.model)
-    data = load_data(cfg.data, input_kind=model_input_kind(cfg.model), image_size=image_size,
+    data = load_data(cfg.data, input_kind=model_input_kind(cfg.model),
+                     image_size=image_size(cfg) or default_image_size(cfg.model),
                      seq_length=cfg.seq_length, future_length=cfg.future_length,
                      bad_images=cfg.bad_images)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
@@ -142,12 +153,16 @@ def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings)
 
 
-def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path) -> dict:
-    """config.json: every setting as it was resolved for this run."""
-    return {**asdict(cfg), "out": str(out), "precision": rt.precision.kind,
+def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: dict) -> dict:
+    """config.json: every setting as it was resolved for this run (given back to `--config`, it
+    repeats the run), facts about the run (configfile.RUN_FACTS) and its provenance (`launch`:
+    provenance.launch_facts). Collective."""
+    return {**asdict(cfg), "out": str(out), "lr": learning_rate(cfg), "image_size": image_size(cfg),
+            "workers": loader_workers(cfg, rt), "precision": rt.precision.kind,
             "strategy": rt.strategy.name, "world_size": rt.world_size,
             "global_batch": cfg.batch_size * rt.strategy.devices_per_process * rt.world_size,
-            "train_size": len(job.data.train), "val_size": len(job.data.val), "task": job.data.task}
+            "train_size": len(job.data.train), "val_size": len(job.data.val), "task": job.data.task,
+            "provenance": provenance.run_facts(rt, launch)}
 
 
 def oom_message(cfg: TrainConfig, rt: Runtime) -> str:

@@ -37,7 +37,8 @@ from multigpu.training import (Job, build_job, ddp_options, oom_message, reserve
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
-                 accelerator: str = "auto") -> dict:
+                 accelerator: str = "auto", launch: dict | None = None) -> dict:
+    """`launch`: provenance.launch_facts of the command that started the run (config.json)."""
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
@@ -50,7 +51,7 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
     watchdog.start_from_env(on_orphan=lambda: control.request_stop("launcher gone"))
     out = _on_rank0(rt, lambda: reserve_out(cfg))
     job = build_job(cfg, rt)
-    config = resolved_config(cfg, rt, job, out)
+    config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(out / "checkpoints", cfg.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
     saver = Checkpointer(rt, job, store, config)

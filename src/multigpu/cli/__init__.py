@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from multigpu.errors import Stopped, UsageError
+from multigpu.provenance import PrintVersion
 
 # name -> module under multigpu.cli; the order is the order in --help.
 COMMANDS = {
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train PyTorch models on one GPU, all GPUs of a machine, or several machines.",
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action=PrintVersion, help="print the versions of multigpu and torch")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():
         try:

@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from multigpu import compiling, console
+from multigpu import compiling, configfile, console, provenance
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.errors import UsageError
 
@@ -23,6 +23,8 @@ examples:
   multigpu train --model vgg16 --data folder:./imgs --devices 0,3           # GPUs 0 and 3
   multigpu train --model mlp --data digits --devices cpu:2                  # 2 CPU processes (gloo)
   multigpu train --model mlp --data digits --devices 0,1 --strategy dp      # nn.DataParallel
+  multigpu train --config run.yaml --epochs 3              # settings from a file, one changed
+  multigpu train --config runs/X/config.json               # repeat run X, in a new folder
 """
 
 
@@ -35,7 +37,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "into a new run folder.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(p)
+    p.add_argument("--config", metavar="FILE",
+                   help="read settings from a YAML or JSON file (keys are these flags, e.g. "
+                        "batch_size: 128); flags given here win; a run's config.json repeats it")
     add_launch_arguments(p)
+    configfile.read_config_first(p, on_note=console.info)
     return p
 
 
@@ -79,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
-        run_training(cfg)
+        run_training(cfg, launch=provenance.from_env())
         return 0
 
     validate(cfg)
@@ -95,6 +101,8 @@ def main(args: argparse.Namespace) -> int:
         out = reserve_out(cfg)
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
+    launch_facts = provenance.launch_facts(args.command_line)
+    os.environ.update(provenance.to_env(launch_facts))  # the workers' command line is not the user's
     console.info(f"multigpu train: {plan.describe()}")
     if plan.nproc > 1 or opts.nnodes != "1":
         opts.log_dir = opts.log_dir or str(out / "logs")
@@ -102,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
                               *config_to_argv(cfg))
         return launch(argv, plan, opts, python=False)
     try:
-        run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator)
+        run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
+                     launch=launch_facts)
     except UsageError:
         if made is not None and nothing_trained(out):  # stopped before an epoch: leave nothing
             remove_untrained(out, up_to=made)
