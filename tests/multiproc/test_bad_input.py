@@ -56,6 +56,8 @@ def make_files(folder: Path) -> None:
     (folder / "short.csv").write_text("a,b\n1,2\n3,4\n")
     (folder / "crlf.sh").write_bytes(b"#!/bin/bash\r\necho hi\r\n")
     (folder / "train.py").write_text("print('hi')\n")
+    (folder / "typo.yaml").write_text("model: mlp\nbatch_sise: 8\n")
+    (folder / "type.yaml").write_text("model: mlp\nepochs: three\n")
     for split in ("train", "val"):
         (folder / "one" / split / "cat").mkdir(parents=True)
         Image.new("RGB", (16, 16)).save(folder / "one" / split / "cat" / "a.jpg")

@@ -187,3 +187,16 @@ def test_an_unreadable_image_is_skipped_counted_and_the_run_finishes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipped unreadable image" in proc.stderr and "train/a/3.png" in proc.stderr
     assert [(m["train_samples"], m["bad_images"]) for m in read_metrics(out)] == [(24, 1), (24, 1)]
+
+
+def test_a_config_file_reaches_every_worker_and_config_json_keeps_the_typed_command(tmp_path):
+    """Workers are relaunched with the merged flags (not the file); config.json keeps the
+    command the user typed, not the workers'."""
+    (tmp_path / "run.yaml").write_text("model: linear\ndata: synthetic:64\nepochs: 1\nbatch-size: 8\n"
+                                       "workers: 0\ndevices: cpu:2\n")
+    proc = multigpu("train", "--config", "run.yaml", "--epochs", "2", "--out", "run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["world_size"], config["epochs"], config["global_batch"]) == (2, 2, 16)
+    assert config["provenance"]["command"] == "multigpu train --config run.yaml --epochs 2 --out run"
+    assert [m["epoch"] for m in read_metrics(tmp_path / "run")] == [1, 2]
