@@ -165,10 +165,10 @@ def _unknown(path: str, key, actions: dict) -> str:
 
 def checked(path: str, key, value, action: argparse.Action):
     """`value` as the flag's own type, or a UsageError naming key, value and what is expected."""
-    flag = action.option_strings[0]
+    flag, given = action.option_strings[0], value
 
     def wrong(expected: str) -> UsageError:
-        return UsageError(f"{FLAG} {path}: {key}: {value!r} is not {expected} (as {flag})")
+        return UsageError(f"{FLAG} {path}: {key}: {given!r} is not {expected} (as {flag})")
 
     if action.nargs == 0:  # a switch (store_true)
         if not isinstance(value, bool):
@@ -183,6 +183,11 @@ def checked(path: str, key, value, action: argparse.Action):
             raise wrong(_expected(action))
         value = action.const if value else None
     elif action.type in (int, float):
+        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as text; the flag takes it
+            try:
+                value = float(value)
+            except ValueError:
+                raise wrong(_expected(action)) from None
         whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
         if not isinstance(value, (int, float)) or (action.type is int and not whole):
             raise wrong(_expected(action))

@@ -26,7 +26,7 @@ def fail(capsys, *argv) -> str:
 
 def test_yaml_takes_both_spellings_and_the_command_line_wins(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("model: cnn\nbatch-size: 32\nweight_decay: 0.01\nlr: 1.0e-4\ncompile: true\n"
+    path.write_text("model: cnn\nbatch-size: 32\nweight_decay: 0.01\nlr: 1e-4\ncompile: true\n"
                     "drop-last: true\nepochs: 7\ndevices: 4\nmax-restarts: 2\n")
     args = parse("--config", path, "--epochs", "3")
     cfg = config_from_args(args)
@@ -47,6 +47,7 @@ def test_unknown_key_names_the_closest_valid_one_and_the_file(tmp_path, capsys):
 @pytest.mark.parametrize("line,message", [
     ("epochs: three", "epochs: 'three' is not an integer (as --epochs)"),
     ("epochs: 2.5", "epochs: 2.5 is not an integer (as --epochs)"),
+    ("epochs: 1e400", "epochs: '1e400' is not an integer (as --epochs)"),
     ("drop_last: 1", "drop_last: 1 is not true or false (as --drop-last)"),
     ("optimizer: lamb", "optimizer: 'lamb' is not one of sgd, adam, adamw (as --optimizer)"),
     ("epochs: null", "epochs: None is not an integer (as --epochs)"),
