@@ -50,7 +50,8 @@ def read_config_first(parser: argparse.ArgumentParser, on_note=print) -> None:
             if note:
                 on_note(note)
             parser.set_defaults(**values)
-            for action in parser._actions:  # no public accessor: a flag the file gives is not required
+            # a flag the file gives is no longer required (argparse has no public accessor)
+            for action in parser._actions:
                 if action.dest in values:
                     action.required = False
         namespace, rest = parse_known_args(args, namespace)
@@ -124,7 +125,8 @@ def read_mapping(path: str) -> dict:
     try:
         text = raw.decode("utf-8-sig").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{where} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+        raise UsageError(f"{where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
+                         ) from None
     data = _parse(text, where)
     if data is None:
         raise UsageError(f"{where} is empty; write one setting per line, e.g. `model: mlp`")

@@ -30,7 +30,8 @@ def installed_version(dist: str) -> str | None:
 
 
 def version_line() -> str:
-    ours = installed_version("multigpu") or getattr(sys.modules.get("multigpu"), "__version__", "unknown")
+    ours = installed_version("multigpu") or getattr(sys.modules.get("multigpu"), "__version__",
+                                                    "unknown")
     torch = installed_version("torch") or "not installed"
     return f"multigpu {ours} (torch {torch}, Python {sys.version.split()[0]})"
 
@@ -39,7 +40,8 @@ class PrintVersion(argparse.Action):
     """`--version`: the line above, then exit (argparse's own version action wants the text when
     the parser is built, which would cost every command the metadata lookup)."""
 
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -106,7 +108,8 @@ def run_facts(rt, launch: dict) -> dict:
     return {**launch, "hostname": socket.gethostname(),
             "multigpu": installed_version("multigpu") or sys.modules["multigpu"].__version__,
             "python": sys.version.split()[0], "torch": known("torch"),
-            "cuda": known("CUDA (torch built with)"), "cudnn": known("cuDNN"), "nccl": known("NCCL"),
+            "cuda": known("CUDA (torch built with)"), "cudnn": known("cuDNN"),
+            "nccl": known("NCCL"),
             "gpus": [name for names in gpus for name in names]}
 
 
