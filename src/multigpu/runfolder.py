@@ -1,8 +1,9 @@
 """A run's folder: claimed without races, never someone else's, and its metrics kept consistent.
 
     runs/<time>-<model>-<data>/
-        config.json      the resolved settings (first a claim: created exclusively, so two runs
-                         started at the same moment never share a folder)
+        config.json      the resolved settings and provenance (first a claim: created
+                         exclusively, so two runs started at the same moment never share a
+                         folder); `--config` takes it back to repeat the run (configfile.py)
         metrics.jsonl    one line per finished epoch
         checkpoints/     see checkpoint_store
         logs/            each rank's output, with several processes
