@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train PyTorch models on one GPU, all GPUs of a machine, or several machines.",
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    parser.add_argument("--version", action=PrintVersion, help="print multigpu's and torch's versions")
+    parser.add_argument("--version", action=PrintVersion, help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():
         try:

@@ -101,8 +101,9 @@ def main(args: argparse.Namespace) -> int:
         out = reserve_out(cfg)
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
-    launch_facts = provenance.launch_facts(args.command_line)
-    os.environ.update(provenance.to_env(launch_facts))  # the workers' command line is not the user's
+    typed = getattr(args, "command_line", None) or ["multigpu", "train", *config_to_argv(cfg)]
+    launch_facts = provenance.launch_facts(typed)
+    os.environ.update(provenance.to_env(launch_facts))  # workers are started with other argv
     console.info(f"multigpu train: {plan.describe()}")
     if plan.nproc > 1 or opts.nnodes != "1":
         opts.log_dir = opts.log_dir or str(out / "logs")
