@@ -83,13 +83,8 @@ def load_data(
     bad_images: str = "skip",
 ) -> DataBundle:
     """Build the DataBundle for `--data SPEC`; `input_kind` is models.model_input_kind() of the model."""
-    assert input_kind in ("flat", "image", "sequence"), f"unknown input_kind {input_kind!r}"
+    check_input_kind(spec, input_kind)
     kind, sep, arg = spec.partition(":")
-    if input_kind == "sequence" and not (sep and kind == "timeseries" and arg):
-        raise UsageError(
-            f"data {spec!r} is not a time series, which sequence models (lstm, tst) need: use "
-            f"--data timeseries:co2, timeseries:macro or timeseries:CSV, or another --model for this data"
-        )
     if spec == "digits":
         return _digits()
     if sep and kind == "synthetic":
@@ -99,14 +94,26 @@ def load_data(
 
         return load_folder(arg, _positive(image_size, "--image-size"), bad_images=bad_images)
     if sep and kind == "timeseries" and arg:
-        if input_kind == "image":
-            raise UsageError(
-                f"data {spec!r} gives (seq_length, columns) windows, which image models cannot take: "
-                "use --model lstm, --model tst, --model mlp or --model linear"
-            )
         seq = _positive(seq_length, "--seq-length")
         return _timeseries(arg, seq, _positive(future_length, "--future-length"))
     raise UsageError(f"unknown data spec {spec!r}: use one of {SPEC_FORMS}")
+
+
+def check_input_kind(spec: str, input_kind: str) -> None:
+    """Refuse data a model of `input_kind` cannot take (the CLI checks this before starting workers)."""
+    assert input_kind in ("flat", "image", "sequence"), f"unknown input_kind {input_kind!r}"
+    kind, sep, arg = spec.partition(":")
+    timeseries = bool(sep and kind == "timeseries" and arg)
+    if input_kind == "sequence" and not timeseries:
+        raise UsageError(
+            f"data {spec!r} is not a time series, which sequence models (lstm, tst) need: use "
+            f"--data timeseries:co2, timeseries:macro or timeseries:CSV, or another --model for this data"
+        )
+    if input_kind == "image" and timeseries:
+        raise UsageError(
+            f"data {spec!r} gives (seq_length, columns) windows, which image models cannot take: "
+            "use --model lstm, --model tst, --model mlp or --model linear"
+        )
 
 
 def _positive(value: int, flag: str) -> int:

@@ -30,3 +30,16 @@ def test_two_process_run_reports_errors_in_original_units_that_improve(tmp_path,
     line = next(l for l in proc.stdout.splitlines() if l.startswith("epoch 2 "))
     assert f"val_mae {second['val_mae']:.4g}  val_rmse {second['val_rmse']:.4g}" in line
     assert (out / "checkpoints" / "best.pt").exists()
+
+
+@pytest.mark.parametrize("model, data, message", [
+    ("lstm", "digits", "data 'digits' is not a time series, which sequence models (lstm, tst) need: use --data "
+                       "timeseries:co2, timeseries:macro or timeseries:CSV, or another --model for this data"),
+    ("cnn", "timeseries:co2", "data 'timeseries:co2' gives (seq_length, columns) windows, which image models "
+                              "cannot take: use --model lstm, --model tst, --model mlp or --model linear"),
+])
+def test_model_and_data_that_do_not_fit_are_refused_before_any_worker_starts(tmp_path, model, data, message):
+    out = tmp_path / "run"
+    proc = multigpu("train", "--model", model, "--data", data, "--devices", "cpu:2", "--out", out, cwd=tmp_path)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"multigpu: error: {message}\n", "")
+    assert not out.exists()

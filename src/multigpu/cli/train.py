@@ -63,7 +63,9 @@ def validate(cfg: TrainConfig) -> None:
             raise UsageError(f"{flag} {value:g} must be a number {bound}, e.g. {flag} "
                              f"{_EXAMPLES.get(name, max(low, 1))}")
     Cadence.parse(cfg.checkpoint_every)
-    model_input_kind(cfg.model)  # raises on an unknown model
+    from multigpu.datasets import check_input_kind
+
+    check_input_kind(cfg.data, model_input_kind(cfg.model))  # also raises on an unknown model
 
 
 _EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 1.0,
