@@ -23,6 +23,7 @@ examples:
   multigpu train --model vgg16 --data folder:./imgs --devices 0,3           # GPUs 0 and 3
   multigpu train --model mlp --data digits --devices cpu:2                  # 2 CPU processes (gloo)
   multigpu train --model mlp --data digits --devices 0,1 --strategy dp      # nn.DataParallel
+  multigpu train --model lstm --data timeseries:co2 --seq-length 40 --future-length 4   # embedded series
 """
 
 
