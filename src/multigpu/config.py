@@ -20,10 +20,10 @@ def _f(default, help: str, choices=None, metavar=None, const=None):
 
 @dataclass
 class TrainConfig:
-    model: str = _f(MISSING, "built-in model (linear, mlp, cnn, resnet18, resnet50, vgg16, swin_t), "
+    model: str = _f(MISSING, "built-in model (linear, mlp, cnn, resnet18, resnet50, vgg16, swin_t; lstm, tst for timeseries:), "
                              "or torchvision:NAME / timm:NAME when installed")
     data: str = _f("digits", "digits | synthetic:N | folder:PATH (train/ and val/ inside) | "
-                             "timeseries:CSV")
+                             "timeseries:CSV | timeseries:co2 | timeseries:macro (embedded)")
     epochs: int = _f(10, "passes over the training set")
     batch_size: int = _f(64, "samples per device per step (the global batch is this times the "
                              "number of GPUs or processes)")

@@ -12,10 +12,15 @@
 - `folder:PATH`: images in `PATH/train/<class>/*.jpg` and `PATH/val/<class>/*.jpg` (ImageFolder
   layout; classes are the sorted folder names under train/). Training images get a random resized
   crop and a random flip; validation images are resized and centre-cropped.
-- `timeseries:CSV`: a numeric CSV (header row optional). Windows of `seq_length` rows, shape
-  (seq_length, columns), predict the next `future_length` rows flattened. The first 80% of windows
-  train, the last 20% validate; all values are standardised with the mean and std of the rows the
-  training windows cover (kept as `.mean` and `.std` on both datasets, to undo it).
+- `timeseries:CSV`: a numeric CSV (header row optional), or `timeseries:co2` / `timeseries:macro`,
+  two small public-domain series shipped inside the package (series/SOURCE.md). Windows of
+  `seq_length` rows, shape (seq_length, columns), predict the next `future_length` rows flattened.
+  The split is by time: the first 80% of windows train, the last 20% validate, and the
+  `future_length - 1` windows between them are left out, so that no row a validation window is
+  scored on is a row some training window was trained to predict (validation inputs may read
+  earlier rows: that is the history known at forecast time). All values are standardised with the
+  mean and std of the rows the training windows read (kept as `.mean` and `.std` on both datasets,
+  and per output as `DataBundle.target_scale`, to report errors in the original units).
 
 Every dataset is map-style and picklable, so DataLoader workers can use it. Random augmentation
 draws from torch's global RNG, which DataLoader seeds differently in each worker.
@@ -24,6 +29,9 @@ draws from torch's global RNG, which DataLoader seeds differently in each worker
 from __future__ import annotations
 
 import csv
+import gzip
+import importlib.resources
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -36,6 +44,8 @@ from torch.utils.data import Dataset, TensorDataset
 from multigpu.errors import UsageError
 
 SPEC_FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
+# Series shipped in multigpu/series/ (SOURCE.md there): `timeseries:NAME` reads them, not a file NAME.
+EMBEDDED_SERIES = ("co2", "macro")
 
 # Pixel mean and std of the digits set once scaled to [0, 1]; fixed so they never depend on the split.
 DIGITS_MEAN, DIGITS_STD = 0.3053, 0.3760
@@ -64,6 +74,8 @@ class DataBundle:
     # folder data: x is uint8 (0-255) and still to be normalised with (mean, std) per channel. The
     # float conversion is left to the GPU: 4x fewer bytes through workers, pinned memory and PCIe.
     normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # regression: (mean, std) per output, float32 vectors of num_outputs; original = y * std + mean
+    target_scale: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def load_data(
@@ -71,7 +83,7 @@ def load_data(
     bad_images: str = "skip",
 ) -> DataBundle:
     """Build the DataBundle for `--data SPEC`; `input_kind` is models.model_input_kind() of the model."""
-    assert input_kind in ("flat", "image"), f"input_kind must be 'flat' or 'image', got {input_kind!r}"
+    check_input_kind(spec, input_kind)
     kind, sep, arg = spec.partition(":")
     if spec == "digits":
         return _digits()
@@ -82,14 +94,26 @@ def load_data(
 
         return load_folder(arg, _positive(image_size, "--image-size"), bad_images=bad_images)
     if sep and kind == "timeseries" and arg:
-        if input_kind == "image":
-            raise UsageError(
-                f"data {spec!r} gives (seq_length, columns) windows, which image models cannot take: "
-                "use --model mlp or --model linear"
-            )
         seq = _positive(seq_length, "--seq-length")
         return _timeseries(arg, seq, _positive(future_length, "--future-length"))
     raise UsageError(f"unknown data spec {spec!r}: use one of {SPEC_FORMS}")
+
+
+def check_input_kind(spec: str, input_kind: str) -> None:
+    """Refuse data a model of `input_kind` cannot take (the CLI checks this before starting workers)."""
+    assert input_kind in ("flat", "image", "sequence"), f"unknown input_kind {input_kind!r}"
+    kind, sep, arg = spec.partition(":")
+    timeseries = bool(sep and kind == "timeseries" and arg)
+    if input_kind == "sequence" and not timeseries:
+        raise UsageError(
+            f"data {spec!r} is not a time series, which sequence models (lstm, tst) need: use "
+            f"--data timeseries:co2, timeseries:macro or timeseries:CSV, or another --model for this data"
+        )
+    if input_kind == "image" and timeseries:
+        raise UsageError(
+            f"data {spec!r} gives (seq_length, columns) windows, which image models cannot take: "
+            "use --model lstm, --model tst, --model mlp or --model linear"
+        )
 
 
 def _positive(value: int, flag: str) -> int:
@@ -206,9 +230,14 @@ class WindowDataset(Dataset):
 
 
 def _read_numeric_csv(path: str) -> np.ndarray:
-    if not os.path.isfile(path):
+    if path in EMBEDDED_SERIES:
+        packed = importlib.resources.files("multigpu").joinpath("series", f"{path}.csv.gz").read_bytes()
+        handle = io.StringIO(gzip.decompress(packed).decode("ascii"), newline="")
+    elif os.path.isfile(path):
+        handle = open(path, newline="")
+    else:
         raise UsageError(f"timeseries file '{path}' does not exist: check the path in --data timeseries:{path}")
-    with open(path, newline="") as handle:
+    with handle:
         rows = [row for row in csv.reader(handle) if row and any(cell.strip() for cell in row)]
     if not rows:
         raise UsageError(f"timeseries file '{path}' is empty: it needs one numeric column per feature")
@@ -244,13 +273,14 @@ def _timeseries(path: str, seq: int, future: int) -> DataBundle:
     values = _read_numeric_csv(path)
     rows, columns = values.shape
     windows = rows - seq - future + 1
-    if windows < 2:  # one window to train on and one to validate
+    gap = future - 1  # windows whose targets would overlap both the training and the validation ones
+    if windows - gap < 2:  # one window to train on and one to validate
         raise UsageError(
             f"timeseries file '{path}' has {rows} data rows, but --seq-length {seq} and --future-length {future} "
-            f"need at least {seq + future + 1} (one training and one validation window): "
+            f"need at least {seq + 2 * future} (one training and one validation window): "
             "add rows or lower --seq-length"
         )
-    n_train = min(max(1, int(windows * 0.8)), windows - 1)
+    n_train = min(max(1, int((windows - gap) * 0.8)), windows - gap - 1)
     covered = values[: n_train + seq + future - 1]  # every row some training window reads
     mean = covered.mean(axis=0)
     std = covered.std(axis=0)
@@ -259,9 +289,10 @@ def _timeseries(path: str, seq: int, future: int) -> DataBundle:
     mean_t, std_t = torch.from_numpy(mean).float(), torch.from_numpy(std).float()
     return DataBundle(
         train=WindowDataset(series, 0, n_train, seq, future, mean_t, std_t),
-        val=WindowDataset(series, n_train, windows - n_train, seq, future, mean_t, std_t),
+        val=WindowDataset(series, n_train + gap, windows - gap - n_train, seq, future, mean_t, std_t),
         task="regression",
         input_shape=(seq, columns),
         num_outputs=future * columns,
         name=f"timeseries:{path}",
+        target_scale=(mean_t.repeat(future), std_t.repeat(future)),  # y is `future` rows, flattened
     )

@@ -5,6 +5,7 @@ The loop holds no host-device sync except where the progress bar is redrawn and 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -113,10 +114,17 @@ def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loade
 
 @torch.no_grad()
 def evaluate(rt: Runtime, model: nn.Module, loss_fn: LossFn, loader, classification: bool,
-             settings: StepSettings) -> dict:
-    """Loss (and accuracy) over the whole validation set, each sample counted exactly once."""
+             settings: StepSettings, target_std: torch.Tensor | None = None) -> dict:
+    """Loss (and accuracy) over the whole validation set, each sample counted exactly once.
+
+    Regression with `target_std` (the data's std per output, DataBundle.target_scale) also gives
+    val_mae and val_rmse in the data's original units: over every predicted value of every sample,
+    the error times its output's std (the mean cancels out of a difference)."""
     model.eval()
     sums = Sums(rt.env)
+    scale = None if classification or target_std is None else target_std.to(rt.device, torch.float64)
+    if scale is not None:  # every rank reduces the same names, even one that gets no batch
+        sums.add(abs_error=0.0, squared_error=0.0, values=0)
     for x, y in loader:
         x = prepare_inputs(x, settings)
         compiling.begin_step(model)
@@ -126,9 +134,16 @@ def evaluate(rt: Runtime, model: nn.Module, loss_fn: LossFn, loader, classificat
         sums.add(loss_sum=loss_fn(out, y) * n, samples=n)
         if classification:
             sums.add(correct=correct_count(out, y))
+        elif scale is not None:
+            error = (out.double() - y.double()) * scale
+            sums.add(abs_error=error.abs().sum(), squared_error=error.square().sum(), values=error.numel())
     totals = sums.reduce()
     result = {"val_loss": totals["loss_sum"] / max(totals["samples"], 1),
               "val_samples": int(totals["samples"])}
     if classification:
         result["val_accuracy"] = totals["correct"] / max(totals["samples"], 1)
+    elif scale is not None:
+        values = max(totals["values"], 1.0)
+        result["val_mae"] = totals["abs_error"] / values
+        result["val_rmse"] = math.sqrt(totals["squared_error"] / values)
     return result

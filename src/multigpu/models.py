@@ -7,6 +7,8 @@ every one of its parameters takes part in every forward pass: DDP without
 `find_unused_parameters=True` hangs or raises otherwise.
 
 - `linear`, `mlp` flatten whatever they get (digits, synthetic vectors, timeseries windows).
+- `lstm`, `tst` (a small transformer encoder) take timeseries windows (seq_length, columns) and
+  predict future_length rows of every column (seqmodels.py).
 - `cnn` is a small three-block convnet for digits and 32x32 images.
 - `resnet18`, `resnet50`, `vgg16`, `swin_t` reproduce the standard ImageNet architectures: at input
   (3, 224, 224) with 1000 outputs their parameter counts match the reference ones (11 689 512,
@@ -29,8 +31,9 @@ import torch
 from torch import nn
 
 from multigpu.errors import UsageError
+from multigpu.seqmodels import SEQUENCE_MODELS, build_sequence_model
 
-MODEL_NAMES: tuple[str, ...] = ("linear", "mlp", "cnn", "resnet18", "resnet50", "vgg16", "swin_t")
+MODEL_NAMES: tuple[str, ...] = ("linear", "mlp", "cnn", "resnet18", "resnet50", "vgg16", "swin_t", "lstm", "tst")
 
 _EXTERNAL_SOURCES = ("torchvision", "timm")
 _FLAT_MODELS = frozenset({"linear", "mlp"})
@@ -53,8 +56,11 @@ def _parse(name: str) -> tuple[str | None, str]:
 
 
 def model_input_kind(name: str) -> str:
-    """"flat" for models that flatten any input (linear, mlp); "image" for models that need (C, H, W)."""
+    """"flat" for models that flatten any input (linear, mlp); "sequence" for models of timeseries
+    windows (lstm, tst); "image" for models that need (C, H, W)."""
     source, inner = _parse(name)
+    if source is None and inner in SEQUENCE_MODELS:
+        return "sequence"
     return "flat" if source is None and inner in _FLAT_MODELS else "image"
 
 
@@ -78,6 +84,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> nn
     source, inner = _parse(name)
     input_shape = tuple(int(d) for d in input_shape)
     assert num_outputs >= 1, f"num_outputs must be positive, got {num_outputs}"
+    if source is None and inner in SEQUENCE_MODELS:
+        return build_sequence_model(inner, input_shape, num_outputs)
     if source is None and inner in _FLAT_MODELS:
         in_features = math.prod(input_shape)
         if inner == "linear":

@@ -131,11 +131,15 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
             raise UsageError(oom_message(cfg, rt)) from None
         bad_before = _count_bad_images(rt, job, record, bad_before)
         rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved below
-        record |= evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification, job.settings)
+        scale = job.data.target_scale
+        record |= evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification, job.settings,
+                           target_std=scale[1] if scale is not None else None)
         if rt.precision.scaler is not None:
             record["skipped_steps"] = rt.precision.skipped_steps
         if job.scheduler is not None:
             job.scheduler.step()
+        # Regression keeps the lowest val_loss (MSE of the standardised values), not val_rmse: in
+        # original units a column in large units (GDP in billions) would outweigh all the others.
         score = record["val_accuracy"] if job.classification else -record["val_loss"]
         improved = run.best is None or score > run.best
         run = RunState(epoch + 1, 0, base + steps, best=score if improved else run.best)
@@ -195,6 +199,8 @@ def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
         return
     runfolder.append_metrics(out, record)
     acc = f"  val_acc {record['val_accuracy']:.2%}" if classification else ""
+    if "val_mae" in record:
+        acc = f"  val_mae {record['val_mae']:.4g}  val_rmse {record['val_rmse']:.4g}"
     console.info(f"epoch {record['epoch']}  train_loss {record['train_loss']:.4f}  "
                  f"val_loss {record['val_loss']:.4f}{acc}  "
                  f"({record['train_samples']} train / {record['val_samples']} val samples)  "

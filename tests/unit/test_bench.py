@@ -70,6 +70,9 @@ def test_parse_lists_and_methods():
         spec.parse_methods("ddp,deepspeed")
     with pytest.raises(UsageError, match="unknown model"):
         spec.parse_models("resnet51")
+    with pytest.raises(UsageError, match="--model lstm: bench times models on image batches, and lstm takes "
+                                         "timeseries windows; time it with `multigpu train --model lstm"):
+        spec.parse_models("resnet18,lstm")
 
 
 def test_ddp_variants_are_methods_and_an_unknown_variant_lists_the_known_ones():

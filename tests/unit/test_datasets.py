@@ -195,19 +195,23 @@ def test_timeseries_windows_split_and_standardisation(tmp_path, header):
     path = write_csv(tmp_path / "series.csv", values.tolist(), header)
     bundle = load(f"timeseries:{path}", input_kind="flat", seq_length=5, future_length=2)
     assert (bundle.task, bundle.input_shape, bundle.num_outputs) == ("regression", (5, 2), 4)
-    windows = 30 - 5 - 2 + 1  # 24: the first 19 (80%, rounded down) train, the last 5 validate
-    assert (len(bundle.train), len(bundle.val)) == (19, 5)
+    # 24 windows; the one between the splits (future_length - 1) is left out: of the other 23,
+    # the first 18 (80%, rounded down) train and the last 5 validate.
+    windows = 30 - 5 - 2 + 1
+    assert (len(bundle.train), len(bundle.val)) == (18, 5)
     x, y = bundle.train[0]
     assert x.shape == (5, 2) and y.shape == (4,) and x.dtype == y.dtype == torch.float32
-    # Training windows read rows 0..24: standardised with their mean and std.
-    covered = values[: 19 + 5 + 2 - 1]
+    # Training windows read rows 0..23: standardised with their mean and std.
+    covered = values[: 18 + 5 + 2 - 1]
     expected = (values - covered.mean(0)) / covered.std(0)
     assert torch.allclose(x, torch.tensor(expected[0:5], dtype=torch.float32), atol=1e-5)
     assert torch.allclose(y, torch.tensor(expected[5:7].reshape(-1), dtype=torch.float32), atol=1e-5)
     last_x, last_y = bundle.val[len(bundle.val) - 1]
     assert torch.allclose(last_y, torch.tensor(expected[28:30].reshape(-1), dtype=torch.float32), atol=1e-5)
     assert torch.allclose(last_x * bundle.val.std + bundle.val.mean, torch.tensor(values[23:28], dtype=torch.float32))
-    assert windows == len(bundle.train) + len(bundle.val)
+    assert windows == len(bundle.train) + 1 + len(bundle.val)
+    mean, std = bundle.target_scale
+    assert torch.equal(mean, bundle.val.mean.repeat(2)) and torch.equal(std, bundle.val.std.repeat(2))
 
 
 def test_timeseries_errors(tmp_path):
@@ -234,7 +238,7 @@ def test_timeseries_errors(tmp_path):
     ragged = write_csv(tmp_path / "ragged.csv", [[1, 2], [3]])
     with pytest.raises(UsageError, match="row 2 has 1 values but the first row has 2: give every row the same columns"):
         load(f"timeseries:{ragged}", input_kind="flat")
-    with pytest.raises(UsageError, match="image models cannot take: use --model mlp or --model linear"):
+    with pytest.raises(UsageError, match="image models cannot take: use --model lstm, --model tst, --model mlp"):
         load(f"timeseries:{short}", input_kind="image")
 
 

@@ -213,7 +213,9 @@ def parse_models(text: str) -> tuple[str, ...]:
     if not models:
         raise UsageError("--model is empty; name a model, e.g. --model resnet50")
     for m in models:
-        model_input_kind(m)  # raises UsageError on an unknown model
+        if model_input_kind(m) == "sequence":  # also raises UsageError on an unknown model
+            raise UsageError(f"--model {m}: bench times models on image batches, and {m} takes timeseries windows; "
+                             f"time it with `multigpu train --model {m} --data timeseries:co2` instead")
     return models
 
 

@@ -23,6 +23,7 @@ examples:
   multigpu train --model vgg16 --data folder:./imgs --devices 0,3           # GPUs 0 and 3
   multigpu train --model mlp --data digits --devices cpu:2                  # 2 CPU processes (gloo)
   multigpu train --model mlp --data digits --devices 0,1 --strategy dp      # nn.DataParallel
+  multigpu train --model lstm --data timeseries:co2 --seq-length 40 --future-length 4   # embedded series
   multigpu train --config run.yaml --epochs 3              # settings from a file, one changed
   multigpu train --config runs/X/config.json               # repeat run X, in a new folder
 """
@@ -69,7 +70,9 @@ def validate(cfg: TrainConfig) -> None:
             raise UsageError(f"{flag} {value:g} must be a number {bound}, e.g. {flag} "
                              f"{_EXAMPLES.get(name, max(low, 1))}")
     Cadence.parse(cfg.checkpoint_every)
-    model_input_kind(cfg.model)  # raises on an unknown model
+    from multigpu.datasets import check_input_kind
+
+    check_input_kind(cfg.data, model_input_kind(cfg.model))  # also raises on an unknown model
 
 
 _EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 1.0,
