@@ -20,6 +20,7 @@ COMMANDS = {
     "gpus": "gpus",
     "env": "env",
     "bench": "bench",
+    "test": "selftest",
 }
 
 
