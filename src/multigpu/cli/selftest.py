@@ -15,6 +15,7 @@ it. Rank 0 prints one table (check, ok/FAIL/skip, detail). Exit status 0 when no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -48,7 +49,7 @@ def main(args) -> int:
 
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
     if args.devices == "auto" and plan.accelerator == "cpu":  # collectives need two processes
-        plan = devices.resolve_devices("cpu:2")
+        plan = dataclasses.replace(devices.resolve_devices("cpu:2"), note=plan.note)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="multigpu-test-logs-")
     result = Path(log_dir) / "selftest.json"
     result.unlink(missing_ok=True)
