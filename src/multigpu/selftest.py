@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -47,12 +48,21 @@ def run_check(results: list, name: str, check, *args):
         results.append((name, SKIP, str(exc)))
         return None
     except Exception as exc:  # any cause, as one line: the table shows it, not a traceback
-        text = (str(exc).strip().splitlines() or [""])[0]
-        results.append((name, FAIL, f"{type(exc).__name__}: {text}" if not isinstance(
-            exc, CheckFailed) else text))
+        results.append((name, FAIL, cause(exc)))
         return None
     results.append((name, OK, detail))
     return value
+
+
+def cause(exc: BaseException) -> str:
+    """An exception as one line. Our own messages (CheckFailed, rt.save's RuntimeError, a
+    UsageError) say everything; others keep their type, which is often the cause (OSError)."""
+    from multigpu.errors import UsageError
+
+    text = (str(exc).strip().splitlines() or [""])[0]
+    if type(exc) in (CheckFailed, RuntimeError) or isinstance(exc, UsageError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- the checks
@@ -66,7 +76,8 @@ def check_process_group(rt):
     seen = env.all_gather_object((env.rank, env.local_rank, str(env.device), socket.gethostname()))
     ranks = [r for r, *_ in seen]
     if ranks != list(range(env.world_size)) or dist.get_world_size() != env.world_size:
-        raise CheckFailed(f"ranks {ranks} for world size {env.world_size}: expected 0..{env.world_size - 1}")
+        raise CheckFailed(f"ranks {ranks} for world size {env.world_size}: "
+                          f"expected 0..{env.world_size - 1}")
     devices = ", ".join(sorted({d for _, _, d, _ in seen}))
     hosts = len({h for *_, h in seen})
     return (f"{env.backend}, world size {env.world_size}, ranks 0..{env.world_size - 1} on "
@@ -115,7 +126,8 @@ def check_all_gather(env):
     parts = [torch.empty(3, device=env.device) for _ in range(env.world_size)]
     dist.all_gather(parts, torch.full((3,), float(env.rank), device=env.device))
     got = [p[0].item() for p in parts]
-    if got != [float(r) for r in range(env.world_size)] or any(len(set(p.tolist())) != 1 for p in parts):
+    whole = all(len(set(p.tolist())) == 1 for p in parts)  # no part mixed from several ranks
+    if got != [float(r) for r in range(env.world_size)] or not whole:
         raise CheckFailed(f"all_gather gave {got}, expected {list(range(env.world_size))}")
     return f"{env.world_size} parts in rank order", None
 
@@ -166,15 +178,16 @@ def check_ddp_training(rt):
         rt.step(optimizer)
         losses.append(loss.item())
     first, last = losses[0], losses[-1]
-    if not all(map(torch.isfinite, map(torch.tensor, losses))) or not last < first:
+    if not all(map(math.isfinite, losses)) or not last < first:
         raise CheckFailed(f"the loss went from {first:.4g} to {last:.4g} in {len(losses)} steps; "
                           "expected it finite and lower")
     digests = rt.env.all_gather_object(weights_digest(rt.strategy.unwrap(model)))
     if len(set(digests)) != 1:
         raise CheckFailed(f"weights differ across ranks after {len(losses)} steps: "
                           + ", ".join(f"rank {r} {d}" for r, d in enumerate(digests)))
+    ranks = f"{rt.world_size} rank{'s' if rt.world_size > 1 else ''}"
     return (f"{rt.strategy.name}, {len(losses)} steps, loss {first:.3f} -> {last:.3f}, weights "
-            f"equal on {rt.world_size} rank{'s' if rt.world_size > 1 else ''} (sha256 {digests[0]})",
+            f"equal on {ranks} (sha256 {digests[0]})",
             (model, optimizer))
 
 
@@ -216,7 +229,8 @@ def _round_trip(rt, model, optimizer, path: Path) -> str:
         raise CheckFailed(f"{path}: the step ({state.get('step')}) or the optimizer state did not "
                           "come back")
     size = path.stat().st_size if rt.is_main else 0
-    where = "a temporary folder" if path.parent.name.startswith("multigpu-test-") else str(path.parent)
+    temporary = path.parent.name.startswith("multigpu-test-")
+    where = "a temporary folder" if temporary else str(path.parent)
     return f"rt.save/rt.load in {where}: weights, optimizer and step back ({size / 1024:.1f} KiB)"
 
 
@@ -265,7 +279,8 @@ def merge(per_rank: list[list[tuple[str, str, str]]]) -> list[tuple[str, str, st
             ranks = [rank for rank, d in failed if d == failed[0][1]]
             who = (f"rank {ranks[0]}" if len(ranks) == 1 else
                    "every rank" if len(ranks) == len(per_rank) else f"ranks {ranks}")
-            rows.append((name, FAIL, f"{who}: {failed[0][1]}" if len(per_rank) > 1 else failed[0][1]))
+            text = f"{who}: {failed[0][1]}" if len(per_rank) > 1 else failed[0][1]
+            rows.append((name, FAIL, text))
         elif all(s == SKIP for _, s, _ in outcomes):
             rows.append((name, SKIP, detail))
         else:

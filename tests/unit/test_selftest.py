@@ -26,3 +26,39 @@ def test_table_aligns_columns():
         "check         result  detail\n"
         "barrier       ok      2 ms\n"
         "DDP training  FAIL    differ")
+
+
+def test_a_cause_is_one_line_with_the_type_only_where_it_tells_something():
+    from multigpu.errors import UsageError
+    from multigpu.selftest import CheckFailed, cause
+
+    assert cause(RuntimeError("saving x failed on rank 0: disk full\nmore")) == (
+        "saving x failed on rank 0: disk full")
+    assert cause(CheckFailed("weights differ")) == "weights differ"
+    assert cause(UsageError("bad value")) == "bad value"
+    assert cause(PermissionError(13, "Permission denied")) == "PermissionError: [Errno 13] Permission denied"
+    assert cause(TimeoutError()) == "TimeoutError"
+
+
+def test_auto_without_a_gpu_is_two_cpu_processes_and_says_why(monkeypatch):
+    from multigpu import devices
+    from multigpu.cli.selftest import choose_devices
+
+    def no_driver():
+        raise devices.NvmlUnavailable("NVML: NVML Shared Library Not Found")
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(devices, "query_gpus", no_driver)
+    plan = choose_devices("auto", 2.0)
+    assert (plan.accelerator, plan.nproc) == ("cpu", 2)
+    assert plan.describe() == ("2 CPU processes (gloo); no GPU found (no NVIDIA driver: NVML: "
+                               "NVML Shared Library Not Found)")
+    assert choose_devices("cpu:1", 2.0).nproc == 1  # asked for: kept
+
+
+def test_a_bad_devices_spec_is_a_usage_error_before_anything_starts(capsys):
+    from multigpu.cli import main
+
+    assert main(["test", "--devices", "cpu:0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("multigpu: error: --devices cpu:0") and err.count("\n") == 1

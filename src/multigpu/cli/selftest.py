@@ -9,7 +9,8 @@ Starts one process per device as `multigpu run` does (torchrun's agent, the hang
 rank checks the process group (backend, world size, ranks), all_reduce, broadcast, all_gather and
 barrier with their values, a few DDP training steps after which the weights must be equal on every
 rank, a checkpoint round trip through rt.save/rt.load, and bf16/fp16 autocast where the device has
-it. Rank 0 prints one table (check, ok/FAIL/skip, detail). Exit status 0 when no check failed,
+it (with one device, the collectives are skipped). Rank 0 prints one table (check,
+ok/FAIL/skip, detail). Exit status 0 when no check failed,
 1 otherwise; every rank's log stays in --log-dir when something failed.
 """
 from __future__ import annotations
@@ -40,20 +41,30 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="every rank's log (default: a temporary folder, removed when all pass)")
     p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT, metavar="SECONDS",
-                   help=f"stop when no rank has moved for this long (default {DEFAULT_HANG_TIMEOUT:g})")
+                   help="stop when no rank has moved for this long "
+                        f"(default {DEFAULT_HANG_TIMEOUT:g})")
     return p
+
+
+def choose_devices(spec: str, min_free_memory: float) -> devices.DevicePlan:
+    """The `--devices` plan, except that `auto` on a machine without a free GPU is 2 CPU
+    processes, not 1: the collectives need two. The plan keeps the note saying why."""
+    plan = devices.resolve_devices(spec, min_free_memory_gb=min_free_memory)
+    if spec.strip().lower() == "auto" and plan.accelerator == "cpu":
+        plan = dataclasses.replace(devices.resolve_devices("cpu:2"), note=plan.note)
+    return plan
 
 
 def main(args) -> int:
     from multigpu import launch  # imports torch only when a test is run
 
-    plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
-    if args.devices == "auto" and plan.accelerator == "cpu":  # collectives need two processes
-        plan = dataclasses.replace(devices.resolve_devices("cpu:2"), note=plan.note)
+    plan = choose_devices(args.devices, args.min_free_memory)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="multigpu-test-logs-")
     result = Path(log_dir) / "selftest.json"
     result.unlink(missing_ok=True)
-    cmd = launch.python_command("multigpu.worker", "-m", "multigpu.selftest", "--result", str(result))
+    # what `multigpu run -m multigpu.selftest` starts: the watchdog, then the module
+    cmd = launch.python_command("multigpu.worker", "-m", "multigpu.selftest",
+                                "--result", str(result))
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
     opts = launch.LaunchOptions(log_dir=log_dir, hang_timeout=args.hang_timeout, start_timeout=120)
