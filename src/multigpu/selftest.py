@@ -195,10 +195,7 @@ def check_checkpoint(rt, trained, checkpoint_dir: str | None):
     if trained is None:
         raise Skipped("no trained model (the training check failed)")
     model, optimizer = trained
-    folder = None
-    if checkpoint_dir is None and rt.is_main:
-        folder = tempfile.mkdtemp(prefix="multigpu-test-")  # a failure here: one line, on rank 0
-    folder = rt.env.broadcast_object(folder) if checkpoint_dir is None else checkpoint_dir
+    folder = checkpoint_dir or _shared_temp_folder(rt)
     path = Path(folder) / f"selftest-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}.pt"
     try:
         return _round_trip(rt, model, optimizer, path), None
@@ -209,6 +206,21 @@ def check_checkpoint(rt, trained, checkpoint_dir: str | None):
                 path.unlink(missing_ok=True)
             if checkpoint_dir is None:
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _shared_temp_folder(rt) -> str:
+    """A new temporary folder made by rank 0, its name sent to every rank; when rank 0 cannot
+    make it, every rank raises its cause (rather than waiting for a name that never comes)."""
+    made = None
+    if rt.is_main:
+        try:
+            made = (tempfile.mkdtemp(prefix="multigpu-test-"), None)
+        except OSError as exc:
+            made = (None, f"no temporary folder for the checkpoint on rank 0: {cause(exc)}")
+    folder, error = rt.env.broadcast_object(made)
+    if error:
+        raise CheckFailed(error)
+    return folder
 
 
 def _round_trip(rt, model, optimizer, path: Path) -> str:
@@ -314,6 +326,8 @@ def run_all(args) -> list[tuple[str, str, str]]:
                         ("all_gather", check_all_gather), ("barrier", check_barrier)]:
         run_check(results, name, check, rt.env)
     trained = run_check(results, "DDP training", check_ddp_training, rt)
+    if not all(rt.env.all_gather_object(trained is not None)):  # the next check is collective
+        trained = None
     run_check(results, "checkpoint", check_checkpoint, rt, trained, args.checkpoint_dir)
     for kind in ("bf16", "fp16"):
         run_check(results, f"autocast {kind}", check_autocast, rt, kind)
