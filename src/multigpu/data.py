@@ -29,6 +29,9 @@ from multigpu.errors import UsageError
 
 @dataclass(frozen=True)
 class StepInfo:
+    """The sample counts of one step, set as `rt.step_info` by a prepared loader before it yields
+    the step's batch; `Runtime.backward` weights the loss with them."""
+
     index: int          # step number within the epoch
     local_count: int    # real samples on this rank in this step
     global_count: int   # real samples in this step over all ranks
@@ -81,7 +84,27 @@ def split_share(start: int, end: int, ranks: int, rank: int) -> tuple[int, int]:
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """Yields this rank's indices for each global step of the epoch (see module docstring)."""
+    """Yields this rank's indices for each global step of the epoch (the plan: multigpu.data).
+
+    `rt.prepare(loader)` builds one for you; use it directly to shard a DataLoader yourself.
+
+    n:                samples in the dataset.
+    batch_size:       samples per device in a step.
+    num_ranks, rank:  the processes sharing the data, and this one (`env.world_size`, `env.rank`).
+    devices_per_rank: GPUs one process drives (DataParallel), else 1.
+    shuffle, seed:    a fresh order each epoch from `seed + epoch`, the same on every rank.
+    drop_last:        drop the last, partial global step instead of keeping (or folding) it.
+
+    Every rank gets the same number of steps, and each sample appears once per epoch over all
+    ranks; no index is repeated to pad. Call `set_epoch(e)` before iterating epoch `e`.
+
+        sampler = ShardedBatchSampler(len(ds), 32, num_ranks=env.world_size, rank=env.rank,
+                                      shuffle=True)
+        loader = DataLoader(ds, batch_sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader: ...
+    """
 
     def __init__(self, n: int, batch_size: int, *, num_ranks: int = 1, rank: int = 0,
                  devices_per_rank: int = 1, shuffle: bool = False, seed: int = 0,
@@ -134,6 +157,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return self._plan(start, min(self.min_step, left))  # one per device if two are too many
 
     def order(self) -> torch.Tensor:
+        """The epoch's sample order, identical on every rank (0..n-1 without shuffle)."""
         if not self.shuffle:
             return torch.arange(self.n)
         g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -154,6 +178,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return self.full_plan[-1][1]
 
     def step_infos(self, accumulate: int = 1) -> list[StepInfo]:
+        """One StepInfo per step of the epoch being iterated, grouping `accumulate` steps into
+        each optimizer step."""
         infos = []
         for w in range(0, len(self.steps), accumulate):
             window = self.steps[w:w + accumulate]

@@ -19,6 +19,18 @@ from multigpu.errors import UsageError
 
 @dataclass(frozen=True)
 class DistEnv:
+    """Where this process stands in the run: rank, local rank, world size, device, backend.
+
+    Made by `init_distributed()` (and so by `setup()`, as `rt.env`); frozen, passed explicitly.
+    Fields: `rank` (global, 0..world_size-1), `local_rank` (on this machine; the GPU index),
+    `world_size`, `local_world_size` (processes on this machine), `device`, `backend` ("nccl",
+    "gloo", or None for one process without a group). The collectives below are no-ops in one
+    process, so code written for N processes runs unchanged in one.
+
+        env = rt.env
+        total = env.all_reduce(torch.tensor([n_correct], device=env.device))
+    """
+
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -28,6 +40,7 @@ class DistEnv:
 
     @property
     def is_distributed(self) -> bool:
+        """True when more than one process takes part (a process group exists)."""
         return self.world_size > 1
 
     @property
@@ -37,7 +50,10 @@ class DistEnv:
 
     # --- collectives: identity in one process ------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place sum/max/min over ranks; returns the tensor. A no-op with one process."""
+        """In-place sum/max/min over ranks; returns the tensor. A no-op with one process.
+
+        Collective: every rank calls it with a tensor of the same shape, on its device.
+        op: "sum", "max" or "min"."""
         if self.is_distributed:
             dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                                         "min": dist.ReduceOp.MIN}[op])
@@ -84,6 +100,7 @@ class DistEnv:
                     t.copy_(part.view(t.shape))
 
     def barrier(self) -> None:
+        """Wait until every rank has reached this call. A no-op with one process."""
         if self.is_distributed:
             if self.backend == "nccl":
                 dist.barrier(device_ids=[self.device.index])

@@ -37,6 +37,23 @@ def _bf16_native() -> bool:
 
 
 class Precision:
+    """Mixed precision for one device: autocast, the fp16 GradScaler, and their checkpoint state.
+
+    kind:   "fp32", "bf16" or "fp16" ("auto" is resolved by setup() before it gets here).
+    device: the device the model computes on; bf16 on a GPU without it raises UsageError.
+
+    `setup()` makes one, as `rt.precision`; the Runtime's `autocast()`, `backward()` and
+    `step()` call it. Used alone, one iteration is:
+
+        precision = Precision("fp16", torch.device("cuda", 0))
+        with precision.autocast():
+            loss = loss_fn(model(x), y)
+        precision.backward(loss)          # scaled for fp16
+        precision.unscale(optimizer)      # only before clipping or reading gradients
+        precision.optimizer_step(optimizer)
+        optimizer.zero_grad()
+    """
+
     def __init__(self, kind: str, device: torch.device):
         if kind not in PRECISIONS:
             raise UsageError(f"unknown precision {kind!r}: choose one of {', '.join(PRECISIONS)}")
@@ -52,14 +69,17 @@ class Precision:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The autocast dtype: torch.bfloat16, torch.float16, or torch.float32 for fp32."""
         return _DTYPES.get(self.kind, torch.float32)
 
     def autocast(self):
+        """A context manager for the forward pass: torch.autocast to `dtype`, a no-op for fp32."""
         if self.kind == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, with the loss scaled first for fp16."""
         if self.scaler is not None:
             self._update_scale()
             loss = self.scaler.scale(loss)
@@ -71,6 +91,8 @@ class Precision:
             self.scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.step()`; for fp16 through the scaler, which skips the step when a gradient
+        is inf/NaN and lowers the scale (updated before the next backward)."""
         if self.scaler is None:
             optimizer.step()
             return
@@ -96,10 +118,12 @@ class Precision:
         return int(self._skipped.item())
 
     def state_dict(self) -> dict:
+        """{"kind": ..., "scaler": the GradScaler's state or None}, saved in checkpoints."""
         if self.scaler is not None:
             self._update_scale()
         return {"kind": self.kind, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the GradScaler's scale from `state_dict()`'s output (nothing to do otherwise)."""
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

@@ -40,6 +40,10 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
           ddp: DDPOptions | None = None) -> "Runtime":
     """Read the launcher's environment, create the process group, return a Runtime.
 
+    Call it once, at the start of the script, on every process. Under `multigpu run` (or
+    torchrun) each process takes the device of its LOCAL_RANK and joins the process group (NCCL on
+    GPUs, gloo on CPUs); under plain `python script.py` it runs as one process, without a group.
+
     strategy:   "auto" (ddp when launched with several processes, else single), "single", "dp", "ddp".
     precision:  "fp32", "bf16", "fp16" or "auto" (bf16 on GPUs that have it, else fp32).
     devices:    GPU ids for one process: `[2]` for single, `[0, 3]` for dp (default: all visible).
@@ -48,6 +52,13 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
                 with seed + rank, so dropout and augmentation differ between ranks; DDP copies
                 rank 0's initial weights to the others.
     accumulate: micro-batches per optimizer step; the all-reduce runs only on the last one.
+    ddp:        DDPOptions for the DDP engine (find_unused_parameters, static_graph, ...).
+
+    Returns the Runtime that prepares, steps and saves. Raises UsageError for a value it cannot
+    use (an unknown precision, bf16 on a GPU without it, accumulate=0), naming the fix.
+
+        rt = multigpu.setup(precision="bf16", accumulate=4)
+        rt.print(rt)   # Runtime(rank=0, world_size=4, device=cuda:0, strategy=..., precision=bf16)
     """
     if accumulate < 1:
         raise UsageError(f"accumulate={accumulate} must be 1 or more")
@@ -70,6 +81,14 @@ def seed_everything(seed: int) -> None:
 
 
 class Runtime:
+    """A training process's view of the run: its DistEnv, Strategy and Precision, made by `setup()`.
+
+    It wraps what a loop needs around the user's own objects: `prepare()` the model, optimizer and
+    loaders; `autocast()`, `backward()` and `step()` in the loop; `save()` and `load()` for
+    checkpoints; `print()` on rank 0. Attributes: `env` (DistEnv), `strategy`, `precision`
+    (Precision), `step_info` (StepInfo of the batch the prepared loader yielded last).
+    """
+
     def __init__(self, env: DistEnv, strategy: Strategy, precision: Precision, *, seed: int = 0,
                  accumulate: int = 1):
         self.env, self.strategy, self.precision = env, strategy, precision
@@ -81,22 +100,26 @@ class Runtime:
     # --- convenience views ----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """The device of this process (`cuda:LOCAL_RANK`, or `cpu`); batches arrive on it."""
         return self.strategy.device
 
     @property
     def rank(self) -> int:
+        """This process's global rank, 0..world_size-1."""
         return self.env.rank
 
     @property
     def world_size(self) -> int:
+        """How many processes take part (1 without a launcher)."""
         return self.env.world_size
 
     @property
     def is_main(self) -> bool:
+        """True on rank 0, the process that prints and writes files."""
         return self.env.is_main
 
     def print(self, *args, **kwargs) -> None:
-        """print() on rank 0 only."""
+        """print() on rank 0 only (flushed at once); the other ranks print nothing."""
         if self.env.is_main:
             print(*args, **kwargs, flush=True)
 
@@ -111,6 +134,13 @@ class Runtime:
         Models move to the device and are wrapped (DataParallel/DDP) *after* their weights are in
         place. Loaders are rebuilt so each rank gets its exact share and batches arrive on the
         device. Optimizers and schedulers pass through (parameters keep their identity when moved).
+
+        objects: nn.Module, torch.optim.Optimizer, LR scheduler or DataLoader, in any order.
+        Returns them prepared, one object alone or a tuple. Give the DataLoader `batch_size` per
+        device and `shuffle=True` for training: each epoch is reshuffled, with no `set_epoch` to
+        call. Raises UsageError for an already wrapped model or an object it does not know.
+
+            model, optimizer, train_loader = rt.prepare(model, optimizer, train_loader)
         """
         out = []
         for obj in objects:
@@ -135,6 +165,11 @@ class Runtime:
         return wrapped
 
     def prepare_loader(self, loader: DataLoader, *, drop_last: bool | None = None):
+        """`prepare()` for one DataLoader, with `drop_last` overriding the loader's own setting.
+
+        The returned loader yields this rank's share of every global step (batch_size samples per
+        device, every sample once per epoch, the same number of steps on every rank), moved to
+        the device."""
         return shard_loader(loader, num_ranks=self.env.world_size, rank=self.env.rank,
                             devices_per_rank=self.strategy.devices_per_process, device=self.device,
                             seed=self.seed, on_step=self._on_step, accumulate=self.accumulate,
@@ -155,6 +190,14 @@ class Runtime:
 
     # --- the training step ------------------------------------------------------------------------
     def autocast(self):
+        """The context for the forward pass: autocast to bf16/fp16, or nothing for fp32.
+
+        Put the forward pass and the loss inside it, and the backward outside:
+
+            with rt.autocast():
+                loss = loss_fn(model(x), y)
+            rt.backward(loss)
+        """
         return self.precision.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -179,7 +222,13 @@ class Runtime:
             self._check_unused_parameters()
 
     def step(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> bool:
-        """Unscale (fp16), clip, step and zero the gradients. False on accumulation micro-steps."""
+        """Unscale (fp16), clip, step and zero the gradients. False on accumulation micro-steps.
+
+        clip_grad_norm: clip the global gradient norm to this value (on true, unscaled gradients).
+        Returns True when the optimizer stepped; with setup(accumulate=N), False on the micro-steps
+        that only add gradients. With fp16 the scaler may skip a step whose gradients hold inf/NaN
+        (`rt.precision.skipped_steps` counts them).
+        """
         if self.step_info is not None and not self.step_info.sync:
             return False
         if clip_grad_norm is not None:
@@ -213,8 +262,15 @@ class Runtime:
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, path: str | Path, *, model: nn.Module, optimizer=None, scheduler=None,
              **extra) -> None:
-        """Collective: call on every rank. Rank 0 writes `path` atomically; all ranks then wait,
-        and all of them raise if the write failed."""
+        """Save a checkpoint. Collective: call on every rank. Rank 0 writes `path` atomically;
+        all ranks then wait, and all of them raise if the write failed.
+
+        The file holds the model's bare state dict (no `module.` prefix: it loads into an
+        unwrapped model), the optimizer's and scheduler's state, the precision's (GradScaler),
+        every rank's RNG state and the `extra` values (int, float, str, lists, dicts, tensors).
+
+            rt.save("checkpoints/last.pt", model=model, optimizer=optimizer, epoch=epoch)
+        """
         state = self.checkpoint_state(model, optimizer, scheduler, **extra)
         error = None
         if self.env.is_main:
@@ -248,7 +304,16 @@ class Runtime:
     def load(self, path: str | Path | dict, *, model: nn.Module | None = None, optimizer=None,
              scheduler=None) -> dict:
         """Restore what `save` wrote (from any strategy), from a file or an already loaded
-        checkpoint dict; returns the whole checkpoint dict."""
+        checkpoint dict; returns the whole checkpoint dict.
+
+        Call it on every rank. The file is read with `weights_only=True` (no pickled code runs);
+        one that is missing, truncated or not a checkpoint raises CheckpointError (a UsageError)
+        naming the cause. The model may be wrapped or bare, and saved from another strategy or
+        world size; each rank gets back its RNG streams when the world size is the same.
+
+            state = rt.load("checkpoints/last.pt", model=model, optimizer=optimizer)
+            start_epoch = state["epoch"] + 1
+        """
         state = path if isinstance(path, dict) else checkpoint.load(path)
         if model is not None:
             checkpoint.load_model_state(model, state["model"])

@@ -21,6 +21,7 @@ COMMANDS = {
     "gpus": "gpus",
     "env": "env",
     "bench": "bench",
+    "test": "selftest",
 }
 
 
