@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -225,7 +226,18 @@ def destroy_distributed(wait_for_peers: bool = False) -> None:
     global _CPU_GROUP
     _CTA_GROUPS.clear()
     _CPU_GROUP = None
+    # A DDP model's reducer holds the group too. Freed while it is the group's last holder, it
+    # destroys the group with the GIL held, and gloo's destructor then waits for its worker
+    # threads, one of which may be waiting for the GIL to free its last collective's tensors: the
+    # process never exits (seen at the end of 2-process CPU runs on a busy machine: the main
+    # thread in ~ProcessGroupGloo's join, a gloo thread in ~AsyncWork waiting for the GIL).
+    # So the DDP models nobody holds any more go first, while
+    # the registry still holds the group, and the last holder is then our Python reference,
+    # whose release torch runs with the GIL released.
+    gc.collect()
+    world = dist.group.WORLD
     dist.destroy_process_group()
+    del world
 
 
 # At exit, a gloo rank that tears its connections down while a peer is still finishing can abort

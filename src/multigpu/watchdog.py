@@ -1,7 +1,8 @@
 """The in-worker watchdog: names the ranks of a hung job, and ends workers whose launcher is gone.
 
 Started in every worker of a multigpu launch (`multigpu train`, and scripts under `multigpu run`
-through multigpu.worker), it runs one daemon thread that every second or so:
+through multigpu.worker), it runs one daemon thread that checks 1 and 2 every POLL_SECONDS and 3
+every second or so:
 
 1. **Orphans.** When the launcher has died (kill -9: the worker's parent changes), it calls
    `on_orphan()` (the training loop then saves and stops) or, for a user's script, sends itself
@@ -46,6 +47,7 @@ LOG_DIR_ENV = "MULTIGPU_LOG_DIR"
 DEFAULT_HANG_TIMEOUT = 300.0
 EXIT_HANG = 124
 ORPHAN_GRACE_SECONDS = 30.0
+POLL_SECONDS = 0.2  # how soon a dead launcher or a changed variable is seen
 REPORT_WAIT_SECONDS = 5.0
 HANG_HEADER = "hang: "
 WATCHED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
@@ -82,6 +84,7 @@ class Watchdog:
         self._store = None
         self._stop = threading.Event()
         self._orphaned_at: float | None = None
+        self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
         self._beats += 1
@@ -92,18 +95,28 @@ class Watchdog:
 
             register_optimizer_step_post_hook(lambda *_: self.beat())
             atexit.register(self._post, "finished")
-        threading.Thread(target=self._run, name="multigpu-watchdog", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="multigpu-watchdog", daemon=True)
+        self._thread.start()
+        # Joined before the interpreter finalizes: a daemon thread still inside a TCPStore call
+        # then is ended by pthread_exit, which unwinds through C++ and aborts the process
+        # ("terminate called without an active exception", SIGABRT: a finished script's rank
+        # reported as failed). atexit runs last-registered first, so this runs before _post.
+        atexit.register(self.stop, join=True)
 
-    def stop(self) -> None:
+    def stop(self, join: bool = False) -> None:
         self._stop.set()
+        if join and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * REPORT_WAIT_SECONDS + 5)
 
     # --- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
         watching = self.timeout > 0 and self.world_size > 1
-        while not self._stop.wait(self.interval):
+        next_hang_check = time.monotonic() + self.interval
+        while not self._stop.wait(POLL_SECONDS):  # the cheap checks often, the hang check less
             self._check_orphan()
             self._check_env()
-            if watching and self._orphaned_at is None:
+            if watching and self._orphaned_at is None and time.monotonic() >= next_hang_check:
+                next_hang_check = time.monotonic() + self.interval
                 try:
                     self._check_hang()
                 except Exception:  # the store is gone (its host died): the launcher acts now
@@ -209,6 +222,8 @@ class Watchdog:
         return self._store
 
     def _post(self, state: str) -> None:
+        if self._orphaned_at is not None:  # the launcher's store went with it: connecting would
+            return                         # only wait out the timeout twice (11 s) at exit
         try:
             self._connect().set(f"{self.prefix}/status/{self.rank}", json.dumps(
                 {"t": time.time(), "stalled": 0, "where": "", "state": state, "changed": self.changed}))

@@ -3,6 +3,7 @@ this one failed."""
 import datetime
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as torch_dist
@@ -16,6 +17,7 @@ class FakeDist:
     def __init__(self, backend="gloo", world_size=2):
         self.calls = []
         self.backend, self.world_size = backend, world_size
+        self.group = SimpleNamespace(WORLD=object())
 
     def is_available(self):
         return True

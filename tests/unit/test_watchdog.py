@@ -1,6 +1,8 @@
 """The watchdog's decision and its words (pure functions), and the changed-variable check."""
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -80,3 +82,31 @@ def test_the_error_file_holds_the_summary_for_the_launcher(tmp_path, monkeypatch
     watchdog._write_error_file("hang: no rank made progress")
     data = json.loads((tmp_path / "error.json").read_text())
     assert data["message"] == "hang: no rank made progress" and data["timestamp"] <= time.time()
+
+
+EXITS_WHILE_THE_WATCHDOG_TALKS = """
+import datetime, os, sys, time
+import torch.distributed as dist
+from multigpu import watchdog
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+os.environ.update(TORCHELASTIC_RUN_ID="t", MULTIGPU_HANG_TIMEOUT="0.5", WORLD_SIZE="2", RANK="0",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+# the thread spends all its time inside TCPStore calls, as it does for an instant every interval
+watchdog.Watchdog._check_hang = lambda self: [self._connect().check(["k"]) for _ in range(3000)]
+watchdog.start_from_env()
+time.sleep(0.5)
+print("script done", flush=True)
+"""
+
+
+def test_a_script_ending_while_the_watchdog_is_inside_a_store_call_exits_cleanly(tmp_path):
+    """A daemon thread still inside a C++ call when Python finalizes is ended by pthread_exit,
+    which aborts the process (SIGABRT, "terminate called without an active exception"): a
+    finished rank reported as failed. The watchdog's thread is joined at exit instead."""
+    (tmp_path / "script.py").write_text(EXITS_WHILE_THE_WATCHDOG_TALKS)
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, str(tmp_path / "script.py")], capture_output=True,
+                              text=True, timeout=60)
+        assert (proc.returncode, proc.stdout) == (0, "script done\n"), proc.stderr[-2000:]
+        assert "terminate called" not in proc.stderr
