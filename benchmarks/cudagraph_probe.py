@@ -16,6 +16,7 @@ Rank 0 writes DIR/cudagraph-w<N>.json and prints it.
 """
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -93,4 +94,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # our GPU machines' rule (NVLink multicast off), read by NCCL when the process group starts;
+    # multigpu itself does not set it
+    for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                       "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(key, value)
     main()

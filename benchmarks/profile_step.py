@@ -137,5 +137,9 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # our GPU machines' rule (NVLink multicast off), read by NCCL when the process group starts;
+    # multigpu itself does not set it
+    for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                       "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(key, value)
     main()

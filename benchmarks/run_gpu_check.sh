@@ -18,6 +18,8 @@
 #   7 bench-compile resnet50 batch 32/128, --compile reduce-overhead vs ddp, 1 and N GPUs (box 300 s)
 #   8 dp-profile  one profiled DataParallel step on N GPUs                 (box  60 s)
 #   9 bench-models swin_t and vgg16, multigpu-ddp on 1 and N GPUs         (box  90 s)
+#  10 image-transforms JPEG decode + crops per CPU thread, PIL vs torchvision (box 150 s)
+#  11 cli-startup `multigpu --help` and friends, cold and warm (benchmarks/cli_startup.py) (box 90 s)
 # Everything lands in $OUT: <stage>.log for each stage, summary.txt, pytest-gpu.xml, and
 # bench-*.json / bench-*.png / bench-*-logs/ (per-rank logs of every launch).
 set -uo pipefail
@@ -122,6 +124,9 @@ stage dp-profile 60 "$PY" benchmarks/profile_step.py --dp "$N" --out "$OUT/dp-pr
 stage bench-models 90 "${BENCH[@]}" --model swin_t,vgg16 --batch-size 128 --gpus "1,$N" \
     --methods multigpu-single,multigpu-ddp --steps 15 --warmup 5 --trials 3 \
     --out "$OUT/bench-models.json"
+# CPU-side stages: what a DataLoader worker does per JPEG, and how fast the CLI answers.
+stage image-transforms 150 "$PY" benchmarks/image_transforms.py --out "$OUT/image-transforms"
+stage cli-startup 90 "$PY" benchmarks/cli_startup.py --runs 9 --json "$OUT/cli-startup.json"
 
 # Clocks after the runs (BASELINE.md saw 1980 MHz, the maximum, on every GPU).
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \

@@ -2,17 +2,26 @@
 
 The library API is `setup()` and the `Runtime` it returns; see `multigpu.runtime` for a full loop.
 """
-from multigpu.checkpoint import clean_state_dict, load_model_state
-from multigpu.compiling import begin_step, compile_model
-from multigpu.data import ShardedBatchSampler, StepInfo
-from multigpu.distributed import DistEnv, destroy_distributed, init_distributed
-from multigpu.errors import UsageError
-from multigpu.metrics import Accuracy, MeanMetric, Sums, reduce_tensor
-from multigpu.precision import Precision
-from multigpu.runtime import Runtime, setup
-from multigpu.strategies import DDPOptions, unwrap_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it. They are imported on first use (PEP 562), so that
+# `multigpu --help` and the CLI's usage errors answer without importing torch (about 1.5 s).
+_EXPORTS = {
+    "clean_state_dict": "checkpoint", "load_model_state": "checkpoint",
+    "begin_step": "compiling", "compile_model": "compiling",
+    "ShardedBatchSampler": "data", "StepInfo": "data",
+    "DistEnv": "distributed", "destroy_distributed": "distributed", "init_distributed": "distributed",
+    "UsageError": "errors",
+    "Accuracy": "metrics", "MeanMetric": "metrics", "Sums": "metrics", "reduce_tensor": "metrics",
+    "Precision": "precision",
+    "Runtime": "runtime", "setup": "runtime",
+    "DDPOptions": "strategies", "unwrap_model": "strategies",
+}
 
 __all__ = [
     "setup", "Runtime", "DistEnv", "init_distributed", "destroy_distributed", "Precision",
@@ -20,3 +29,28 @@ __all__ = [
     "reduce_tensor", "clean_state_dict", "load_model_state", "unwrap_model", "UsageError",
     "compile_model", "begin_step",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"multigpu.{module}"), name)
+    globals()[name] = value  # the next lookup skips this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs, which do not run __getattr__
+    from multigpu.checkpoint import clean_state_dict, load_model_state
+    from multigpu.compiling import begin_step, compile_model
+    from multigpu.data import ShardedBatchSampler, StepInfo
+    from multigpu.distributed import DistEnv, destroy_distributed, init_distributed
+    from multigpu.errors import UsageError
+    from multigpu.metrics import Accuracy, MeanMetric, Sums, reduce_tensor
+    from multigpu.precision import Precision
+    from multigpu.runtime import Runtime, setup
+    from multigpu.strategies import DDPOptions, unwrap_model

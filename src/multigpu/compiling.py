@@ -17,10 +17,12 @@ once more, at the cost of time and memory, then replayed.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from multigpu.errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads MODES and check() without it
+    from torch import nn
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -49,6 +51,9 @@ def check(mode: str | None, device_type: str, strategy: str, accumulate: int = 1
 
 def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
     """`model` compiled in `mode` (None: returned as it is). Compiling happens at the first call."""
+    import torch
+    from torch import nn
+
     if mode is None:
         return model
     if isinstance(model, nn.DataParallel):
@@ -59,6 +64,8 @@ def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
 def is_compiled(model: nn.Module) -> bool:
     """Whether `model`, or the module a DDP/DataParallel wrapper holds, went through torch.compile
     (torch.compile(m) or m.compile())."""
+    from torch import nn
+
     while isinstance(model, nn.Module):
         if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
             return True
@@ -69,4 +76,6 @@ def is_compiled(model: nn.Module) -> bool:
 def begin_step(model: nn.Module) -> None:
     """Mark a new step for CUDA graphs (see the module's docstring); free for other models."""
     if is_compiled(model):
+        import torch
+
         torch.compiler.cudagraph_mark_step_begin()

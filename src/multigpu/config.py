@@ -72,6 +72,10 @@ class TrainConfig:
                                       "every so long (30s, 10m, 2h); 0: at the end of each epoch "
                                       "only", metavar="N|TIME")
     keep: int = _f(3, "checkpoints kept: the N newest, plus best.pt")
+    logger: str = _f("tensorboard,csv", "where the numbers go besides metrics.jsonl: any of "
+                                        "tensorboard, csv, mlflow, wandb (comma-separated; mlflow "
+                                        "and wandb stay local), or none", metavar="LIST")
+    log_every: int = _f(50, "log the training loss, learning rate and speed every N steps")
     deterministic: bool = _f(False, "deterministic kernels (cuDNN, torch.use_deterministic_"
                                     "algorithms): an interrupted and resumed run ends with the "
                                     "same weights as an uninterrupted one, bit for bit")

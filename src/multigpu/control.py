@@ -23,10 +23,13 @@ import re
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from multigpu import console
-from multigpu.distributed import DistEnv
 from multigpu.errors import UsageError
+
+if TYPE_CHECKING:  # `multigpu train` parses --checkpoint-every before torch is imported
+    from multigpu.distributed import DistEnv
 
 CHECK_SECONDS = 1.0
 MAX_INTERVAL = 1000

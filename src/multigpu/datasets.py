@@ -2,7 +2,9 @@
 
 `load_data(spec, input_kind=..., image_size=...)` turns one of four specs into a `DataBundle`:
 
-- `digits`: scikit-learn's bundled 8x8 handwritten digits (1797 samples, 10 classes), shape (1, 8, 8).
+- `digits`: the 8x8 handwritten digits of UCI's Optical Recognition of Handwritten Digits set
+  (1797 samples, 10 classes), shape (1, 8, 8), shipped in the package (data_files/digits.npz, the
+  same arrays as scikit-learn's `load_digits()`).
   Fixed stratified split with no randomness: within each class, every fifth sample goes to
   validation, which gives exactly 1442 training and 355 validation samples.
 - `synthetic:N`: N generated training samples, 10 classes, shape (3, S, S) for image models
@@ -35,6 +37,7 @@ import io
 import math
 import os
 from dataclasses import dataclass
+from importlib import resources
 
 import numpy as np
 import torch
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from multigpu.errors import UsageError
+from multigpu.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
 
 SPEC_FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
 # Series shipped in multigpu/series/ (SOURCE.md there): `timeseries:NAME` reads them, not a file NAME.
@@ -99,23 +103,6 @@ def load_data(
     raise UsageError(f"unknown data spec {spec!r}: use one of {SPEC_FORMS}")
 
 
-def check_input_kind(spec: str, input_kind: str) -> None:
-    """Refuse data a model of `input_kind` cannot take (the CLI checks this before starting workers)."""
-    assert input_kind in ("flat", "image", "sequence"), f"unknown input_kind {input_kind!r}"
-    kind, sep, arg = spec.partition(":")
-    timeseries = bool(sep and kind == "timeseries" and arg)
-    if input_kind == "sequence" and not timeseries:
-        raise UsageError(
-            f"data {spec!r} is not a time series, which sequence models (lstm, tst) need: use "
-            f"--data timeseries:co2, timeseries:macro or timeseries:CSV, or another --model for this data"
-        )
-    if input_kind == "image" and timeseries:
-        raise UsageError(
-            f"data {spec!r} gives (seq_length, columns) windows, which image models cannot take: "
-            "use --model lstm, --model tst, --model mlp or --model linear"
-        )
-
-
 def _positive(value: int, flag: str) -> int:
     if not isinstance(value, int) or value < 1:
         example = {"--image-size": 32, "--seq-length": 12}.get(flag, 1)
@@ -126,12 +113,17 @@ def _positive(value: int, flag: str) -> int:
 # --- digits -----------------------------------------------------------------------------------------
 
 
-def _digits() -> DataBundle:
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 1797 digits as shipped: pixels (1797, 8, 8) uint8 in 0..16, labels (1797,) uint8."""
+    with (resources.files("multigpu") / "data_files" / "digits.npz").open("rb") as fh:
+        with np.load(fh, allow_pickle=False) as npz:
+            return npz["images"], npz["labels"]
 
-    digits = load_digits()
-    x = (digits.data.astype(np.float32) / 16.0 - DIGITS_MEAN) / DIGITS_STD
-    y = digits.target.astype(np.int64)
+
+def _digits() -> DataBundle:
+    pixels, labels = digits_arrays()
+    x = (pixels.reshape(len(pixels), 64).astype(np.float32) / 16.0 - DIGITS_MEAN) / DIGITS_STD
+    y = labels.astype(np.int64)
     val_mask = np.zeros(len(y), dtype=bool)
     for label in np.unique(y):
         members = np.flatnonzero(y == label)

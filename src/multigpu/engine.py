@@ -67,6 +67,7 @@ class EpochCursor:
     loss_sum: torch.Tensor  # this rank's loss summed over its samples in this call (on the device)
     local_samples: int   # this rank's samples in this call
     start: float         # perf_counter() when this call began
+    begin: int = 0       # the position this call began at
 
     def totals(self, env) -> tuple[float, int]:
         """(loss sum, samples) of this call over all ranks. A collective and a sync point."""
@@ -86,7 +87,7 @@ def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loade
     model.train()
     progress = EpochProgress(len(loader), description)
     cursor = EpochCursor(start, 0, torch.zeros((), dtype=torch.float64, device=rt.device), 0,
-                         time.perf_counter())
+                         time.perf_counter(), begin=start)
     try:
         for batch in loader:
             loss = train_step(rt, model, optimizer, loss_fn, batch, settings)

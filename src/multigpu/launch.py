@@ -38,11 +38,6 @@ from multigpu.errors import UsageError
 from multigpu.launch_failures import (err, rendezvous_failed_message, rendezvous_timeout_message,
                                       report_child_failed)
 
-# Rules of our GPU machines: NVLink SHARP / multicast stays off (set unless the user set them).
-GPU_MACHINE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                   "NVSHMEM_DISABLE_NVLS": "1"}
-
-
 @dataclass
 class LaunchOptions:
     nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
@@ -193,8 +188,8 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None
         cvd = plan.cuda_visible_devices()
         if cvd is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cvd
-        for key, value in GPU_MACHINE_ENV.items():
-            os.environ.setdefault(key, value)
+        # NCCL_*, NVSHMEM_* and TORCH_SYMM_MEM_* pass through as the user set them: no site rule
+        # of ours (such as NVLink SHARP off) is imposed on anyone's machine.
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # ids as nvidia-smi shows them
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc)))
         os.environ.setdefault("PYTHONUNBUFFERED", "1")

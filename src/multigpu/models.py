@@ -31,52 +31,11 @@ import torch
 from torch import nn
 
 from multigpu.errors import UsageError
-from multigpu.seqmodels import SEQUENCE_MODELS, build_sequence_model
-
-MODEL_NAMES: tuple[str, ...] = ("linear", "mlp", "cnn", "resnet18", "resnet50", "vgg16", "swin_t", "lstm", "tst")
-
-_EXTERNAL_SOURCES = ("torchvision", "timm")
-_FLAT_MODELS = frozenset({"linear", "mlp"})
-_CONVNETS = frozenset({"cnn", "resnet18", "resnet50", "vgg16"})
-_SMALL_IMAGE_MODELS = frozenset({"linear", "mlp", "cnn"})
-
-
-def _parse(name: str) -> tuple[str | None, str]:
-    """Split a model name into (source, model); source is None for built-ins. Raises on unknown names."""
-    if name in MODEL_NAMES:
-        return None, name
-    source, sep, inner = name.partition(":")
-    if sep and source in _EXTERNAL_SOURCES:
-        if not inner:
-            raise UsageError(f"model {name!r} names no {source} model: write {source}:NAME, e.g. {source}:resnet18")
-        return source, inner
-    raise UsageError(
-        f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)} or torchvision:NAME / timm:NAME"
-    )
-
-
-def model_input_kind(name: str) -> str:
-    """"flat" for models that flatten any input (linear, mlp); "sequence" for models of timeseries
-    windows (lstm, tst); "image" for models that need (C, H, W)."""
-    source, inner = _parse(name)
-    if source is None and inner in SEQUENCE_MODELS:
-        return "sequence"
-    return "flat" if source is None and inner in _FLAT_MODELS else "image"
-
-
-def default_image_size(name: str) -> int:
-    """The image side length a model is designed for; synthetic data uses it when --image-size is not given."""
-    source, inner = _parse(name)
-    return 32 if source is None and inner in _SMALL_IMAGE_MODELS else 224
-
-
-def is_convnet(name: str) -> bool:
-    """True for the built-in convnets, which run faster in channels_last memory format.
-
-    External models answer False: we cannot tell what architecture a name stands for.
-    """
-    source, inner = _parse(name)
-    return source is None and inner in _CONVNETS
+# the names and input kinds live in a torch-free module (the CLI checks --model with them);
+# they are re-exported here for the code that builds models
+from multigpu.model_names import (_FLAT_MODELS, MODEL_NAMES, SEQUENCE_MODELS, _parse,  # noqa: F401
+                                  default_image_size, is_convnet, model_input_kind)
+from multigpu.seqmodels import build_sequence_model
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:

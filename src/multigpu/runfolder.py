@@ -5,6 +5,8 @@
                          exclusively, so two runs started at the same moment never share a
                          folder); `--config` takes it back to repeat the run (configfile.py)
         metrics.jsonl    one line per finished epoch
+        metrics.csv      the same records as a table (with --logger csv, the default)
+        steps.csv, tensorboard/, curves.png   see runlog.py
         checkpoints/     see checkpoint_store
         logs/            each rank's output, with several processes
 
@@ -12,6 +14,8 @@ A folder that holds anything is only ever used again to continue the run in it (
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import time
@@ -20,7 +24,7 @@ from pathlib import Path
 from multigpu import fileio
 from multigpu.errors import UsageError
 
-CONFIG, METRICS = "config.json", "metrics.jsonl"
+CONFIG, METRICS, METRICS_CSV = "config.json", "metrics.jsonl", "metrics.csv"
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
 _CLAIM = b'{"status": "starting"}\n'
 
@@ -142,3 +146,28 @@ def reconcile_metrics(out: Path, completed_epochs: int, last_record: dict | None
     text = "".join(json.dumps(records[e]) + "\n" for e in sorted(records))
     if path.is_file() or text:
         fileio.atomic_write_text(path, text)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The epochs' records of metrics.jsonl (a line torn by a crash is left out)."""
+    records = []
+    path = out / METRICS
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
+
+
+def write_metrics_csv(out: Path) -> None:
+    """metrics.csv: metrics.jsonl as a table, one row per epoch, every key a column (written
+    whole from the JSON lines, so the two files always agree)."""
+    records = read_metrics(out)
+    header = list(dict.fromkeys(k for r in records for k in r))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, header, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    fileio.atomic_write_text(out / METRICS_CSV, buf.getvalue())

@@ -16,6 +16,7 @@ the batch the prepared loader yielded last.
 """
 from __future__ import annotations
 
+import atexit
 import random
 import warnings
 from pathlib import Path
@@ -26,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from multigpu import checkpoint
+from multigpu import loggers as run_loggers
 from multigpu.data import StepInfo
 from multigpu.loaders import shard_loader
 from multigpu.distributed import DistEnv, init_distributed
@@ -37,7 +39,8 @@ from multigpu.strategies.ddp import DDP
 
 def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int] | None = None,
           accelerator: str = "auto", seed: int = 0, accumulate: int = 1,
-          ddp: DDPOptions | None = None) -> "Runtime":
+          ddp: DDPOptions | None = None, log_dir: str | Path | None = None,
+          loggers: str = "tensorboard,csv") -> "Runtime":
     """Read the launcher's environment, create the process group, return a Runtime.
 
     Call it once, at the start of the script, on every process. Under `multigpu run` (or
@@ -53,6 +56,8 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
                 rank 0's initial weights to the others.
     accumulate: micro-batches per optimizer step; the all-reduce runs only on the last one.
     ddp:        DDPOptions for the DDP engine (find_unused_parameters, static_graph, ...).
+    log_dir:    the folder `rt.log()` writes to (TensorBoard events, metrics.csv), on rank 0.
+    loggers:    what `rt.log()` writes: any of "tensorboard", "csv", "mlflow", "wandb".
 
     Returns the Runtime that prepares, steps and saves. Raises UsageError for a value it cannot
     use (an unknown precision, bf16 on a GPU without it, accumulate=0), naming the fix.
@@ -62,6 +67,7 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
     """
     if accumulate < 1:
         raise UsageError(f"accumulate={accumulate} must be 1 or more")
+    log_names = run_loggers.parse(loggers)
     gpu_index = devices[0] if devices else None  # dp too: its first GPU, never GPU 0 by default
     env = init_distributed(accelerator, gpu_index=gpu_index)
     if strategy == "dp" and env.device.type == "cuda":
@@ -70,8 +76,10 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
         device_ids = ()
     strat = make_strategy(strategy, env, device_ids=device_ids, ddp_options=ddp)
     seed_everything(seed + env.rank)
-    return Runtime(env, strat, Precision(resolve_precision(precision, strat.device), strat.device),
-                   seed=seed, accumulate=accumulate)
+    rt = Runtime(env, strat, Precision(resolve_precision(precision, strat.device), strat.device),
+                 seed=seed, accumulate=accumulate)
+    rt._log_to = (Path(log_dir), log_names) if log_dir is not None else None
+    return rt
 
 
 def seed_everything(seed: int) -> None:
@@ -96,6 +104,9 @@ class Runtime:
         self.step_info: StepInfo | None = None  # set by prepared loaders before each batch
         self._models: list[nn.Module] = []
         self._unused_checked = False
+        self._log_to: tuple[Path, tuple[str, ...]] | None = None  # setup(log_dir=, loggers=)
+        self._logs = None
+        self._log_step = 0
 
     # --- convenience views ----------------------------------------------------------------------
     @property
@@ -122,6 +133,26 @@ class Runtime:
         """print() on rank 0 only (flushed at once); the other ranks print nothing."""
         if self.env.is_main:
             print(*args, **kwargs, flush=True)
+
+    def log(self, values: dict, step: int | None = None) -> None:
+        """Write scalars (numbers or 0-d tensors) at `step` (default: one more than the last) to
+        the loggers of `setup(log_dir=...)`: TensorBoard events and LOG_DIR/metrics.csv. Rank 0
+        only; the other ranks return at once, so reduce a value first if it should cover them.
+
+            rt = multigpu.setup(log_dir="runs/my-run")
+            rt.log({"train/loss": loss, "train/lr": optimizer.param_groups[0]["lr"]}, step=step)
+        """
+        if self._log_to is None:
+            raise UsageError("rt.log() needs a folder to write to: multigpu.setup(log_dir='runs/NAME')")
+        step = self._log_step + 1 if step is None else int(step)
+        self._log_step = step
+        if not self.env.is_main:
+            return
+        if self._logs is None:
+            folder, names = self._log_to
+            self._logs = run_loggers.open_loggers(names, folder, csv_name="metrics.csv")
+            atexit.register(self._logs.close)
+        self._logs.log(step, values)
 
     def __repr__(self) -> str:
         return (f"Runtime(rank={self.rank}, world_size={self.world_size}, device={self.device}, "

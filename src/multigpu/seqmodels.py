@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from multigpu.errors import UsageError
-
-SEQUENCE_MODELS = ("lstm", "tst")
+from multigpu.model_names import SEQUENCE_MODELS
 
 
 def build_sequence_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from multigpu import console, runfolder, watchdog
+from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore, step_file_name
 from multigpu.checkpoint_writer import BackgroundWriter
 from multigpu.config import TrainConfig
@@ -39,6 +40,13 @@ from multigpu.training import (Job, build_job, ddp_options, oom_message, reserve
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
                  accelerator: str = "auto", launch: dict | None = None) -> dict:
     """`launch`: provenance.launch_facts of the command that started the run (config.json)."""
+    record = _train(cfg, device_ids, accelerator, launch)
+    destroy_distributed()  # once _train's locals, the DDP model among them, are gone: see there
+    return record
+
+
+def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
+           launch: dict | None) -> dict:
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
@@ -55,6 +63,7 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
     store = CheckpointStore(out / "checkpoints", cfg.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
     saver = Checkpointer(rt, job, store, config)
+    log = None
     try:
         console.info(f"multigpu train: {cfg.model} on {job.data.name} ({len(job.data.train)} train / "
                      f"{len(job.data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
@@ -62,19 +71,21 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
                      f"{control.cadence.describe()} -> {out}")
         point = resume_point(rt.env, out, cfg.resume, cfg.keep)
         run = restore(cfg, rt, job, point, out) if point else RunState()
+        log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
-                             point.state.get("metrics") if point else None)
+                             point.state.get("metrics") if point else None, log)
         saver.finish()
     finally:
         saver.close()
         store.release()
+        if log is not None:
+            log.close()  # curves.png: also of a run that stopped or failed
     # Every rank done with its collectives before any tears down: a gloo rank that exits while a
     # peer's last exchange is in flight can abort ("terminate called without an active
     # exception", seen once in 4-process runs here).
     rt.env.barrier()
-    destroy_distributed()
     return record
 
 
@@ -103,7 +114,7 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
 
 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
-            saver: "Checkpointer", out: Path, last: dict | None) -> dict:
+            saver: "Checkpointer", out: Path, last: dict | None, log: RunLog) -> dict:
     record, bad_before = {}, 0
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
@@ -111,6 +122,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
 
         def after_step(cursor, epoch=epoch, base=base, begun=run):
             step = base + cursor.steps
+            log.step(step, epoch, cursor, job.optimizer)
             if saver.failed:
                 control.request_stop("checkpoint save failed")
             decision = control.after_step(step)
@@ -121,7 +133,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
                           begun.seconds + time.perf_counter() - cursor.start, begun.best)
             _save_or_stop(rt, saver, control, at, last, decision.stop, out)
 
-        record = {"epoch": epoch, "lr": job.optimizer.param_groups[0]["lr"]}
+        record = {"epoch": epoch, "step": base + steps, "lr": job.optimizer.param_groups[0]["lr"]}
         try:
             record |= train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
                                   job.settings, description=f"epoch {epoch}/{cfg.epochs}",
@@ -136,6 +148,9 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
                            target_std=scale[1] if scale is not None else None)
         if rt.precision.scaler is not None:
             record["skipped_steps"] = rt.precision.skipped_steps
+        if rt.device.type == "cuda":  # rank 0's peak of the epoch
+            record["max_memory_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(rt.device)
         if job.scheduler is not None:
             job.scheduler.step()
         # Regression keeps the lowest val_loss (MSE of the standardised values), not val_rmse: in
@@ -146,6 +161,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         saver.save(run, metrics=record, best=improved)
         control.saved(run.global_step)
         _report(rt, out, record, job.classification)
+        log.epoch(run.global_step, record)
         last = record
         if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
             _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from multigpu import devices
+from tests.gpu.conftest import gpu_env
+from tests.multiproc.conftest import GPU_MACHINE_ENV
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +39,7 @@ def gpus():
 
 
 def multigpu(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300):
-    base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    base = gpu_env()
     return subprocess.run([sys.executable, "-m", "multigpu", *args], cwd=cwd,
                           env=base | (env or {}), capture_output=True, text=True, timeout=timeout)
 
@@ -64,8 +66,8 @@ def test_two_ranks_on_two_distinct_gpus(tmp_path, gpus):
 
 def test_busy_gpu0_is_skipped_by_devices_1(tmp_path, gpus):
     ready = tmp_path / "hog_ready"
-    env = {k: v for k, v in os.environ.items()} | {"CUDA_VISIBLE_DEVICES": "0",
-                                                   "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    env = dict(os.environ) | GPU_MACHINE_ENV | {"CUDA_VISIBLE_DEVICES": "0",
+                                                "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     hog = subprocess.Popen([sys.executable, str(SCRIPTS / "gpu_hog.py"), str(ready)], env=env)
     try:
         deadline = time.monotonic() + 120

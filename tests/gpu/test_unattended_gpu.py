@@ -7,7 +7,6 @@ kernel choice makes weights differ in the last bits, so these tests check comple
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from multigpu.checkpoint_store import CheckpointStore
+from tests.gpu.conftest import gpu_env
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def _no_process_left_behind():
 
 def start(out: Path, *extra) -> subprocess.Popen:
     """The launcher, its output in files beside the run (kept when a test times out)."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = gpu_env()
     out.parent.mkdir(parents=True, exist_ok=True)
     n = len(list(out.parent.glob(f"{out.name}-launch*.out")))
     proc = subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--out", str(out),
@@ -114,7 +114,7 @@ def test_sigterm_on_gpus_saves_and_resume_finishes(tmp_path):
 
 
 def test_a_hang_on_nccl_is_named_and_the_flight_recorder_dumped(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = gpu_env()
     began = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", "2", "--hang-timeout", "15",
                         "--log-dir", str(tmp_path), str(Path(__file__).parent / "scripts" / "skip_allreduce_nccl.py")],

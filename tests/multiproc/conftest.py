@@ -9,11 +9,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# A rule of our own GPU machines (NVLink SHARP / multicast off), not of the product: every command
+# our tests and benchmarks start sets it (see also the Makefile's test-gpu, benchmarks/*.sh).
+GPU_MACHINE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                   "NVSHMEM_DISABLE_NVLS": "1"}
+
 
 def cli_env() -> dict:
     env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(GPU_MACHINE_ENV, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

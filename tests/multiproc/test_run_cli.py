@@ -70,7 +70,7 @@ def procs():
 
 def test_torchrun_style_script_gets_rank_env_and_untouched_args(tmp_path):
     r = multigpu("--devices", "cpu:2", str(SCRIPTS / "report_env.py"), str(tmp_path),
-                 "--devices", "7", "--local_rank", "x", cwd=tmp_path)
+                 "--devices", "7", "--local_rank", "x", cwd=tmp_path, NCCL_NVLS_ENABLE="1")
     assert r.returncode == 0, r.stderr
     seen = ranks_seen(tmp_path)
     assert sorted(seen) == [0, 1]
@@ -78,8 +78,10 @@ def test_torchrun_style_script_gets_rank_env_and_untouched_args(tmp_path):
         assert (s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"]) == (str(rank), str(rank), "2")
         assert s["argv"] == ["--devices", "7", "--local_rank", "x"]  # passed through untouched
         assert s["CUDA_VISIBLE_DEVICES"] == ""  # cpu:N hides GPUs: children pick gloo
+        # NCCL's settings pass through as the user set them (or not): no site rule is added
         assert (s["NCCL_NVLS_ENABLE"], s["TORCH_SYMM_MEM_DISABLE_MULTICAST"],
-                s["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
+                s["NVSHMEM_DISABLE_NVLS"]) == ("1", os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST"),
+                                               os.environ.get("NVSHMEM_DISABLE_NVLS"))
     assert "multigpu: 2 CPU processes (gloo)" in r.stderr  # the one line before launching
     assert "rank 0 of 2 says hello" in r.stdout and "rank 1" not in r.stdout  # rank 0 only
     logs = list((tmp_path / "runs" / "logs").glob("*/*/attempt_0/1/stdout.log"))

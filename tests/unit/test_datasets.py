@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 
 import numpy as np
 import pytest
 import torch
 
+from multigpu import imagefolder
 from multigpu.datasets import load_data
 from multigpu.errors import UsageError
+
+# torchvision's path runs where torchvision imports (the GPU machines), PIL's everywhere
+DECODERS_HERE = ["pil"] + (["torchvision"] if imagefolder.default_decoder() == "torchvision" else [])
 
 
 def load(spec, input_kind="image", image_size=32, **kwargs):
@@ -44,6 +49,36 @@ def test_digits_split_is_identical_across_calls_and_seeds():
     torch.manual_seed(2)
     second = load("digits").val
     assert torch.equal(first.tensors[0], second.tensors[0])
+
+
+# SHA-256 of the split's tensors as scikit-learn's load_digits() gave them before the data shipped
+# in the package (x: float32 (N, 1, 8, 8), y: int64 (N,)): the bundled file changes no value.
+DIGITS_SHA256 = {
+    "train": ("83f785ba7ed8e52670068a69ef1da6e3d2433271aa63781ed587929c8f225006",
+              "9313721fa010b4068efd8523f8b0ad55e16fe55564ccc54da13abb96858f7b54"),
+    "val": ("af325fb465bfb50d7208b050363c35d71bb0004cfba597fe4842cea5572a0769",
+            "ee6ec0ae7823271abdaa9092fefe38ec720e2d13d041a0541dbd4099bda0fc56"),
+}
+
+
+def test_bundled_digits_match_the_fixed_checksums():
+    bundle = load("digits")
+    for split, dataset in (("train", bundle.train), ("val", bundle.val)):
+        x, y = dataset.tensors
+        got = (hashlib.sha256(x.numpy().tobytes()).hexdigest(),
+               hashlib.sha256(y.numpy().tobytes()).hexdigest())
+        assert got == DIGITS_SHA256[split], split
+
+
+def test_bundled_digits_are_scikit_learns():
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    from multigpu.datasets import digits_arrays
+
+    reference = sklearn_datasets.load_digits()
+    pixels, labels = digits_arrays()
+    assert np.array_equal(pixels.reshape(-1, 64), reference.data)
+    assert np.array_equal(labels, reference.target)
+    assert pixels.dtype == labels.dtype == np.uint8
 
 
 # --- synthetic --------------------------------------------------------------------------------------
@@ -114,6 +149,12 @@ def test_synthetic_bad_count(spec):
 # --- folder -----------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=DECODERS_HERE)
+def decoder(request, monkeypatch):
+    monkeypatch.setattr(imagefolder, "default_decoder", lambda: request.param)
+    return request.param
+
+
 def make_image_folder(root, classes=("cat", "dog"), per_class=3, splits=("train", "val")):
     from PIL import Image
 
@@ -127,9 +168,10 @@ def make_image_folder(root, classes=("cat", "dog"), per_class=3, splits=("train"
     return root
 
 
-def test_folder_shapes_labels_and_classes(tmp_path):
+def test_folder_shapes_labels_and_classes(tmp_path, decoder):
     make_image_folder(tmp_path)
     bundle = load(f"folder:{tmp_path}", image_size=24)
+    assert bundle.train.decoder == bundle.val.decoder == decoder
     assert (bundle.task, bundle.input_shape, bundle.num_outputs) == ("classification", (3, 24, 24), 2)
     assert bundle.train.classes == ["cat", "dog"]
     assert (len(bundle.train), len(bundle.val)) == (6, 6)
@@ -143,7 +185,7 @@ def test_folder_shapes_labels_and_classes(tmp_path):
     pickle.loads(pickle.dumps(bundle.train))
 
 
-def test_folder_augmentation_follows_torch_rng(tmp_path):
+def test_folder_augmentation_follows_torch_rng(tmp_path, decoder):
     from PIL import Image
 
     make_image_folder(tmp_path)
@@ -275,7 +317,7 @@ def _image_folder(root, bad=()):
         (root / rel).write_bytes(b"\x89PNG broken")
 
 
-def test_an_unreadable_image_is_replaced_by_the_next_counted_and_named_once(tmp_path, capsys):
+def test_an_unreadable_image_is_replaced_by_the_next_counted_and_named_once(tmp_path, decoder, capsys):
     _image_folder(tmp_path, bad=["train/a/1.png"])
     data = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8)
     bad_index = [p for p, _ in data.train.samples].index(str(tmp_path / "train/a/1.png"))
@@ -288,7 +330,7 @@ def test_an_unreadable_image_is_replaced_by_the_next_counted_and_named_once(tmp_
     assert err.count("skipped unreadable image") == 1 and "train/a/1.png" in err
 
 
-def test_with_bad_images_fail_the_first_one_stops_with_its_name(tmp_path):
+def test_with_bad_images_fail_the_first_one_stops_with_its_name(tmp_path, decoder):
     from multigpu.imagefolder import BadImageError
 
     _image_folder(tmp_path, bad=["train/b/0.png"])
@@ -296,6 +338,36 @@ def test_with_bad_images_fail_the_first_one_stops_with_its_name(tmp_path):
     index = [p for p, _ in data.train.samples].index(str(tmp_path / "train/b/0.png"))
     with pytest.raises(BadImageError, match=r"cannot read image '.*train/b/0.png' .*--bad-images skip"):
         data.train[index]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not an image"])
+def test_a_damaged_jpeg_is_a_bad_image_for_either_decoder(tmp_path, decoder, damage, capsys):
+    from PIL import Image
+
+    _image_folder(tmp_path)
+    photo = tmp_path / "train/a/1.jpg"
+    scene = np.random.default_rng(0).integers(0, 255, size=(64, 64, 3), dtype=np.uint8)
+    Image.fromarray(scene).save(photo, quality=90)
+    data = photo.read_bytes()
+    photo.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"<html>404</html>")
+    dataset = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8).train
+    index = [p for p, _ in dataset.samples].index(str(photo))
+    x, _ = dataset[index]
+    assert x.shape == (3, 8, 8) and dataset.bad_count == 1
+    assert "skipped unreadable image" in capsys.readouterr().err
+
+
+@pytest.mark.skipif("torchvision" not in DECODERS_HERE, reason="torchvision does not import here")
+def test_both_decoders_cut_the_same_validation_image(tmp_path):
+    from PIL import Image
+
+    ramp = np.add.outer(np.arange(90), np.arange(120)).astype(np.uint8)
+    path = tmp_path / "ramp.png"
+    Image.fromarray(np.stack([ramp, ramp[::-1], 255 - ramp], axis=2)).save(path)
+    crops = [imagefolder.ImageFolderDataset([(str(path), 0)], ["a"], 32, False, decoder=d)[0][0].float()
+             for d in ("pil", "torchvision")]
+    assert crops[0].shape == crops[1].shape == (3, 32, 32)
+    assert (crops[0] - crops[1]).abs().mean() < 2.0, "the same cut, up to the resampling's rounding"
 
 
 def test_a_folder_of_one_class_is_refused(tmp_path):

@@ -133,17 +133,19 @@ def test_parse_endpoint():
     assert ports.parse_endpoint("[::1]:80", 1) == ("::1", 80)
 
 
-def test_child_environment_sets_gpu_rules_and_restores(monkeypatch):
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the user's choice wins
+def test_child_environment_imposes_no_site_rule_and_restores(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the user's choice passes through
     monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     before = dict(os.environ)
     plan = DevicePlan("cuda", (1,), 1, ("H200",), ("3",), "2,3")
     with launch.child_environment(plan, LaunchOptions(tee=True)):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
         assert os.environ["NCCL_NVLS_ENABLE"] == "1"
-        assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
-        assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+        # NVLink SHARP / multicast stay torch's and NCCL's choice on the user's machine
+        assert "TORCH_SYMM_MEM_DISABLE_MULTICAST" not in os.environ
+        assert "NVSHMEM_DISABLE_NVLS" not in os.environ
         assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert "rank" in os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]
     assert dict(os.environ) == before

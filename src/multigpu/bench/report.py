@@ -234,8 +234,9 @@ def _plot_batch_sweep(rows: list[dict], left, right) -> None:
 def plot(report: dict, path: Path) -> Path:
     """Two panels: throughput (with ideal linear scaling) and efficiency, against the GPU count,
     or against the batch size for a batch sweep at one GPU count."""
-    import matplotlib
+    from multigpu.extras import require
 
+    matplotlib = require("matplotlib", "the benchmark plot", extra="bench")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

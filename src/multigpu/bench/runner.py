@@ -19,6 +19,7 @@ from multigpu.bench.spec import (NUM_CLASSES, BenchSettings, Group, Task, gpu_co
                                  plan_groups)
 from multigpu.devices import DevicePlan, resolve_devices
 from multigpu.errors import UsageError
+from multigpu.extras import MissingExtra
 
 MAX_ATTEMPTS = 3  # per group: after a failed task (see blamed()), the rest is started again
 # Exit codes of a launch stopped because *we* got SIGINT/SIGTERM (Ctrl-C, `timeout`): stop there.
@@ -285,5 +286,6 @@ def _plot(rep: dict, path: Path) -> str | None:
     try:
         return str(report.plot(rep, path))
     except Exception as exc:  # the measurements matter more than the picture: keep the JSON
-        rep["notes"].append(f"no plot: {type(exc).__name__}: {exc}")
+        missing = isinstance(exc, MissingExtra)  # a message of its own, with the fix
+        rep["notes"].append(f"no plot: {exc}" if missing else f"no plot: {type(exc).__name__}: {exc}")
         return None

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from multigpu import compiling
 from multigpu.errors import UsageError
+from multigpu.extras import install_hint
 
 METHODS = ("multigpu-single", "multigpu-dp", "multigpu-ddp", "ddp", "accelerate", "fabric")
 PEERS = ("ddp", "accelerate", "fabric")
@@ -207,7 +208,7 @@ def parse_data(text: str) -> tuple[str, ...]:
 
 
 def parse_models(text: str) -> tuple[str, ...]:
-    from multigpu.models import model_input_kind
+    from multigpu.model_names import model_input_kind
 
     models = tuple(dict.fromkeys(m.strip() for m in str(text).split(",") if m.strip()))
     if not models:
@@ -271,10 +272,10 @@ def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
     if method != "ddp" and accelerator != "cuda":
         return f"{method} is measured on GPUs only in this bench"
     if method == "accelerate" and importlib.util.find_spec("accelerate") is None:
-        return "accelerate is not installed (pip install accelerate)"
+        return f"accelerate is not installed: {install_hint('accelerate')}"
     fabric_packages = ("lightning", "lightning_fabric")
     if method == "fabric" and not any(importlib.util.find_spec(m) for m in fabric_packages):
-        return "lightning is not installed (pip install lightning)"
+        return f"lightning is not installed: {install_hint('lightning')}"
     if data == "real":
         return "--data real times multigpu's own input pipeline; peers run on synthetic data only"
     return None
@@ -343,6 +344,6 @@ class _TaskMaker:
 
 
 def _default_image_size(model: str) -> int:
-    from multigpu.models import default_image_size
+    from multigpu.model_names import default_image_size
 
     return default_image_size(model)

@@ -167,7 +167,7 @@ def run_set(tasks: list[Task], accelerator: str, begin, build_fn=build) -> list[
     runs: list[measure.Run] = []
     compiled = any(t.compile for t in tasks)
     if compiled:  # compile afresh: no guards or dynamic shapes carried over from another set
-        torch._dynamo.reset()
+        torch.compiler.reset()
     try:
         for task in tasks:
             begin({"kind": "begin", "phase": "build", "key": task.key})
@@ -184,7 +184,7 @@ def run_set(tasks: list[Task], accelerator: str, begin, build_fn=build) -> list[
     records = [result(run, len(tasks)) for run in runs]
     if compiled:  # free the CUDA graphs' memory pool before the next set measures its memory
         runs.clear()
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return records
 
 

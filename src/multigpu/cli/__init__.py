@@ -21,6 +21,7 @@ COMMANDS = {
     "gpus": "gpus",
     "env": "env",
     "bench": "bench",
+    "plot": "plot",
     "test": "selftest",
 }
 

@@ -13,7 +13,7 @@ import sys
 
 from multigpu.bench.spec import DDP_VARIANTS, METHODS
 from multigpu.compiling import MODES as COMPILE_MODES
-from multigpu.models import MODEL_NAMES
+from multigpu.model_names import MODEL_NAMES
 
 EXAMPLES = """\
 examples:
@@ -100,9 +100,10 @@ def settings_from_args(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     from multigpu import console
-    from multigpu.bench import report, run_bench
 
     settings = settings_from_args(args)
+    from multigpu.bench import report, run_bench  # torch: only once the flags are known good
+
     # A time limit (`timeout`) sends SIGTERM: stop like Ctrl-C, keeping what was measured.
     signal.signal(signal.SIGTERM, _interrupt)
     result = run_bench(settings)

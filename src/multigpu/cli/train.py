@@ -50,15 +50,16 @@ def register(subparsers) -> argparse.ArgumentParser:
 # be finite. One table, so that a new numeric flag gets its check in one place.
 _LIMITS = {"epochs": (1, True), "batch_size": (1, True), "accumulate": (1, True),
            "seq_length": (1, True), "future_length": (1, True), "step_size": (1, True),
-           "keep": (1, True), "image_size": (1, True), "workers": (0, True),
+           "keep": (1, True), "image_size": (1, True), "workers": (0, True), "log_every": (1, True),
            "lr": (0, False), "weight_decay": (0, True), "gamma": (0, False),
            "clip_grad_norm": (0, False), "min_free_memory": (0, True)}
 
 
 def validate(cfg: TrainConfig) -> None:
     """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
+    from multigpu import loggers
     from multigpu.control import Cadence
-    from multigpu.models import model_input_kind
+    from multigpu.model_names import check_input_kind, model_input_kind
 
     for name, (low, inclusive) in _LIMITS.items():
         value = getattr(cfg, name)
@@ -70,8 +71,7 @@ def validate(cfg: TrainConfig) -> None:
             raise UsageError(f"{flag} {value:g} must be a number {bound}, e.g. {flag} "
                              f"{_EXAMPLES.get(name, max(low, 1))}")
     Cadence.parse(cfg.checkpoint_every)
-    from multigpu.datasets import check_input_kind
-
+    loggers.parse(cfg.logger)
     check_input_kind(cfg.data, model_input_kind(cfg.model))  # also raises on an unknown model
 
 
@@ -83,17 +83,21 @@ def main(args: argparse.Namespace) -> int:
     from multigpu.launch import in_worker, launch, options_from_args, python_command
     from multigpu import runfolder
     from multigpu.runfolder import OUT_RESERVED_ENV, nothing_trained, remove_untrained
-    from multigpu.training import reserve_out
-    from multigpu.trainloop import run_training
 
     cfg = config_from_args(args)
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
+        from multigpu.trainloop import run_training
+
         run_training(cfg, launch=provenance.from_env())
         return 0
 
     validate(cfg)
     plan = _plan_devices(cfg)
     opts = options_from_args(args)
+    # torch only now: every mistake found above costs one line and no torch import
+    from multigpu.training import reserve_out
+    from multigpu.trainloop import run_training
+
     _check_resume(cfg)
     made = _first_missing(Path(cfg.out) if cfg.out else Path("runs"))  # what we make, we may remove
     if opts.nnodes != "1" and opts.node_rank not in (None, 0):

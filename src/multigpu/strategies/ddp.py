@@ -1,6 +1,7 @@
 """DistributedDataParallel: one process per device, gradients all-reduced in buckets during backward."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -56,11 +57,7 @@ class DDP(Strategy):
         if not self.env.is_distributed:  # ddp asked for in one process: nothing to synchronise
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # Newer torch renames broadcast_buffers and warns when it is passed: only pass it to turn
-        # it off, and keep torch's default (buffers synced from rank 0 every forward) otherwise.
-        extra = {} if o.broadcast_buffers else {"broadcast_buffers": False}
-        if not o.broadcast_buffers:  # DDP then skips the buffers in its initial sync as well
-            self.env.broadcast_tensors(list(model.buffers()))
+        extra = {} if o.broadcast_buffers else _no_forward_buffer_sync(self.env, model)
         if o.nccl_max_ctas is not None:
             extra["process_group"] = nccl_group_with_max_ctas(o.nccl_max_ctas)
         return DistributedDataParallel(
@@ -76,3 +73,14 @@ class DDP(Strategy):
 
     def describe(self) -> str:
         return f"ddp ({self.env.world_size} processes, {self.env.backend})"
+
+
+def _no_forward_buffer_sync(env: DistEnv, model: nn.Module) -> dict:
+    """DDP's keyword that stops the copy of rank 0's buffers before every forward, by feature
+    check: torch 2.13 renamed `broadcast_buffers` to `forward_sync_buffers` and warns
+    (FutureWarning) when the old name is passed; 2.11 knows only the old one."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}  # buffers still made equal once, when wrapping
+    # the old keyword also leaves the buffers out of DDP's initial sync: make them equal here
+    env.broadcast_tensors(list(model.buffers()))
+    return {"broadcast_buffers": False}

@@ -1,0 +1,104 @@
+"""What a run leaves to read: TensorBoard events, steps.csv, metrics.csv and curves.png from
+`multigpu train`; rt.log() from a user's loop; `multigpu plot` over several runs. On cpu:2."""
+import csv
+import json
+
+import pytest
+from PIL import Image
+
+from tests.unit.test_loggers import scalars
+
+from .conftest import REPO, multigpu, read_metrics
+
+pytestmark = pytest.mark.slow
+
+# 205 samples, batch 4 on 2 ranks: 26 steps an epoch, 78 in all; a point every 10 steps
+ARGS = ["--model", "mlp", "--data", "synthetic:205", "--epochs", "3", "--batch-size", "4",
+        "--optimizer", "sgd", "--lr", "0.05", "--workers", "0", "--devices", "cpu:2",
+        "--log-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("logs") / "run"
+    proc = multigpu("train", *ARGS, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_tensorboard_has_the_step_and_epoch_scalars(run):
+    seen = scalars(run)
+    assert [s for s, _ in seen["train/loss"]] == list(range(10, 79, 10))
+    assert [s for s, _ in seen["train/lr"]] == list(range(10, 79, 10))
+    assert all(v == pytest.approx(0.05) for _, v in seen["train/lr"])
+    epochs = read_metrics(run)
+    for tag, key in [("val/loss", "val_loss"), ("val/accuracy", "val_accuracy"),
+                     ("train/epoch_loss", "train_loss"), ("perf/samples_per_second", "samples_per_second")]:
+        assert seen[tag] == [(e["step"], pytest.approx(e[key], rel=1e-6)) for e in epochs], tag
+    assert [e["step"] for e in epochs] == [26, 52, 78]
+
+
+def test_metrics_csv_is_metrics_jsonl_as_a_table(run):
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    epochs = read_metrics(run)
+    assert len(rows) == len(epochs) == 3
+    for row, record in zip(rows, epochs):
+        assert row.keys() == record.keys()
+        assert {k: float(v) for k, v in row.items()} == pytest.approx(
+            {k: float(v) for k, v in record.items()})
+
+
+def test_steps_csv_and_curves_png(run):
+    with open(run / "steps.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(10, 79, 10))
+    assert [int(r["epoch"]) for r in rows] == [1, 1, 2, 2, 2, 3, 3]
+    assert all(float(r["train/loss"]) > 0 and float(r["train/samples_per_second"]) > 0 for r in rows)
+    with Image.open(run / "curves.png") as png:
+        assert png.format == "PNG" and png.size[0] > 800 and png.size[1] > 300
+
+
+def test_logger_none_writes_no_logs_but_still_the_picture(tmp_path):
+    out = tmp_path / "quiet"
+    proc = multigpu("train", *ARGS, "--epochs", "1", "--logger", "none", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "tensorboard").exists() and not (out / "steps.csv").exists()
+    assert not (out / "metrics.csv").exists() and (out / "curves.png").is_file()
+
+
+def test_rt_log_writes_rank_0s_values_once(tmp_path):
+    proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs",
+                    REPO / "tests" / "multiproc" / "lib_scripts" / "log_values.py", tmp_path / "lib")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = scalars(tmp_path / "lib")
+    assert seen["train/loss"] == [(s, 10.0 * s) for s in range(1, 6)]
+    assert seen["rank"] == [(s, 0.0) for s in range(1, 6)]
+    assert seen["val/accuracy"] == [(5, 0.5)]
+    with open(tmp_path / "lib" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["train/loss"], r["rank"]) for r in rows[:5]] == [
+        (str(s), str(10 * s), "0") for s in range(1, 6)]
+    assert (rows[5]["step"], rows[5]["val/accuracy"]) == ("5", "0.5")
+
+
+def test_plot_draws_several_runs_and_never_replaces_a_file(run, tmp_path):
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    picture = tmp_path / "both.png"
+    proc = multigpu("plot", run, second, "--out", picture)
+    assert proc.returncode == 0, proc.stderr
+    with Image.open(picture) as png:
+        assert png.format == "PNG"
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"the user's own picture")
+    proc = multigpu("plot", run, "--out", mine)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"multigpu: error: --out {mine} already exists; multigpu does not "
+                                   "replace your files: choose another name")
+    assert mine.read_bytes() == b"the user's own picture"
+    proc = multigpu("plot", run, tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"multigpu: error: {tmp_path} holds no metrics.jsonl (no finished "
+                                   "epoch yet?): give run folders made by multigpu train, e.g. runs/<name>")

@@ -1,0 +1,64 @@
+"""The CLI answers --help and usage errors without importing torch (it takes ~1.5 s to import).
+
+Each case runs in a fresh interpreter, since this test process has torch loaded already. Speed
+itself is measured by benchmarks/cli_startup.py, not asserted here.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "numpy", "sklearn", "matplotlib")
+
+PROBE = """
+import json, sys
+from multigpu.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({"code": code, "loaded": [m for m in %r if m in sys.modules]}))
+""" % (HEAVY,)
+
+
+def _probe(*argv: str) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True,
+                          timeout=60)
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["run", "--help"],
+                                  ["bench", "--help"], ["gpus", "--help"], ["env", "--help"],
+                                  ["plot", "--help"]])
+def test_help_imports_no_heavy_module(argv):
+    result, _ = _probe(*argv)
+    assert result == {"code": 0, "loaded": []}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--model", "mlp", "--epochs", "0"], "--epochs 0 must be a number at least 1"),
+    (["train", "--model", "nope"], "unknown model 'nope'"),
+    (["train", "--model", "mlp", "--checkpoint-every", "xx"], "--checkpoint-every xx"),
+    (["train", "--model", "mlp", "--devices", "cpu:0"], "--devices cpu:0"),
+    (["train", "--model", "mlp", "--compile", "reduce-overhead", "--devices", "cpu:1"],
+     "records CUDA graphs, which need GPUs"),
+    (["gpus", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--model", "mlp", "--logger", "tb"], "'tb' is not a logger"),
+    (["train", "--model", "mlp", "--log-every", "0"], "--log-every 0 must be a number at least 1"),
+    (["plot", "no-such-run"], "no-such-run does not exist"),
+    (["bench", "--model", "mlp", "--batch-size", "x"], "--batch-size 'x'"),
+])
+def test_usage_errors_import_no_heavy_module(argv, message):
+    result, stderr = _probe(*argv)
+    assert result == {"code": 2, "loaded": []}
+    assert message in stderr and "Traceback" not in stderr
+
+
+def test_package_exports_load_on_first_use():
+    code = ("import sys, multigpu; before = 'torch' in sys.modules; "
+            "from multigpu import setup, Accuracy; import multigpu.runtime as r; "
+            "print(before, setup is r.setup, 'torch' in sys.modules, sorted(multigpu.__all__) "
+            "== [n for n in dir(multigpu) if n in multigpu.__all__])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "True", "True", "True"], done.stderr
