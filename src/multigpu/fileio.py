@@ -102,6 +102,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def atomic_write_csv(path: str | os.PathLike, header: list[str], rows: list[dict]) -> Path:
+    """A CSV file of `rows` (dicts; a key missing from a row is an empty cell), written whole."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, header, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write_text(path, buf.getvalue())
+
+
 def atomic_link(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Make `dst` name the same bytes as `src`, atomically replacing what `dst` was."""
     src, dst = Path(src), Path(dst)

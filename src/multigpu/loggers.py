@@ -145,18 +145,7 @@ class CsvTable:
 
     def _rewrite(self, header: list[str], rows: list[dict]) -> None:
         self.header = header
-        text = _csv_text(header, rows)
-        fileio.atomic_write_text(self.path, text)
-
-
-def _csv_text(header: list[str], rows: list[dict]) -> str:
-    import io
-
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, header, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
+        fileio.atomic_write_csv(self.path, header, rows)
 
 
 def _step(row: dict) -> int | None:

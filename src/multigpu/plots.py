@@ -10,11 +10,12 @@ matplotlib comes with the `plot` extra; without it, draw() raises MissingExtra (
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
+from multigpu import runfolder
 from multigpu.errors import UsageError
 from multigpu.extras import require
+from multigpu.loggers import STEPS_CSV
 
 CURVES = "curves.png"
 
@@ -22,19 +23,13 @@ CURVES = "curves.png"
 def read_run(folder: Path) -> dict:
     """A run folder's epochs (metrics.jsonl) and logged steps (steps.csv), as lists of dicts."""
     folder = Path(folder)
-    metrics = folder / "metrics.jsonl"
-    if not metrics.is_file():
+    if not (folder / runfolder.METRICS).is_file():
         raise UsageError(f"{folder} is not a multigpu run folder with finished epochs (no "
-                         f"metrics.jsonl): give folders under runs/, made by multigpu train")
-    epochs = []
-    for line in metrics.read_text(errors="replace").splitlines():
-        try:
-            epochs.append(json.loads(line))
-        except ValueError:
-            continue  # a line torn by a crash
+                         f"{runfolder.METRICS}): give folders under runs/, made by multigpu train")
+    epochs = runfolder.read_metrics(folder)
     steps = []
-    if (folder / "steps.csv").is_file():
-        with open(folder / "steps.csv", newline="") as f:
+    if (folder / STEPS_CSV).is_file():
+        with open(folder / STEPS_CSV, newline="") as f:
             for row in csv.DictReader(f):
                 try:
                     steps.append((int(row["step"]), float(row["train/loss"])))

@@ -14,8 +14,6 @@ A folder that holds anything is only ever used again to continue the run in it (
 """
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 import time
@@ -130,15 +128,13 @@ def reconcile_metrics(out: Path, completed_epochs: int, last_record: dict | None
     epoch is trained again)."""
     path = out / METRICS
     records = {}
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-                epoch = int(record["epoch"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if epoch <= completed_epochs:
-                records[epoch] = record
+    for record in read_metrics(out):
+        try:
+            epoch = int(record["epoch"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if epoch <= completed_epochs:
+            records[epoch] = record
     # Only a folder whose lines start at epoch 1 or go on to the checkpoint's epoch gets it back:
     # a run resumed into a new folder logs the epochs trained there, not the one before them.
     if last_record and last_record.get("epoch") == completed_epochs and (records or completed_epochs == 1):
@@ -165,9 +161,4 @@ def write_metrics_csv(out: Path) -> None:
     """metrics.csv: metrics.jsonl as a table, one row per epoch, every key a column (written
     whole from the JSON lines, so the two files always agree)."""
     records = read_metrics(out)
-    header = list(dict.fromkeys(k for r in records for k in r))
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, header, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(records)
-    fileio.atomic_write_text(out / METRICS_CSV, buf.getvalue())
+    fileio.atomic_write_csv(out / METRICS_CSV, list(dict.fromkeys(k for r in records for k in r)), records)

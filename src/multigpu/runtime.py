@@ -76,10 +76,9 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
         device_ids = ()
     strat = make_strategy(strategy, env, device_ids=device_ids, ddp_options=ddp)
     seed_everything(seed + env.rank)
-    rt = Runtime(env, strat, Precision(resolve_precision(precision, strat.device), strat.device),
-                 seed=seed, accumulate=accumulate)
-    rt._log_to = (Path(log_dir), log_names) if log_dir is not None else None
-    return rt
+    return Runtime(env, strat, Precision(resolve_precision(precision, strat.device), strat.device),
+                   seed=seed, accumulate=accumulate,
+                   log_to=(Path(log_dir), log_names) if log_dir is not None else None)
 
 
 def seed_everything(seed: int) -> None:
@@ -98,13 +97,13 @@ class Runtime:
     """
 
     def __init__(self, env: DistEnv, strategy: Strategy, precision: Precision, *, seed: int = 0,
-                 accumulate: int = 1):
+                 accumulate: int = 1, log_to: tuple[Path, tuple[str, ...]] | None = None):
         self.env, self.strategy, self.precision = env, strategy, precision
         self.seed, self.accumulate = seed, accumulate
         self.step_info: StepInfo | None = None  # set by prepared loaders before each batch
         self._models: list[nn.Module] = []
         self._unused_checked = False
-        self._log_to: tuple[Path, tuple[str, ...]] | None = None  # setup(log_dir=, loggers=)
+        self._log_to = log_to  # (folder, logger names): setup(log_dir=, loggers=)
         self._logs = None
         self._log_step = 0
 

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from multigpu.errors import UsageError
+from multigpu.runfolder import METRICS
 
 EXAMPLES = """\
 examples:
@@ -34,15 +35,15 @@ def main(args: argparse.Namespace) -> int:
 
     runs = [Path(r) for r in args.runs]
     for run in runs:
-        if not (run / "metrics.jsonl").is_file():
-            why = "does not exist" if not run.exists() else "holds no metrics.jsonl (no finished epoch yet?)"
+        if not (run / METRICS).is_file():
+            why = "does not exist" if not run.exists() else f"holds no {METRICS} (no finished epoch yet?)"
             raise UsageError(f"{run} {why}: give run folders made by multigpu train, e.g. runs/<name>")
     if args.out is None and len(runs) > 1:
         raise UsageError(f"{len(runs)} runs go on one figure: say where with --out, e.g. --out compare.png")
     out = Path(args.out) if args.out else runs[0] / plots.CURVES
     if out.suffix.lower() != ".png":
         raise UsageError(f"--out {out}: the picture is a PNG; give a name ending in .png")
-    ours = out.name == plots.CURVES and (out.parent / "metrics.jsonl").is_file()
+    ours = out.name == plots.CURVES and (out.parent / METRICS).is_file()
     if out.exists() and not ours:
         raise UsageError(f"--out {out} already exists; multigpu does not replace your files: "
                          "choose another name")
