@@ -22,7 +22,7 @@ from pathlib import Path
 from multigpu import fileio
 from multigpu.errors import UsageError
 
-CONFIG, METRICS, METRICS_CSV = "config.json", "metrics.jsonl", "metrics.csv"
+CONFIG, METRICS, METRICS_CSV, LOGS = "config.json", "metrics.jsonl", "metrics.csv", "logs"
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
 _CLAIM = b'{"status": "starting"}\n'
 
@@ -31,9 +31,11 @@ def default_out(model: str, data: str) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model.replace(':', '-')}-{data.split(':', 1)[0]}"
 
 
-def reserve(out: str | None, *, model: str, data: str, continuing: bool) -> Path:
+def reserve(out: str | None, *, model: str, data: str, continuing: bool, nodes_log: bool = False) -> Path:
     """The run folder, claimed for this run. `continuing`: --resume was given, so an existing
-    run folder (the one resumed, or this command's own from an earlier attempt) is taken as is."""
+    run folder (the one resumed, or this command's own from an earlier attempt) is taken as is.
+    `nodes_log`: node 0 of several: the other nodes may already have made LOGS in the folder on
+    a shared filesystem (they start their launchers without waiting for this claim)."""
     if out is None:
         base = default_out(model, data)
         for n in range(1, 1000):  # runs started in the same second get -2, -3, ...
@@ -48,7 +50,7 @@ def reserve(out: str | None, *, model: str, data: str, continuing: bool) -> Path
         return path
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder for the run")
-    if not _claim(path, fresh_only=False):
+    if not _claim(path, fresh_only=False, allowed={LOGS} if nodes_log else set()):
         raise UsageError(f"--out {out} already exists and is not empty; multigpu never overwrites "
                          "a run: choose another --out, or leave it out for a new timestamped folder "
                          "(to continue that run, add --resume)")
@@ -59,9 +61,9 @@ def is_run_folder(path: Path) -> bool:
     return (path / CONFIG).is_file() or (path / "checkpoints").is_dir()
 
 
-def _claim(path: Path, fresh_only: bool) -> bool:
-    """Create `path` (or take it empty) with an exclusively created config.json: exactly one of
-    several runs racing for the same folder gets True."""
+def _claim(path: Path, fresh_only: bool, allowed: set[str] = frozenset()) -> bool:
+    """Create `path` (or take it empty but for `allowed` names) with an exclusively created
+    config.json: exactly one of several runs racing for the same folder gets True."""
     try:
         path.mkdir(parents=True)
     except FileExistsError:
@@ -73,7 +75,7 @@ def _claim(path: Path, fresh_only: bool) -> bool:
         return False
     with os.fdopen(fd, "wb") as f:
         f.write(_CLAIM)
-    if any(p.name != CONFIG for p in path.iterdir()):  # it held something already: not ours
+    if any(p.name != CONFIG and p.name not in allowed for p in path.iterdir()):  # not ours
         (path / CONFIG).unlink()
         return False
     return True

@@ -31,7 +31,7 @@ MAX_WORKERS = 16      # DataLoader workers per rank, at most
 PREFETCH_FACTOR = 4   # batches each worker keeps ready
 
 
-def reserve_out(cfg: TrainConfig) -> Path:
+def reserve_out(cfg: TrainConfig, nodes_log: bool = False) -> Path:
     """The run folder, claimed for this run (runfolder.reserve). --resume without --out goes on
     in the resumed run's folder (a lone checkpoint file starts a new one)."""
     out = cfg.out
@@ -44,7 +44,8 @@ def reserve_out(cfg: TrainConfig) -> Path:
             out = str(path)
         else:
             raise missing_resume(cfg.resume)
-    return runfolder.reserve(out, model=cfg.model, data=cfg.data, continuing=bool(cfg.resume))
+    return runfolder.reserve(out, model=cfg.model, data=cfg.data, continuing=bool(cfg.resume),
+                             nodes_log=nodes_log)
 
 
 # --- building blocks ------------------------------------------------------------------------------

@@ -89,3 +89,17 @@ def test_reconcile_in_a_folder_that_began_with_a_resume_adds_no_earlier_epoch(tm
     assert not (tmp_path / "metrics.jsonl").exists()
     runfolder.reconcile_metrics(tmp_path, 1, {"epoch": 1})  # a run's own first epoch
     assert _lines(tmp_path) == [1]
+
+
+def test_node_0_claims_a_folder_where_another_node_already_writes_its_logs(tmp_path):
+    """On a shared filesystem node 1's launcher may make OUT/logs/ before node 0 claims OUT
+    (seen in 1 of 4 two-node runs on a busy machine: node 0 then refused --out)."""
+    out = tmp_path / "run"
+    (out / runfolder.LOGS / "node1").mkdir(parents=True)
+    with pytest.raises(UsageError, match="already exists and is not empty"):
+        runfolder.reserve(str(out), model="m", data="d", continuing=False)
+    assert runfolder.reserve(str(out), model="m", data="d", continuing=False, nodes_log=True) == out
+    (tmp_path / "other" / "notes.txt").parent.mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="already exists and is not empty"):
+        runfolder.reserve(str(tmp_path / "other"), model="m", data="d", continuing=False, nodes_log=True)

@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
         # rank 0, wherever it runs, tells every rank which folder that is.
         out = Path(cfg.out) if cfg.out else runfolder.default_out(cfg.model, cfg.data)
     else:
-        out = reserve_out(cfg)
+        out = reserve_out(cfg, nodes_log=opts.nnodes != "1")
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
     typed = getattr(args, "command_line", None) or ["multigpu", "train", *config_to_argv(cfg)]
@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
     os.environ.update(provenance.to_env(launch_facts))  # workers are started with other argv
     console.info(f"multigpu train: {plan.describe()}")
     if plan.nproc > 1 or opts.nnodes != "1":
-        opts.log_dir = opts.log_dir or str(out / "logs")
+        opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
         return launch(argv, plan, opts, python=False)
