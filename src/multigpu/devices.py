@@ -6,8 +6,10 @@
     cpu:N   N CPU processes on gloo, on any machine
 
 A GPU is *free* when it has at least `--min-free-memory` GB free and no compute process of
-anyone else on it (read through NVML, as `nvidia-smi` does). `--min-free-memory 0` turns the check
-off, for sharing a GPU on purpose.
+anyone else on it (read through NVML, as `nvidia-smi` does), and no other multigpu process leased
+it (leases.py: a sweep, or a train or run that is still starting). `--min-free-memory 0` turns
+both checks off, for sharing a GPU on purpose. After the choice, `lease` takes the chosen GPUs for
+the life of the process.
 
 GPU ids are what this process sees: with a user-set CUDA_VISIBLE_DEVICES=2,3, id 0 is physical
 GPU 2. Physical numbers follow NVML / nvidia-smi (PCI bus order); launched children get
@@ -19,6 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from multigpu import leases
 from multigpu.errors import UsageError
 
 GIB = 1024**3
@@ -139,6 +142,9 @@ def busy_reason(info: GpuInfo, min_free_memory_gb: float) -> str | None:
     """Why a GPU is not free, or None when it is free."""
     if min_free_memory_gb <= 0:
         return None
+    who = leases.holder(leases.gpu_key(info)) if info.index >= 0 else None
+    if who is not None:  # another multigpu run took it, maybe before its CUDA context exists
+        return f"leased by {who}"
     others = [p for p in info.processes if p[0] != os.getpid()]
     parts = []
     if others:
@@ -175,6 +181,7 @@ class DevicePlan:
     nproc: int  # processes to start on this node
     gpu_names: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()  # children's CUDA_VISIBLE_DEVICES entries, one per gpu id
+    lease_keys: tuple[str, ...] = ()  # leases.py key of each gpu id; "" for a MIG slice (no lease)
     user_cvd: str | None = None  # the user's CUDA_VISIBLE_DEVICES when set
     note: str = ""  # why this plan, when not obvious ("no GPU found")
 
@@ -207,7 +214,23 @@ def _gpu_plan(chosen: list[VisibleGpu], one_process: bool, cvd: str | None) -> D
         gpu_names=tuple(v.info.name for v in chosen),
         tokens=tuple(v.token for v in chosen),
         user_cvd=cvd,
+        lease_keys=tuple(leases.gpu_key(v.info) if v.info.index >= 0 else "" for v in chosen),
     )
+
+
+def lease(plan: DevicePlan, note: str, min_free_memory_gb: float) -> None:
+    """Lease the plan's GPUs until this process exits, so that no other multigpu process (a sweep,
+    another train) takes them; not when sharing on purpose (--min-free-memory 0)."""
+    keys = {k: i for k, i in zip(plan.lease_keys, plan.gpu_ids) if k}
+    if plan.accelerator != "cuda" or min_free_memory_gb <= 0 or not keys:
+        return
+    got = leases.try_lease(keys, note)
+    if got is None:  # taken since resolve_devices looked
+        who, gpu = next(((w, i) for k, i in keys.items() if (w := leases.holder(k))),
+                        ("another run", plan.gpu_ids[0]))
+        raise UsageError(f"GPU {gpu} was just taken by {who}; run again, or pick other GPUs "
+                         "with --devices")
+    leases.keep(got)
 
 
 def parse_devices(spec: str) -> tuple[str, int | tuple[int, ...] | None]:

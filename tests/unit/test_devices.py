@@ -1,11 +1,16 @@
 """The --devices grammar and its error messages, on fake GPUs (this machine has none)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from multigpu import devices
+from multigpu import devices, leases
 from multigpu.devices import GIB, DevicePlan, GpuInfo, resolve_devices
 from multigpu.errors import UsageError
+from tests.unit.test_leases import held_elsewhere
 
 
 def gpu(index, used_gb=0.5, total_gb=80.0, procs=(), name="H200"):
@@ -17,9 +22,11 @@ BUSY = [(4242, "python (alice)", 70 * GIB)]
 
 
 @pytest.fixture
-def fake_gpus(monkeypatch):
+def fake_gpus(monkeypatch, tmp_path):
     """Install fake GPUs: fake_gpus(gpu(0), gpu(1, procs=BUSY)); no GPU: fake_gpus()."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv(leases.LEASE_DIR_ENV, str(tmp_path / "leases"))  # not this machine's
+    monkeypatch.delenv(leases.HELD_ENV, raising=False)
 
     def install(*gpus):
         monkeypatch.setattr(devices, "query_gpus", lambda: list(gpus))
@@ -219,3 +226,74 @@ def test_visible_list_stops_at_invalid_entry():
     gpus = [gpu(0), gpu(1)]
     assert [v.token for v in devices.visible_gpus(gpus, "1,-1,0")] == ["1"]
     assert [v.id for v in devices.visible_gpus(gpus, None)] == [0, 1]
+
+
+# ------------------------------------------------------------------------------- leases
+
+def test_a_gpu_leased_by_another_process_is_busy(fake_gpus):
+    fake_gpus(gpu(0), gpu(1))
+    with held_elsewhere(leases.gpu_key(gpu(0))) as proc:
+        assert resolve_devices("1").gpu_ids == (1,)
+        assert resolve_devices("auto").gpu_ids == (1,)
+        with pytest.raises(UsageError) as e:
+            resolve_devices("0,")
+        msg = str(e.value)
+        assert msg.startswith("--devices 0,: GPU 0 is busy")
+        assert f"0 busy (leased by pid {proc.pid} (multigpu sweep sweeps/ts))" in msg
+        assert "use --devices 1," in msg
+        # --min-free-memory 0 shares on purpose: the lease is ignored, and none is taken
+        plan = resolve_devices("0,", min_free_memory_gb=0)
+        assert plan.gpu_ids == (0,)
+        devices.lease(plan, "multigpu run x.py", 0)
+        assert leases.holder(leases.gpu_key(gpu(0))) == f"pid {proc.pid} (multigpu sweep sweeps/ts)"
+
+
+def test_a_gpu_a_sweep_leased_for_us_is_free(fake_gpus, monkeypatch):
+    fake_gpus(gpu(0), gpu(1))
+    with held_elsewhere(leases.gpu_key(gpu(1))):
+        monkeypatch.setenv(leases.HELD_ENV, leases.gpu_key(gpu(1)))
+        assert resolve_devices("auto").gpu_ids == (0, 1)
+
+
+def _holder_seen_elsewhere(key):
+    code = f"from multigpu import leases; print(leases.holder({key!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """The leases this test kept until exit, released when it ends."""
+    monkeypatch.setattr(leases, "_KEPT", [])
+    yield leases._KEPT
+    for lease in leases._KEPT:
+        lease.release()
+
+
+def test_the_chosen_gpus_are_leased_until_exit(fake_gpus, kept):
+    fake_gpus(gpu(0), gpu(1), gpu(2))
+    plan = resolve_devices("2")
+    devices.lease(plan, "multigpu train runs/a", 2.0)
+    me = os.getpid()
+    assert _holder_seen_elsewhere(leases.gpu_key(gpu(0))) == f"pid {me} (multigpu train runs/a)"
+    assert _holder_seen_elsewhere(leases.gpu_key(gpu(1))) == f"pid {me} (multigpu train runs/a)"
+    assert _holder_seen_elsewhere(leases.gpu_key(gpu(2))) == "None"
+    assert resolve_devices("1").gpu_ids == (0,)  # our own lease does not make a GPU busy to us
+
+
+def test_a_gpu_taken_between_the_choice_and_the_lease(fake_gpus, kept):
+    fake_gpus(gpu(0), gpu(1))
+    plan = resolve_devices("2")
+    with held_elsewhere(leases.gpu_key(gpu(1))) as proc:  # the race: taken after the choice
+        with pytest.raises(UsageError) as e:
+            devices.lease(plan, "multigpu train runs/a", 2.0)
+    assert str(e.value) == (f"GPU 1 was just taken by pid {proc.pid} (multigpu sweep sweeps/ts); "
+                            "run again, or pick other GPUs with --devices")
+    assert kept == [] and _holder_seen_elsewhere(leases.gpu_key(gpu(0))) == "None"
+
+
+def test_cpu_and_shared_plans_lease_nothing(fake_gpus, kept):
+    fake_gpus(gpu(0))
+    devices.lease(resolve_devices("cpu:2"), "multigpu run x.py", 2.0)
+    devices.lease(resolve_devices("0,", min_free_memory_gb=0), "multigpu run x.py", 0)
+    assert kept == [] and _holder_seen_elsewhere(leases.gpu_key(gpu(0))) == "None"

@@ -69,6 +69,7 @@ def main(args) -> int:
     if python:  # through multigpu.worker: the hang watchdog, then the script as python runs it
         cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
+    devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
     opts = launch.options_from_args(args)
     return launch.launch(cmd + script_args, plan, opts, python=False)
 

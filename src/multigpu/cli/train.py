@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from multigpu import compiling, configfile, console, provenance
+from multigpu import compiling, configfile, console, devices, provenance
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.errors import UsageError
 
@@ -93,6 +93,9 @@ def main(args: argparse.Namespace) -> int:
 
     validate(cfg)
     plan = _plan_devices(cfg)
+    # at once, before the slow torch import: the GPUs look free only until someone else starts
+    devices.lease(plan, f"multigpu train {cfg.out or f'--model {cfg.model} --data {cfg.data}'}",
+                  cfg.min_free_memory)
     opts = options_from_args(args)
     # torch only now: every mistake found above costs one line and no torch import
     from multigpu.training import reserve_out
