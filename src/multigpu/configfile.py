@@ -111,15 +111,16 @@ def load(path: str, actions: dict[str, argparse.Action]) -> tuple[dict, str | No
     return values, note
 
 
-def read_mapping(path: str) -> dict:
+def read_mapping(path: str, what: str = FLAG) -> dict:
     """The file as a mapping: YAML (which also reads JSON), UTF-8 with or without a BOM, any line
-    endings. Missing, unreadable, unparsable or not a mapping: one line."""
-    where = f"{FLAG} {path}"
+    endings. Missing, unreadable, unparsable or not a mapping: one line that names it as
+    `what` (the flag that gave it)."""
+    where = f"{what} {path}"
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise UsageError(f"{where}: no such file; give the path of a YAML or JSON file, e.g. "
-                         f"{FLAG} run.yaml") from None
+                         f"{what} run.yaml") from None
     except OSError as exc:
         raise UsageError(f"{where} cannot be read: {exc.strerror or exc}") from None
     try:

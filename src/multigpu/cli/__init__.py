@@ -18,6 +18,7 @@ from multigpu.provenance import PrintVersion
 COMMANDS = {
     "train": "train",
     "run": "run",
+    "sweep": "sweep",
     "gpus": "gpus",
     "env": "env",
     "bench": "bench",

@@ -1,0 +1,260 @@
+"""`multigpu sweep`: one command over a grid of settings, packed onto the free devices.
+
+    multigpu sweep --grid seq_length=40,60,80 --grid future_length=1,4,8 --devices-per-run 2 \\
+        --out sweeps/ts -- multigpu train --model lstm --data timeseries:co2 \\
+        --seq-length {seq_length} --future-length {future_length}
+    multigpu sweep sweep.yaml                 the same from a file (command:, grid:, include:,
+                                              exclude:, and any of the options below)
+    multigpu sweep --status sweeps/ts         where it stands
+    multigpu sweep --resume sweeps/ts         go on with the sweep stored there
+
+Running the same command again skips the finished runs and resumes the others from their
+checkpoints. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from multigpu.errors import UsageError
+
+DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
+OPTIONS = ("devices", "devices_per_run", "max_parallel", "timeout", "retries", "metric",
+           "min_free_memory", "out")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("sweep", help="run a command over a grid of settings, packed onto "
+                              "the free GPUs, with a table and a plot",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", action="append", default=[], metavar="NAME=V1,V2",
+                   help="a setting and its values; repeat for more (every combination runs)")
+    p.add_argument("--devices", metavar="SPEC", help="what the sweep may use: auto (every GPU, "
+                   "or every CPU core for cpu:N runs), GPU ids 0,1,2,3, or cpu:K (K cores)")
+    p.add_argument("--devices-per-run", metavar="N|cpu:N",
+                   help="GPUs per run (default 1), or cpu:N CPU processes (default on a machine "
+                        "without GPUs: cpu:1)")
+    p.add_argument("--max-parallel", type=int, metavar="K",
+                   help="at most K runs at once (default: as many as the devices allow; 1: one "
+                        "after another)")
+    p.add_argument("--timeout", metavar="TIME", help="stop a run after this long (90s, 30m, 2h); "
+                   "it counts as failed")
+    p.add_argument("--retries", type=int, metavar="N", help="start a failed run again up to N "
+                   "times, from its checkpoint (default 0)")
+    p.add_argument("--metric", metavar="NAME[:max|:min]", help="the number that ranks the runs "
+                   "(default: the validation accuracy, MAE or loss of multigpu train)")
+    p.add_argument("--min-free-memory", type=float, metavar="GB",
+                   help="a GPU with less free memory counts as busy (default 2)")
+    p.add_argument("--out", metavar="DIR", help="the sweep's folder (default: sweeps/<8 hex "
+                   "digits of the sweep>, so the same command finds it again)")
+    p.add_argument("--status", metavar="DIR", help="show where the sweep in DIR stands and exit")
+    p.add_argument("--resume", metavar="DIR", help="go on with the sweep stored in DIR")
+    p.add_argument("--detach", action="store_true", help="run in the background, also after "
+                   "the terminal closes; follow it with --status, its log is DIR/sweep.log")
+    p.add_argument("--dry-run", action="store_true", help="print each run's command and exit")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="[SWEEP.yaml] -- COMMAND ...",
+                   help="a sweep file, and/or the command, with {name} placeholders")
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from multigpu.sweep import state
+
+    if args.status:
+        return _status(Path(args.status))
+    spec, options, root = _resolve(args)
+    folder = state.SweepFolder(root)
+    if args.dry_run:
+        return _dry_run(spec, options, folder)
+    sweep = _build(spec, options, folder)
+    if args.detach:
+        return _detach(folder, sweep, options)
+    if not folder.lock():
+        raise UsageError(f"a sweep (pid {folder.holder_pid()}) is already working in {root}; "
+                         f"follow it with: multigpu sweep --status {root}")
+    try:
+        return _execute(folder, sweep, options)
+    finally:
+        folder.unlock()
+
+
+# --------------------------------------------------------------------------- settings
+
+def _resolve(args):
+    """(spec, options, folder) from the file, the flags and an existing sweep folder."""
+    from multigpu.sweep import spec as specs
+    from multigpu.sweep.state import SweepFolder
+
+    if args.resume:
+        record = SweepFolder(Path(args.resume)).read_sweep()
+        if record is None:
+            raise UsageError(f"--resume {args.resume}: no sweep there (no sweep.json); give the "
+                             "folder of a sweep (its --out)")
+        spec = specs.SweepSpec(**record["spec"])
+        specs.check(spec)
+        options = {**record.get("options", {}), **_flags(args)}
+        root = Path(args.resume).absolute()
+        if record.get("cwd") and Path(record["cwd"]).is_dir():
+            os.chdir(record["cwd"])  # the command's relative paths are relative to it
+        options["out"] = str(root)
+        return spec, options, root
+    file_path, command = _split_rest(args.rest)
+    spec, options = specs.SweepSpec([]), {}
+    if file_path:
+        from multigpu.configfile import read_mapping
+
+        spec, options = specs.from_mapping(read_mapping(file_path, "sweep file"), file_path)
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise UsageError(f"{file_path}: unknown setting {unknown[0]!r}; a sweep file holds "
+                             f"command, grid, include, exclude and {', '.join(OPTIONS)}")
+    if command:
+        spec.command = command
+    for text in args.grid:
+        key, values = specs.parse_grid_flag(text)
+        for grid in spec.grids():  # a flag sets the key in every grid of the file
+            grid[key] = values
+    specs.check(spec)
+    options.update(_flags(args))
+    root = Path(str(options.get("out") or Path("sweeps") / spec.fingerprint()))
+    return spec, options, root
+
+
+def _split_rest(rest: list[str]) -> tuple[str | None, list[str]]:
+    """REMAINDER: `[SWEEP.yaml] [--] COMMAND...`, options after the file parsed again."""
+    rest = list(rest)
+    if rest and rest[0] == "--":
+        return None, rest[1:]
+    if rest and rest[0].lower().endswith((".yaml", ".yml", ".json")):
+        file_path, tail = rest[0], rest[1:]
+        if "--" in tail:
+            head, command = tail[: tail.index("--")], tail[tail.index("--") + 1:]
+        else:
+            head, command = tail, []
+        if head:
+            raise UsageError(f"{' '.join(head)}: put options before the sweep file, e.g. "
+                             f"multigpu sweep --max-parallel 2 {file_path}")
+        return file_path, command
+    return None, rest
+
+
+def _flags(args) -> dict:
+    return {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
+
+
+def _build(spec, options: dict, folder):
+    from multigpu.sweep import spec as specs
+    from multigpu.sweep.pool import make_pool
+    from multigpu.sweep.scheduler import Options, Sweep
+
+    runs = specs.expand(spec)
+    record = folder.read_sweep()
+    if record is not None and record["spec"]["command"] != spec.command:
+        raise UsageError(f"{folder.root} holds another sweep (command: "
+                         f"{' '.join(record['spec']['command'])}); choose another --out")
+    per_run = options.get("devices_per_run") or _default_per_run()
+    pool = make_pool(str(options.get("devices") or "auto"), str(per_run),
+                     float(options.get("min_free_memory", 2.0)))
+    max_parallel = options.get("max_parallel")
+    retries = int(options.get("retries") or 0)
+    if max_parallel is not None and int(max_parallel) < 1:
+        raise UsageError(f"--max-parallel {max_parallel}: at least 1 (1 runs one after another)")
+    if retries < 0:
+        raise UsageError(f"--retries {retries}: give 0 or more")
+    opts = Options(max_parallel=int(max_parallel) if max_parallel else None,
+                   timeout_s=parse_duration(options.get("timeout")), retries=retries,
+                   metric=options.get("metric"))
+    return Sweep(spec, runs, folder, pool, opts)
+
+
+def _default_per_run() -> str:
+    from multigpu import devices
+
+    try:
+        return "1" if devices.visible_gpus(devices.query_gpus(), devices.user_cuda_visible()) else "cpu:1"
+    except devices.NvmlUnavailable:
+        return "cpu:1"
+
+
+def parse_duration(text) -> float | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"--timeout {text}: give a time like 90s, 30m or 2h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+# --------------------------------------------------------------------------- doing it
+
+def _record(sweep, options: dict) -> dict:
+    slots = len(sweep.pool.units) // sweep.pool.per_run
+    if sweep.options.max_parallel:
+        slots = min(slots, sweep.options.max_parallel)
+    return {"spec": sweep.spec.to_json(), "options": {k: v for k, v in options.items() if k != "out"},
+            "cwd": os.getcwd(), "started": time.time(), "slots": max(1, slots)}
+
+
+def _execute(folder, sweep, options: dict) -> int:
+    echo = None if os.environ.get(DETACHED_ENV) else print
+    sweep.echo = echo
+    folder.write_sweep(_record(sweep, options))
+    folder.event(f"sweep of {len(sweep.runs)} runs on {sweep.pool.describe()}"
+                 + (f", at most {sweep.options.max_parallel} at once" if sweep.options.max_parallel else "")
+                 + f"; folder {folder.root}", echo)
+    return sweep.execute()
+
+
+def _detach(folder, sweep, options: dict) -> int:
+    """Start this sweep in a new session with its output in DIR/sweep.log; return once it runs."""
+    if folder.holder_pid() is not None:
+        raise UsageError(f"a sweep (pid {folder.holder_pid()}) is already working in {folder.root}; "
+                         f"follow it with: multigpu sweep --status {folder.root}")
+    folder.root.mkdir(parents=True, exist_ok=True)
+    folder.write_sweep(_record(sweep, options))
+    argv = [sys.executable, "-P", "-m", "multigpu", "sweep", "--resume", str(folder.root)]
+    with open(folder.log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, env={**os.environ, DETACHED_ENV: "1"})
+    for _ in range(100):  # until it holds the folder's lock, or has failed
+        if folder.holder_pid() == proc.pid:
+            break
+        if proc.poll() is not None:
+            from multigpu.sweep.state import log_tail
+
+            raise UsageError(f"the sweep did not start: {log_tail(folder.log_path, 1)}")
+        time.sleep(0.1)
+    print(f"sweep of {len(sweep.runs)} runs goes on in the background (pid {proc.pid}); "
+          f"see where it stands: multigpu sweep --status {folder.root}; its log: {folder.log_path}")
+    return 0
+
+
+def _dry_run(spec, options, folder) -> int:
+    from multigpu.sweep import spec as specs
+
+    for run in specs.expand(spec):
+        values = {"out": str(folder.run_dir(run.name)), "devices": "<devices>", "port": "<port>"}
+        print(f"{run.name}: {' '.join(specs.argv_for(spec, run, values))}")
+    return 0
+
+
+def _status(root: Path) -> int:
+    from multigpu.sweep import spec as specs
+    from multigpu.sweep.scheduler import Options, Sweep
+    from multigpu.sweep.state import SweepFolder
+    from multigpu.sweep.status import render
+
+    folder = SweepFolder(root)
+    record = folder.read_sweep()
+    if record is None:
+        raise UsageError(f"--status {root}: no sweep there (no sweep.json); give a sweep's --out "
+                         "folder, e.g. sweeps/ts")
+    spec = specs.SweepSpec(**record["spec"])
+    opts = Options(metric=record.get("options", {}).get("metric"))
+    print(render(folder, Sweep(spec, specs.expand(spec), folder, None, opts)))
+    return 0

@@ -1,0 +1,1 @@
+"""multigpu sweep: one command over a grid of settings, packed onto the free devices."""

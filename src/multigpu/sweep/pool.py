@@ -1,0 +1,158 @@
+"""The devices a sweep packs its runs onto: GPUs, or CPU cores for `--devices-per-run cpu:N`.
+
+A run gets `per_run` units that are free at the moment it starts: not used by another of our
+runs, not leased by another multigpu process (leases.py: a second sweep, a `multigpu train`
+started by hand), and for GPUs not busy with someone else's process (devices.busy_reason, read
+through NVML). The lease is taken all at once and handed to the run's process (its file
+descriptors are inherited), so it lasts as long as the run does, even if the sweep dies first.
+
+A GPU run sees only its GPUs (CUDA_VISIBLE_DEVICES); a CPU run is pinned to its cores and sees
+no GPU.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from multigpu import devices, leases
+from multigpu.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Unit:
+    key: str  # the lease key
+    token: str  # CUDA_VISIBLE_DEVICES entry (a GPU) or the core number (a CPU core)
+    info: object = None  # the GPU's GpuInfo, or None for a core
+
+
+def parse_per_run(text: str) -> tuple[str, int]:
+    """--devices-per-run: `N` GPUs or `cpu:N` cores."""
+    m = re.fullmatch(r"\s*(cpu:)?(\d+)\s*", str(text).lower())
+    if not m or int(m.group(2)) < 1:
+        raise UsageError(f"--devices-per-run {text}: give a number of GPUs (2) or of CPU "
+                         "processes (cpu:2), at least 1")
+    return ("cpu" if m.group(1) else "cuda"), int(m.group(2))
+
+
+class Pool:
+    def __init__(self, kind: str, units: list[Unit], per_run: int, min_free_memory: float = 2.0):
+        self.kind, self.units, self.per_run = kind, units, per_run
+        self.min_free_memory = min_free_memory
+        self.in_use: set[str] = set()
+        if per_run > len(units):
+            what = "GPU" if kind == "cuda" else "CPU core"
+            raise UsageError(f"--devices-per-run asks for {per_run} {what}s a run, but the sweep "
+                             f"has {len(units)}; use --devices-per-run {'cpu:' if kind == 'cpu' else ''}"
+                             f"{len(units)} or fewer")
+        self._seen_at, self._busy = 0.0, {}
+
+    def describe(self) -> str:
+        what = "GPU" if self.kind == "cuda" else "CPU core"
+        ids = ",".join(u.token for u in self.units)
+        return f"{len(self.units)} {what}{'s' if len(self.units) != 1 else ''} ({ids}), " \
+               f"{self.per_run} per run"
+
+    def busy(self) -> dict[str, str]:
+        """Units not ours and not free now: key -> why (read at most every 2 s)."""
+        if time.monotonic() - self._seen_at < 2.0:
+            return self._busy
+        busy = {}
+        if self.kind == "cuda":
+            fresh = {leases.gpu_key(g): g for g in _query()}
+            for u in self.units:
+                if u.key in self.in_use:
+                    continue
+                why = devices.busy_reason(fresh.get(u.key, u.info), self.min_free_memory)
+                if why is not None:
+                    busy[u.key] = why
+        else:
+            for u in self.units:
+                if u.key not in self.in_use and (who := leases.holder(u.key)) is not None:
+                    busy[u.key] = f"leased by {who}"
+        self._seen_at, self._busy = time.monotonic(), busy
+        return busy
+
+    def take(self, note: str) -> tuple[list[Unit], leases.Lease] | None:
+        """`per_run` free units, leased; None when not enough are free now."""
+        busy = self.busy()
+        free = [u for u in self.units if u.key not in self.in_use and u.key not in busy]
+        if len(free) < self.per_run:
+            return None
+        chosen = free[: self.per_run]
+        lease = leases.try_lease([u.key for u in chosen], note)
+        if lease is None:  # taken by someone else just now
+            self._seen_at = 0.0
+            return None
+        self.in_use.update(u.key for u in chosen)
+        return chosen, lease
+
+    def give_back(self, units: list[Unit]) -> None:
+        self.in_use.difference_update(u.key for u in units)
+        self._seen_at = 0.0
+
+    def environment(self, units: list[Unit]) -> dict[str, str]:
+        env = {leases.HELD_ENV: ",".join(u.key for u in units)}
+        if self.kind == "cuda":
+            env.update(CUDA_VISIBLE_DEVICES=",".join(u.token for u in units),
+                       CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        return env
+
+    def devices_arg(self, units: list[Unit]) -> str:
+        """What multigpu train/run get as --devices (ids count within CUDA_VISIBLE_DEVICES)."""
+        return f"cpu:{len(units)}" if self.kind == "cpu" else str(len(units))
+
+    def label(self, units: list[Unit]) -> str:
+        return ("GPU " if self.kind == "cuda" else "CPU core ") + ",".join(u.token for u in units)
+
+
+def _query() -> list:
+    try:
+        return devices.query_gpus()
+    except devices.NvmlUnavailable:
+        return []
+
+
+def make_pool(spec: str, per_run: str, min_free_memory: float = 2.0) -> Pool:
+    """The pool from the sweep's --devices (auto, GPU ids 0,1,2, or cpu:K cores) and
+    --devices-per-run."""
+    kind, n = parse_per_run(per_run)
+    spec = spec.strip().lower()
+    if kind == "cpu":
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if spec.startswith("cpu:"):
+            k = devices.parse_devices(spec)[1]
+            if k > len(cores):
+                raise UsageError(f"--devices {spec}: this machine gives the sweep {len(cores)} "
+                                 f"CPU cores; use --devices cpu:{len(cores)} or fewer")
+            cores = cores[:k]
+        elif spec != "auto":
+            raise UsageError(f"--devices {spec} names GPUs, but --devices-per-run {per_run} runs "
+                             "on CPU cores; use --devices cpu:K (K cores to share) or auto")
+        units = [Unit(leases.cpu_key(c), str(c)) for c in cores]
+        return Pool("cpu", units, n, min_free_memory)
+    if spec.startswith("cpu"):
+        raise UsageError(f"--devices {spec} is CPU cores, but --devices-per-run {per_run} asks "
+                         f"for GPUs; use --devices-per-run cpu:{n}")
+    visible = devices.visible_gpus(_query(), devices.user_cuda_visible())
+    if not visible:
+        raise UsageError(f"--devices-per-run {per_run}: this machine has no GPU; use "
+                         f"--devices-per-run cpu:{n}")
+    if spec != "auto":
+        kind_, ids = devices.parse_devices(spec if "," in spec else spec + ",")
+        if kind_ != "ids":
+            raise UsageError(f"--devices {spec}: give the GPU ids the sweep may use (0,1,2,3) "
+                             "or auto (all of them)")
+        by_id = {v.id: v for v in visible}
+        missing = [i for i in ids if i not in by_id]
+        if missing:
+            raise UsageError(f"--devices {spec}: GPU {missing[0]} does not exist; this machine "
+                             f"has {len(visible)} (0-{len(visible) - 1})")
+        visible = [by_id[i] for i in ids]
+    units = [Unit(leases.gpu_key(v.info) if v.info.index >= 0 else f"gpu-{v.token}", v.token, v.info)
+             for v in visible]  # a MIG slice: NVML gives it no index of its own, its token is unique
+    return Pool("cuda", units, n, min_free_memory)

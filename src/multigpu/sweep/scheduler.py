@@ -1,0 +1,328 @@
+"""Running a sweep: as many runs at once as the free devices allow, each watched to its end.
+
+Each run is a child process in its own session (a Ctrl-C in the terminal reaches the sweep only,
+which then stops every run itself), with its output in DIR/logs/NAME.log. It is told to stop
+with SIGTERM to its process group: `multigpu train` then saves a checkpoint and exits, and the
+next attempt resumes from it. A run that outlives the grace period after that is killed.
+If the sweep itself dies, even by kill -9, the kernel sends each run SIGTERM (PR_SET_PDEATHSIG),
+so no run goes on unwatched, and its device lease lasts until it has exited.
+
+A run ends as:
+    done     exit 0
+    failed   another exit, or --timeout passed; retried up to --retries times
+    stopped  the sweep was asked to stop (Ctrl-C, SIGTERM, SIGHUP); resumed by a re-run
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from multigpu import runfolder
+from multigpu.sweep import spec as specs
+from multigpu.sweep.pool import Pool, Unit
+from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
+from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
+
+POLL_SECONDS = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Options:
+    max_parallel: int | None = None
+    timeout_s: float | None = None
+    retries: int = 0
+    metric: str | None = None
+    grace_s: float = 60.0
+
+
+@dataclass
+class Active:
+    run: specs.Run
+    proc: subprocess.Popen
+    units: list[Unit]
+    lease: object
+    deadline: float | None
+    signalled_at: float | None = None
+    timed_out: bool = False
+    tries: int = 1  # attempts in this sweep process
+
+
+@dataclass
+class Sweep:
+    spec: specs.SweepSpec
+    runs: list[specs.Run]
+    folder: SweepFolder
+    pool: Pool
+    options: Options
+    echo: object = print
+    stop_signal: int | None = None
+    force: bool = False
+    active: dict = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------- the loop
+
+    def execute(self) -> int:
+        """Run every run that is not done; 0 when all are done, 1 when some failed, 128+N
+        when stopped by signal N."""
+        queue = collections.deque(self._todo())
+        tries: dict[str, int] = collections.Counter()
+        waiting_since = None
+        with self._signals():
+            while (queue or self.active) and self.stop_signal is None:
+                started = self._start_ready(queue, tries)
+                if not self.active and queue and not started:
+                    waiting_since = self._note_waiting(waiting_since)
+                for name, act in list(self.active.items()):
+                    if self._finished(act, queue, tries):
+                        del self.active[name]
+                time.sleep(POLL_SECONDS)
+            if self.stop_signal is not None:
+                self._stop_all()
+        self.write_summary()
+        if self.stop_signal is not None:
+            self.folder.event(f"stopped by {signal.Signals(self.stop_signal).name}: run the same "
+                              "command again to go on (stopped runs resume from their checkpoints)",
+                              self.echo)
+            return 128 + self.stop_signal
+        failed = [s for s in self.states() if s.status == "failed"]
+        done = sum(s.status == "done" for s in self.states())
+        self.folder.event(f"finished: {done} done, {len(failed)} failed; summary in "
+                          f"{self.folder.root / 'summary.md'}", self.echo)
+        return 1 if failed else 0
+
+    def _todo(self) -> list[specs.Run]:
+        todo = []
+        for run in self.runs:
+            st = self.folder.read_state(run.name) or RunState(run.name, run.params)
+            if st.status == "done":
+                continue
+            if st.status == "running":  # the sweep that ran it is gone
+                st.status, st.note = "stopped", "interrupted (the sweep ended while it ran)"
+            elif st.status != "stopped":
+                st.status = "pending"
+            self.folder.write_state(st)
+            todo.append(run)
+        return todo
+
+    def _start_ready(self, queue, tries) -> bool:
+        limit = self.options.max_parallel or len(self.pool.units)
+        started = False
+        while queue and len(self.active) < limit:
+            got = self.pool.take(f"multigpu sweep {self.folder.root}")
+            if got is None:
+                break
+            run = queue.popleft()
+            tries[run.name] += 1
+            self.active[run.name] = self._start(run, *got, tries[run.name])
+            started = True
+        return started
+
+    def _note_waiting(self, since: float | None) -> float:
+        now = time.monotonic()
+        if since is None or now - since > 300:
+            busy = "; ".join(f"{k}: {why}" for k, why in self.pool.busy().items())
+            self.folder.event(f"waiting for {self.pool.per_run} free device(s): {busy or 'none free'}",
+                              self.echo)
+            return now
+        return since
+
+    # ----------------------------------------------------------------------- one run
+
+    def _start(self, run: specs.Run, units: list[Unit], lease, tries: int) -> Active:
+        st = self.folder.read_state(run.name) or RunState(run.name, run.params)
+        st.attempts += 1
+        values = {"out": str(self.folder.run_dir(run.name)), "devices": self.pool.devices_arg(units),
+                  "port": str(free_port())}
+        values["resume"] = self._prepare_folder(run, st.attempts)
+        argv = specs.multigpu_prefix(specs.argv_for(self.spec, run, values))
+        env = {**os.environ, **self.pool.environment(units), "PYTHONUNBUFFERED": "1"}
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.folder.compile_cache.resolve()))
+        log_path = self.folder.run_log(run.name)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== attempt {st.attempts}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                      f"{self.pool.label(units)}: {shlex.join(argv)}\n".encode())
+            log.flush()
+            cores = [int(u.token) for u in units] if self.pool.kind == "cpu" else None
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    pass_fds=lease.fds(), preexec_fn=_child_setup(cores))
+        lease.release()  # the child holds the lease now (inherited descriptors)
+        st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
+        st.pid, st.devices, st.note = proc.pid, self.pool.label(units), ""
+        self.folder.write_state(st)
+        resumed = " (resuming from its checkpoint)" if values["resume"] else ""
+        self.folder.event(f"start {run.name} on {st.devices}, attempt {st.attempts}{resumed}",
+                          self.echo)
+        deadline = time.monotonic() + self.options.timeout_s if self.options.timeout_s else None
+        return Active(run, proc, units, lease, deadline, tries=tries)
+
+    def _prepare_folder(self, run: specs.Run, attempt: int) -> str | None:
+        """The run's folder before an attempt: the --resume value for a train run that has a
+        checkpoint; an attempt's folder without one is moved to attempts/ (kept, not reused)."""
+        out = self.folder.run_dir(run.name)
+        if specs.subcommand(self.spec.command) != "train":
+            out.mkdir(parents=True, exist_ok=True)
+            return None
+        if any((out / "checkpoints").glob("*.pt")):
+            return str(out)
+        if out.exists():
+            kept = self.folder.root / "attempts" / f"{run.name}-{attempt - 1}"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            out.rename(kept)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return None
+
+    def _finished(self, act: Active, queue, tries) -> bool:
+        """Watch one run; True once it has exited (its state written)."""
+        code = act.proc.poll()
+        now = time.monotonic()
+        if code is None:
+            if act.deadline is not None and now > act.deadline and act.signalled_at is None:
+                act.timed_out = True
+                self._signal(act, signal.SIGTERM)
+            elif act.signalled_at is not None and now - act.signalled_at > self.options.grace_s:
+                self._signal(act, signal.SIGKILL)
+            return False
+        self.pool.give_back(act.units)
+        st = self.folder.read_state(act.run.name)
+        st.ended, st.exit_code, st.pid = time.time(), code, None
+        self._classify(st, act, code)
+        if st.status == "failed" and act.tries <= self.options.retries and self.stop_signal is None:
+            queue.append(act.run)
+            st.note += f"; retrying ({act.tries}/{self.options.retries})"
+        self.folder.write_state(st)
+        self._report(st, act)
+        self.write_summary()
+        return True
+
+    def _classify(self, st: RunState, act: Active, code: int) -> None:
+        if code == 0 and not act.timed_out:
+            st.status, st.note = "done", ""
+        elif self.stop_signal is not None:
+            st.status, st.note = "stopped", f"stopped by the sweep ({signal.Signals(self.stop_signal).name})"
+        elif act.timed_out:
+            st.status, st.note = "failed", f"timed out after {format_duration(self.options.timeout_s)}"
+        else:
+            why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+            line = last_error_line(log_tail(self.folder.run_log(act.run.name)))
+            st.status, st.note = "failed", f"{why}: {line}" if line else why
+        st.history.append({"attempt": st.attempts, "status": st.status,
+                           "duration_s": round(st.duration_s or 0, 1), "note": st.note})
+
+    def _report(self, st: RunState, act: Active) -> None:
+        took = format_duration(st.duration_s or 0)
+        if st.status == "done":
+            result = self.result(st)
+            value = "" if result.final is None else f": {self.metric()} {result.final:.4g} (best {result.best:.4g})"
+            self.folder.event(f"done {st.name} in {took}{value}", self.echo)
+        elif st.status == "failed":
+            tail = log_tail(self.folder.run_log(st.name))
+            indented = "".join(f"\n    {ln}" for ln in tail.splitlines())
+            self.folder.event(f"FAILED {st.name} after {took} ({st.note}); its log: "
+                              f"{self.folder.run_log(st.name)}{indented}", self.echo)
+        else:
+            self.folder.event(f"stopped {st.name} after {took}", self.echo)
+
+    # ----------------------------------------------------------------------- stopping
+
+    def _signal(self, act: Active, sig: int) -> None:
+        if act.signalled_at is None:
+            act.signalled_at = time.monotonic()
+        try:
+            os.killpg(act.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _stop_all(self) -> None:
+        """Ask every run to stop (they checkpoint), wait for them, kill those past the grace."""
+        if self.active:
+            self.folder.event(f"stopping {len(self.active)} run(s): each saves a checkpoint "
+                              "(Ctrl-C again to kill them now)", self.echo)
+        for act in self.active.values():
+            self._signal(act, signal.SIGTERM)
+        while self.active:
+            for name, act in list(self.active.items()):
+                if self.force and act.proc.poll() is None:
+                    self._signal(act, signal.SIGKILL)
+                if self._finished(act, collections.deque(), {}):
+                    del self.active[name]
+            time.sleep(POLL_SECONDS)
+
+    def _signals(self):
+        sweep = self
+
+        class _Handlers:
+            def __enter__(self):
+                self.old = {s: signal.signal(s, self.on) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+            def on(self, signum, _frame):
+                if sweep.stop_signal is None:
+                    sweep.stop_signal = signum
+                else:
+                    sweep.force = True
+
+            def __exit__(self, *exc):
+                for s, h in self.old.items():
+                    signal.signal(s, h)
+
+        return _Handlers()
+
+    # ----------------------------------------------------------------------- results
+
+    def states(self) -> list[RunState]:
+        return [self.folder.read_state(r.name) or RunState(r.name, r.params) for r in self.runs]
+
+    def metric(self) -> str:
+        return self.options.metric or default_metric(self.folder, self.runs)
+
+    def result(self, st: RunState) -> RunResult:
+        final, best = metric_values(runfolder.read_metrics(self.folder.run_dir(st.name)), self.metric())
+        duration = st.duration_s if st.started is not None else None
+        return RunResult(st.name, st.params, st.status, duration, final, best, st.attempts, st.note)
+
+    def write_summary(self) -> None:
+        results = [self.result(st) for st in self.states()]
+        write_summary(self.folder.root, results, self.spec.keys(),
+                      self.metric(), title=f"sweep {self.folder.root.name}: the best "
+                      f"{split_metric(self.metric())[0]} of each run")
+
+
+def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:
+    """The train command's validation metric: accuracy, else MAE, else the validation loss, as
+    the first run with epochs shows."""
+    for run in runs:
+        records = runfolder.read_metrics(folder.run_dir(run.name))
+        if records:
+            keys = records[-1]
+            for name in ("val_accuracy", "val_mae", "val_loss", "train_loss"):
+                if name in keys:
+                    return name
+    return "val_loss"
+
+
+def free_port() -> int:
+    """A TCP port the kernel says is free now, for {port}."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _child_setup(cores: list[int] | None):
+    """In the child, before exec: SIGTERM when the sweep dies; pinned to its cores (CPU runs)."""
+    def setup():
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+        if cores is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+    return setup

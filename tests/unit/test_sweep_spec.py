@@ -1,0 +1,160 @@
+"""What a sweep runs: grids, include/exclude, names, each run's command line, its folder's lock."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from multigpu.cli.sweep import _split_rest, parse_duration
+from multigpu.configfile import read_mapping
+from multigpu.errors import UsageError
+from multigpu.sweep import pool as pools
+from multigpu.sweep import spec as specs
+from multigpu.sweep.state import SweepFolder, last_error_line
+
+TRAIN = ["multigpu", "train", "--model", "lstm", "--data", "{data}", "--seq-length", "{seq_length}"]
+
+
+def test_grid_expands_in_order_with_exclude_and_include():
+    spec = specs.SweepSpec(TRAIN, {"data": ["timeseries:co2"], "seq_length": ["40", "60"],
+                                   "future_length": ["1", "4"]},
+                           include=[{"data": "timeseries:macro", "seq_length": 12, "future_length": 2}],
+                           exclude=[{"seq_length": "60", "future_length": "4"}])
+    specs.check(spec)
+    runs = specs.expand(spec)
+    assert [r.params for r in runs] == [
+        {"data": "timeseries:co2", "seq_length": "40", "future_length": "1"},
+        {"data": "timeseries:co2", "seq_length": "40", "future_length": "4"},
+        {"data": "timeseries:co2", "seq_length": "60", "future_length": "1"},
+        {"data": "timeseries:macro", "seq_length": 12, "future_length": 2}]
+    assert runs[0].name == "data=timeseries-co2,seq_length=40,future_length=1"
+
+
+def test_a_list_of_grids_is_their_union_without_repeats():
+    spec = specs.SweepSpec(TRAIN, [{"data": ["a"], "seq_length": [40, 60]},
+                                   {"data": ["b", "a"], "seq_length": [40]}])
+    specs.check(spec)
+    assert [(r.params["data"], r.params["seq_length"]) for r in specs.expand(spec)] == [
+        ("a", 40), ("a", 60), ("b", 40)]
+
+
+def test_train_command_gets_out_devices_resume_and_unplaced_keys_as_flags():
+    spec = specs.SweepSpec(TRAIN, {"data": ["d x"], "seq_length": ["40"], "lr": ["0.01"]})
+    specs.check(spec)
+    run = specs.expand(spec)[0]
+    argv = specs.argv_for(spec, run, {"out": "S/runs/n", "devices": "cpu:1", "port": "1", "resume": "S/runs/n"})
+    assert argv[:2] == ["multigpu", "train"]
+    assert argv[2:8] == ["--out", "S/runs/n", "--devices", "cpu:1", "--lr", "0.01"]
+    assert argv[8:10] == ["--resume", "S/runs/n"]
+    assert argv[-4:] == ["--data", "d x", "--seq-length", "40"]  # one argument, spaces and all
+
+
+def test_placeholders_inside_arguments_and_builtins_for_any_command():
+    spec = specs.SweepSpec(["python", "fit.py", "--lr={lr}", "--out", "{out}/x", "{port}", "{name}"],
+                           {"lr": ["1e-3"]})
+    specs.check(spec)
+    run = specs.expand(spec)[0]
+    assert specs.argv_for(spec, run, {"out": "O", "devices": "1", "port": "555"}) == [
+        "python", "fit.py", "--lr=1e-3", "--out", "O/x", "555", "lr=1e-3"]
+
+
+def test_multigpu_run_gets_devices_before_the_script():
+    spec = specs.SweepSpec(["multigpu", "run", "fit.py", "--devices", "{lr}"], {"lr": ["1"]})
+    specs.check(spec)  # --devices after the script is the script's own
+    argv = specs.argv_for(spec, specs.expand(spec)[0], {"out": "O", "devices": "2", "port": "1"})
+    assert argv == ["multigpu", "run", "--devices", "2", "fit.py", "--devices", "1"]
+
+
+@pytest.mark.parametrize("command, grid, message", [
+    (["python", "x.py", "{lr}"], {"lr2": [1]}, "uses {lr}, which is not a grid key"),
+    (["python", "x.py"], {"lr": [1]}, "grid key 'lr' is not used in the command; add {lr}"),
+    (TRAIN + ["--out", "x"], {"data": [1], "seq_length": [1]}, "the command sets --out"),
+    (TRAIN + ["--devices=2"], {"data": [1], "seq_length": [1]}, "the command sets --devices"),
+    (TRAIN, {"data": [1, 1], "seq_length": [1]}, "lists a value twice"),
+    (TRAIN, {"data": [1], "seq_length": [], }, "has no values"),
+    (["python", "x.py", "{out}"], {"out": [1]}, "grid key 'out'"),
+    ([], {"lr": [1]}, "no command to sweep"),
+])
+def test_mistakes_are_one_line_with_the_fix(command, grid, message):
+    with pytest.raises(UsageError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        specs.check(specs.SweepSpec(command, grid))
+
+
+def test_yaml_file_with_crlf_and_bom(tmp_path):
+    text = textwrap.dedent("""\
+        command: multigpu train --model lstm --data {data} --seq-length {seq_length}
+        grid:
+          data: [timeseries:co2]
+          seq_length: [40, 60]
+        exclude:
+          - {seq_length: 60}
+        max_parallel: 2
+        """).replace("\n", "\r\n")
+    path = tmp_path / "sweep.yaml"
+    path.write_bytes("\ufeff".encode() + text.encode())
+    spec, options = specs.from_mapping(read_mapping(str(path)), str(path))
+    specs.check(spec)
+    assert spec.command == TRAIN
+    assert [r.params for r in specs.expand(spec)] == [{"data": "timeseries:co2", "seq_length": 40}]
+    assert options == {"max_parallel": 2}
+
+
+def test_rest_splits_file_and_command():
+    assert _split_rest(["--", "python", "x.py", "--grid", "z"]) == (None, ["python", "x.py", "--grid", "z"])
+    assert _split_rest(["s.yaml"]) == ("s.yaml", [])
+    assert _split_rest(["s.yml", "--", "python", "x.py"]) == ("s.yml", ["python", "x.py"])
+    assert _split_rest(["python", "x.py"]) == (None, ["python", "x.py"])
+    with pytest.raises(UsageError, match="put options before the sweep file"):
+        _split_rest(["s.yaml", "--max-parallel", "2"])
+
+
+def test_durations_and_devices_per_run():
+    assert [parse_duration(t) for t in ("90", "90s", "30m", "2h", None)] == [90, 90, 1800, 7200, None]
+    with pytest.raises(UsageError, match="like 90s"):
+        parse_duration("soon")
+    assert pools.parse_per_run("cpu:2") == ("cpu", 2) and pools.parse_per_run("4") == ("cuda", 4)
+    with pytest.raises(UsageError, match="at least 1"):
+        pools.parse_per_run("0")
+
+
+def test_cpu_pool_takes_disjoint_cores_and_refuses_too_many(monkeypatch, tmp_path):
+    monkeypatch.setenv("MULTIGPU_LEASE_DIR", str(tmp_path))
+    pool = pools.make_pool("cpu:1", "cpu:1")
+    units, lease = pool.take("test")
+    assert len(units) == 1 and pool.take("test") is None  # the only core is in use
+    assert pool.environment(units)["CUDA_VISIBLE_DEVICES"] == ""
+    lease.release()
+    pool.give_back(units)
+    assert pool.take("test") is not None
+    with pytest.raises(UsageError, match="asks for 99 CPU cores a run"):
+        pools.make_pool("auto", "cpu:99")
+    with pytest.raises(UsageError, match="names GPUs"):
+        pools.make_pool("0,1", "cpu:1")
+
+
+def test_folder_lock_is_exclusive_across_processes_and_dies_with_its_holder(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from multigpu.sweep.state import SweepFolder
+        assert SweepFolder({str(tmp_path)!r}).lock()
+        print("locked", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        folder = SweepFolder(tmp_path)
+        assert folder.holder_pid() == holder.pid
+        assert not folder.lock()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert folder.holder_pid() is None
+    assert folder.lock()
+    folder.unlock()
+
+
+def test_the_error_line_of_a_log_tail():
+    tail = "epoch 1\nTraceback (most recent call last):\n  File x\nValueError: lr must be positive\n[exit]"
+    assert last_error_line(tail) == "ValueError: lr must be positive"
+    assert last_error_line("multigpu: error: --lr -1 must be more than 0\n") == \
+        "multigpu: error: --lr -1 must be more than 0"
