@@ -158,3 +158,12 @@ def test_the_error_line_of_a_log_tail():
     assert last_error_line(tail) == "ValueError: lr must be positive"
     assert last_error_line("multigpu: error: --lr -1 must be more than 0\n") == \
         "multigpu: error: --lr -1 must be more than 0"
+
+
+def test_a_program_that_does_not_exist_is_refused_once():
+    from multigpu.cli.sweep import _check_program
+
+    _check_program(sys.executable)
+    _check_program("multigpu")
+    with pytest.raises(UsageError, match="'pyhton' is not found on PATH; check its spelling"):
+        _check_program("pyhton")

@@ -213,3 +213,16 @@ def test_without_matplotlib_the_tables_are_written_and_the_png_skipped(tmp_path,
     assert paths == [tmp_path / "summary.csv", tmp_path / "summary.md"]
     assert not (tmp_path / "summary.png").exists()
     assert read_csv(tmp_path / "summary.csv")[0]["best_val_loss"] == "0.5"
+
+
+def test_panels_of_grids_of_their_own_show_only_their_values(tmp_path, figures):
+    """Post 002: the second dataset sweeps other lengths; its panel has no empty rows."""
+    results = [run({"data": "co2", "seq_length": s, "future_length": f}, int(s) + int(f))
+               for s in ("40", "80") for f in ("1", "4")]
+    results += [run({"data": "macro", "seq_length": "8", "future_length": f}, 8 + int(f)) for f in ("1", "2")]
+    write_summary(tmp_path, results, ["data", "seq_length", "future_length"], "val_mae")
+    heat = [ax for ax in figures[0].axes if ax.get_images()]
+    ticks = [([t.get_text() for t in ax.get_yticklabels()], [t.get_text() for t in ax.get_xticklabels()])
+             for ax in heat]
+    assert ticks == [(["40", "80"], ["1", "4"]), (["8"], ["1", "2"])]
+    assert heat[1].get_images()[0].get_array().shape == (1, 2)

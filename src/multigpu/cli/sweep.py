@@ -153,6 +153,7 @@ def _build(spec, options: dict, folder):
     from multigpu.sweep.scheduler import Options, Sweep
 
     runs = specs.expand(spec)
+    _check_program(spec.command[0])
     record = folder.read_sweep()
     if record is not None and record["spec"]["command"] != spec.command:
         raise UsageError(f"{folder.root} holds another sweep (command: "
@@ -170,6 +171,16 @@ def _build(spec, options: dict, folder):
                    timeout_s=parse_duration(options.get("timeout")), retries=retries,
                    metric=options.get("metric"))
     return Sweep(spec, runs, folder, pool, opts)
+
+
+def _check_program(program: str) -> None:
+    """A command that cannot start fails here once, not once per run."""
+    import shutil
+
+    if program != "multigpu" and shutil.which(program) is None:
+        where = "" if os.sep in program else " on PATH"
+        raise UsageError(f"the command's program {program!r} is not found{where}; check its "
+                         "spelling, or give its path (e.g. python3, ./train.sh)")
 
 
 def _default_per_run() -> str:

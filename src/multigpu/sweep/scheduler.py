@@ -152,9 +152,13 @@ class Sweep:
                       f"{self.pool.label(units)}: {shlex.join(argv)}\n".encode())
             log.flush()
             cores = [int(u.token) for u in units] if self.pool.kind == "cpu" else None
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    pass_fds=lease.fds(), preexec_fn=_child_setup(cores))
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        pass_fds=lease.fds(), preexec_fn=_child_setup(cores))
+            except OSError as exc:  # e.g. a script made non-executable since the check
+                log.write(f"cannot start {argv[0]}: {exc.strerror or exc}\n".encode())
+                proc = _Failed()
         lease.release()  # the child holds the lease now (inherited descriptors)
         st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
         st.pid, st.devices, st.note = proc.pid, self.pool.label(units), ""
@@ -238,7 +242,8 @@ class Sweep:
         if act.signalled_at is None:
             act.signalled_at = time.monotonic()
         try:
-            os.killpg(act.proc.pid, sig)
+            if act.proc.pid > 0:
+                os.killpg(act.proc.pid, sig)
         except ProcessLookupError:
             pass
 
@@ -294,6 +299,15 @@ class Sweep:
         write_summary(self.folder.root, results, self.spec.keys(),
                       self.metric(), title=f"sweep {self.folder.root.name}: the best "
                       f"{split_metric(self.metric())[0]} of each run")
+
+
+class _Failed:
+    """A run whose process could not be started: it ends at once, as exit 127 (a shell's
+    "command not found")."""
+    pid = -1
+
+    def poll(self) -> int:
+        return 127
 
 
 def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:

@@ -260,6 +260,9 @@ def _heatmaps(plt, scored: list[RunResult], outer: list[_Axis], y: _Axis, x: _Ax
     used = list(axs.flat)[:len(panels)]
     cmap = "viridis" if higher else "viridis_r"  # the better end is yellow either way
     for ax, panel in zip(used, panels):
+        members = [r for r in scored if tuple(a.coord(r) for a in outer) == panel]
+        y, x = _Axis.of(members, y.key), _Axis.of(members, x.key)  # a panel's own values (post
+        # 002's second dataset has lengths of its own)
         grid = np.array([[cells.get((*panel, yv, xv), np.nan) for xv in x.values]
                          for yv in y.values])  # NaN: no run there, drawn blank
         image = ax.imshow(grid, cmap=cmap, vmin=np.nanmin(grid), vmax=np.nanmax(grid), aspect="auto")
