@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,9 @@ _KEPT: list["Lease"] = []  # leases held until this process exits (keep())
 
 
 def lease_dir() -> Path:
-    return Path(os.environ.get(LEASE_DIR_ENV) or Path(tempfile.gettempdir()) / "multigpu-leases")
+    """One folder for the whole machine: /tmp, not $TMPDIR, which differs between sessions
+    (SLURM jobs, IDEs) that share the GPUs."""
+    return Path(os.environ.get(LEASE_DIR_ENV) or "/tmp/multigpu-leases")
 
 
 def gpu_key(info) -> str:
@@ -75,7 +76,10 @@ def _open(key: str) -> int | None:
                 os.chmod(folder, 0o1777)  # shared by every user of the machine, like /tmp
             except FileExistsError:  # made by someone else just now
                 pass
-        fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:  # without O_CREAT first: in a sticky folder (fs.protected_regular) opening another
+            fd = os.open(folder / f"{key}.lock", os.O_RDWR)  # user's file with it is refused
+        except FileNotFoundError:
+            fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
         return None
     try:

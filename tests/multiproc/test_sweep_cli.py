@@ -168,6 +168,9 @@ def test_kill_9_of_the_sweep_ends_its_runs_and_a_rerun_finishes_only_what_was_mi
     assert [starts(folder, f"v={v}") for v in (1, 2, 3, 4)] == [1, 2, 1, 1]
     assert [r["status"] for r in summary_rows(folder)] == ["done"] * 4
     assert [r["name"] for r in summary_rows(folder)] == ["v=1", "v=2", "v=3", "v=4"]  # lowest val_loss first
+    third = multigpu("sweep", *cmd, cwd=tmp_path)
+    assert third.returncode == 0 and "nothing to do: all 4 runs are done" in third.stdout
+    assert [starts(folder, f"v={v}") for v in (1, 2, 3, 4)] == [1, 2, 1, 1]
 
 
 def test_two_sweeps_on_the_same_cores_never_share_one(tmp_path, recorder):

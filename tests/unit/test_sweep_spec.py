@@ -74,10 +74,25 @@ def test_multigpu_run_gets_devices_before_the_script():
     (TRAIN, {"data": [1], "seq_length": [], }, "has no values"),
     (["python", "x.py", "{out}"], {"out": [1]}, "grid key 'out'"),
     ([], {"lr": [1]}, "no command to sweep"),
+    (TRAIN + ["--lr", "0.1"], {"data": [1], "seq_length": [1], "lr": [1, 2]},
+     "the command sets --lr itself while the grid sweeps lr"),
 ])
 def test_mistakes_are_one_line_with_the_fix(command, grid, message):
     with pytest.raises(UsageError, match=message.replace("{", r"\{").replace("}", r"\}")):
         specs.check(specs.SweepSpec(command, grid))
+
+
+def test_an_exclude_that_names_no_grid_key_is_refused():
+    spec = specs.SweepSpec(TRAIN, {"data": [1], "seq_length": [1]}, exclude=[{"seq_lenght": 1}])
+    with pytest.raises(UsageError, match="'seq_lenght' is not a grid key"):
+        specs.check(spec)
+
+
+def test_train_runs_get_the_sweeps_min_free_memory():
+    spec = specs.SweepSpec(TRAIN, {"data": ["d"], "seq_length": ["1"]})
+    argv = specs.argv_for(spec, specs.expand(spec)[0],
+                          {"out": "O", "devices": "1", "port": "1", "min_free_memory": "0"})
+    assert argv[2:8] == ["--out", "O", "--devices", "1", "--min-free-memory", "0"]
 
 
 def test_yaml_file_with_crlf_and_bom(tmp_path):

@@ -158,19 +158,36 @@ def _build(spec, options: dict, folder):
     if record is not None and record["spec"]["command"] != spec.command:
         raise UsageError(f"{folder.root} holds another sweep (command: "
                          f"{' '.join(record['spec']['command'])}); choose another --out")
+    if record is None and folder.root.is_dir() and any(folder.root.iterdir()):
+        raise UsageError(f"--out {folder.root} already holds files that are not a sweep's; "
+                         "multigpu never writes over them: choose another --out")
     per_run = options.get("devices_per_run") or _default_per_run()
-    pool = make_pool(str(options.get("devices") or "auto"), str(per_run),
-                     float(options.get("min_free_memory", 2.0)))
-    max_parallel = options.get("max_parallel")
-    retries = int(options.get("retries") or 0)
-    if max_parallel is not None and int(max_parallel) < 1:
-        raise UsageError(f"--max-parallel {max_parallel}: at least 1 (1 runs one after another)")
-    if retries < 0:
-        raise UsageError(f"--retries {retries}: give 0 or more")
-    opts = Options(max_parallel=int(max_parallel) if max_parallel else None,
-                   timeout_s=parse_duration(options.get("timeout")), retries=retries,
-                   metric=options.get("metric"))
+    min_free = _number(options, "min_free_memory", float, 2.0, 0)
+    pool = make_pool(str(options.get("devices") or "auto"), str(per_run), min_free)
+    max_parallel = _number(options, "max_parallel", int, None, 1)
+    retries = _number(options, "retries", int, 0, 0)
+    metric = options.get("metric")
+    if metric is not None and not isinstance(metric, str):
+        raise UsageError(f"metric {metric!r}: give a metric's name, e.g. val_mae or val_accuracy")
+    opts = Options(max_parallel=max_parallel, timeout_s=parse_duration(options.get("timeout")),
+                   retries=retries, metric=metric)
     return Sweep(spec, runs, folder, pool, opts)
+
+
+def _number(options: dict, key: str, kind, default, least):
+    """An option from the flags or the file, as `kind`, at least `least`; else one line."""
+    value = options.get(key)
+    if value is None:
+        return default
+    try:
+        number = kind(value)
+        if isinstance(value, bool) or number < least:
+            raise ValueError
+    except (TypeError, ValueError):
+        flag = "--" + key.replace("_", "-")
+        raise UsageError(f"{flag} {value!r}: give a {'whole ' if kind is int else ''}number of "
+                         f"at least {least}, e.g. {flag} {max(least, 1)}") from None
+    return number
 
 
 def _check_program(program: str) -> None:

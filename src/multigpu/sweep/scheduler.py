@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from multigpu import runfolder
+from multigpu.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep.pool import Pool, Unit
 from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
@@ -73,6 +74,11 @@ class Sweep:
         """Run every run that is not done; 0 when all are done, 1 when some failed, 128+N
         when stopped by signal N."""
         queue = collections.deque(self._todo())
+        if not queue:
+            self.write_summary()
+            self.folder.event(f"nothing to do: all {len(self.runs)} runs are done; summary in "
+                              f"{self.folder.root / 'summary.md'}", self.echo)
+            return 0
         tries: dict[str, int] = collections.Counter()
         waiting_since = None
         with self._signals():
@@ -104,6 +110,10 @@ class Sweep:
             st = self.folder.read_state(run.name) or RunState(run.name, run.params)
             if st.status == "done":
                 continue
+            if st.status == "running" and _alive(st.pid):
+                raise UsageError(f"run {run.name} of an earlier sweep is still running (process "
+                                 f"group {st.pid}, stopping after SIGTERM); wait for it, or end it "
+                                 f"with: kill -KILL -- -{st.pid}")
             if st.status == "running":  # the sweep that ran it is gone
                 st.status, st.note = "stopped", "interrupted (the sweep ended while it ran)"
             elif st.status != "stopped":
@@ -115,7 +125,7 @@ class Sweep:
     def _start_ready(self, queue, tries) -> bool:
         limit = self.options.max_parallel or len(self.pool.units)
         started = False
-        while queue and len(self.active) < limit:
+        while queue and len(self.active) < limit and self.stop_signal is None:
             got = self.pool.take(f"multigpu sweep {self.folder.root}")
             if got is None:
                 break
@@ -141,6 +151,8 @@ class Sweep:
         st.attempts += 1
         values = {"out": str(self.folder.run_dir(run.name)), "devices": self.pool.devices_arg(units),
                   "port": str(free_port())}
+        if self.pool.kind == "cuda":
+            values["min_free_memory"] = f"{self.pool.min_free_memory:g}"
         values["resume"] = self._prepare_folder(run, st.attempts)
         argv = specs.multigpu_prefix(specs.argv_for(self.spec, run, values))
         env = {**os.environ, **self.pool.environment(units), "PYTHONUNBUFFERED": "1"}
@@ -156,7 +168,7 @@ class Sweep:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                         pass_fds=lease.fds(), preexec_fn=_child_setup(cores))
-            except OSError as exc:  # e.g. a script made non-executable since the check
+            except (OSError, subprocess.SubprocessError) as exc:  # e.g. made non-executable since
                 log.write(f"cannot start {argv[0]}: {exc.strerror or exc}\n".encode())
                 proc = _Failed()
         lease.release()  # the child holds the lease now (inherited descriptors)
@@ -267,7 +279,10 @@ class Sweep:
 
         class _Handlers:
             def __enter__(self):
-                self.old = {s: signal.signal(s, self.on) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+                signals = [signal.SIGINT, signal.SIGTERM]
+                if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup: stay ignored
+                    signals.append(signal.SIGHUP)
+                self.old = {s: signal.signal(s, self.on) for s in signals}
 
             def on(self, signum, _frame):
                 if sweep.stop_signal is None:
@@ -301,6 +316,19 @@ class Sweep:
                       f"{split_metric(self.metric())[0]} of each run")
 
 
+def _alive(pgid: int | None) -> bool:
+    """Whether a process group of ours still has a process in it."""
+    if not pgid or pgid < 0:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class _Failed:
     """A run whose process could not be started: it ends at once, as exit 127 (a shell's
     "command not found")."""
@@ -332,11 +360,15 @@ def free_port() -> int:
 
 def _child_setup(cores: list[int] | None):
     """In the child, before exec: SIGTERM when the sweep dies; pinned to its cores (CPU runs)."""
+    parent = os.getpid()
+
     def setup():
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except (OSError, AttributeError):
             pass
+        if os.getppid() != parent:  # the sweep died before prctl: no signal would come
+            os._exit(143)
         if cores is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
     return setup

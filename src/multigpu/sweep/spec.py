@@ -140,10 +140,20 @@ def check(spec: SweepSpec) -> None:
             raise UsageError(f"the command uses {{{lacking[0]}}}, but the grid or include {g} "
                              f"gives it no value; add {lacking[0]} there")
     train = train_flags(spec.command)
+    given = {a.split("=", 1)[0] for a in spec.command}
     for key in spec.keys():
+        flag = "--" + key.replace("_", "-")
         if key not in used and (train is None or key not in train):
             raise UsageError(f"grid key {key!r} is not used in the command; add {{{key}}} where "
-                             f"its value goes, e.g. --{key.replace('_', '-')} {{{key}}}")
+                             f"its value goes, e.g. {flag} {{{key}}}")
+        if key not in used and flag in given:
+            raise UsageError(f"the command sets {flag} itself while the grid sweeps {key}; "
+                             f"remove {flag} from the command, or write {flag} {{{key}}}")
+    for e in spec.exclude:
+        unknown = sorted(set(e) - set(spec.keys()))
+        if unknown:
+            raise UsageError(f"exclude {e}: {unknown[0]!r} is not a grid key (they are "
+                             f"{', '.join(spec.keys())})")
     for flag in _sweep_set_flags(spec.command):
         raise UsageError(f"the command sets {flag}, which the sweep sets for each run; remove it "
                          "(devices: --devices-per-run; folders: the sweep's --out)")
@@ -243,6 +253,8 @@ def argv_for(spec: SweepSpec, run: Run, values: dict) -> list[str]:
     at = argv.index(sub) + 1
     if sub == "train":
         extra = ["--out", values["out"], "--devices", values["devices"]]
+        if values.get("min_free_memory") is not None:  # the sweep's, so a shared GPU stays usable
+            extra += ["--min-free-memory", values["min_free_memory"]]
         extra += [a for k, v in run.params.items() if k not in used
                   for a in (f"--{k.replace('_', '-')}", str(v))]
         if values.get("resume"):

@@ -111,11 +111,15 @@ class SweepFolder:
         """Take sweep.lock; False when another live sweep holds it."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
+        for attempt in range(5):  # --status looks with a shared lock for an instant
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if attempt == 4:
+                    os.close(fd)
+                    return False
+                time.sleep(0.02)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
@@ -150,7 +154,10 @@ class SweepFolder:
         with open(self.log_path, "a") as f:
             f.write(line + "\n")
         if echo is not None:
-            echo(line)
+            try:
+                echo(line)
+            except OSError:  # the console is gone (a closed terminal, a killed `| tee`)
+                pass
 
 
 def log_tail(path: Path, lines: int = 8, width: int = 300) -> str:
