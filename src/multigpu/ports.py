@@ -45,6 +45,15 @@ def port_holder(port: int) -> str | None:
     return None
 
 
+def free_port() -> int:
+    """A port the kernel says is free now, for a command that must be given a number before it
+    starts (a sweep's {port}). The exception to the rule above, with its race: our own launches
+    never use it."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def port_in_use(port: int) -> bool:
     """True when something listens on `port` (any address).
 

@@ -19,12 +19,11 @@ import ctypes
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 
-from multigpu import runfolder
+from multigpu import ports, runfolder
 from multigpu.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep.pool import Pool, Unit
@@ -49,7 +48,6 @@ class Active:
     run: specs.Run
     proc: subprocess.Popen
     units: list[Unit]
-    lease: object
     deadline: float | None
     signalled_at: float | None = None
     timed_out: bool = False
@@ -87,7 +85,7 @@ class Sweep:
                 if not self.active and queue and not started:
                     waiting_since = self._note_waiting(waiting_since)
                 for name, act in list(self.active.items()):
-                    if self._finished(act, queue, tries):
+                    if self._finished(act, queue):
                         del self.active[name]
                 time.sleep(POLL_SECONDS)
             if self.stop_signal is not None:
@@ -150,7 +148,7 @@ class Sweep:
         st = self.folder.read_state(run.name) or RunState(run.name, run.params)
         st.attempts += 1
         values = {"out": str(self.folder.run_dir(run.name)), "devices": self.pool.devices_arg(units),
-                  "port": str(free_port())}
+                  "port": str(ports.free_port())}
         if self.pool.kind == "cuda":
             values["min_free_memory"] = f"{self.pool.min_free_memory:g}"
         values["resume"] = self._prepare_folder(run, st.attempts)
@@ -179,7 +177,7 @@ class Sweep:
         self.folder.event(f"start {run.name} on {st.devices}, attempt {st.attempts}{resumed}",
                           self.echo)
         deadline = time.monotonic() + self.options.timeout_s if self.options.timeout_s else None
-        return Active(run, proc, units, lease, deadline, tries=tries)
+        return Active(run, proc, units, deadline, tries=tries)
 
     def _prepare_folder(self, run: specs.Run, attempt: int) -> str | None:
         """The run's folder before an attempt: the --resume value for a train run that has a
@@ -197,7 +195,7 @@ class Sweep:
         out.parent.mkdir(parents=True, exist_ok=True)
         return None
 
-    def _finished(self, act: Active, queue, tries) -> bool:
+    def _finished(self, act: Active, queue) -> bool:
         """Watch one run; True once it has exited (its state written)."""
         code = act.proc.poll()
         now = time.monotonic()
@@ -270,7 +268,7 @@ class Sweep:
             for name, act in list(self.active.items()):
                 if self.force and act.proc.poll() is None:
                     self._signal(act, signal.SIGKILL)
-                if self._finished(act, collections.deque(), {}):
+                if self._finished(act, collections.deque()):
                     del self.active[name]
             time.sleep(POLL_SECONDS)
 
@@ -324,8 +322,8 @@ def _alive(pgid: int | None) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, though not ours to signal
+        pass
     return True
 
 
@@ -349,13 +347,6 @@ def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:
                 if name in keys:
                     return name
     return "val_loss"
-
-
-def free_port() -> int:
-    """A TCP port the kernel says is free now, for {port}."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _child_setup(cores: list[int] | None):

@@ -65,9 +65,6 @@ class Run:
     name: str
     params: dict
 
-    def label(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.params.items())
-
 
 # --------------------------------------------------------------------------- reading
 
@@ -211,9 +208,8 @@ def run_name(params: dict) -> str:
     given a hash, so that two runs never share one."""
     text = ",".join(f"{k}={v}" for k, v in params.items()) or "run"
     safe = re.sub(r"[^A-Za-z0-9._=,+-]", "-", text).strip(".")
-    if len(safe) > 100 or safe != text:
-        digest = hashlib.sha256(text.encode()).hexdigest()[:6]
-        safe = f"{safe[:90]}-{digest}" if len(safe) > 100 else safe
+    if len(safe) > 100:
+        safe = f"{safe[:90]}-{hashlib.sha256(text.encode()).hexdigest()[:6]}"
     return safe
 
 
