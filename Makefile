@@ -7,7 +7,7 @@ PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-gpu install clean
+.PHONY: demo test test-all test-gpu install clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Every CPU test, the extended variants too (about 3 minutes more than `make test`).
+test-all: $(STAMP)
+	$(PY) -m pytest -m 'not gpu'
 
 # On a machine with 2+ GPUs (see tests/gpu).
 test-gpu:

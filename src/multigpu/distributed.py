@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import socket
 import os
 from dataclasses import dataclass
 
@@ -177,6 +178,9 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
         # ("terminate called without an active exception", seen with gloo): tear down first.
         atexit.register(_destroy_at_exit)
         _watch_uncaught_exceptions()
+        if launched_by_torchrun():
+            global _launcher_pid
+            _launcher_pid = os.getppid()
     elif dist.get_world_size() != world_size:
         raise RuntimeError("a process group already exists with a different world size")
     return DistEnv(rank, local_rank, world_size, local_world_size, device,
@@ -249,22 +253,44 @@ def destroy_distributed(wait_for_peers: bool = False) -> None:
 # After an uncaught exception, a UsageError or a non-zero exit of the CLI they do not wait.
 _EXIT_WAIT_SECONDS = 30
 _failed = False
+_launcher_pid: int | None = None  # the worker's parent, torchrun's agent, when the group was made
 
 
 def _meet_before_teardown(world_size: int) -> None:
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not (addr and port):
-        return
     timeout = datetime.timedelta(seconds=_EXIT_WAIT_SECONDS)
     run = (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")  # a restart starts afresh
     try:
-        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
+        store = launcher_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"),
+                               _EXIT_WAIT_SECONDS)
+        if store is None:
+            return
         if store.add(f"multigpu/exit/{run}/count", 1) == world_size:
             store.set(f"multigpu/exit/{run}/all", "1")
         store.wait([f"multigpu/exit/{run}/all"], timeout)
     except Exception:  # a rank that left early or died, or the store is gone: stop waiting
         pass
+
+
+def launcher_gone() -> bool:
+    """Whether the launcher that started this worker has died (the worker was re-parented)."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid
+
+
+def launcher_store(addr: str | None, port: str | int | None, timeout: float):
+    """A client of the launcher's key-value store at addr:port, or None when it is not there.
+
+    TCPStore retries a refused connection for its whole timeout, twice: with the launcher dead
+    (kill -9) that is a worker kept alive for 10-60 s at exit. So a plain connect is tried first,
+    which a dead launcher's port refuses at once."""
+    if not (addr and port) or launcher_gone():
+        return None
+    try:
+        socket.create_connection((addr, int(port)), timeout=min(timeout, 2.0)).close()
+    except OSError:
+        return None
+    return dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 def mark_failed() -> None:

@@ -1,8 +1,8 @@
 """The in-worker watchdog: names the ranks of a hung job, and ends workers whose launcher is gone.
 
 Started in every worker of a multigpu launch (`multigpu train`, and scripts under `multigpu run`
-through multigpu.worker), it runs one daemon thread that checks 1 and 2 every POLL_SECONDS and 3
-every second or so:
+through multigpu.worker), it runs two daemon threads: one checks 1 and 2 every POLL_SECONDS, the
+other 3 every second or so (a store call that blocks never delays the launcher check):
 
 1. **Orphans.** When the launcher has died (kill -9: the worker's parent changes), it calls
    `on_orphan()` (the training loop then saves and stops) or, for a user's script, sends itself
@@ -84,19 +84,27 @@ class Watchdog:
         self._store = None
         self._stop = threading.Event()
         self._orphaned_at: float | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def beat(self) -> None:
         self._beats += 1
 
     def start(self) -> None:
-        if self.timeout > 0 and self.world_size > 1:
+        watching = self.timeout > 0 and self.world_size > 1
+        if watching:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             register_optimizer_step_post_hook(lambda *_: self.beat())
             atexit.register(self._post, "finished")
-        self._thread = threading.Thread(target=self._run, name="multigpu-watchdog", daemon=True)
-        self._thread.start()
+        # Two threads: the launcher check must never wait behind the store, whose calls can
+        # block for seconds when the launcher (its host) has just died.
+        self._threads = [threading.Thread(target=self._watch_launcher, name="multigpu-watchdog",
+                                          daemon=True)]
+        if watching:
+            self._threads.append(threading.Thread(target=self._watch_hangs, daemon=True,
+                                                  name="multigpu-watchdog-hangs"))
+        for thread in self._threads:
+            thread.start()
         # Joined before the interpreter finalizes: a daemon thread still inside a TCPStore call
         # then is ended by pthread_exit, which unwinds through C++ and aborts the process
         # ("terminate called without an active exception", SIGABRT: a finished script's rank
@@ -105,22 +113,28 @@ class Watchdog:
 
     def stop(self, join: bool = False) -> None:
         self._stop.set()
-        if join and self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * REPORT_WAIT_SECONDS + 5)
+        if not join:
+            return
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                # Orphaned, the store is gone and the worker must end soon: no long wait for it.
+                thread.join(timeout=1.0 if self._launcher_gone() else 2 * REPORT_WAIT_SECONDS + 5)
 
-    # --- the loop ---------------------------------------------------------------------------------
-    def _run(self) -> None:
-        watching = self.timeout > 0 and self.world_size > 1
-        next_hang_check = time.monotonic() + self.interval
-        while not self._stop.wait(POLL_SECONDS):  # the cheap checks often, the hang check less
+    def _launcher_gone(self) -> bool:
+        return self._orphaned_at is not None or os.getppid() != self.parent
+
+    # --- the loops --------------------------------------------------------------------------------
+    def _watch_launcher(self) -> None:
+        while not self._stop.wait(POLL_SECONDS):
             self._check_orphan()
             self._check_env()
-            if watching and self._orphaned_at is None and time.monotonic() >= next_hang_check:
-                next_hang_check = time.monotonic() + self.interval
-                try:
-                    self._check_hang()
-                except Exception:  # the store is gone (its host died): the launcher acts now
-                    watching = False
+
+    def _watch_hangs(self) -> None:
+        while not self._stop.wait(self.interval) and not self._launcher_gone():
+            try:
+                self._check_hang()
+            except Exception:  # the store is gone (its host died): the launcher acts now
+                return
 
     def _check_orphan(self) -> None:
         if self._orphaned_at is None and os.getppid() != self.parent:
@@ -213,17 +227,17 @@ class Watchdog:
 
     def _connect(self):
         if self._store is None:
-            import torch.distributed as dist
+            from multigpu.distributed import launcher_store
 
-            self._store = dist.TCPStore(self.ours["MASTER_ADDR"] or "127.0.0.1",
-                                        int(self.ours["MASTER_PORT"] or 0), is_master=False,
-                                        timeout=datetime.timedelta(seconds=5),
-                                        wait_for_workers=False)
+            self._store = launcher_store(self.ours["MASTER_ADDR"] or "127.0.0.1",
+                                         self.ours["MASTER_PORT"], 5.0)
+            if self._store is None:
+                raise ConnectionError("the launcher's store is gone")
         return self._store
 
     def _post(self, state: str) -> None:
-        if self._orphaned_at is not None:  # the launcher's store went with it: connecting would
-            return                         # only wait out the timeout twice (11 s) at exit
+        if self._launcher_gone():  # the launcher's store went with it
+            return
         try:
             self._connect().set(f"{self.prefix}/status/{self.rank}", json.dumps(
                 {"t": time.time(), "stalled": 0, "where": "", "state": state, "changed": self.changed}))

@@ -62,6 +62,7 @@ def test_skipped_peers_are_named_with_a_reason_and_the_plot_is_written(smoke):
     assert "multigpu-ddp" in proc.stdout and "scaling" in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.extended
 def test_real_and_synthetic_data_are_measured_in_the_same_launches(tmp_path):
     out = tmp_path / "real.json"
     proc = multigpu("bench", "--model", "cnn", "--data", "synthetic,real",

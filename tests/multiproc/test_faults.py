@@ -169,7 +169,7 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal
     assert_same_weights(reference, out, output[-200:])
 
 
-@pytest.mark.parametrize("devices", ["cpu:1", "cpu:3"])
+@pytest.mark.parametrize("devices", [pytest.param("cpu:1", marks=pytest.mark.extended), "cpu:3"])
 def test_resume_inside_an_epoch_on_another_process_count_trains_each_sample_once(reference, tmp_path, devices):
     inside = [e for e in CheckpointStore(reference / "checkpoints").entries() if e.run["position"]]
     assert inside, "the reference keeps a checkpoint from inside its last epoch"

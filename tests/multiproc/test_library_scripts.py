@@ -66,7 +66,7 @@ def test_buffers_not_broadcast_every_step_start_equal_and_sync_from_rank0(tmp_pa
         "after_prepare": True, "after_training": False, "after_sync": True}
 
 
-@pytest.mark.parametrize("procs", [1, 3])
+@pytest.mark.parametrize("procs", [pytest.param(1, marks=pytest.mark.extended), 3])
 def test_a_users_loop_resumes_inside_an_epoch_on_another_process_count(tmp_path, procs):
     script = SCRIPTS / "resume_loader.py"
     stop = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "a", script, tmp_path, "stop")

@@ -203,7 +203,7 @@ def test_start_timeout_when_second_node_never_comes(tmp_path):
     assert not list(tmp_path.glob("rank*.json"))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.extended)])
 def test_signal_stops_every_rank(tmp_path, procs, sig):
     p = start("--devices", "cpu:2", str(SCRIPTS / "sleeper.py"), str(tmp_path), cwd=tmp_path)
     procs.append(p)

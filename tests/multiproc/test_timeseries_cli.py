@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("model", ["lstm", "tst"])
+@pytest.mark.parametrize("model", ["lstm", pytest.param("tst", marks=pytest.mark.extended)])
 def test_two_process_run_reports_errors_in_original_units_that_improve(runs, model):
     out, proc = runs(model, 2)
     first, second = read_metrics(out)

@@ -172,6 +172,7 @@ def test_two_nodes_sharing_a_filesystem_train_into_one_folder(tmp_path):
     assert [m["train_samples"] for m in read_metrics(out)] == [64]
 
 
+@pytest.mark.extended
 def test_an_unreadable_image_is_skipped_counted_and_the_run_finishes(tmp_path):
     from PIL import Image
 

@@ -44,6 +44,7 @@ def test_a_script_that_sets_world_size_is_told_instead_of_waiting_in_silence(tmp
     assert "rank 1: its script set WORLD_SIZE=3; multigpu had set 2: leave WORLD_SIZE to the launcher" in r.stderr
 
 
+@pytest.mark.extended
 def test_one_slow_rank_is_not_a_hang(tmp_path):
     r = multigpu("--devices", "cpu:2", "--hang-timeout", "3", "--log-dir", str(tmp_path / "logs"),
                  str(SCRIPTS / "slow_rank0.py"), "9", cwd=tmp_path, timeout=120)
