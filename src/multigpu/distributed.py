@@ -220,13 +220,15 @@ def _resolve_accelerator(accelerator: str) -> bool:
     return available
 
 
-def destroy_distributed(wait_for_peers: bool = False) -> None:
+def destroy_distributed(wait_for_peers: bool = False,
+                        store: tuple[str | None, str | None] | None = None) -> None:
     """Tear down the process group, if any. `wait_for_peers`: with gloo, first wait (at most
-    _EXIT_WAIT_SECONDS, on every rank) until every rank has got here; see below."""
+    _EXIT_WAIT_SECONDS, on every rank) until every rank has got here, at the launcher's store
+    (`store`: its address and port, default MASTER_ADDR and MASTER_PORT); see below."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if wait_for_peers and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-        _meet_before_teardown(dist.get_world_size())
+        _meet_before_teardown(dist.get_world_size(), *(store or (None, None)))
     global _CPU_GROUP
     _CTA_GROUPS.clear()
     _CPU_GROUP = None
@@ -256,13 +258,13 @@ _failed = False
 _launcher_pid: int | None = None  # the worker's parent, torchrun's agent, when the group was made
 
 
-def _meet_before_teardown(world_size: int) -> None:
+def _meet_before_teardown(world_size: int, addr: str | None = None, port: str | None = None) -> None:
     timeout = datetime.timedelta(seconds=_EXIT_WAIT_SECONDS)
     run = (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")  # a restart starts afresh
     try:
-        store = launcher_store(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"),
-                               _EXIT_WAIT_SECONDS)
+        store = launcher_store(addr or os.environ.get("MASTER_ADDR"),
+                               port or os.environ.get("MASTER_PORT"), _EXIT_WAIT_SECONDS)
         if store is None:
             return
         if store.add(f"multigpu/exit/{run}/count", 1) == world_size:

@@ -169,6 +169,19 @@ def _torchrun_has(option: str) -> bool:
     return any(option in a.option_strings for a in torchrun.get_args_parser()._actions)
 
 
+def _tell_foreign_libraries(plan: DevicePlan, opts: LaunchOptions) -> None:
+    """A script written for HF Accelerate or Lightning Fabric under `multigpu run`: on GPUs both
+    read torchrun's environment, but on CPU processes each would run alone (Accelerate needs
+    cpu=True to go multi-process, Fabric counts one CPU device): N separate jobs, without a
+    word. So they are told, through the variables they read, unless the user set them."""
+    if plan.accelerator == "cpu":
+        os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+        os.environ.setdefault("LT_ACCELERATOR", "cpu")
+        os.environ.setdefault("LT_DEVICES", str(plan.nproc))
+    if opts.nnodes.isdigit() and opts.nnodes != "1":
+        os.environ.setdefault("LT_NUM_NODES", opts.nnodes)
+
+
 @contextlib.contextmanager
 def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None = None):
     """The environment the agent copies into every worker; ours is restored afterwards."""
@@ -193,6 +206,7 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # ids as nvidia-smi shows them
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc)))
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        _tell_foreign_libraries(plan, opts)
         if opts.tee:
             os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
         if opts.max_restarts > 0:
@@ -295,7 +309,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             torchrun.run(args)
             return 0
         except ChildFailedError as exc:
-            return report_child_failed(exc, log_dir)
+            return report_child_failed(exc, log_dir, node=_node_name(opts))
         except SignalException as exc:
             at_once = _kill_workers_left() or signals.signals > 1
             err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"
@@ -329,9 +343,21 @@ def _kill_workers_left() -> int:
     return len(left)
 
 
+def _node_name(opts: LaunchOptions) -> str | None:
+    """'node 1 (gpu-b07)' in a launch of several nodes, None on one machine."""
+    if parse_nnodes(opts.nnodes)[1] == 1:
+        return None
+    import socket
+
+    rank = "?" if opts.node_rank is None else opts.node_rank
+    return f"node {rank} ({socket.gethostname()})"
+
+
 def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str) -> str:
     _, hi = parse_nnodes(opts.nnodes)
     node = "?" if opts.node_rank is None else opts.node_rank
     where = "" if hi == 1 else f" on node {node} of {opts.nnodes}, rendezvous {rdzv.endpoint}"
-    shown = "every rank shown" if opts.tee else "rank 0 shown here"
+    # On a node other than 0 the first local process is not global rank 0: say which it is.
+    shown = "every rank shown" if opts.tee else ("rank 0 shown here" if hi == 1 else
+                                                 "this node's local rank 0 shown here")
     return f"{plan.describe()}{where}; {shown}, all ranks logged in {log_dir}"

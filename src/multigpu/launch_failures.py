@@ -53,8 +53,9 @@ _COLLATERAL = re.compile(r"gloo|nccl|DistBackendError|DistNetworkError|Connectio
                          r"Broken pipe|ProcessGroup|timed out|SIGTERM", re.IGNORECASE)
 
 
-def report_child_failed(exc, log_dir: str) -> int:
-    """Print which rank failed first and its traceback; return the exit code to use."""
+def report_child_failed(exc, log_dir: str, node: str | None = None) -> int:
+    """Print which rank failed first and its traceback; return the exit code to use. The ranks
+    are global ranks; `node` names this node in a launch of several ('node 1 (host)')."""
     failures = list(exc.failures.items())  # in the order the agent saw them fail
     texts = {rank: _failure_text(f, log_dir) for rank, f in failures}
     hang = next((texts[r] for r, f in failures if f.exitcode == watchdog.EXIT_HANG and texts[r]
@@ -76,7 +77,8 @@ def report_child_failed(exc, log_dir: str) -> int:
 
     rank, first = min(failures, key=blame)
     what = _how(first).replace("exit", "exit code")
-    lines = [f"rank {rank} failed first ({what}, local rank {first.local_rank}, pid {first.pid})"]
+    on = f" on {node}" if node else ""
+    lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
     if texts[rank]:
         lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
     elif _stderr_logs(log_dir, first.local_rank):

@@ -159,6 +159,7 @@ def test_port_29500_taken_by_someone_else(tmp_path, capsys):
         holder.close()
 
 
+@pytest.mark.extended
 def test_four_runs_started_at_once_all_start(tmp_path, procs):
     outs = [tmp_path / f"job{i}" for i in range(4)]
     for out in outs:
@@ -189,6 +190,19 @@ def test_two_nodes_on_loopback(tmp_path, procs):
     assert sorted(seen) == [0, 1, 2, 3]
     assert {s["world"] for s in seen.values()} == {4} and {s["sum"] for s in seen.values()} == {10}
     assert sorted(s["group_rank"] for s in seen.values()) == ["0", "0", "1", "1"]
+
+
+def test_on_a_second_node_the_failed_rank_is_named_by_its_global_rank_and_node(tmp_path, procs):
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--devices", "cpu:2", "--start-timeout", "90")
+    script = (str(SCRIPTS / "fail_rank1.py"), "3")  # node 1 runs global ranks 2 and 3
+    procs.append(start(*common, "--node-rank", "0", *script, cwd=tmp_path))
+    procs.append(start(*common, "--node-rank", "1", *script, cwd=tmp_path))
+    _, err = procs[1].communicate(timeout=150)
+    assert procs[1].returncode != 0
+    assert "this node's local rank 0 shown here" in err
+    assert f"rank 3 failed first on node 1 ({socket.gethostname()}) (exit code 1, local rank 1" in err
+    assert "ValueError: boom-rank-3" in err
 
 
 def test_start_timeout_when_second_node_never_comes(tmp_path):
@@ -231,3 +245,11 @@ def test_failing_rank_traceback_is_shown(tmp_path):
     assert 'raise ValueError("boom-rank-1")' in err and "ValueError: boom-rank-1" in err
     assert "also stopped: rank 0" in err and str(tmp_path / "logs") in err
     assert err.rstrip().endswith(str(tmp_path / "logs"))  # the summary comes last
+
+
+def test_a_script_that_leaves_its_group_alive_has_it_torn_down_before_the_interpreter_exits(tmp_path):
+    proc = start("--devices", "cpu:2", str(SCRIPTS / "group_left_alive.py"), str(tmp_path), cwd=tmp_path)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen == [{"sum": 2.0, "alive_at_exit": False}] * 2

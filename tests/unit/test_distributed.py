@@ -42,7 +42,7 @@ def fake(monkeypatch):
         monkeypatch.setattr(distributed, "dist", d)
         monkeypatch.setattr(distributed, "_failed", False)
         monkeypatch.setattr(distributed, "_meet_before_teardown",
-                            lambda world: d.calls.append(("meet", world)))
+                            lambda world, *store: d.calls.append(("meet", world)))
         return d
     return make
 

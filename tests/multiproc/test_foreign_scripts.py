@@ -1,0 +1,23 @@
+"""Scripts written for other libraries under `multigpu run` on CPU processes: one job of N
+processes, as on GPUs, not N separate single-process jobs. Skipped where the library is not
+installed (it is not a dependency of ours); run here with both installed."""
+import json
+
+import pytest
+
+from .conftest import multigpu
+
+pytestmark = pytest.mark.slow
+SCRIPTS = __import__("pathlib").Path(__file__).parent / "scripts"
+
+
+@pytest.mark.parametrize("library,script,kind", [
+    ("accelerate", "foreign_accelerate.py", "DistributedType.MULTI_CPU"),
+    ("lightning", "foreign_fabric.py", "DDPStrategy"),
+])
+def test_an_accelerate_or_fabric_script_on_two_cpu_processes_sees_both(tmp_path, library, script, kind):
+    pytest.importorskip(library)
+    proc = multigpu("run", "--devices", "cpu:2", SCRIPTS / script, tmp_path, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen == [{"world": 2, "type": kind, "sum": 3.0}] * 2
