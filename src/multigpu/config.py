@@ -25,8 +25,10 @@ class TrainConfig:
     data: str = _f("digits", "digits | synthetic:N | folder:PATH (train/ and val/ inside) | "
                              "timeseries:CSV | timeseries:co2 | timeseries:macro (embedded)")
     epochs: int = _f(10, "passes over the training set")
-    batch_size: int = _f(64, "samples per device per step (the global batch is this times the "
-                             "number of GPUs or processes)")
+    batch_size: int | str = _f(64, "samples per device per step (the global batch is this times "
+                                   "the number of GPUs or processes), or auto: the largest that "
+                                   "fits on every GPU, found by real steps at the start",
+                               metavar="N|auto")
     lr: float | None = _f(None, "learning rate (default: 0.05 for sgd, 1e-3 for adam/adamw)")
     optimizer: str = _f("adamw", "optimizer", choices=("sgd", "adam", "adamw"))
     weight_decay: float = _f(0.0, "weight decay")
@@ -82,8 +84,18 @@ class TrainConfig:
 
 
 # argparse type for each annotation
+def int_or_auto(text: str) -> int | str:
+    """--batch-size: a whole number, or "auto" (batchfit.py)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor auto") from None
+
+
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float,
-          "str | None": str}
+          "str | None": str, "int | str": int_or_auto}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:

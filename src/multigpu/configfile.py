@@ -195,6 +195,11 @@ def checked(path: str, key, value, action: argparse.Action):
         if not isinstance(value, (int, float)) or (action.type is int and not whole):
             raise wrong(_expected(action))
         value = action.type(value)
+    elif action.type not in (None, str) and isinstance(value, (int, str)):
+        try:  # a flag with a parser of its own (--batch-size: a number or auto)
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError):
+            raise wrong(_expected(action)) from None
     elif isinstance(value, (int, float, str)):
         value = str(value)  # devices: 4, checkpoint_every: 500 are the flags' text
     else:
@@ -206,6 +211,8 @@ def checked(path: str, key, value, action: argparse.Action):
 
 def _expected(action: argparse.Action) -> str:
     kind = {int: "an integer", float: "a number"}.get(action.type, "text")
+    if action.metavar and "|" in str(action.metavar):  # N|auto
+        kind = " or ".join(str(action.metavar).replace("N", "an integer").split("|"))
     if action.choices is not None:
         kind = "one of " + ", ".join(map(str, action.choices))
     if action.const is not None:

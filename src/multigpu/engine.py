@@ -2,6 +2,8 @@
 
 Everything here goes through the Runtime, so the same code runs on one device, DataParallel and DDP.
 The loop holds no host-device sync except where the progress bar is redrawn and at the epoch's end.
+A non-finite loss is only recorded on the device here (guards.FirstNonFinite); `multigpu train`
+looks at it where it waits anyway, before a checkpoint and at the epoch's end.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from multigpu import compiling
 from multigpu.console import EpochProgress
+from multigpu.guards import FirstNonFinite
 from multigpu.metrics import Sums, correct_count
 from multigpu.runtime import Runtime
 
@@ -80,10 +83,12 @@ class EpochCursor:
 def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loader,
                 settings: StepSettings, description: str = "train", *, start: int = 0,
                 carried: tuple[float, int, float] = (0.0, 0, 0.0),
-                after_step: Callable[[EpochCursor], None] | None = None) -> dict:
+                after_step: Callable[[EpochCursor], None] | None = None,
+                nonfinite: FirstNonFinite | None = None) -> dict:
     """Train one epoch (or its rest, from position `start` of its order, with the loss sum,
     samples and seconds `carried` over from before the resume). `after_step(cursor)` runs after
-    every optimizer step; it may raise to leave the epoch (the loop holds no other state)."""
+    every optimizer step; it may raise to leave the epoch (the loop holds no other state).
+    `nonfinite` records the first batch (counted from 0 in this call) whose loss is NaN/inf."""
     model.train()
     progress = EpochProgress(len(loader), description)
     cursor = EpochCursor(start, 0, torch.zeros((), dtype=torch.float64, device=rt.device), 0,
@@ -91,6 +96,8 @@ def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loade
     try:
         for batch in loader:
             loss = train_step(rt, model, optimizer, loss_fn, batch, settings)
+            if nonfinite is not None:
+                nonfinite.observe(loss, cursor.steps)  # on the device: no sync
             info = rt.step_info
             n = info.local_count
             cursor.loss_sum += loss.to(torch.float64) * n

@@ -116,6 +116,25 @@ def write_config(out: Path, resolved: dict) -> None:
     fileio.atomic_write_text(out / CONFIG, json.dumps(resolved, indent=2) + "\n")
 
 
+def trained_batch_size(out: Path, resume: str | None) -> int | None:
+    """The per-device batch a run continued here trained with (config.json of the folder that
+    holds its checkpoints: `out`, else the folder of --resume), or None for a new run."""
+    folders = [out]
+    if resume:
+        source = Path(resume)
+        folders.append(source if source.is_dir() else source.parent.parent)  # run/checkpoints/x.pt
+    for folder in folders:
+        if not (folder / "checkpoints").is_dir() or not any((folder / "checkpoints").glob("*.pt")):
+            continue
+        try:
+            size = json.loads((folder / CONFIG).read_text()).get("batch_size")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
 def append_metrics(out: Path, record: dict) -> None:
     with open(out / METRICS, "a") as f:
         f.write(json.dumps(record) + "\n")

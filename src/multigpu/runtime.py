@@ -32,6 +32,7 @@ from multigpu.data import StepInfo
 from multigpu.loaders import shard_loader
 from multigpu.distributed import DistEnv, init_distributed
 from multigpu.errors import UsageError
+from multigpu.guards import Bypass
 from multigpu.precision import Precision, resolve_precision
 from multigpu.strategies import DDPOptions, Strategy, make_strategy
 from multigpu.strategies.ddp import DDP
@@ -106,6 +107,7 @@ class Runtime:
         self._log_to = log_to  # (folder, logger names): setup(log_dir=, loggers=)
         self._logs = None
         self._log_step = 0
+        self._bypass = Bypass(env.is_main)  # loss.backward() / optimizer.step() around the runtime
 
     # --- convenience views ----------------------------------------------------------------------
     @property
@@ -163,7 +165,9 @@ class Runtime:
 
         Models move to the device and are wrapped (DataParallel/DDP) *after* their weights are in
         place. Loaders are rebuilt so each rank gets its exact share and batches arrive on the
-        device. Optimizers and schedulers pass through (parameters keep their identity when moved).
+        device. Optimizers and schedulers pass through (parameters keep their identity when moved);
+        an optimizer stepped directly (`optimizer.step()`, not `rt.step`) warns once, as does a
+        `loss.backward()` that `rt.step` finds instead of `rt.backward`.
 
         objects: nn.Module, torch.optim.Optimizer, LR scheduler or DataLoader, in any order.
         Returns them prepared, one object alone or a tuple. Give the DataLoader `batch_size` per
@@ -178,7 +182,10 @@ class Runtime:
                 out.append(self._prepare_model(obj))
             elif isinstance(obj, DataLoader):
                 out.append(self.prepare_loader(obj))
-            elif isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "step"):
+            elif isinstance(obj, torch.optim.Optimizer):
+                self._bypass.watch(obj)  # a direct optimizer.step() warns once
+                out.append(obj)
+            elif hasattr(obj, "step"):
                 out.append(obj)
             else:
                 raise UsageError(f"prepare() got a {type(obj).__name__}; it takes models, "
@@ -247,6 +254,7 @@ class Runtime:
                              "rt.prepare() returns; this batch came from elsewhere: prepare the "
                              "training DataLoader, or use accumulate=1")
         self.precision.backward(loss)
+        self._bypass.backwards += 1
         if not self._unused_checked:
             self._unused_checked = True
             self._check_unused_parameters()
@@ -261,11 +269,13 @@ class Runtime:
         """
         if self.step_info is not None and not self.step_info.sync:
             return False
+        self._bypass.check_step(optimizer)  # gradients rt.backward did not make: warned once
         if clip_grad_norm is not None:
             self.precision.unscale(optimizer)  # clip the true gradients, not the scaled ones
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        self.precision.optimizer_step(optimizer)
+        with self._bypass.stepping():
+            self.precision.optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return True
 

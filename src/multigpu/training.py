@@ -133,12 +133,17 @@ class Job:
         return nn.functional.cross_entropy if self.classification else nn.functional.mse_loss
 
 
-def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
-    """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy."""
-    data = load_data(cfg.data, input_kind=model_input_kind(cfg.model),
+def load_run_data(cfg: TrainConfig) -> DataBundle:
+    """The data of `--data` as the run's model takes it (also read by doctor and batchfit)."""
+    return load_data(cfg.data, input_kind=model_input_kind(cfg.model),
                      image_size=image_size(cfg) or default_image_size(cfg.model),
                      seq_length=cfg.seq_length, future_length=cfg.future_length,
                      bad_images=cfg.bad_images)
+
+
+def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
+    """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy."""
+    data = load_run_data(cfg)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.clip_grad_norm,
                                      channels_last=rt.device.type == "cuda" and is_convnet(cfg.model))
@@ -167,12 +172,17 @@ def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: 
 
 
 def oom_message(cfg: TrainConfig, rt: Runtime) -> str:
-    """Trap 2: say what ran out and the three ways out, instead of the allocator's dump."""
-    total = torch.cuda.get_device_properties(rt.device).total_memory / 2**30
+    """Trap 2: say what ran out, how the GPU's memory was shared, and the ways out, instead of
+    the allocator's dump."""
+    gib = 2**30
+    total = torch.cuda.get_device_properties(rt.device).total_memory
+    peak = torch.cuda.max_memory_allocated(rt.device)
+    free, _ = torch.cuda.mem_get_info(rt.device)
+    others = max(0, total - free - torch.cuda.memory_reserved(rt.device))
     smaller = max(1, cfg.batch_size // 2)
-    return (f"CUDA out of memory on {rt.device} ({total:.0f} GiB) with --batch-size "
-            f"{cfg.batch_size} per GPU and --precision {rt.precision.kind}: use --batch-size "
-            f"{smaller} (add --accumulate {2 * cfg.accumulate} to keep the global batch), or "
-            "--precision bf16; `multigpu gpus` shows what else holds memory")
-
-
+    return (f"CUDA out of memory on {rt.device} ({total / gib:.0f} GiB: this run's peak "
+            f"{peak / gib:.1f} GiB, other processes {others / gib:.1f} GiB) with --batch-size "
+            f"{cfg.batch_size} per GPU and --precision {rt.precision.kind}: use --batch-size auto "
+            f"(the largest that fits, found at the start) or --batch-size {smaller} (add "
+            f"--accumulate {2 * cfg.accumulate} to keep the global batch), or --precision bf16; "
+            "`multigpu doctor` measures a step's peak before a run")

@@ -9,6 +9,8 @@
 
 A stop (SIGTERM, SIGUSR1, Ctrl-C, the launcher gone) finishes the step in progress on every rank,
 writes a checkpoint, waits until it is complete and ends with `Stopped`, naming the checkpoint.
+A loss that became NaN/inf (fp32, bf16) ends the run before the next checkpoint, naming the last
+good one (guards.TrainGuards); fp16 warns about a long run of skipped steps instead.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from multigpu import console, runfolder, watchdog
+from multigpu import batchfit, console, runfolder, watchdog
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore, step_file_name
 from multigpu.checkpoint_writer import BackgroundWriter
@@ -28,13 +30,14 @@ from multigpu.control import Cadence, Control
 from multigpu.distributed import destroy_distributed, mark_failed
 from multigpu.engine import evaluate, train_epoch
 from multigpu.errors import Stopped, UsageError
+from multigpu.guards import TrainGuards, global_batch_note
 from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
-from multigpu.training import (Job, build_job, ddp_options, oom_message, reserve_out,
-                               resolved_config)
+from multigpu.training import (Job, build_job, ddp_options, learning_rate, oom_message,
+                               reserve_out, resolved_config)
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -58,6 +61,9 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # Under the launcher: hangs named, and a dead launcher makes every rank save and stop.
     watchdog.start_from_env(on_orphan=lambda: control.request_stop("launcher gone"))
     out = _on_rank0(rt, lambda: reserve_out(cfg))
+    if cfg.batch_size == batchfit.AUTO:  # before the loaders are built with it
+        cfg.batch_size = batchfit.auto_batch_size(
+            cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.resume)))
     job = build_job(cfg, rt)
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(out / "checkpoints", cfg.keep)
@@ -69,8 +75,11 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
                      f"{len(job.data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
                      f"global batch {config['global_batch']}, checkpoints "
                      f"{control.cadence.describe()} -> {out}")
+        _announce_global_batch(cfg, rt, config["global_batch"])
+        _announce_last_step(cfg, rt, len(job.data.train))
         point = resume_point(rt.env, out, cfg.resume, cfg.keep)
         run = restore(cfg, rt, job, point, out) if point else RunState()
+        saver.last_path = Path(point.path) if point else None  # the last good one, until a save
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
         with control.signal_handlers():
@@ -87,6 +96,26 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # exception", seen once in 4-process runs here).
     rt.env.barrier()
     return record
+
+
+def _announce_global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:
+    """Once, on rank 0: a global batch larger than one device's, and what that means for --lr
+    (training.learning_rate uses --lr as given: nothing is scaled)."""
+    devices = rt.world_size * rt.strategy.devices_per_process
+    note = global_batch_note(per_step // devices, devices, cfg.accumulate, learning_rate(cfg),
+                             lr_given=cfg.lr is not None)
+    if note:
+        console.info(note)
+
+
+def _announce_last_step(cfg: TrainConfig, rt: Runtime, samples: int) -> None:
+    """Trap 3, once on rank 0: what each epoch's last step is, when it is not a full one."""
+    from multigpu.doctor.setup_checks import last_step_finding
+
+    said = last_step_finding(samples, cfg.batch_size, ranks=rt.world_size, drop_last=cfg.drop_last,
+                             devices_per_rank=rt.strategy.devices_per_process).message
+    if not said.endswith("all full"):
+        console.info(f"last step: {said}")
 
 
 def make_deterministic() -> None:
@@ -116,18 +145,23 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
             saver: "Checkpointer", out: Path, last: dict | None, log: RunLog) -> dict:
     record, bad_before = {}, 0
+    guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
+                         clip_grad_norm=cfg.clip_grad_norm)
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
+        first_nonfinite = guards.new_epoch(epoch, base, steps, _batches_per_epoch(job.train_loader))
 
         def after_step(cursor, epoch=epoch, base=base, begun=run):
             step = base + cursor.steps
+            guards.stepped()
             log.step(step, epoch, cursor, job.optimizer)
             if saver.failed:
                 control.request_stop("checkpoint save failed")
             decision = control.after_step(step)
             if decision is None:
                 return
+            _stop_if_diverged(guards, saver, cursor.steps, job.model)
             loss, _ = cursor.totals(rt.env)
             at = RunState(epoch, cursor.position, step, begun.loss_sum + loss,
                           begun.seconds + time.perf_counter() - cursor.start, begun.best)
@@ -138,9 +172,10 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
             record |= train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
                                   job.settings, description=f"epoch {epoch}/{cfg.epochs}",
                                   start=run.position, carried=(run.loss_sum, run.position, run.seconds),
-                                  after_step=after_step)
+                                  after_step=after_step, nonfinite=first_nonfinite)
         except torch.cuda.OutOfMemoryError:
             raise UsageError(oom_message(cfg, rt)) from None
+        _stop_if_diverged(guards, saver, steps, job.model)
         bad_before = _count_bad_images(rt, job, record, bad_before)
         rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved below
         scale = job.data.target_scale
@@ -166,6 +201,19 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
             _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)
     return record
+
+
+def _batches_per_epoch(loader) -> int:
+    return len(loader.sampler.full_plan)  # len(loader) is what is left of a resumed epoch
+
+
+def _stop_if_diverged(guards: TrainGuards, saver: "Checkpointer", batches_done: int, model) -> None:
+    """Before a checkpoint (collective, a sync point): end the run if the loss or the weights
+    became NaN/inf since the last look, once the last good checkpoint is complete on disk."""
+    error = guards.check(batches_done, model, saver.last_path)
+    if error is not None:
+        saver.finish()
+        raise error
 
 
 def _save_or_stop(rt, saver, control, at: RunState, last, stop: str | None, out: Path,

@@ -19,7 +19,7 @@ def test_unused_parameter_is_named_with_the_fix_at_the_first_step(tmp_path):
     assert "Expected to have finished reduction" not in output  # DDP's cryptic error never comes
 
 
-@pytest.mark.parametrize("flag", ["--find-unused", "--teacher"])
+@pytest.mark.parametrize("flag", ["--find-unused", pytest.param("--teacher", marks=pytest.mark.extended)])
 def test_unused_parameter_check_lets_correct_runs_finish(tmp_path, flag):
     # --find-unused: DDP searches itself. --teacher: a second prepared model that takes no part
     # in the loss (a teacher or EMA model run under no_grad) is not an unused parameter.

@@ -35,6 +35,7 @@ def test_selftest_passes_on_two_cpu_processes(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.extended
 def test_unwritable_checkpoint_folder_is_a_failed_check_with_its_cause(tmp_path):
     not_a_folder = tmp_path / "ckpt"
     not_a_folder.write_text("a file where the folder should be")

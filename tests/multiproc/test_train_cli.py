@@ -40,6 +40,20 @@ def test_ddp_on_two_processes_ends_with_the_same_weights_as_one(one_and_two_proc
     assert ma[-1]["val_loss"] == pytest.approx(mb[-1]["val_loss"], rel=1e-5)
 
 
+def test_two_processes_say_the_global_batch_its_lr_and_the_last_step_once(one_and_two_process_runs):
+    _, two, proc = one_and_two_process_runs
+    said = proc.stdout + proc.stderr
+    lr = ("global batch 8 (4 per device x 2 devices): --lr 0.05 is used as given, not scaled, so "
+          "an epoch makes 2x fewer optimizer steps than at batch 4 on one device; if accuracy lags "
+          "the one-device run, try --lr 0.1 (linear scaling: --lr x 2) or more --epochs")
+    last = ("last step: 205 training samples, 4 per device x 2 devices = 8 per step: 26 steps; "
+            "the last has 5 (3+2 per process)")
+    assert said.count(lr) == 1 and said.count(last) == 1, said[-3000:]
+    rank1 = "".join(p.read_text() for p in two.glob("logs/*/attempt_0/1/std*.log"))
+    assert "global batch 8 (" not in rank1 and "last step" not in rank1  # rank 0 says it
+    assert "warning" not in proc.stderr  # the normal path: no guard fires
+
+
 def test_run_folder_holds_config_metrics_and_checkpoints(one_and_two_process_runs):
     _, two, proc = one_and_two_process_runs
     config = json.loads((two / "config.json").read_text())
@@ -71,6 +85,8 @@ def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert record["train_samples"] == 8607
     assert record["val_samples"] == config["val_size"]
+    assert ("last step: 8607 training samples, 4 per device x 4 devices = 16 per step: 538 steps; "
+            "the last has 15 (4+4+4+3 per process)") in proc.stdout
 
 
 @pytest.mark.parametrize("args,message", [
@@ -149,6 +165,7 @@ def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):
     assert alone["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
 
 
+@pytest.mark.extended
 def test_two_nodes_sharing_a_filesystem_train_into_one_folder(tmp_path):
     import socket
     import subprocess

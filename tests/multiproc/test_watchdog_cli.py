@@ -36,6 +36,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_where_it_waits(tmp_path):
         assert "skip_allreduce.py" in stack and "Thread" in stack
 
 
+@pytest.mark.extended
 def test_a_script_that_sets_world_size_is_told_instead_of_waiting_in_silence(tmp_path):
     r = multigpu("--devices", "cpu:2", "--hang-timeout", "6", "--log-dir", str(tmp_path / "logs"),
                  str(SCRIPTS / "own_world_size.py"), cwd=tmp_path, timeout=120)

@@ -27,11 +27,17 @@ def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
     from multigpu.config import TrainConfig
     from multigpu.training import oom_message as _oom_message
 
+    gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(total_memory=80 * 2**30))
+                        lambda device: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 61.5 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 64 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(0.5 * gib), 80 * gib))
     rt = SimpleNamespace(device=torch.device("cuda", 1), precision=SimpleNamespace(kind="fp32"))
     message = _oom_message(TrainConfig(model="resnet50", batch_size=256), rt)
-    assert message.startswith("CUDA out of memory on cuda:1 (80 GiB) with --batch-size 256 per GPU")
+    assert message.startswith("CUDA out of memory on cuda:1 (80 GiB: this run's peak 61.5 GiB, "
+                              "other processes 15.5 GiB) with --batch-size 256 per GPU")
+    assert "--batch-size auto" in message
     assert "--batch-size 128" in message and "--accumulate 2" in message
     assert "--precision bf16" in message and "\n" not in message
 

@@ -2,6 +2,7 @@
 TensorBoard's own reader, across a resume that drops the dead attempt's later points."""
 import csv
 import sys
+import time
 
 import pytest
 
@@ -79,9 +80,15 @@ def test_wandb_runs_offline_in_the_run_folder_without_an_account(tmp_path, monke
     logs.close()
     (run,) = (tmp_path / "wandb").glob("offline-run-*")  # offline: nothing was sent
     (records,) = run.glob("run-*.wandb")  # W&B's own record log, which `wandb sync` uploads
+    wanted = [text.encode() for text in ("train/loss", repr(1 / 3), "nested.a")]
+    # W&B's service process may still be writing it after finish() returned (seen on a loaded
+    # 2-core machine: only the file's header was there): give it a while.
+    deadline = time.monotonic() + 30
+    while not all(w in records.read_bytes() for w in wanted) and time.monotonic() < deadline:
+        time.sleep(0.2)
     data = records.read_bytes()
-    for text in ("train/loss", repr(1 / 3), "nested.a"):
-        assert text.encode() in data, text
+    for text in wanted:
+        assert text in data, text
 
 
 def test_mlflow_uses_a_local_store_in_the_run_folder(tmp_path, monkeypatch):

@@ -103,3 +103,20 @@ def test_node_0_claims_a_folder_where_another_node_already_writes_its_logs(tmp_p
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="already exists and is not empty"):
         runfolder.reserve(str(tmp_path / "other"), model="m", data="d", continuing=False, nodes_log=True)
+
+
+def test_a_continued_run_finds_the_batch_size_it_trained_with(tmp_path):
+    from multigpu.runfolder import trained_batch_size
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text('{"batch_size": 192}')
+    assert trained_batch_size(run, None) is None, "no checkpoint yet: a new run searches"
+    (run / "checkpoints" / "step-000000010.pt").write_bytes(b"x")
+    assert trained_batch_size(run, None) == 192
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert trained_batch_size(fresh, str(run)) == 192
+    assert trained_batch_size(fresh, str(run / "checkpoints" / "step-000000010.pt")) == 192
+    (run / "config.json").write_text('{"batch_size": "auto"}')
+    assert trained_batch_size(fresh, str(run)) is None

@@ -19,6 +19,7 @@ COMMANDS = {
     "train": "train",
     "run": "run",
     "sweep": "sweep",
+    "doctor": "doctor",
     "gpus": "gpus",
     "env": "env",
     "bench": "bench",

@@ -69,6 +69,11 @@ def main(args) -> int:
     if python:  # through multigpu.worker: the hang watchdog, then the script as python runs it
         cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
+    if source is not None:  # the traps its source shows, once, before any process starts
+        from multigpu.doctor.findings import warn_all
+        from multigpu.doctor.script_checks import script_findings
+
+        warn_all(script_findings(source, nproc=plan.nproc, gpus=plan.accelerator == "cuda"))
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
     opts = launch.options_from_args(args)
     return launch.launch(cmd + script_args, plan, opts, python=False)

@@ -63,7 +63,7 @@ def validate(cfg: TrainConfig) -> None:
 
     for name, (low, inclusive) in _LIMITS.items():
         value = getattr(cfg, name)
-        if value is None:  # optional and left out
+        if value is None or value == "auto":  # optional and left out; --batch-size auto
             continue
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
             flag = "--" + name.replace("_", "-")
@@ -80,11 +80,13 @@ _EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 
 
 
 def main(args: argparse.Namespace) -> int:
+    from multigpu.doctor.setup_checks import refuse_stale_worker_env
     from multigpu.launch import in_worker, launch, options_from_args, python_command
     from multigpu import runfolder
     from multigpu.runfolder import OUT_RESERVED_ENV, nothing_trained, remove_untrained
 
     cfg = config_from_args(args)
+    refuse_stale_worker_env(os.environ)  # trap 8: LOCAL_RANK left exported by an earlier launch
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
         from multigpu.trainloop import run_training
 
@@ -165,6 +167,10 @@ def _plan_devices(cfg: TrainConfig):
         raise UsageError(f"--strategy single runs one process, but --devices {cfg.devices} asks "
                          "for several; use --devices cpu:1 or --strategy ddp")
     compiling.check(cfg.compile, plan.accelerator, cfg.strategy, cfg.accumulate)
+    if cfg.batch_size == "auto" and (plan.accelerator != "cuda" or cfg.strategy == "dp"):
+        where = "CPU processes" if plan.accelerator != "cuda" else "--strategy dp"
+        raise UsageError(f"--batch-size auto measures each GPU's memory with real steps, one "
+                         f"process per GPU; with {where} give a number, e.g. --batch-size 64")
     if cfg.strategy == "dp" and plan.accelerator != "cuda":
         raise UsageError("--strategy dp (nn.DataParallel) needs GPUs; on CPU use --strategy ddp "
                          "with --devices cpu:N")

@@ -1,0 +1,141 @@
+"""`multigpu doctor`: look for the known multi-GPU traps before a run, one line per check.
+
+    multigpu doctor --model resnet50 --data folder:./imgs --batch-size 256 --devices 4
+    multigpu doctor --config run.yaml                 the checks of that `multigpu train` run
+    multigpu doctor --devices 2 -- train.py --lr 0.1  a script for `multigpu run`, read, not run
+
+With train options it checks the launch environment, the devices, the precision, what the last
+step of each epoch will be, the validation set's sharding, and runs one real training and
+evaluation step on the first device: parameters without a gradient, peak memory, and the largest
+per-GPU batch that fits. With a script it reads the script's source for the traps a source shows.
+Each line is ok, warn or fail, with the cause and the fix; the exit status is 1 when one failed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from multigpu import configfile, console
+from multigpu.config import TrainConfig, add_config_arguments, config_from_args
+from multigpu.errors import UsageError
+
+AUTO_PROBE_BATCH = 32
+HEADLINE = "multigpu doctor: checks before a run (ok / warn / fail), trap numbers from PITFALLS.md"
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "doctor", help="look for the known multi-GPU traps before a run (train options, or -- script.py)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(p)
+    for action in p._actions:  # --model is not needed with a script (argparse has no accessor)
+        if action.dest == "model":
+            action.required = False
+    p.add_argument("--config", metavar="FILE", help="read the train settings from a YAML or JSON file")
+    p.add_argument("--no-step", action="store_true",
+                   help="skip the real training step (memory, unused parameters, the batch that fits)")
+    p.add_argument("--no-batch-search", action="store_true",
+                   help="skip the search for the largest batch that fits (GPUs only)")
+    p.add_argument("--scaling", action="store_true",
+                   help="also time a few steps on 1 and on all the devices (trap 4; about 30 s "
+                        "more, through multigpu bench)")
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- script.py ...",
+                   help="a script to check as `multigpu run` would start it")
+    configfile.read_config_first(p, on_note=console.info)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from multigpu.doctor.findings import report
+
+    script = list(args.script)
+    if script[:1] == ["--"]:
+        script = script[1:]
+    if script and args.model:
+        raise UsageError("give either train options (--model ...) or a script after --, not both")
+    if not script and not args.model:
+        raise UsageError("nothing to check: give the options of a multigpu train run (--model "
+                         "resnet18 --data ...), or a script: multigpu doctor -- train.py ARGS")
+    print(HEADLINE, flush=True)
+    findings = _script_checks(args, script) if script else _train_checks(args)
+    return report(findings)
+
+
+def _script_checks(args, script: list[str]):
+    from multigpu.doctor.script_checks import script_findings
+    from multigpu.doctor.shell_checks import file_crlf_finding
+    from multigpu.doctor.setup_checks import device_findings, launch_env_findings
+
+    path = Path(script[0])
+    if not path.is_file():
+        raise UsageError(f"script {script[0]!r} not found (in {os.getcwd()}); give the path of "
+                         "the script, e.g. multigpu doctor -- train.py")
+    findings = launch_env_findings(os.environ)
+    found, plan = device_findings(args.devices, one_process=False,
+                                  min_free_memory_gb=args.min_free_memory)
+    findings += found
+    nproc = plan.nproc if plan is not None else 1
+    findings += script_findings(path, nproc=nproc, gpus=plan is not None and plan.accelerator == "cuda")
+    for arg in script[1:]:  # a config or shell file handed to the script (trap 9)
+        if os.path.isfile(arg) and (f := file_crlf_finding(Path(arg))) is not None:
+            findings.append(f)
+    return findings
+
+
+def _train_checks(args):
+    from multigpu.cli.train import validate
+    from multigpu.doctor import setup_checks
+    from multigpu.doctor.findings import Finding
+
+    cfg: TrainConfig = config_from_args(args)
+    try:
+        validate(cfg)
+    except UsageError as exc:
+        return [Finding("fail", "options", str(exc))]
+    findings = setup_checks.launch_env_findings(os.environ)
+    one_process = cfg.strategy in ("dp", "single")
+    found, plan = setup_checks.device_findings(cfg.devices, one_process=one_process,
+                                               min_free_memory_gb=cfg.min_free_memory)
+    findings += found
+    if plan is None:
+        return findings
+    if cfg.batch_size == "auto":
+        if plan.accelerator != "cuda" or cfg.strategy == "dp":
+            return findings + [Finding("fail", "batch size", "--batch-size auto needs one process "
+                                                             "per GPU; give a number, e.g. --batch-size 64")]
+        cfg.batch_size = AUTO_PROBE_BATCH
+        findings.append(Finding("ok", "batch size", f"--batch-size auto: the checks below use "
+                                                    f"{AUTO_PROBE_BATCH} per GPU; 'batch fit' is the size "
+                                                    "auto picks on this GPU", trap=2))
+    findings += setup_checks.precision_findings(cfg.precision, plan)
+    findings += _plan_checks(cfg, plan)
+    if not args.no_step and not any(f.level == "fail" for f in findings):
+        from multigpu.doctor.probe import probe_findings
+
+        ddp = plan.nproc > 1 and cfg.strategy in ("auto", "ddp")
+        findings += probe_findings(cfg, plan, ddp=ddp, find_batch=not args.no_batch_search)
+    if args.scaling and not any(f.level == "fail" for f in findings):
+        from multigpu.doctor.scaling import scaling_finding
+
+        findings.append(scaling_finding(cfg, plan))
+    return findings
+
+
+def _plan_checks(cfg: TrainConfig, plan):
+    """The last step of each epoch and the validation sharding, from the data's real sizes."""
+    from multigpu.doctor.findings import Finding
+    from multigpu.doctor.setup_checks import eval_coverage_finding, last_step_finding
+    from multigpu.training import load_run_data
+
+    try:
+        data = load_run_data(cfg)
+    except UsageError as exc:
+        return [Finding("fail", "data", str(exc))]
+    ranks = plan.nproc
+    per_rank = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 else 1
+    return [last_step_finding(len(data.train), cfg.batch_size, ranks=ranks,
+                              devices_per_rank=per_rank, drop_last=cfg.drop_last),
+            eval_coverage_finding(len(data.val), cfg.batch_size, ranks=ranks,
+                                  devices_per_rank=per_rank)]
+

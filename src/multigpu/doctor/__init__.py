@@ -1,0 +1,13 @@
+"""`multigpu doctor`: the traps of ../shared/PITFALLS.md looked for before a run, one line each.
+
+- findings.py: a Finding (ok / warn / fail, the check, the cause and the fix) and how it is shown;
+- script_checks.py: a user's Python script read (never run) for the traps a source shows, through
+  pysource.py (its imports, bindings and calls, parsed with ast);
+- shell_checks.py: the same for a shell script or a file on a command line (CRLF, old launcher);
+- setup_checks.py: the launch environment, the devices and the plan of a `multigpu train` run;
+- probe.py: one real training and evaluation step: peak memory, unused parameters, the batch
+  that fits.
+
+Each check is a function of the library, so `multigpu train` and `multigpu run` fire the cheap
+ones too, once, before they start any process.
+"""

@@ -1,0 +1,344 @@
+"""A user's training script read, never run nor imported, for the traps its source shows.
+
+Python is read with `ast`; a shell script (not .py, no python shebang) by shell_checks.py. Names
+are followed only through simple bindings (`model = nn.DataParallel(net)`), in line order, with
+no scopes: a name rebound in any other way, a function parameter included, is unknown again.
+Every check stays silent when it cannot tell: a false alarm teaches users to skip the doctor.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+from multigpu.doctor.findings import Finding
+from multigpu.doctor.pysource import Source, code, const, dotted, kw, method
+from multigpu.doctor.setup_checks import LAUNCH_VARS
+from multigpu.doctor.shell_checks import is_python, shell_findings
+
+_WRAPPER_NAMES = {"dp": "DataParallel", "ddp": "DDP"}
+_MOVES = ("cuda", "to")
+_MODEL_METHODS = ("parameters", "named_parameters", "state_dict", "load_state_dict", "eval", "train")
+_LAUNCHERS = {"accelerate": "an Accelerate", "lightning": "a Lightning",
+              "pytorch_lightning": "a PyTorch Lightning"}
+_DDP_FIX = "multigpu.setup() then model = rt.prepare(model), which wraps in DDP per process"
+
+
+def script_findings(path: Path, *, nproc: int, gpus: bool) -> list[Finding]:
+    """Findings for a Python script (or a shell script) to be started `nproc` times, one process
+    per device (gpus: whether the devices are GPUs). Sorted by line."""
+    data = path.read_bytes()
+    if is_python(path, data):
+        found = _python_findings(path, data, nproc=nproc, gpus=gpus)
+    else:
+        found = shell_findings(path, data)
+    found = found or [Finding("ok", "script", "no known trap in the source")]
+    return sorted(found, key=lambda f: int(f.where.rsplit(":", 1)[1]) if f.where else 0)
+
+
+# --- Python: the checks -------------------------------------------------------------------------
+
+def _python_findings(path: Path, data: bytes, *, nproc: int, gpus: bool) -> list[Finding]:
+    try:
+        tree = ast.parse(data, filename=str(path))
+    except (SyntaxError, ValueError) as e:  # ValueError: a null byte
+        return [Finding("fail", "syntax", f"Python cannot parse it ({getattr(e, 'msg', e)}), so all "
+                        f"{nproc} processes would die at start; fix this line (a Python 2 script "
+                        "needs porting)", where=f"{path}:{getattr(e, 'lineno', None) or 1}")]
+    src = Source(path, tree, data.decode(errors="replace"))
+    return [*_launch_env(src), *_spawn(src, nproc), *_dataparallel(src, nproc, gpus),
+            *_scatter(src), *_non_tensor_args(src), *_checkpoint(src),
+            *(_sampler(src, nproc) if nproc > 1 else []), *_precision(src), *_local_rank(src),
+            *_launchers(src)]
+
+
+def _env_writes(src: Source):
+    """(node, variable, value) for each os.environ[...] = v, os.environ.update(...), os.putenv."""
+    for node in src.nodes:
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Subscript) and src.qualname(t.value) == "os.environ":
+                    yield node, const(t.slice), node.value
+        elif isinstance(node, ast.Call):
+            name = src.qualname(node.func)
+            if name == "os.putenv" and len(node.args) == 2:
+                yield node, const(node.args[0]), node.args[1]
+            elif name == "os.environ.update":
+                pairs = [(k.arg, k.value) for k in node.keywords]
+                if node.args and isinstance(node.args[0], ast.Dict):
+                    pairs += [(const(k), v) for k, v in zip(node.args[0].keys, node.args[0].values)]
+                yield from ((node, k, v) for k, v in pairs)
+
+
+def _launch_env(src: Source) -> list[Finding]:
+    """Trap 8: launch variables the script sets itself, or a hard-coded rendezvous."""
+    found = []
+    for node, var, value in _env_writes(src):
+        if any(const(n) == var for n in ast.walk(value)):
+            continue  # os.environ[var] = os.environ.get(var, default): a default, like setdefault
+        if var in LAUNCH_VARS:
+            found.append(src.at("warn", "launch env", node, f"sets {var}={code(value)}; under "
+                                "multigpu run the launcher sets it for every process and ranks that "
+                                "disagree never meet (a silent hang): delete the line", trap=8))
+        elif var == "CUDA_VISIBLE_DEVICES":
+            found.append(src.at("warn", "launch env", node, f"sets CUDA_VISIBLE_DEVICES={code(value)}"
+                                ", overriding the GPUs multigpu run chose (free ones): delete the "
+                                "line and choose them with multigpu run --devices 0,3", trap=13))
+    for call in src.calls:
+        if src.qualname(call.func).endswith("init_process_group"):
+            found += _init_process_group(src, call)
+    return found
+
+
+def _init_process_group(src: Source, call: ast.Call) -> list[Finding]:
+    method = const(kw(call, "init_method"))
+    tcp = isinstance(method, str) and method.startswith("tcp://")
+    hard = [f"init_method={method!r}"] if tcp else []
+    hard += [f"{k}={const(kw(call, k))}" for k in ("world_size", "rank")
+             if isinstance(const(kw(call, k)), int)]
+    if not hard:
+        return []
+    return [src.at("warn", "launch env", call, f"init_process_group({', '.join(hard)}) is hard-coded, "
+                   "so it disagrees with what multigpu run gives each process (a hang, or Address "
+                   "already in use); fix: init_process_group(backend), which reads the environment, "
+                   "or multigpu.setup()", trap=8)]
+
+
+def _built_on_cpu(src: Source, expr: ast.expr | None) -> bool:
+    """A model built here on the CPU: a class (`Net()`) or a torchvision/timm factory. A function
+    of the script, torch.load or a move may hand back a GPU model: unsure, so False."""
+    if not isinstance(expr, ast.Call):
+        return False
+    if method(expr) in ("eval", "train", "float"):
+        return _built_on_cpu(src, expr.func.value)  # models.vgg16().eval()
+    name = src.qualname(expr.func)
+    local = {n.name for n in src.nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    last = name.rsplit(".", 1)[-1]
+    return name.startswith(("torchvision.", "timm.")) or last[:1].isupper() and last not in local
+
+
+def _on_gpu(src: Source, call: ast.Call) -> bool:
+    """Whether the model a DataParallel wraps may reach the GPU: moved by .cuda()/.to() before or
+    after wrapping, anywhere in the file. True when unsure."""
+    if not call.args or any(src.qualname(c.func).endswith("set_default_device") for c in src.calls):
+        return True
+    moved = [c.func.value for c in src.calls if method(c) in _MOVES]
+    inner = call.args[0]
+    names = {dotted(t) for n in src.nodes if isinstance(n, ast.Assign) and src.wrap_in(n.value) is call
+             for t in n.targets} | {dotted(inner)}  # the model, and the names of the wrapper
+    if any(m is call or dotted(m) in names - {None} for m in moved):
+        return True
+    return not _built_on_cpu(src, src.value(inner, call.lineno) if dotted(inner) else inner)
+
+
+def _dataparallel(src: Source, nproc: int, gpus: bool) -> list[Finding]:
+    """Traps 1 and 5: DataParallel under a launcher, in one process, or before the model moves."""
+    found = []
+    for call in (c for c in src.calls if src.wrapper_kind(c) == "dp"):
+        if nproc > 1:
+            why = (f"each of the {nproc} processes would replicate the model over all its visible GPUs"
+                   if gpus else f"the {nproc} CPU processes would train {nproc} unsynced models")
+            found.append(src.at("fail", "dataparallel", call, f"{code(call)} under multigpu run: "
+                                f"{why}; fix: drop DataParallel and use {_DDP_FIX} (or start it once, "
+                                f"python {src.path.name}, for DataParallel over all GPUs)", trap=5))
+        elif gpus:
+            found.append(src.at("warn", "dataparallel", call, "DataParallel is slower than DDP (one "
+                                "process drives every GPU; GPU 0 gathers outputs and holds the "
+                                f"optimizer); fix: multigpu run --devices N with {_DDP_FIX}", trap=5))
+        if gpus and not _on_gpu(src, call):
+            found.append(src.at("fail", "dataparallel", call, "the model is never moved to the GPU, so "
+                                "DataParallel fails with 'module must have its parameters on cuda:0' "
+                                "at the first forward; fix: move the model to the GPU first: "
+                                "model.to('cuda'), then wrap", trap=1))
+    return found
+
+
+@functools.cache
+def _attrs(kind: str) -> frozenset[str]:
+    """What a DataParallel ('dp'), a DDP ('ddp') or a bare nn.Module ('module') answers to."""
+    from torch import nn  # only these lists need torch: the script itself is never imported
+
+    cls = {"dp": nn.DataParallel, "ddp": nn.parallel.DistributedDataParallel, "module": nn.Module}[kind]
+    return frozenset(dir(cls))
+
+
+def _bypass(src: Source, call: ast.Call) -> tuple[str, str, str] | None:
+    """(kind, wrapped name, what is called) when `call` goes around a wrapper's forward:
+    `m.module(x)`, `m.forward(x)`, `m.custom(x)`, `m.module.custom(x)` for a wrapped `m`."""
+    attr = method(call)
+    if attr is None:
+        return None
+    recv = call.func.value
+    wrap = src.wrapped(recv, call.lineno)
+    if wrap is not None:
+        kind = src.wrapper_kind(wrap)
+        if attr in ("module", "forward") or attr not in _attrs(kind):
+            return kind, dotted(recv), attr
+    if isinstance(recv, ast.Attribute) and recv.attr == "module":
+        wrap = src.wrapped(recv.value, call.lineno)
+        if wrap is not None and (attr == "forward" or attr not in _attrs("module")):
+            return src.wrapper_kind(wrap), dotted(recv.value), f"module.{attr}"
+    return None
+
+
+def _scatter(src: Source) -> list[Finding]:
+    """Trap 10: calls that skip DataParallel's scatter (one GPU) or DDP's forward (no sync)."""
+    found = []
+    for call in src.calls:
+        hit = _bypass(src, call)
+        if hit is None or hit[0] == "ddp" and src.in_no_grad(call.lineno):
+            continue  # evaluation through DDP's bare module is fine: no gradient to sync
+        kind, name, attr = hit
+        wrapper = _WRAPPER_NAMES[kind]
+        harm = ("the whole batch runs on one GPU" if kind == "dp"
+                else "DDP does not ready the gradient all-reduce and ranks drift apart")
+        if attr in ("module", "forward"):
+            why, fix = f"goes around {wrapper}'s forward: {harm}", ""
+        else:
+            why = (f"goes around {wrapper}'s forward: {harm}" if "." in attr
+                   else f"is not a {wrapper} method: AttributeError, or if forwarded, {harm}")
+            fix = f" and call {attr.split('.')[-1]}(...) from forward"
+        found.append(src.at("warn", "scatter", call,
+                            f"{name}.{attr}(...) {why}; fix: call {name}(x){fix}", trap=10))
+    return found
+
+
+_SPAWNS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
+           "torch.multiprocessing.spawn.spawn")
+
+
+def _spawn(src: Source, nproc: int) -> list[Finding]:
+    """A script that starts its own processes (pytorch/examples' DDP tutorial: mp.spawn over every
+    GPU, each calling init_process_group with its own rank): under a launcher of N processes,
+    each starts a whole job of its own."""
+    found = []
+    for call in src.calls:
+        if src.qualname(call.func) not in _SPAWNS:
+            continue
+        level = "fail" if nproc > 1 else "warn"
+        found.append(src.at(level, "launch env", call, f"{dotted(call.func)}(...) starts processes of "
+                            f"its own: under multigpu run each of the {nproc} processes would start "
+                            "a whole job (ranks that clash, GPUs used twice); fix: start it with "
+                            "python (as it is written), or drop the spawn and take the rank from "
+                            "RANK / LOCAL_RANK / WORLD_SIZE, which multigpu run sets", trap=8))
+    return found
+
+
+def _non_tensor_args(src: Source) -> list[Finding]:
+    """Trap 11: a literal (number, text, list, dict) passed to a DataParallel model is copied
+    whole to every GPU, not split with the batch: per-sample values in it no longer match."""
+    found = []
+    for call in src.calls:
+        named = isinstance(call.func, (ast.Name, ast.Attribute))
+        wrap = src.wrapped(call.func, call.lineno) if named else None
+        if wrap is None or src.wrapper_kind(wrap) != "dp":
+            continue
+        values = [*call.args, *(k.value for k in call.keywords)]
+        literal = next((v for v in values if isinstance(v, (ast.List, ast.Dict, ast.Tuple, ast.Set))
+                        or (isinstance(v, ast.Constant) and v.value is not None)), None)
+        if literal is not None:
+            found.append(src.at("warn", "scatter", call, f"{code(literal)} passed to the "
+                                f"DataParallel model {dotted(call.func)} is copied whole to every "
+                                "GPU, not split with the batch; fix: pass per-sample values as a "
+                                "tensor with the batch dimension first", trap=11))
+    return found
+
+
+def _checkpoint(src: Source) -> list[Finding]:
+    """Trap 12: a wrapper's state_dict saved, its keys prefixed with `module.`."""
+    found = []
+    for call in (c for c in src.calls if src.qualname(c.func) == "torch.save" and c.args):
+        for sub in ast.walk(call.args[0]):
+            if not (isinstance(sub, ast.Call) and method(sub) == "state_dict"
+                    and src.wrapped(sub.func.value, sub.lineno)):
+                continue
+            name = dotted(sub.func.value)
+            found.append(src.at("warn", "checkpoint", call, f"saves {name}.state_dict() of a wrapped "
+                                "model: every key gets a 'module.' prefix and will not load into a "
+                                f"bare model; fix: torch.save({name}.module.state_dict(), ...)",
+                                trap=12))
+    return found
+
+
+def _sampler(src: Source, nproc: int) -> list[Finding]:
+    """A DistributedSampler never reshuffled, or one that pads the validation set (trap 3)."""
+    samplers = [c for c in src.calls if src.qualname(c.func).endswith("DistributedSampler")]
+    shuffled = [c for c in samplers if const(kw(c, "shuffle")) is not False]
+    found = []
+    if shuffled and not any(method(c) == "set_epoch" for c in src.calls):
+        found.append(src.at("warn", "sampler", shuffled[0], "DistributedSampler without set_epoch: "
+                            "every epoch sees the same order; fix: sampler.set_epoch(epoch) before "
+                            "each epoch"))
+    for c in (c for c in samplers if c not in shuffled):
+        what = (f"drops up to {nproc - 1} samples" if const(kw(c, "drop_last")) is True
+                else f"pads it with repeats and counts up to {nproc - 1} samples twice")
+        found.append(src.at("warn", "sampler", c, "DistributedSampler(shuffle=False), typically for "
+                            f"validation: when the set's size is not a multiple of {nproc} it {what}; "
+                            "fix: evaluate on rank 0 only, or multigpu's rt.prepare(val_loader), "
+                            "which shards exactly", trap=3))
+    return found
+
+
+def _fp16_autocast(src: Source, call: ast.Call) -> bool:
+    """An autocast to float16: the default of torch.cuda.amp.autocast and of autocast('cuda')."""
+    name = src.qualname(call.func)
+    if name.rsplit(".", 1)[-1] != "autocast" or const(kw(call, "enabled")) is False or "cpu." in name:
+        return False
+    if "cuda.amp" in name:
+        device, dtype = "cuda", kw(call, "dtype")
+    else:
+        device = const(call.args[0] if call.args else kw(call, "device_type"))
+        dtype = call.args[1] if len(call.args) > 1 else kw(call, "dtype")
+    fp16 = (dotted(dtype) or "").rsplit(".", 1)[-1] in ("float16", "half")
+    if isinstance(device, str):  # a CPU autocast defaults to bf16, a CUDA one to fp16
+        return device.startswith("cuda") and (dtype is None or fp16)
+    return fp16  # a device in a variable: fp16 only when the dtype says so
+
+
+def _precision(src: Source) -> list[Finding]:
+    """fp16 with no GradScaler, and apex (trap 7)."""
+    found = []
+    if "apex" in src.imported:
+        found.append(src.at("warn", "precision", src.imported["apex"], "imports apex: its amp is "
+                            "unmaintained and often will not build; fix: torch.amp: with "
+                            "torch.autocast('cuda', dtype=torch.bfloat16), or float16 with "
+                            "torch.amp.GradScaler()", trap=7))
+    if "GradScaler" in src.text:  # even in a comment: unsure, so silent
+        return found
+    models = {dotted(c.func.value) for c in src.calls if method(c) in _MODEL_METHODS} - {None}
+    autocast = next((c for c in src.calls if _fp16_autocast(src, c)), None)
+    half = next((c for c in src.calls if method(c) == "half" and not c.args
+                 and dotted(c.func.value) in models), None)
+    if autocast:
+        found.append(src.at("warn", "precision", autocast, "fp16 autocast with no GradScaler: small "
+                            "gradients underflow to zero; fix: scaler = torch.amp.GradScaler(), then "
+                            "scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); or "
+                            "dtype=torch.bfloat16", trap=7))
+    elif half:
+        found.append(src.at("warn", "precision", half, f"{code(half)} trains in pure fp16 with no "
+                            "GradScaler: small gradients underflow to zero; fix: keep the model fp32 "
+                            "under torch.autocast('cuda', dtype=torch.bfloat16), or float16 with "
+                            "torch.amp.GradScaler()", trap=7))
+    return found
+
+
+def _local_rank(src: Source) -> list[Finding]:
+    """Trap 15: a script written for torch.distributed.launch parses --local_rank."""
+    from multigpu.cli.run import LOCAL_RANK_FLAGS, detect_local_rank_flag  # run.py may import us
+
+    mode = detect_local_rank_flag(src.text)
+    if mode == "none":
+        return []
+    flag = LOCAL_RANK_FLAGS[mode]
+    line = next((i for i, s in enumerate(src.text.splitlines(), 1) if flag in s), 1)
+    return [Finding("ok", "local rank", f"parses {flag} (written for torch.distributed.launch): "
+                    f"multigpu run passes {flag}=<local rank> to each process (--local-rank-arg none "
+                    "to stop); reading os.environ['LOCAL_RANK'] needs no flag", trap=15,
+                    where=f"{src.path}:{line}")]
+
+
+def _launchers(src: Source) -> list[Finding]:
+    """Scripts of another framework: multigpu run gives them torchrun's environment."""
+    return [src.at("ok", "launcher", src.imported[package], f"{what} script: multigpu run starts one "
+                   "process per device with torchrun's environment, which it reads")
+            for package, what in _LAUNCHERS.items() if package in src.imported]

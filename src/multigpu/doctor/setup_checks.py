@@ -1,0 +1,150 @@
+"""Checks of a run's setup that need no model: the launch environment, the devices, precision,
+and the plan of each epoch's steps (the last one, the validation set's sharding).
+
+Each returns Findings (findings.py); `multigpu doctor` prints them, `multigpu train` and
+`multigpu run` fire the cheap ones themselves before they start a process. Importing it does not
+import torch (`multigpu train` refuses stale launch variables before that slow import).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping
+
+from multigpu.doctor.findings import Finding
+from multigpu.errors import UsageError
+
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_AGENT_VAR = "TORCHELASTIC_RUN_ID"  # torchrun's agent sets it in every worker it starts
+
+
+def stale_launch_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launch variables set in a process that no launcher started (left in the shell by an
+    earlier `export` or a tutorial); {} inside a torchrun worker."""
+    if _AGENT_VAR in environ:
+        return {}
+    return {k: environ[k] for k in LAUNCH_VARS if k in environ}
+
+
+def _unset_fix(stale: Mapping[str, str]) -> str:
+    return f"unset {' '.join(stale)} (multigpu's launcher sets its own for every process)"
+
+
+def launch_env_findings(environ: Mapping[str, str]) -> list[Finding]:
+    """Trap 8: variables of an earlier launch that a new one would trip over."""
+    stale = stale_launch_vars(environ)
+    if not stale:
+        return [Finding("ok", "launch env", "no launch variable (MASTER_PORT, RANK, WORLD_SIZE, ...) "
+                                            "left in the environment", trap=8)]
+    shown = ", ".join(f"{k}={v}" for k, v in stale.items())
+    harm = []
+    if "LOCAL_RANK" in stale:
+        harm.append("`multigpu train` refuses to start")
+    if stale.get("WORLD_SIZE", "1") not in ("0", "1") and "LOCAL_RANK" in stale:
+        harm.append(f"multigpu.setup() in a plain `python script.py` would wait for "
+                    f"{stale['WORLD_SIZE']} processes that never come")
+    if not harm:
+        harm.append("a plain `python script.py` that reads them would use the old values")
+    return [Finding("warn", "launch env", f"{shown} set in this shell, left from an earlier launch: "
+                                          f"{'; '.join(harm)}; {_unset_fix(stale)}", trap=8)]
+
+
+def refuse_stale_worker_env(environ: Mapping[str, str]) -> None:
+    """`multigpu train` run by hand with LOCAL_RANK exported: without this it would train alone
+    as a 'worker' and, with WORLD_SIZE > 1, wait 30 minutes for peers that never come."""
+    stale = stale_launch_vars(environ)
+    if "LOCAL_RANK" in stale:
+        shown = ", ".join(f"{k}={v}" for k, v in stale.items())
+        raise UsageError(f"{shown} set, but no launcher started this process (these are left from "
+                         f"an earlier launch): {_unset_fix(stale)}")
+
+
+def device_findings(spec: str, *, one_process: bool, min_free_memory_gb: float):
+    """Trap 13: (findings, plan or None). The plan is what `multigpu train` would choose now;
+    nothing is leased."""
+    from multigpu.devices import resolve_devices
+
+    try:
+        plan = resolve_devices(spec, one_process=one_process, min_free_memory_gb=min_free_memory_gb)
+    except UsageError as exc:
+        return [Finding("fail", "devices", str(exc), trap=13)], None
+    note = "" if plan.accelerator == "cpu" else f"; free memory at least {min_free_memory_gb:g} GiB each"
+    return [Finding("ok", "devices", f"--devices {spec}: {plan.describe()}{note}", trap=13)], plan
+
+
+def precision_findings(kind: str, plan) -> list[Finding]:
+    """bf16 where the GPUs compute it natively; fp16 with its scaler; fp32 on CPUs."""
+    if plan is None:
+        return []
+    if plan.accelerator == "cpu":
+        if kind in ("bf16", "fp16"):
+            return [Finding("ok", "precision", f"{kind} autocast on CPU processes (a CPU without "
+                                               f"{kind} units emulates it: compare the speed with "
+                                               "--precision fp32)")]
+        return [Finding("ok", "precision", "fp32 on CPU processes")]
+    import torch
+
+    names = set(plan.gpu_names) or {"the GPU"}
+    old = [i for i in plan.gpu_ids if torch.cuda.get_device_capability(i) < (8, 0)]
+    if kind == "bf16" and old:
+        return [Finding("fail", "precision", f"--precision bf16 on GPU {old[0]} ({', '.join(names)}), "
+                                             "which has no bf16 units (before Ampere): use "
+                                             "--precision fp16 (with loss scaling) or fp32")]
+    if kind == "auto":
+        chosen = "fp32 (no bf16 units)" if old else "bf16"
+        return [Finding("ok", "precision", f"--precision auto is {chosen} on {', '.join(names)}")]
+    if kind == "fp16":
+        return [Finding("ok", "precision", "fp16: autocast, and the GradScaler steps inside "
+                                           "rt.step; skipped steps are counted", trap=7)]
+    return [Finding("ok", "precision", f"{kind} on {', '.join(names)}")]
+
+
+def last_step_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: int = 1,
+                      drop_last: bool = False) -> Finding:
+    """Trap 3: what the last step of each epoch is, and what happens to it."""
+    from multigpu.data import ShardedBatchSampler, split_share  # torch: not for a usage error
+
+    devices = ranks * devices_per_rank
+    try:
+        plan = ShardedBatchSampler(n, batch_size, num_ranks=ranks, devices_per_rank=devices_per_rank,
+                                   drop_last=drop_last).full_plan
+    except UsageError as exc:
+        return Finding("fail", "last step", str(exc), trap=3)
+    step = batch_size * devices
+    head = (f"{n} training samples, {batch_size} per device x {devices} device"
+            f"{'s' if devices != 1 else ''} = {step} per step: {len(plan)} steps")
+    full, rest = divmod(n, step)
+    last = plan[-1][1] - plan[-1][0]
+    if rest == 0:
+        return Finding("ok", "last step", f"{head}, all full", trap=3)
+    if drop_last:
+        return Finding("ok", "last step", f"{head}; the last {rest} samples of each epoch's order "
+                                          "are dropped (--drop-last; a new order each epoch)", trap=3)
+    shares = [hi - lo for lo, hi in (split_share(*plan[-1], ranks, r) for r in range(ranks))]
+    split = "+".join(map(str, shares))
+    if last == rest:
+        how = (f"the last has {rest} ({split} per process), no device empty, the loss averaged "
+               f"over those {rest}")
+    else:
+        how = (f"a remainder of {rest} (too few for {min(2, batch_size)} per device) joins the step "
+               f"before it, which has {last} ({split} per process)")
+    return Finding("ok", "last step", f"{head}; {how}; every sample once per epoch", trap=3)
+
+
+def eval_coverage_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: int = 1) -> Finding:
+    """The self-check of exact evaluation: over every rank's share of the validation set (as
+    rt.prepare shards it), each sample is counted exactly once."""
+    from multigpu.data import ShardedBatchSampler
+
+    seen: Counter = Counter()
+    for r in range(ranks):
+        s = ShardedBatchSampler(n, batch_size, num_ranks=ranks, rank=r, devices_per_rank=devices_per_rank)
+        for indices in s:
+            seen.update(indices)
+    twice = sum(1 for c in seen.values() if c > 1)
+    missing = n - len(seen)
+    if twice or missing:
+        return Finding("fail", "evaluation", f"{twice} validation samples counted twice and "
+                                             f"{missing} never over {ranks} processes: a bug in "
+                                             "multigpu, please report it")
+    return Finding("ok", "evaluation", f"each of the {n} validation samples counted once over "
+                                       f"{ranks} process{'es' if ranks != 1 else ''}", trap=14)

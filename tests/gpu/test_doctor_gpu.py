@@ -1,0 +1,70 @@
+"""GPU tier of `multigpu doctor` and `--batch-size auto`: peak memory, the batch that fits, and
+the size auto picks, agreed by every rank and kept by a resumed run.
+
+Run there with:  pytest -m gpu tests/gpu/test_doctor_gpu.py
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.gpu.conftest import gpu_env
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+MODEL = ["--model", "resnet18", "--data", "synthetic:3000", "--image-size", "96"]
+
+
+def cli(*args, cwd, timeout=400):
+    return subprocess.run([sys.executable, "-m", "multigpu", *map(str, args)], cwd=cwd,
+                          env=gpu_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_doctor_measures_peak_memory_and_the_largest_batch_that_fits(tmp_path):
+    proc = cli("doctor", *MODEL, "--devices", "1", "--batch-size", "64", "--precision", "bf16", cwd=tmp_path)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    memory = next(line for line in proc.stdout.splitlines() if "  memory  " in line)
+    train, evaluation = map(float, re.search(r"([\d.]+) GiB in a training step, ([\d.]+) GiB in evaluation", memory).groups())
+    assert 0 < evaluation < train
+    fit = next(line for line in proc.stdout.splitlines() if "batch fit" in line)
+    largest = int(re.search(r"fits on cuda:\d+: (\d+) \(peak", fit).group(1))
+    assert largest > 64
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    peak = float(re.search(r"peak ([\d.]+) of", fit).group(1))
+    assert peak <= 0.9 * total + 0.1
+
+
+def test_batch_size_auto_trains_with_one_size_on_every_rank_and_a_resume_keeps_it(tmp_path):
+    gpus = min(torch.cuda.device_count(), 2)
+    args = [*MODEL, "--epochs", "1", "--batch-size", "auto", "--precision", "bf16",
+            "--devices", str(gpus), "--out", "run", "--checkpoint-every", "0"]
+    first = cli("train", *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    said = re.search(r"--batch-size auto: (\d+) per GPU, the largest that fits on every GPU", first.stdout + first.stderr)
+    assert said, first.stdout[-2000:]
+    size = int(said.group(1))
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["batch_size"] == size and config["global_batch"] == size * gpus
+    longer = list(args)
+    longer[longer.index("--epochs") + 1] = "2"
+    again = cli("train", *longer, "--resume", "run", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"--batch-size auto: {size} per GPU, the size this run has trained with" in again.stdout + again.stderr
+
+
+def test_an_out_of_memory_run_ends_with_the_gpu_its_memory_and_the_fixes(tmp_path):
+    proc = cli("train", "--model", "resnet50", "--data", "synthetic:4100", "--batch-size", "4096",
+               "--devices", "1", "--precision", "bf16", "--epochs", "1", "--out", "oom", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.match(r"multigpu: error: CUDA out of memory on cuda:0 \(\d+ GiB: this run's peak [\d.]+ GiB, "
+                    r"other processes [\d.]+ GiB\) with --batch-size 4096 per GPU", last), last
+    assert "--batch-size auto" in last and "--batch-size 2048" in last
+    assert "Traceback" not in proc.stderr

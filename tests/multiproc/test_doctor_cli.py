@@ -1,0 +1,113 @@
+"""`multigpu doctor` as a user runs it, and the checks that `train` and `run` fire themselves."""
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import cli_env, multigpu
+
+pytestmark = pytest.mark.slow
+
+
+def run_with(env_extra: dict, *args, cwd=None):
+    env = cli_env()
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-m", "multigpu", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def lines(stdout: str) -> dict[str, str]:
+    """check name -> its line."""
+    out = {}
+    for line in stdout.splitlines():
+        level, _, rest = line.partition("  ")
+        if level.strip() in ("ok", "warn", "fail"):
+            out[rest.split()[0] if rest.split()[0] not in ("last", "launch", "unused", "batch")
+                else " ".join(rest.split()[:2])] = line
+    return out
+
+
+def test_a_train_setup_on_two_cpu_processes_passes_every_check_with_its_figures(tmp_path):
+    proc = multigpu("doctor", "--model", "cnn", "--data", "digits", "--devices", "cpu:2",
+                    "--batch-size", "32", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    found = lines(proc.stdout)
+    assert set(found) >= {"launch env", "devices", "precision", "last step", "evaluation",
+                          "unused params", "memory"}
+    assert all(line.startswith("ok") for line in found.values()), proc.stdout
+    assert ("1442 training samples, 32 per device x 2 devices = 64 per step: 23 steps; the last "
+            "has 34 (17+17 per process)") in found["last step"]
+    assert "each of the 355 validation samples counted once over 2 processes" in found["evaluation"]
+    assert proc.stdout.splitlines()[-1] == "7 checks: 0 failed, 0 warnings"
+    assert not list(tmp_path.iterdir()), "doctor writes nothing"
+
+
+def test_gpus_that_are_not_there_fail_with_the_fix_and_exit_1(tmp_path):
+    proc = run_with({"CUDA_VISIBLE_DEVICES": ""}, "doctor", "--model", "mlp", "--devices", "2", cwd=tmp_path)
+    assert proc.returncode == 1
+    fail = lines(proc.stdout)["devices"]
+    assert fail.startswith("fail") and "--devices 2: this machine has no GPU" in fail
+    assert "use --devices cpu:N" in fail and "(trap 13)" in fail
+
+
+def test_launch_variables_left_in_the_shell_are_named_and_train_refuses_them(tmp_path):
+    stale = {"LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "29500"}
+    proc = run_with(stale, "doctor", "--model", "mlp", "--devices", "cpu:1", "--no-step", cwd=tmp_path)
+    warn = lines(proc.stdout)["launch env"]
+    assert warn.startswith("warn") and "WORLD_SIZE=4" in warn and "unset" in warn
+    train = run_with(stale, "train", "--model", "mlp", "--devices", "cpu:2", "--epochs", "1", cwd=tmp_path)
+    assert train.returncode == 2
+    assert train.stderr.strip().splitlines() == [
+        "multigpu: error: MASTER_PORT=29500, WORLD_SIZE=4, LOCAL_RANK=0 set, but no launcher "
+        "started this process (these are left from an earlier launch): unset MASTER_PORT "
+        "WORLD_SIZE LOCAL_RANK (multigpu's launcher sets its own for every process)"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_nothing_to_check_and_both_at_once_are_one_line_errors(tmp_path):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    for args, words in ((["doctor"], "nothing to check"),
+                        (["doctor", "--model", "mlp", "--", "t.py"], "not both"),
+                        (["doctor", "--", "missing.py"], "script 'missing.py' not found")):
+        proc = multigpu(*args, cwd=tmp_path)
+        assert proc.returncode == 2 and words in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+POST_002 = """\
+import os
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+os.environ['MASTER_ADDR'] = 'localhost'
+os.environ['MASTER_PORT'] = '29500'
+dist.init_process_group("gloo")
+sampler = DistributedSampler(list(range(10)))
+print("rank", dist.get_rank(), len(list(sampler)))
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_is_read_for_its_traps_with_line_numbers(tmp_path):
+    (tmp_path / "train.py").write_text(POST_002)
+    (tmp_path / "run.sh").write_bytes(b"#!/bin/bash\r\npython train.py\r\n")
+    proc = multigpu("doctor", "--devices", "cpu:2", "--", "train.py", "run.sh", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    port = next(line for line in out if "train.py:7" in line)
+    assert port.startswith("warn  launch env") and "MASTER_PORT='29500'" in port and "delete the line" in port
+    assert any("train.py:9" in line and "set_epoch" in line for line in out)
+    crlf = next(line for line in out if "run.sh" in line)
+    assert crlf.startswith("fail  shell") and "sed -i 's/\\r$//' run.sh" in crlf
+
+
+def test_run_says_the_traps_of_its_script_once_before_starting_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(POST_002.replace("os.environ['MASTER_ADDR'] = 'localhost'\n", "")
+                      .replace("os.environ['MASTER_PORT'] = '29500'\n", ""))
+    proc = multigpu("run", "--devices", "cpu:2", "train.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: warning:")]
+    assert warned == ["multigpu: warning: train.py:7: DistributedSampler without set_epoch: every "
+                      "epoch sees the same order; fix: sampler.set_epoch(epoch) before each epoch"]
