@@ -65,6 +65,10 @@ def _fits(try_size: Callable[[int], int], size: int, budget: float | None) -> in
         used = try_size(size)
     except torch.OutOfMemoryError:
         used = None
+    except RuntimeError as exc:  # cuBLAS / cuDNN allocation failures say it in words
+        if "out of memory" not in str(exc).lower() and "ALLOC_FAILED" not in str(exc):
+            raise
+        used = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -93,6 +97,7 @@ def auto_batch_size(cfg, rt, previous: int | None) -> int:
     mine, peak = _search_on_this_gpu(cfg, rt)
     gc.collect()  # the search's model and optimizer, gone with its frame
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(rt.device)  # the run's own peak from here, not the search's
     agreed = int(rt.env.all_reduce(torch.tensor(mine, device=rt.device), "min").item())
     total = torch.cuda.get_device_properties(rt.device).total_memory
     if agreed < 1:

@@ -89,9 +89,12 @@ def int_or_auto(text: str) -> int | str:
     if str(text).strip().lower() == "auto":
         return "auto"
     try:
-        return int(text)
+        value = float(text)
+        if value.is_integer():
+            return int(value)  # 64, and 64.0 or 1e2 from a YAML file
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor auto") from None
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor auto")
 
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float,

@@ -122,7 +122,9 @@ def trained_batch_size(out: Path, resume: str | None) -> int | None:
     folders = [out]
     if resume:
         source = Path(resume)
-        folders.append(source if source.is_dir() else source.parent.parent)  # run/checkpoints/x.pt
+        if source.is_file():
+            source = source.parent  # run/checkpoints/x.pt
+        folders.append(source.parent if source.name == "checkpoints" else source)
     for folder in folders:
         if not (folder / "checkpoints").is_dir() or not any((folder / "checkpoints").glob("*.pt")):
             continue

@@ -54,6 +54,10 @@ WATCHED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 _LIBRARY_DIRS = tuple({os.path.dirname(os.__file__), os.path.dirname(threading.__file__)})
 
 
+class StoreNotThere(ConnectionError):
+    """Nothing listens where the job's key-value store should be (yet, or any more)."""
+
+
 def start_from_env(*, on_orphan: Callable[[], None] | None = None) -> "Watchdog | None":
     """In a worker started by multigpu's launcher, start the watchdog; None elsewhere."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or HANG_TIMEOUT_ENV not in os.environ:
@@ -133,6 +137,8 @@ class Watchdog:
         while not self._stop.wait(self.interval) and not self._launcher_gone():
             try:
                 self._check_hang()
+            except StoreNotThere:  # not listening yet (with --max-restarts, rank 0 hosts it
+                continue           # once its script has made the group), or gone with the launcher
             except Exception:  # the store is gone (its host died): the launcher acts now
                 return
 
@@ -232,7 +238,7 @@ class Watchdog:
             self._store = launcher_store(self.ours["MASTER_ADDR"] or "127.0.0.1",
                                          self.ours["MASTER_PORT"], 5.0)
             if self._store is None:
-                raise ConnectionError("the launcher's store is gone")
+                raise StoreNotThere("the launcher's store does not answer")
         return self._store
 
     def _post(self, state: str) -> None:

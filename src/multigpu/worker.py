@@ -9,6 +9,7 @@ multigpu.py beside the user's script (pytorch/examples has one) cannot shadow th
 """
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import sys
@@ -19,26 +20,33 @@ from multigpu import watchdog
 def main(argv: list[str]) -> None:
     watchdog.start_from_env()
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
+    ended = {"clean": False}
+    # At exit, after the script's own atexit handlers (last registered, first run) and after
+    # Python has joined its non-daemon threads, which may still use the group.
+    atexit.register(_finish_group, ended, *store)
     try:
         _run(argv)
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            _finish_group(*store)
+        ended["clean"] = exc.code in (None, 0)
         raise
-    _finish_group(*store)
+    ended["clean"] = True
 
 
-def _finish_group(addr: str | None, port: str | None) -> None:
+def _finish_group(ended: dict, addr: str | None, port: str | None) -> None:
     """A script that ends with its process group alive (most do: destroy_process_group is easy to
-    forget) leaves the group to the interpreter's exit, where gloo can abort while a peer is still
-    finishing ("terminate called without an active exception"): a finished rank reported as
-    failed. Done here instead, as multigpu's own runs do it: the ranks meet, then tear down."""
+    forget) leaves the group to the interpreter's finalization, where gloo can abort while a peer
+    is still finishing ("terminate called without an active exception"): a finished rank
+    reported as failed. Torn down here instead, as multigpu's own runs do it: after a clean end
+    the ranks meet, then tear down. Never an error of its own: the script has succeeded."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return
-    from multigpu.distributed import destroy_distributed
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        from multigpu.distributed import destroy_distributed
 
-    destroy_distributed(wait_for_peers=True, store=(addr, port))
+        destroy_distributed(wait_for_peers=ended["clean"], store=(addr, port))
+    except Exception as exc:  # noqa: BLE001 - a teardown problem must not fail a finished rank
+        print(f"multigpu: note: tearing down the script's process group: {exc}", file=sys.stderr)
 
 
 def _run(argv: list[str]) -> None:

@@ -118,3 +118,12 @@ def test_a_rank_that_never_comes_costs_the_others_the_timeout_not_more(store, mo
     monkeypatch.setattr(distributed, "_EXIT_WAIT_SECONDS", 1)
     waited = _meet_in_threads(1, 2)  # its peer never arrives
     assert 0.9 < waited[0] < 10
+
+
+def test_the_worker_tears_down_a_group_the_script_left_alive(tmp_path):
+    from multigpu import worker
+
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    worker._finish_group({"clean": True}, None, None)
+    assert not torch_dist.is_initialized()
+    worker._finish_group({"clean": True}, None, None)  # nothing left: nothing happens

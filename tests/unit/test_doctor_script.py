@@ -327,3 +327,32 @@ def test_a_script_that_spawns_its_own_processes_fails_under_a_launch_of_several(
     assert "mp.spawn(...) starts processes of its own: under multigpu run each of the 4 processes" in f.message
     [one] = [f for f in script_findings(path, nproc=1, gpus=True) if "spawn" in f.message]
     assert one.level == "warn"
+
+
+def test_scripts_that_guard_their_own_launch_or_use_the_bare_model_on_purpose_are_not_flagged(tmp_path):
+    path, found = scan(tmp_path, """\
+        import os
+        import torch.multiprocessing as mp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        if "RANK" not in os.environ:
+            os.environ["MASTER_ADDR"] = "localhost"
+            os.environ["MASTER_PORT"] = "29500"
+        net = DDP(net.to(device))
+        text = net.module.generate(ids)
+        net.module.save_pretrained("out")
+        if "LOCAL_RANK" in os.environ:
+            main()
+        else:
+            mp.spawn(main, nprocs=4)
+        """, nproc=2)
+    assert [f.check for f in found] == ["script"], [f.line() for f in found]
+
+
+def test_flags_and_tensor_containers_passed_to_dataparallel_are_not_called_unsplit(tmp_path):
+    path, found = scan(tmp_path, """\
+        from torch import nn
+        model = nn.DataParallel(Net().cuda())
+        out = model(x, True, mode="train")
+        out = model(x, (h, c), {"mask": m})
+        """, nproc=1)
+    assert not [f for f in found if f.trap == 11]

@@ -134,3 +134,10 @@ def test_bf16_on_a_gpu_without_bf16_units_fails_with_the_fix(monkeypatch):
     assert precision_findings("auto", plan)[0].message == "--precision auto is fp32 (no bf16 units) on Tesla V100-SXM2-32GB"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))  # Hopper
     assert [f.level for f in precision_findings("bf16", plan)] == ["ok"]
+
+
+def test_a_whole_launch_set_without_torchrun_is_another_launchers_and_only_noted():
+    said = []
+    env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    refuse_stale_worker_env(env, said.append)  # DeepSpeed's launcher, an MPI wrapper: no error
+    assert len(said) == 1 and "taken as a worker of another launcher" in said[0] and "unset" in said[0]

@@ -73,7 +73,13 @@ def main(args) -> int:
         from multigpu.doctor.findings import warn_all
         from multigpu.doctor.script_checks import script_findings
 
-        warn_all(script_findings(source, nproc=plan.nproc, gpus=plan.accelerator == "cuda"))
+        try:
+            found = script_findings(source, nproc=plan.nproc, gpus=plan.accelerator == "cuda")
+        except Exception as exc:  # noqa: BLE001 - a bug in a check must never block a launch
+            found = []
+            print(f"multigpu: note: the script checks failed ({type(exc).__name__}: {exc}); "
+                  "starting it anyway", file=sys.stderr)
+        warn_all(found)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
     opts = launch.options_from_args(args)
     return launch.launch(cmd + script_args, plan, opts, python=False)

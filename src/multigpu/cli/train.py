@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
     from multigpu.runfolder import OUT_RESERVED_ENV, nothing_trained, remove_untrained
 
     cfg = config_from_args(args)
-    refuse_stale_worker_env(os.environ)  # trap 8: LOCAL_RANK left exported by an earlier launch
+    refuse_stale_worker_env(os.environ, console.warn)  # trap 8: LOCAL_RANK left by a launch
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
         from multigpu.trainloop import run_training
 

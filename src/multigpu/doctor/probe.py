@@ -7,6 +7,7 @@ with strategy single: DDP's buckets add about one copy of the gradients to the p
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -34,6 +35,10 @@ def probe_findings(cfg: TrainConfig, plan, *, ddp: bool, find_batch: bool = True
     try:
         unused, train_peak = _train_step(rt, job, batch)
     except torch.OutOfMemoryError:
+        unused = None  # searched below, once the failed step's tensors are gone with the exception
+    if unused is None:
+        job.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
         torch.cuda.empty_cache()
         return [_oom_finding(cfg, rt, job, batch) if find_batch else
                 Finding("fail", "memory", f"one training step with --batch-size {cfg.batch_size} "
@@ -113,7 +118,7 @@ def _fit_finding(cfg, rt, job, batch, total: int) -> Finding:
     return Finding("ok", "batch fit", f"the largest per-GPU batch that fits on {rt.device}: "
                                       f"{fit.largest} (peak {fit.peak / GIB:.1f} of {total / GIB:.0f} "
                                       f"GiB, {1 - batchfit.HEADROOM:.0%} kept free){beyond}; "
-                                      "--batch-size auto picks it", trap=2)
+                                      "--batch-size auto searches the same way in a run", trap=2)
 
 
 def _oom_finding(cfg, rt, job, batch) -> Finding:

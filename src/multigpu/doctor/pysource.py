@@ -51,6 +51,9 @@ class Source:
         self.aliases, self.imported = _imports(self.nodes)
         self.binds = _bindings(self.nodes)
         self.no_grad = [(n.lineno, n.end_lineno) for n in self.nodes if _is_no_grad_block(n)]
+        # `if "RANK" not in os.environ: ...`: code that runs only with (or without) a launcher
+        self.launch_guarded = [(n.lineno, n.end_lineno) for n in self.nodes
+                               if isinstance(n, ast.If) and _tests_launch_env(n.test)]
 
     def at(self, level: str, check: str, node: ast.AST, msg: str, trap: int | None = None) -> Finding:
         return Finding(level, check, msg, trap=trap, where=f"{self.path}:{node.lineno}")
@@ -83,6 +86,10 @@ class Source:
 
     def in_no_grad(self, line: int) -> bool:
         return any(start <= line <= end for start, end in self.no_grad)
+
+    def in_launch_guard(self, line: int) -> bool:
+        """Inside an `if` (either branch) that asks whether a launcher set the environment."""
+        return any(start <= line <= end for start, end in self.launch_guarded)
 
 
 def _imports(nodes: list[ast.AST]) -> tuple[dict[str, str], dict[str, ast.AST]]:
@@ -132,3 +139,18 @@ def _is_no_grad_block(node: ast.AST) -> bool:
         return False
     names = [dotted(e.func if isinstance(e, ast.Call) else e) or "" for e in exprs]
     return any(n.rsplit(".", 1)[-1] in ("no_grad", "inference_mode") for n in names)
+
+
+_LAUNCH_WORDS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "SLURM_PROCID")
+
+
+def _tests_launch_env(test: ast.AST) -> bool:
+    """Whether an `if` test reads os.environ or names a launch variable."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+            return True
+        if isinstance(node, ast.Constant) and node.value in _LAUNCH_WORDS:
+            return True
+    return False
+

@@ -76,6 +76,8 @@ def _launch_env(src: Source) -> list[Finding]:
     for node, var, value in _env_writes(src):
         if any(const(n) == var for n in ast.walk(value)):
             continue  # os.environ[var] = os.environ.get(var, default): a default, like setdefault
+        if src.in_launch_guard(node.lineno):
+            continue  # only when no launcher set it (if "RANK" not in os.environ: ...)
         if var in LAUNCH_VARS:
             found.append(src.at("warn", "launch env", node, f"sets {var}={code(value)}; under "
                                 "multigpu run the launcher sets it for every process and ranks that "
@@ -164,7 +166,8 @@ def _attrs(kind: str) -> frozenset[str]:
 
 def _bypass(src: Source, call: ast.Call) -> tuple[str, str, str] | None:
     """(kind, wrapped name, what is called) when `call` goes around a wrapper's forward:
-    `m.module(x)`, `m.forward(x)`, `m.custom(x)`, `m.module.custom(x)` for a wrapped `m`."""
+    `m.module(x)`, `m.forward(x)`, `m.custom(x)`, `m.module.custom(x)` (DataParallel) or
+    `m.module.forward(x)` for a wrapped `m`."""
     attr = method(call)
     if attr is None:
         return None
@@ -176,8 +179,11 @@ def _bypass(src: Source, call: ast.Call) -> tuple[str, str, str] | None:
             return kind, dotted(recv), attr
     if isinstance(recv, ast.Attribute) and recv.attr == "module":
         wrap = src.wrapped(recv.value, call.lineno)
-        if wrap is not None and (attr == "forward" or attr not in _attrs("module")):
-            return src.wrapper_kind(wrap), dotted(recv.value), f"module.{attr}"
+        kind = src.wrapper_kind(wrap) if wrap is not None else None
+        # DataParallel: any custom method runs on one GPU (post 003). DDP: module.generate(...),
+        # module.save_pretrained(...) are the bare model used on purpose, not a training step.
+        if kind and (attr == "forward" or (kind == "dp" and attr not in _attrs("module"))):
+            return kind, dotted(recv.value), f"module.{attr}"
     return None
 
 
@@ -213,11 +219,11 @@ def _spawn(src: Source, nproc: int) -> list[Finding]:
     each starts a whole job of its own."""
     found = []
     for call in src.calls:
-        if src.qualname(call.func) not in _SPAWNS:
-            continue
+        if src.qualname(call.func) not in _SPAWNS or src.in_launch_guard(call.lineno):
+            continue  # `if "LOCAL_RANK" in os.environ: main() else: mp.spawn(...)` is fine
         level = "fail" if nproc > 1 else "warn"
         found.append(src.at(level, "launch env", call, f"{dotted(call.func)}(...) starts processes of "
-                            f"its own: under multigpu run each of the {nproc} processes would start "
+                            f"its own: under multigpu run {'each of the ' + str(nproc) + ' processes' if nproc > 1 else 'the process'} would start "
                             "a whole job (ranks that clash, GPUs used twice); fix: start it with "
                             "python (as it is written), or drop the spawn and take the rank from "
                             "RANK / LOCAL_RANK / WORLD_SIZE, which multigpu run sets", trap=8))
@@ -225,8 +231,9 @@ def _spawn(src: Source, nproc: int) -> list[Finding]:
 
 
 def _non_tensor_args(src: Source) -> list[Finding]:
-    """Trap 11: a literal (number, text, list, dict) passed to a DataParallel model is copied
-    whole to every GPU, not split with the batch: per-sample values in it no longer match."""
+    """Trap 11: a Python list of values (per-sample lengths, labels) passed to a DataParallel
+    model is copied whole to every GPU, not split with the batch. A flag (True, "train") is meant
+    to be copied, and containers of tensors are split by scatter: neither is named."""
     found = []
     for call in src.calls:
         named = isinstance(call.func, (ast.Name, ast.Attribute))
@@ -234,8 +241,8 @@ def _non_tensor_args(src: Source) -> list[Finding]:
         if wrap is None or src.wrapper_kind(wrap) != "dp":
             continue
         values = [*call.args, *(k.value for k in call.keywords)]
-        literal = next((v for v in values if isinstance(v, (ast.List, ast.Dict, ast.Tuple, ast.Set))
-                        or (isinstance(v, ast.Constant) and v.value is not None)), None)
+        literal = next((v for v in values if isinstance(v, (ast.List, ast.Tuple, ast.Set))
+                        and len(v.elts) > 1 and all(const(e) is not None for e in v.elts)), None)
         if literal is not None:
             found.append(src.at("warn", "scatter", call, f"{code(literal)} passed to the "
                                 f"DataParallel model {dotted(call.func)} is copied whole to every "

@@ -48,14 +48,26 @@ def launch_env_findings(environ: Mapping[str, str]) -> list[Finding]:
                                           f"{'; '.join(harm)}; {_unset_fix(stale)}", trap=8)]
 
 
-def refuse_stale_worker_env(environ: Mapping[str, str]) -> None:
-    """`multigpu train` run by hand with LOCAL_RANK exported: without this it would train alone
-    as a 'worker' and, with WORLD_SIZE > 1, wait 30 minutes for peers that never come."""
+_COMPLETE = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def refuse_stale_worker_env(environ: Mapping[str, str], warn=None) -> None:
+    """`multigpu train` run by hand with LOCAL_RANK exported: it takes itself for a worker and
+    would train alone or, with WORLD_SIZE > 1, wait 30 minutes for peers that never come.
+    LOCAL_RANK without the rest of a launch's variables can only be left over: refused. The whole
+    set without torchrun may be another launcher's (DeepSpeed, an MPI or SLURM wrapper): `warn`
+    gets one line saying how it is taken."""
     stale = stale_launch_vars(environ)
-    if "LOCAL_RANK" in stale:
-        shown = ", ".join(f"{k}={v}" for k, v in stale.items())
-        raise UsageError(f"{shown} set, but no launcher started this process (these are left from "
-                         f"an earlier launch): {_unset_fix(stale)}")
+    if "LOCAL_RANK" not in stale:
+        return
+    shown = ", ".join(f"{k}={v}" for k, v in stale.items())
+    if all(k in stale for k in _COMPLETE):
+        if warn is not None:
+            warn(f"{shown} set without torchrun: taken as a worker of another launcher; if they "
+                 f"are left from an earlier launch, {_unset_fix(stale)}")
+        return
+    raise UsageError(f"{shown} set, but no launcher started this process (these are left from "
+                     f"an earlier launch): {_unset_fix(stale)}")
 
 
 def device_findings(spec: str, *, one_process: bool, min_free_memory_gb: float):
