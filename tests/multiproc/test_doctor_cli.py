@@ -66,7 +66,7 @@ def test_launch_variables_left_in_the_shell_are_named_and_train_refuses_them(tmp
 
 def test_nothing_to_check_and_both_at_once_are_one_line_errors(tmp_path):
     (tmp_path / "t.py").write_text("print(1)\n")
-    for args, words in ((["doctor"], "nothing to check"),
+    for args, words in ((["doctor", "--devices", "cpu:2"], "--model is required"),
                         (["doctor", "--model", "mlp", "--", "t.py"], "not both"),
                         (["doctor", "--", "missing.py"], "script 'missing.py' not found")):
         proc = multigpu(*args, cwd=tmp_path)
@@ -96,7 +96,8 @@ def test_a_script_is_read_for_its_traps_with_line_numbers(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout.splitlines()
     port = next(line for line in out if "train.py:7" in line)
-    assert port.startswith("warn  launch env") and "MASTER_PORT='29500'" in port and "delete the line" in port
+    assert port.startswith("fail  launch env") and "MASTER_PORT='29500'" in port
+    assert "delete the line, or launch with --master-port 29500" in port
     assert any("train.py:9" in line and "set_epoch" in line for line in out)
     crlf = next(line for line in out if "run.sh" in line)
     assert crlf.startswith("fail  shell") and "sed -i 's/\\r$//' run.sh" in crlf
@@ -111,3 +112,13 @@ def test_run_says_the_traps_of_its_script_once_before_starting_it(tmp_path):
     warned = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: warning:")]
     assert warned == ["multigpu: warning: train.py:7: DistributedSampler without set_epoch: every "
                       "epoch sees the same order; fix: sampler.set_epoch(epoch) before each epoch"]
+
+
+def test_run_refuses_a_script_that_sets_its_own_master_port_instead_of_hanging(tmp_path):
+    (tmp_path / "train.py").write_text(POST_002)
+    proc = multigpu("run", "--devices", "cpu:2", "train.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "multigpu: error: train.py:7: sets MASTER_PORT='29500': multigpu run hosts the rendezvous "
+        "on a port of its own, so every rank would wait there for a store nobody hosts (a hang); "
+        "delete the line, or launch with --master-port 29500"]

@@ -29,10 +29,11 @@ def test_post_002_sets_the_launch_variables_itself(tmp_path):
         """)
     env = of(found, "launch env")
     assert [(f.level, f.where, f.trap) for f in env] == [
-        ("warn", f"{path}:3", 8), ("warn", f"{path}:4", 8), ("warn", f"{path}:5", 8),
+        ("fail", f"{path}:3", 8), ("warn", f"{path}:4", 8), ("fail", f"{path}:5", 8),
         ("warn", f"{path}:8", 13)]
-    assert env[2].message.startswith("sets MASTER_PORT='29500'; ")
-    assert "never meet (a silent hang): delete the line" in env[2].message
+    assert env[2].message.startswith("sets MASTER_PORT='29500': multigpu run hosts the rendezvous")
+    assert "delete the line, or launch with --master-port 29500" in env[2].message
+    assert "never meet (a hang): delete the line" in env[0].message
     assert "overriding the GPUs multigpu run chose" in env[3].message and "--devices" in env[3].message
 
 
@@ -311,7 +312,7 @@ def test_a_literal_passed_to_a_dataparallel_model_is_named_as_not_split(tmp_path
     assert len(found) == 1
     f = found[0]
     assert f.level == "warn" and f.where == f"{path}:4" and f.check == "scatter"
-    assert "[3, 5, 2, 7] passed to the DataParallel model model is copied whole to every GPU" in f.message
+    assert "[3, 5, 2, 7] passed to model (DataParallel) is copied whole to every GPU" in f.message
     assert "as a tensor with the batch dimension first" in f.message
 
 
@@ -356,3 +357,9 @@ def test_flags_and_tensor_containers_passed_to_dataparallel_are_not_called_unspl
         out = model(x, (h, c), {"mask": m})
         """, nproc=1)
     assert not [f for f in found if f.trap == 11]
+
+
+def test_the_port_the_launch_was_given_is_not_a_finding(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import os\nos.environ['MASTER_PORT'] = '29500'\n")
+    assert [f.check for f in script_findings(path, nproc=2, gpus=False, master_port=29500)] == ["script"]

@@ -21,7 +21,8 @@ from multigpu.config import TrainConfig, add_config_arguments, config_from_args
 from multigpu.errors import UsageError
 
 AUTO_PROBE_BATCH = 32
-HEADLINE = "multigpu doctor: checks before a run (ok / warn / fail), trap numbers from PITFALLS.md"
+HEADLINE = ("multigpu doctor: checks before a run (ok / warn / fail), trap numbers as in the README's "
+            "trap table")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -55,8 +56,8 @@ def main(args: argparse.Namespace) -> int:
     if script and args.model:
         raise UsageError("give either train options (--model ...) or a script after --, not both")
     if not script and not args.model:
-        raise UsageError("nothing to check: give the options of a multigpu train run (--model "
-                         "resnet18 --data ...), or a script: multigpu doctor -- train.py ARGS")
+        raise UsageError("--model is required to check a multigpu train run (e.g. --model "
+                         "resnet18 --data ...); for a script: multigpu doctor -- train.py ARGS")
     print(HEADLINE, flush=True)
     findings = _script_checks(args, script) if script else _train_checks(args)
     return report(findings)
@@ -75,8 +76,12 @@ def _script_checks(args, script: list[str]):
     found, plan = device_findings(args.devices, one_process=False,
                                   min_free_memory_gb=args.min_free_memory)
     findings += found
-    nproc = plan.nproc if plan is not None else 1
-    findings += script_findings(path, nproc=nproc, gpus=plan is not None and plan.accelerator == "cuda")
+    if plan is not None:
+        nproc, gpus = plan.nproc, plan.accelerator == "cuda"
+    else:  # GPUs asked for that are not here (a laptop, before the GPU box): check for them all
+        gpus = not args.devices.strip().lower().startswith("cpu")
+        nproc = int(args.devices) if args.devices.strip().isdigit() else 2
+    findings += script_findings(path, nproc=nproc, gpus=gpus)
     for arg in script[1:]:  # a config or shell file handed to the script (trap 9)
         if os.path.isfile(arg) and (f := file_crlf_finding(Path(arg))) is not None:
             findings.append(f)

@@ -74,11 +74,15 @@ def main(args) -> int:
         from multigpu.doctor.script_checks import script_findings
 
         try:
-            found = script_findings(source, nproc=plan.nproc, gpus=plan.accelerator == "cuda")
+            found = script_findings(source, nproc=plan.nproc, gpus=plan.accelerator == "cuda",
+                                    master_port=args.master_port)
         except Exception as exc:  # noqa: BLE001 - a bug in a check must never block a launch
             found = []
             print(f"multigpu: note: the script checks failed ({type(exc).__name__}: {exc}); "
                   "starting it anyway", file=sys.stderr)
+        hang = next((f for f in found if f.level == "fail" and f.check == "launch env"), None)
+        if hang is not None:  # certain to hang until --hang-timeout: say it now instead
+            raise UsageError(f"{hang.where}: {hang.message}")
         warn_all(found)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
     opts = launch.options_from_args(args)

@@ -30,11 +30,15 @@ def scaling_finding(cfg: TrainConfig, plan) -> Finding:
             out=folder + "/"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    stopped = ("interrupted", "stopped by a signal")  # bench's notes of a Ctrl-C or SIGTERM
+    if any(note.startswith(stopped) for note in rep.get("notes", [])):
+        raise KeyboardInterrupt  # Ctrl-C reached the timing: stop the doctor, as at any moment
     row = next((r for r in rep.get("rows", []) if r["method"] == "multigpu-ddp" and r["gpus"] == n), None)
     if row is None or row.get("scaling_efficiency") is None:
         return Finding("warn", "scaling", f"the 1 vs {n} device timing did not finish: run "
                                           f"multigpu bench --model {cfg.model} --batch-size "
-                                          f"{cfg.batch_size} --gpus 1,{n} to see why", trap=4)
+                                          f"{cfg.batch_size} --devices {cfg.devices} --gpus 1,{n} "
+                                          "to see why", trap=4)
     eff = row["scaling_efficiency"]
     said = (f"{n} devices at --batch-size {cfg.batch_size} each train {eff * n:.2f}x as fast as one "
             f"({eff:.0%} of linear; synthetic data, {row['step_ms']:.0f} ms a step)")

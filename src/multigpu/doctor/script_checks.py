@@ -24,12 +24,13 @@ _LAUNCHERS = {"accelerate": "an Accelerate", "lightning": "a Lightning",
 _DDP_FIX = "multigpu.setup() then model = rt.prepare(model), which wraps in DDP per process"
 
 
-def script_findings(path: Path, *, nproc: int, gpus: bool) -> list[Finding]:
+def script_findings(path: Path, *, nproc: int, gpus: bool, master_port: int | None = None) -> list[Finding]:
     """Findings for a Python script (or a shell script) to be started `nproc` times, one process
-    per device (gpus: whether the devices are GPUs). Sorted by line."""
+    per device (gpus: whether the devices are GPUs; master_port: the launch's --master-port, if
+    given). Sorted by line."""
     data = path.read_bytes()
     if is_python(path, data):
-        found = _python_findings(path, data, nproc=nproc, gpus=gpus)
+        found = _python_findings(path, data, nproc=nproc, gpus=gpus, master_port=master_port)
     else:
         found = shell_findings(path, data)
     found = found or [Finding("ok", "script", "no known trap in the source")]
@@ -38,7 +39,8 @@ def script_findings(path: Path, *, nproc: int, gpus: bool) -> list[Finding]:
 
 # --- Python: the checks -------------------------------------------------------------------------
 
-def _python_findings(path: Path, data: bytes, *, nproc: int, gpus: bool) -> list[Finding]:
+def _python_findings(path: Path, data: bytes, *, nproc: int, gpus: bool,
+                     master_port: int | None = None) -> list[Finding]:
     try:
         tree = ast.parse(data, filename=str(path))
     except (SyntaxError, ValueError) as e:  # ValueError: a null byte
@@ -46,7 +48,7 @@ def _python_findings(path: Path, data: bytes, *, nproc: int, gpus: bool) -> list
                         f"{nproc} processes would die at start; fix this line (a Python 2 script "
                         "needs porting)", where=f"{path}:{getattr(e, 'lineno', None) or 1}")]
     src = Source(path, tree, data.decode(errors="replace"))
-    return [*_launch_env(src), *_spawn(src, nproc), *_dataparallel(src, nproc, gpus),
+    return [*_launch_env(src, master_port), *_spawn(src, nproc), *_dataparallel(src, nproc, gpus),
             *_scatter(src), *_non_tensor_args(src), *_checkpoint(src),
             *(_sampler(src, nproc) if nproc > 1 else []), *_precision(src), *_local_rank(src),
             *_launchers(src)]
@@ -70,7 +72,10 @@ def _env_writes(src: Source):
                 yield from ((node, k, v) for k, v in pairs)
 
 
-def _launch_env(src: Source) -> list[Finding]:
+_FATAL_VARS = ("MASTER_PORT", "WORLD_SIZE", "RANK")  # a run that sets these itself cannot meet
+
+
+def _launch_env(src: Source, master_port: int | None = None) -> list[Finding]:
     """Trap 8: launch variables the script sets itself, or a hard-coded rendezvous."""
     found = []
     for node, var, value in _env_writes(src):
@@ -78,10 +83,19 @@ def _launch_env(src: Source) -> list[Finding]:
             continue  # os.environ[var] = os.environ.get(var, default): a default, like setdefault
         if src.in_launch_guard(node.lineno):
             continue  # only when no launcher set it (if "RANK" not in os.environ: ...)
-        if var in LAUNCH_VARS:
-            found.append(src.at("warn", "launch env", node, f"sets {var}={code(value)}; under "
+        if var == "MASTER_PORT" and master_port is not None and const(value) == str(master_port):
+            continue  # the port the launch was given: the same store
+        if var == "MASTER_PORT":
+            found.append(src.at("fail", "launch env", node, f"sets MASTER_PORT={code(value)}: "
+                                "multigpu run hosts the rendezvous on a port of its own, so every "
+                                "rank would wait there for a store nobody hosts (a hang); delete "
+                                f"the line, or launch with --master-port {const(value) or 'PORT'}",
+                                trap=8))
+        elif var in LAUNCH_VARS:
+            level = "fail" if var in _FATAL_VARS else "warn"
+            found.append(src.at(level, "launch env", node, f"sets {var}={code(value)}; under "
                                 "multigpu run the launcher sets it for every process and ranks that "
-                                "disagree never meet (a silent hang): delete the line", trap=8))
+                                "disagree never meet (a hang): delete the line", trap=8))
         elif var == "CUDA_VISIBLE_DEVICES":
             found.append(src.at("warn", "launch env", node, f"sets CUDA_VISIBLE_DEVICES={code(value)}"
                                 ", overriding the GPUs multigpu run chose (free ones): delete the "
@@ -244,8 +258,8 @@ def _non_tensor_args(src: Source) -> list[Finding]:
         literal = next((v for v in values if isinstance(v, (ast.List, ast.Tuple, ast.Set))
                         and len(v.elts) > 1 and all(const(e) is not None for e in v.elts)), None)
         if literal is not None:
-            found.append(src.at("warn", "scatter", call, f"{code(literal)} passed to the "
-                                f"DataParallel model {dotted(call.func)} is copied whole to every "
+            found.append(src.at("warn", "scatter", call, f"{code(literal)} passed to "
+                                f"{dotted(call.func)} (DataParallel) is copied whole to every "
                                 "GPU, not split with the batch; fix: pass per-sample values as a "
                                 "tensor with the batch dimension first", trap=11))
     return found

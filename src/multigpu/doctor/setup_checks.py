@@ -7,6 +7,7 @@ import torch (`multigpu train` refuses stale launch variables before that slow i
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Mapping
 
@@ -80,7 +81,13 @@ def device_findings(spec: str, *, one_process: bool, min_free_memory_gb: float):
     except UsageError as exc:
         return [Finding("fail", "devices", str(exc), trap=13)], None
     note = "" if plan.accelerator == "cpu" else f"; free memory at least {min_free_memory_gb:g} GiB each"
-    return [Finding("ok", "devices", f"--devices {spec}: {plan.describe()}{note}", trap=13)], plan
+    found = [Finding("ok", "devices", f"--devices {spec}: {plan.describe()}{note}", trap=13)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if plan.accelerator == "cpu" and plan.nproc > cores:
+        found.append(Finding("warn", "devices", f"{plan.nproc} CPU processes on {cores} cores: they "
+                                                "take turns, each slower than one process alone; "
+                                                f"use --devices cpu:{cores} or fewer"))
+    return found, plan
 
 
 def precision_findings(kind: str, plan) -> list[Finding]:
@@ -123,7 +130,11 @@ def last_step_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: 
         return Finding("fail", "last step", str(exc), trap=3)
     step = batch_size * devices
     head = (f"{n} training samples, {batch_size} per device x {devices} device"
-            f"{'s' if devices != 1 else ''} = {step} per step: {len(plan)} steps")
+            f"{'s' if devices != 1 else ''} = {step} per step: {len(plan)} step"
+            f"{'s' if len(plan) != 1 else ''}")
+    if len(plan) == 1:
+        return Finding("warn", "last step", f"{head}: one optimizer step per epoch; a smaller "
+                                            "--batch-size gives the optimizer more steps", trap=3)
     full, rest = divmod(n, step)
     last = plan[-1][1] - plan[-1][0]
     if rest == 0:
@@ -132,7 +143,8 @@ def last_step_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: 
         return Finding("ok", "last step", f"{head}; the last {rest} samples of each epoch's order "
                                           "are dropped (--drop-last; a new order each epoch)", trap=3)
     shares = [hi - lo for lo, hi in (split_share(*plan[-1], ranks, r) for r in range(ranks))]
-    split = "+".join(map(str, shares))
+    split = ("+".join(map(str, shares)) if ranks <= 8 else
+             f"{min(shares)} to {max(shares)}")  # 99 shares are no help on one line
     if last == rest:
         how = (f"the last has {rest} ({split} per process), no device empty, the loss averaged "
                f"over those {rest}")

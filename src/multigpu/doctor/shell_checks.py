@@ -62,6 +62,6 @@ def _old_launch_finding(path: Path, lines: list[int], text: str) -> Finding:
     more = f" (and {len(lines) - 1} more lines)" if len(lines) > 1 else ""
     fix = f"multigpu run --devices {n[1] if n else 'N'} {script[1] if script else 'script.py'} ..."
     return Finding("warn", "shell", f"starts python -m torch.distributed.launch{more}, deprecated "
-                   "(torchrun replaced it and passes --local-rank, not --local_rank); fix: "
+                   "(torchrun replaced it: it sets LOCAL_RANK instead of passing --local_rank); fix: "
                    f"{fix} (a free port each time, no --master_port), or torchrun",
                    trap=15, where=f"{path}:{lines[0]}")
