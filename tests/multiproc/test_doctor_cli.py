@@ -122,3 +122,17 @@ def test_run_refuses_a_script_that_sets_its_own_master_port_instead_of_hanging(t
         "multigpu: error: train.py:7: sets MASTER_PORT='29500': multigpu run hosts the rendezvous "
         "on a port of its own, so every rank would wait there for a store nobody hosts (a hang); "
         "delete the line, or launch with --master-port 29500"]
+
+
+def test_a_module_is_read_like_a_script_and_a_missing_resume_fails_as_train_says(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(POST_002)
+    proc = multigpu("doctor", "--devices", "cpu:2", "--", "-m", "mypkg.train", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert any(line.startswith("fail  launch env") and "train.py:7" in line for line in proc.stdout.splitlines())
+    resume = multigpu("doctor", "--model", "mlp", "--devices", "cpu:1", "--resume", "nope", cwd=tmp_path)
+    assert resume.returncode == 1
+    [line] = [line for line in resume.stdout.splitlines() if line.startswith("fail")]
+    assert line.startswith("fail  options") and "nope" in line

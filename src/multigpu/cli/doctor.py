@@ -3,6 +3,7 @@
     multigpu doctor --model resnet50 --data folder:./imgs --batch-size 256 --devices 4
     multigpu doctor --config run.yaml                 the checks of that `multigpu train` run
     multigpu doctor --devices 2 -- train.py --lr 0.1  a script for `multigpu run`, read, not run
+    multigpu doctor --devices 2 -- -m pkg.train       the same for a module
 
 With train options it checks the launch environment, the devices, the precision, what the last
 step of each epoch will be, the validation set's sharding, and runs one real training and
@@ -68,10 +69,19 @@ def _script_checks(args, script: list[str]):
     from multigpu.doctor.shell_checks import file_crlf_finding
     from multigpu.doctor.setup_checks import device_findings, launch_env_findings
 
-    path = Path(script[0])
+    if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
+        from multigpu.cli.run import module_source
+
+        found = module_source(script[1])
+        if found is None:
+            raise UsageError(f"-m {script[1]}: its source was not found as a .py file; give the "
+                             "script's path instead")
+        path, script = found, [str(found), *script[2:]]
+    else:
+        path = Path(script[0])
     if not path.is_file():
         raise UsageError(f"script {script[0]!r} not found (in {os.getcwd()}); give the path of "
-                         "the script, e.g. multigpu doctor -- train.py")
+                         "the script, e.g. multigpu doctor -- train.py, or -- -m package.module")
     findings = launch_env_findings(os.environ)
     found, plan = device_findings(args.devices, one_process=False,
                                   min_free_memory_gb=args.min_free_memory)
@@ -89,13 +99,14 @@ def _script_checks(args, script: list[str]):
 
 
 def _train_checks(args):
-    from multigpu.cli.train import validate
+    from multigpu.cli.train import check_resume, validate
     from multigpu.doctor import setup_checks
     from multigpu.doctor.findings import Finding
 
     cfg: TrainConfig = config_from_args(args)
     try:
         validate(cfg)
+        check_resume(cfg)  # the checkpoint that --resume names, read as train reads it
     except UsageError as exc:
         return [Finding("fail", "options", str(exc))]
     findings = setup_checks.launch_env_findings(os.environ)

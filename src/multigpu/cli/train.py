@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
     from multigpu.training import reserve_out
     from multigpu.trainloop import run_training
 
-    _check_resume(cfg)
+    check_resume(cfg)
     made = _first_missing(Path(cfg.out) if cfg.out else Path("runs"))  # what we make, we may remove
     if opts.nnodes != "1" and opts.node_rank not in (None, 0):
         # Node 0 claims the folder (on a shared filesystem a second claim would fail); global
@@ -142,7 +142,7 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
-def _check_resume(cfg: TrainConfig) -> None:
+def check_resume(cfg: TrainConfig) -> None:
     """A --resume that cannot be used fails here, before a run folder is made (its checkpoint is
     read twice: here and on rank 0). Skipped when --out already has checkpoints of its own: the
     run goes on from those."""
