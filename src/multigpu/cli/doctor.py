@@ -72,11 +72,11 @@ def _script_checks(args, script: list[str]):
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
         from multigpu.cli.run import module_source
 
-        found = module_source(script[1])
-        if found is None:
+        source = module_source(script[1])
+        if source is None:
             raise UsageError(f"-m {script[1]}: its source was not found as a .py file; give the "
                              "script's path instead")
-        path, script = found, [str(found), *script[2:]]
+        path, script = source, [str(source), *script[2:]]
     else:
         path = Path(script[0])
     if not path.is_file():
