@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import os
 import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -69,24 +68,30 @@ def main(args) -> int:
     if python:  # through multigpu.worker: the hang watchdog, then the script as python runs it
         cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
-    if source is not None:  # the traps its source shows, once, before any process starts
-        from multigpu.doctor.findings import warn_all
-        from multigpu.doctor.script_checks import script_findings
-
-        try:
-            found = script_findings(source, nproc=plan.nproc, gpus=plan.accelerator == "cuda",
-                                    master_port=args.master_port)
-        except Exception as exc:  # noqa: BLE001 - a bug in a check must never block a launch
-            found = []
-            print(f"multigpu: note: the script checks failed ({type(exc).__name__}: {exc}); "
-                  "starting it anyway", file=sys.stderr)
-        hang = next((f for f in found if f.level == "fail" and f.check == "launch env"), None)
-        if hang is not None:  # certain to hang until --hang-timeout: say it now instead
-            raise UsageError(f"{hang.where}: {hang.message}")
-        warn_all(found)
+    if source is not None:
+        check_source(source, plan, args.master_port)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
     opts = launch.options_from_args(args)
     return launch.launch(cmd + script_args, plan, opts, python=False)
+
+
+def check_source(source: Path, plan, master_port: int | None) -> None:
+    """The traps the script's source shows, said once before any process starts; one that is
+    certain to hang until --hang-timeout (it sets MASTER_PORT itself) refuses the launch."""
+    from multigpu.doctor.findings import warn_all
+    from multigpu.doctor.script_checks import script_findings
+
+    try:
+        found = script_findings(source, nproc=plan.nproc, gpus=plan.accelerator == "cuda",
+                                master_port=master_port)
+    except Exception as exc:  # noqa: BLE001 - a bug in a check must never block a launch
+        found = []
+        print(f"multigpu: note: the script checks failed ({type(exc).__name__}: {exc}); "
+              "starting it anyway", file=sys.stderr)
+    hang = next((f for f in found if f.level == "fail" and f.check == "launch env"), None)
+    if hang is not None:
+        raise UsageError(f"{hang.where}: {hang.message}")
+    warn_all(found)
 
 
 def script_command(path: Path) -> tuple[list[str], bool]:
@@ -95,18 +100,17 @@ def script_command(path: Path) -> tuple[list[str], bool]:
     A file that a shell or the kernel reads (a .sh, a non-Python shebang) must not have CRLF line
     endings: bash fails with "$'\\r': command not found" (trap 9). Python copes with them.
     """
+    from multigpu.doctor.shell_checks import is_python, shebang
+
     data = path.read_bytes()
-    first = data.split(b"\n", 1)[0]
-    shebang = shlex.split(first[2:].decode(errors="replace")) if first.startswith(b"#!") else []
-    is_python = path.suffix == ".py" or any("python" in w for w in shebang[:2])
-    if is_python:
+    if is_python(path, data):
         return [str(path)], True
-    if b"\r" in first or b"\r\n" in data:
-        why = "its shebang names a program that does not exist" if shebang else "bash fails"
+    interpreter = shebang(data)
+    if b"\r" in data.split(b"\n", 1)[0] or b"\r\n" in data:
+        why = "its shebang names a program that does not exist" if interpreter else "bash fails"
         raise UsageError(f"{path} has Windows (CRLF) line endings, so {why} "
                          f"($'\\r': command not found); convert it with: sed -i 's/\\r$//' {path}")
-    interpreter = shebang or ["bash"]
-    return [*interpreter, str(path)], False
+    return [*(interpreter or ["bash"]), str(path)], False
 
 
 def module_source(module: str) -> Path | None:

@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 from multigpu.doctor.findings import Finding
+from multigpu.doctor.setup_checks import LAUNCH_VARS
 
 WRAPPERS = {"DataParallel": "dp", "DistributedDataParallel": "ddp", "DDP": "ddp"}
 
@@ -141,8 +142,7 @@ def _is_no_grad_block(node: ast.AST) -> bool:
     return any(n.rsplit(".", 1)[-1] in ("no_grad", "inference_mode") for n in names)
 
 
-_LAUNCH_WORDS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "SLURM_PROCID")
+_LAUNCH_WORDS = (*LAUNCH_VARS, "TORCHELASTIC_RUN_ID", "SLURM_PROCID")
 
 
 def _tests_launch_env(test: ast.AST) -> bool:

@@ -23,12 +23,14 @@ def file_crlf_finding(path: Path) -> Finding | None:
 
 
 def shebang(data: bytes) -> list[str]:
+    """The interpreter and arguments a `#!` first line names; [] without one."""
     first = data.split(b"\n", 1)[0]
     return first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
 
 
 def is_python(path: Path, data: bytes) -> bool:
-    """The rule of `multigpu run`'s script_command: .py, or python in the shebang."""
+    """Whether a file runs as Python (`multigpu run` starts it through its worker): .py, or
+    python in the shebang."""
     return path.suffix == ".py" or any("python" in w for w in shebang(data)[:2])
 
 
