@@ -25,7 +25,7 @@ SECTIONS = [
     ("Mixed precision", ["Precision"]),
     ("Metrics across ranks", ["Sums", "MeanMetric", "Accuracy", "reduce_tensor"]),
     ("Data sharding", ["ShardedBatchSampler", "StepInfo"]),
-    ("Models and checkpoints", ["DDPOptions", "unwrap_model", "clean_state_dict",
+    ("Models and checkpoints", ["DDPOptions", "FSDPOptions", "unwrap_model", "clean_state_dict",
                                 "load_model_state", "compile_model", "begin_step"]),
     ("Errors", ["UsageError"]),
 ]

@@ -20,12 +20,12 @@ _EXPORTS = {
     "Accuracy": "metrics", "MeanMetric": "metrics", "Sums": "metrics", "reduce_tensor": "metrics",
     "Precision": "precision",
     "Runtime": "runtime", "setup": "runtime",
-    "DDPOptions": "strategies", "unwrap_model": "strategies",
+    "DDPOptions": "strategies", "FSDPOptions": "strategies", "unwrap_model": "strategies",
 }
 
 __all__ = [
     "setup", "Runtime", "DistEnv", "init_distributed", "destroy_distributed", "Precision",
-    "DDPOptions", "ShardedBatchSampler", "StepInfo", "Sums", "MeanMetric", "Accuracy",
+    "DDPOptions", "FSDPOptions", "ShardedBatchSampler", "StepInfo", "Sums", "MeanMetric", "Accuracy",
     "reduce_tensor", "clean_state_dict", "load_model_state", "unwrap_model", "UsageError",
     "compile_model", "begin_step",
 ]
@@ -53,4 +53,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs, which do not run __getattr__
     from multigpu.metrics import Accuracy, MeanMetric, Sums, reduce_tensor
     from multigpu.precision import Precision
     from multigpu.runtime import Runtime, setup
-    from multigpu.strategies import DDPOptions, unwrap_model
+    from multigpu.strategies import DDPOptions, FSDPOptions, unwrap_model

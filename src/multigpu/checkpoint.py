@@ -54,12 +54,16 @@ def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], strict
     """Load a state dict with or without wrapper prefixes into `model`, wrapped or not."""
     from multigpu.strategies.base import unwrap_model  # strategies import us indirectly
     model = unwrap_model(model)
-    expected = set(model.state_dict())
-    # Peel one wrapper prefix at a time until the keys are the model's own: a model with a real
-    # child named `module` (an EMA wrapper, say) keeps that part of its keys.
+    return model.load_state_dict(match_keys(model.state_dict().keys(), state), strict=strict)
+
+
+def match_keys(expected, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`state` with wrapper prefixes peeled, one at a time, until its keys are `expected`: a
+    model with a real child named `module` (an EMA wrapper, say) keeps that part of its keys."""
+    expected = set(expected)
     while set(state) != expected and (stripped := _strip_one_prefix(state)) is not None:
         state = stripped
-    return model.load_state_dict(state, strict=strict)
+    return state
 
 
 def atomic_save(obj, path: str | os.PathLike) -> Path:

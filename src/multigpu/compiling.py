@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from multigpu.errors import UsageError
+from multigpu.strategies import registry
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads MODES and check() without it
     from torch import nn
@@ -29,7 +30,8 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def check(mode: str | None, device_type: str, strategy: str, accumulate: int = 1) -> None:
-    """Refuse a mode the run cannot use, with the fix, before anything is compiled."""
+    """Refuse a mode the run cannot use, with the fix, before anything is compiled. `strategy`:
+    a name of strategies.registry."""
     if mode is None:
         return
     if mode not in MODES:
@@ -41,9 +43,13 @@ def check(mode: str | None, device_type: str, strategy: str, accumulate: int = 1
         raise UsageError(f"--compile {mode} records CUDA graphs, whose next replay overwrites the "
                          f"gradients that --accumulate {accumulate} adds up; use --accumulate 1 "
                          f"with a larger --batch-size, or {fix}")
-    if strategy == "dp":
-        raise UsageError(f"--compile {mode} records CUDA graphs, which need one process per GPU; "
-                         "DataParallel drives all GPUs from one process: use --strategy ddp")
+    facts = registry.info(strategy)
+    if not facts.cuda_graphs:
+        why = ("need one process per GPU; DataParallel drives all GPUs from one process"
+               if facts.one_process else f"--strategy {strategy} cannot use (its collectives "
+               "run outside the graphs)")
+        raise UsageError(f"--compile {mode} records CUDA graphs, which {why}: use --strategy ddp, "
+                         f"or {fix}")
     if device_type != "cuda":
         raise UsageError(f"--compile {mode} records CUDA graphs, which need GPUs; on "
                          f"{device_type} use {fix}")

@@ -10,6 +10,8 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
 from multigpu.compiling import MODES as COMPILE_MODES
+from multigpu.strategies.registry import HELP as STRATEGY_HELP
+from multigpu.strategies.registry import NAMES as STRATEGY_NAMES
 
 
 def _f(default, help: str, choices=None, metavar=None, const=None):
@@ -38,8 +40,7 @@ class TrainConfig:
     gamma: float = _f(0.9, "--scheduler step: decay factor (post 001 used 0.9)")
     precision: str = _f("auto", "fp32 | bf16 | fp16 (with loss scaling) | auto (bf16 on GPUs that "
                                 "support it, else fp32)", choices=("auto", "fp32", "bf16", "fp16"))
-    strategy: str = _f("auto", "auto (ddp with several devices, else single) | single | dp "
-                               "(nn.DataParallel, one process) | ddp", choices=("auto", "single", "dp", "ddp"))
+    strategy: str = _f("auto", STRATEGY_HELP, choices=STRATEGY_NAMES)
     devices: str = _f("auto", "auto (all free GPUs, or 1 CPU process) | N (N free GPUs) | 0,3 "
                               "(those GPU ids) | cpu:N (N CPU processes on gloo)")
     min_free_memory: float = _f(2.0, "GiB a GPU must have free for --devices auto|N to take it")

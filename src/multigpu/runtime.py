@@ -35,20 +35,21 @@ from multigpu.errors import UsageError
 from multigpu.guards import Bypass
 from multigpu.precision import Precision, resolve_precision
 from multigpu.strategies import DDPOptions, Strategy, make_strategy
-from multigpu.strategies.ddp import DDP
 
 
 def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int] | None = None,
           accelerator: str = "auto", seed: int = 0, accumulate: int = 1,
-          ddp: DDPOptions | None = None, log_dir: str | Path | None = None,
-          loggers: str = "tensorboard,csv") -> "Runtime":
+          ddp: DDPOptions | None = None, options: object | None = None,
+          log_dir: str | Path | None = None, loggers: str = "tensorboard,csv") -> "Runtime":
     """Read the launcher's environment, create the process group, return a Runtime.
 
     Call it once, at the start of the script, on every process. Under `multigpu run` (or
     torchrun) each process takes the device of its LOCAL_RANK and joins the process group (NCCL on
     GPUs, gloo on CPUs); under plain `python script.py` it runs as one process, without a group.
 
-    strategy:   "auto" (ddp when launched with several processes, else single), "single", "dp", "ddp".
+    strategy:   "auto" (ddp when launched with several processes, else single), "single", "dp",
+                "ddp", "fsdp" (parameters sharded over the processes: build the optimizer after
+                prepare(), or pass prepare() a function that makes it from the parameters).
     precision:  "fp32", "bf16", "fp16" or "auto" (bf16 on GPUs that have it, else fp32).
     devices:    GPU ids for one process: `[2]` for single, `[0, 3]` for dp (default: all visible).
                 Under a launcher each process takes GPU LOCAL_RANK; choose GPUs at launch time.
@@ -57,6 +58,8 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
                 rank 0's initial weights to the others.
     accumulate: micro-batches per optimizer step; the all-reduce runs only on the last one.
     ddp:        DDPOptions for the DDP engine (find_unused_parameters, static_graph, ...).
+    options:    the strategy's options object by another name: DDPOptions, or FSDPOptions for
+                fsdp (shard_modules=(MyBlock,), min_params, reshard_after_forward).
     log_dir:    the folder `rt.log()` writes to (TensorBoard events, metrics.csv), on rank 0.
     loggers:    what `rt.log()` writes: any of "tensorboard", "csv", "mlflow", "wandb".
 
@@ -71,15 +74,19 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
     log_names = run_loggers.parse(loggers)
     gpu_index = devices[0] if devices else None  # dp too: its first GPU, never GPU 0 by default
     env = init_distributed(accelerator, gpu_index=gpu_index)
-    if strategy == "dp" and env.device.type == "cuda":
-        device_ids = tuple(devices) if devices else tuple(range(torch.cuda.device_count()))
-    else:
-        device_ids = ()
-    strat = make_strategy(strategy, env, device_ids=device_ids, ddp_options=ddp)
+    strat = make_strategy(strategy, env, device_ids=tuple(devices or ()), options=options or ddp)
     seed_everything(seed + env.rank)
-    return Runtime(env, strat, Precision(resolve_precision(precision, strat.device), strat.device),
-                   seed=seed, accumulate=accumulate,
+    return Runtime(env, strat, make_precision(precision, strat), seed=seed, accumulate=accumulate,
                    log_to=(Path(log_dir), log_names) if log_dir is not None else None)
+
+
+def make_precision(kind: str, strategy: Strategy) -> Precision:
+    """The run's Precision on the strategy's device, with the strategy's fp16 loss scaler; the
+    strategy is told the precision before it sets up a model."""
+    kind = resolve_precision(kind, strategy.device)
+    strategy.use_precision(kind)
+    scaler = strategy.grad_scaler(strategy.device) if kind == "fp16" else None
+    return Precision(kind, strategy.device, scaler=scaler)
 
 
 def seed_everything(seed: int) -> None:
@@ -163,18 +170,23 @@ class Runtime:
     def prepare(self, *objects):
         """Prepare models, optimizers and data loaders, returned in the order given.
 
-        Models move to the device and are wrapped (DataParallel/DDP) *after* their weights are in
-        place. Loaders are rebuilt so each rank gets its exact share and batches arrive on the
-        device. Optimizers and schedulers pass through (parameters keep their identity when moved);
-        an optimizer stepped directly (`optimizer.step()`, not `rt.step`) warns once, as does a
-        `loss.backward()` that `rt.step` finds instead of `rt.backward`.
+        Models move to the device and are wrapped (DataParallel/DDP/FSDP) *after* their weights
+        are in place. Loaders are rebuilt so each rank gets its exact share and batches arrive on
+        the device. Optimizers and schedulers pass through (parameters keep their identity when
+        moved); an optimizer stepped directly (`optimizer.step()`, not `rt.step`) warns once, as
+        does a `loss.backward()` that `rt.step` finds instead of `rt.backward`.
 
-        objects: nn.Module, torch.optim.Optimizer, LR scheduler or DataLoader, in any order.
-        Returns them prepared, one object alone or a tuple. Give the DataLoader `batch_size` per
-        device and `shuffle=True` for training: each epoch is reshuffled, with no `set_epoch` to
-        call. Raises UsageError for an already wrapped model or an object it does not know.
+        objects: nn.Module, torch.optim.Optimizer, LR scheduler, DataLoader, or a function that
+        makes the optimizer from the parameters of the model before it (`lambda params:
+        torch.optim.AdamW(params, lr=1e-3)`: the way for fsdp, which replaces the parameters
+        with their shards), in any order. Returns them prepared, one object alone or a tuple.
+        Give the DataLoader `batch_size` per device and `shuffle=True` for training: each epoch
+        is reshuffled, with no `set_epoch` to call. Raises UsageError for an already wrapped
+        model, an optimizer that holds none of the prepared model's parameters, or an object it
+        does not know.
 
             model, optimizer, train_loader = rt.prepare(model, optimizer, train_loader)
+            model, optimizer = rt.prepare(model, lambda params: torch.optim.AdamW(params))
         """
         out = []
         for obj in objects:
@@ -183,14 +195,43 @@ class Runtime:
             elif isinstance(obj, DataLoader):
                 out.append(self.prepare_loader(obj))
             elif isinstance(obj, torch.optim.Optimizer):
+                self._check_optimizer(obj)
                 self._bypass.watch(obj)  # a direct optimizer.step() warns once
                 out.append(obj)
             elif hasattr(obj, "step"):
                 out.append(obj)
+            elif callable(obj):
+                out.append(self._make_optimizer(obj))
             else:
                 raise UsageError(f"prepare() got a {type(obj).__name__}; it takes models, "
-                                 "optimizers, LR schedulers and DataLoaders")
+                                 "optimizers (or a function that makes one), LR schedulers and "
+                                 "DataLoaders")
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _make_optimizer(self, factory) -> torch.optim.Optimizer:
+        if not self._models:
+            raise UsageError("prepare() got a function to make the optimizer before any model: "
+                             "pass the model first, rt.prepare(model, make_optimizer)")
+        model = self.strategy.unwrap(self._models[-1])
+        optimizer = factory([p for p in model.parameters() if p.requires_grad])
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError(f"the function given to prepare() returned a "
+                             f"{type(optimizer).__name__}; it must return a torch.optim.Optimizer "
+                             "built on the parameters it is given")
+        self._bypass.watch(optimizer)
+        return optimizer
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer built on parameters that the strategy replaced (fsdp shards them) would
+        step tensors the model no longer uses: the run would train nothing, silently."""
+        owned = {id(p) for m in self._models for p in self.strategy.unwrap(m).parameters()}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if owned and params and not any(id(p) in owned for p in params):
+            raise UsageError(
+                f"the optimizer holds none of the prepared model's parameters: strategy "
+                f"'{self.strategy.name}' replaced them when it prepared the model. Build the "
+                "optimizer after prepare() from model.parameters(), or pass prepare() a function "
+                "that makes it: rt.prepare(model, lambda params: torch.optim.AdamW(params))")
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
@@ -257,7 +298,7 @@ class Runtime:
         self._bypass.backwards += 1
         if not self._unused_checked:
             self._unused_checked = True
-            self._check_unused_parameters()
+            self.strategy.check_unused(self._models)
 
     def step(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> bool:
         """Unscale (fp16), clip, step and zero the gradients. False on accumulation micro-steps.
@@ -278,26 +319,6 @@ class Runtime:
             self.precision.optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return True
-
-    def _check_unused_parameters(self) -> None:
-        """Trap 6: DDP fails one step later, cryptically, when a parameter got no gradient."""
-        if not isinstance(self.strategy, DDP) or not self.env.is_distributed:
-            return
-        o = self.strategy.options
-        if o.find_unused_parameters or o.static_graph:
-            return
-        for model in self._models:
-            params = [(n, p) for n, p in self.strategy.unwrap(model).named_parameters()
-                      if p.requires_grad]
-            unused = [n for n, p in params if p.grad is None]
-            if unused and len(unused) < len(params):  # a model outside this loss has none
-                shown = ", ".join(unused[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
-                raise UsageError(
-                    f"{len(unused)} parameter(s) got no gradient in the first backward: {shown}. "
-                    "DDP needs every trainable parameter to take part in the loss: remove the unused "
-                    "module, freeze it (requires_grad_(False)), or pass "
-                    "ddp=DDPOptions(find_unused_parameters=True) to setup() "
-                    "(--find-unused-parameters)")
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, path: str | Path, *, model: nn.Module, optimizer=None, scheduler=None,
@@ -326,13 +347,15 @@ class Runtime:
         """Collective (every rank's RNG is gathered). On rank 0 the checkpoint as a dict, its
         tensors where they live (copy them before training goes on); None on the other ranks."""
         rng = self.env.all_gather_object(checkpoint.rng_state())
+        model_state = self.strategy.model_state_dict(model)  # collective under fsdp
+        optimizer_state = self.strategy.optimizer_state_dict(model, optimizer) if optimizer else None
         if not self.env.is_main:
             return None
         checkpoint.check_loadable(extra)
         return {
             "format": checkpoint.FORMAT_VERSION,
-            "model": self.strategy.model_state_dict(model),
-            "optimizer": self.strategy.optimizer_state_dict(optimizer) if optimizer else None,
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "precision": self.precision.state_dict(),
             "rng": rng,
@@ -356,9 +379,9 @@ class Runtime:
         """
         state = path if isinstance(path, dict) else checkpoint.load(path)
         if model is not None:
-            checkpoint.load_model_state(model, state["model"])
+            self.strategy.load_model_state(model, state["model"])
         if optimizer is not None and state.get("optimizer"):
-            optimizer.load_state_dict(state["optimizer"])
+            self.strategy.load_optimizer_state(model, optimizer, state["optimizer"])
             checkpoint.match_optimizer_layout(optimizer)
         if scheduler is not None and state.get("scheduler"):
             scheduler.load_state_dict(state["scheduler"])

@@ -102,6 +102,7 @@ def _train_checks(args):
     from multigpu.cli.train import check_resume, validate
     from multigpu.doctor import setup_checks
     from multigpu.doctor.findings import Finding
+    from multigpu.strategies import registry
 
     cfg: TrainConfig = config_from_args(args)
     try:
@@ -110,14 +111,14 @@ def _train_checks(args):
     except UsageError as exc:
         return [Finding("fail", "options", str(exc))]
     findings = setup_checks.launch_env_findings(os.environ)
-    one_process = cfg.strategy in ("dp", "single")
-    found, plan = setup_checks.device_findings(cfg.devices, one_process=one_process,
+    strategy = registry.info(cfg.strategy)
+    found, plan = setup_checks.device_findings(cfg.devices, one_process=strategy.one_process,
                                                min_free_memory_gb=cfg.min_free_memory)
     findings += found
     if plan is None:
         return findings
     if cfg.batch_size == "auto":
-        if plan.accelerator != "cuda" or cfg.strategy == "dp":
+        if plan.accelerator != "cuda" or not strategy.auto_batch:
             return findings + [Finding("fail", "batch size", "--batch-size auto needs one process "
                                                              "per GPU; give a number, e.g. --batch-size 64")]
         cfg.batch_size = AUTO_PROBE_BATCH
@@ -129,8 +130,9 @@ def _train_checks(args):
     if not args.no_step and not any(f.level == "fail" for f in findings):
         from multigpu.doctor.probe import probe_findings
 
-        ddp = plan.nproc > 1 and cfg.strategy in ("auto", "ddp")
-        findings += probe_findings(cfg, plan, ddp=ddp, find_batch=not args.no_batch_search)
+        unused_fails = plan.nproc > 1 and strategy.unused_fails
+        findings += probe_findings(cfg, plan, unused_fails=unused_fails,
+                                   find_batch=not args.no_batch_search)
     if args.scaling and not any(f.level == "fail" for f in findings):
         from multigpu.doctor.scaling import scaling_finding
 

@@ -155,23 +155,13 @@ def check_resume(cfg: TrainConfig) -> None:
 
 def _plan_devices(cfg: TrainConfig):
     from multigpu.devices import resolve_devices
+    from multigpu.strategies import registry
 
-    one_process = cfg.strategy in ("dp", "single")
-    plan = resolve_devices(cfg.devices, one_process=one_process,
+    strategy = registry.info(cfg.strategy)
+    plan = resolve_devices(cfg.devices, one_process=strategy.one_process,
                            min_free_memory_gb=cfg.min_free_memory)
-    if cfg.strategy == "single" and len(plan.gpu_ids) > 1:
-        raise UsageError(f"--strategy single uses one device, but --devices {cfg.devices} gives "
-                         f"{len(plan.gpu_ids)}; pass --devices 1 (or one id like 2,), or use "
-                         "--strategy ddp")
-    if cfg.strategy == "single" and plan.accelerator == "cpu" and plan.nproc > 1:
-        raise UsageError(f"--strategy single runs one process, but --devices {cfg.devices} asks "
-                         "for several; use --devices cpu:1 or --strategy ddp")
+    registry.check_device_count(cfg.strategy, cfg.devices, plan.accelerator, len(plan.gpu_ids),
+                                plan.nproc)
     compiling.check(cfg.compile, plan.accelerator, cfg.strategy, cfg.accumulate)
-    if cfg.batch_size == "auto" and (plan.accelerator != "cuda" or cfg.strategy == "dp"):
-        where = "CPU processes" if plan.accelerator != "cuda" else "--strategy dp"
-        raise UsageError(f"--batch-size auto measures each GPU's memory with real steps, one "
-                         f"process per GPU; with {where} give a number, e.g. --batch-size 64")
-    if cfg.strategy == "dp" and plan.accelerator != "cuda":
-        raise UsageError("--strategy dp (nn.DataParallel) needs GPUs; on CPU use --strategy ddp "
-                         "with --devices cpu:N")
+    registry.check_accelerator(cfg.strategy, plan.accelerator, auto_batch=cfg.batch_size == "auto")
     return plan

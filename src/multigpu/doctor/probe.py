@@ -20,7 +20,8 @@ from multigpu.engine import prepare_inputs
 GIB = 2**30
 
 
-def probe_findings(cfg: TrainConfig, plan, *, ddp: bool, find_batch: bool = True) -> list[Finding]:
+def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
+                   find_batch: bool = True) -> list[Finding]:
     """Findings of one step on the plan's first device (a GPU) or the CPU."""
     from multigpu.runtime import setup
     from multigpu.training import build_job
@@ -44,7 +45,7 @@ def probe_findings(cfg: TrainConfig, plan, *, ddp: bool, find_batch: bool = True
                 Finding("fail", "memory", f"one training step with --batch-size {cfg.batch_size} "
                                           f"runs out of memory on {rt.device}", trap=2)]
     step_seconds = time.perf_counter() - started
-    findings.append(_unused_finding(unused, ddp and not cfg.find_unused_parameters))
+    findings.append(_unused_finding(unused, unused_fails and not cfg.find_unused_parameters))
     if not cuda:
         findings.append(Finding("ok", "memory", f"one step ran on the CPU in {step_seconds:.2f} s "
                                                 "(host memory not checked)", trap=2))

@@ -1,35 +1,40 @@
-"""Strategy registry: a name ("auto", "single", "dp", "ddp") to a Strategy object.
+"""Strategies: a name ("auto", "single", "dp", "ddp", "fsdp") to a Strategy object.
 
-Adding a strategy (FSDP later) means one module and one entry in `STRATEGIES`.
+registry.py lists them (without importing torch); each class lives in its own module, imported
+when a run builds it. Adding a strategy means one module and one entry in registry.STRATEGIES.
 """
 from __future__ import annotations
 
-from multigpu.distributed import DistEnv
-from multigpu.errors import UsageError
-from multigpu.strategies.base import Strategy, unwrap_model
-from multigpu.strategies.ddp import DDP, DDPOptions
-from multigpu.strategies.dp import DataParallel
-from multigpu.strategies.single import SingleDevice
+import importlib
+from typing import TYPE_CHECKING
 
-STRATEGIES = {"single": SingleDevice, "dp": DataParallel, "ddp": DDP}
-STRATEGY_NAMES = ("auto", *STRATEGIES)
+from multigpu.strategies.registry import NAMES as STRATEGY_NAMES
+from multigpu.strategies.registry import STRATEGIES, resolve
 
-__all__ = ["Strategy", "SingleDevice", "DataParallel", "DDP", "DDPOptions", "STRATEGIES",
-           "STRATEGY_NAMES", "make_strategy", "unwrap_model"]
+if TYPE_CHECKING:
+    from multigpu.distributed import DistEnv
+    from multigpu.strategies.base import Strategy, unwrap_model
+    from multigpu.strategies.ddp import DDP, DDPOptions
+    from multigpu.strategies.dp import DataParallel
+    from multigpu.strategies.fsdp import FSDP, FSDPOptions
+    from multigpu.strategies.single import SingleDevice
+
+_EXPORTS = {"Strategy": "base", "unwrap_model": "base", "DDP": "ddp", "DDPOptions": "ddp",
+            "DataParallel": "dp", "FSDP": "fsdp", "FSDPOptions": "fsdp", "SingleDevice": "single"}
+
+__all__ = [*_EXPORTS, "STRATEGIES", "STRATEGY_NAMES", "make_strategy"]
 
 
-def make_strategy(name: str, env: DistEnv, *, device_ids: tuple[int, ...] = (),
-                  ddp_options: DDPOptions | None = None) -> Strategy:
-    """`auto` is ddp when launched with more than one process, otherwise single."""
-    if name == "auto":
-        name = "ddp" if env.is_distributed else "single"
-    if name not in STRATEGIES:
-        raise UsageError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGY_NAMES)}")
-    if name == "single" and env.is_distributed:
-        raise UsageError(f"strategy 'single' was asked for, but {env.world_size} processes were "
-                         "launched; use --strategy ddp (or auto), or launch one process")
-    if name == "dp":
-        return DataParallel(env, device_ids)
-    if name == "ddp":
-        return DDP(env, ddp_options)
-    return SingleDevice(env)
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"multigpu.strategies.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'multigpu.strategies' has no attribute {name!r}")
+
+
+def make_strategy(name: str, env: "DistEnv", *, device_ids: tuple[int, ...] = (),
+                  options: object | None = None) -> "Strategy":
+    """The strategy `name` for this process. `auto` is ddp when launched with more than one
+    process, otherwise single. `options`: the strategy's options object (DDPOptions for ddp,
+    FSDPOptions for fsdp); one of another strategy's type is ignored."""
+    return resolve(name, env.is_distributed).load().create(env, device_ids=device_ids,
+                                                          options=options)

@@ -1,15 +1,20 @@
-"""The one strategy interface: how a model is placed, wrapped and synchronised.
+"""The one strategy interface: how a model is placed, wrapped, synchronised and saved.
 
 A strategy answers a handful of questions and nothing else:
-- where the model lives and what wraps it (`setup_module`, `unwrap`);
+- how it is made for a process (`create`: the launch it finds, its options object);
+- where the model lives and what wraps it (`setup_module`, `unwrap`); the optimizer is built
+  on the parameters of the wrapped model (a sharding strategy replaces them);
 - how the data is laid out per process (`devices_per_process`: DataParallel splits each
   process's batch over several GPUs, the others use one device per process);
-- whether the next backward all-reduces gradients (`set_grad_sync`, for gradient accumulation);
-- what goes into a checkpoint (`model_state_dict`), always without wrapper prefixes.
+- whether the next backward reduces gradients (`set_grad_sync`, for gradient accumulation),
+  and whether a parameter without a gradient breaks the next step (`check_unused`);
+- what goes into a checkpoint and back (`model_state_dict`, `optimizer_state_dict`,
+  `load_model_state`, `load_optimizer_state`): always the whole model, without wrapper prefixes,
+  the optimizer's state numbered as torch numbers it, so a checkpoint of one strategy loads into
+  any other. Saving is collective: every rank calls them, rank 0's answer is written.
 
+What a strategy is called and what it allows before anything is built: registry.py.
 Collectives belong to `DistEnv`; mixed precision belongs to `Precision`.
-Room for later: an FSDP strategy overrides `model_state_dict` / `optimizer_state_dict` to gather
-shards, and `setup_module` to shard.
 """
 from __future__ import annotations
 
@@ -23,9 +28,29 @@ from multigpu.distributed import DistEnv
 
 class Strategy(ABC):
     name: str = ""
+    options_type: type | None = None  # its options dataclass (DDPOptions, ...), if it has one
 
     def __init__(self, env: DistEnv):
         self.env = env
+
+    @classmethod
+    def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
+               options: object | None = None) -> "Strategy":
+        """The strategy for this process: `device_ids` are the GPUs one process drives (dp),
+        `options` the strategy's own options object (others' are ignored)."""
+        return cls(env)
+
+    @classmethod
+    def own_options(cls, options: object | None):
+        """`options` when they are this strategy's kind, else None (its defaults)."""
+        return options if cls.options_type and isinstance(options, cls.options_type) else None
+
+    def use_precision(self, kind: str) -> None:
+        """Told the run's precision ("fp32", "bf16", "fp16") before the model is set up."""
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """The fp16 loss scaler; a sharding strategy's must agree on skipped steps across ranks."""
+        return torch.amp.GradScaler(device.type)
 
     @property
     def device(self) -> torch.device:
@@ -46,11 +71,28 @@ class Strategy(ABC):
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         """Whether the next forward/backward all-reduces gradients. Single process: nothing to do."""
 
+    def check_unused(self, models: list[nn.Module]) -> None:
+        """After the first backward: refuse parameters without a gradient where that would fail
+        later (DDP), naming them. Nothing to check in one process."""
+
     def model_state_dict(self, model: nn.Module) -> dict:
+        """Collective. The whole model's state, bare keys; tensors may stay on the device."""
         return self.unwrap(model).state_dict()
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Collective. The optimizer's whole state as `optimizer.state_dict()` lays it out."""
         return optimizer.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: dict) -> None:
+        """Every rank, the whole state of `model_state_dict` (prefixed keys accepted)."""
+        from multigpu.checkpoint import load_model_state
+        load_model_state(model, state)
+
+    def load_optimizer_state(self, model: nn.Module | None, optimizer: torch.optim.Optimizer,
+                             state: dict) -> None:
+        """Every rank, the whole state of `optimizer_state_dict`; `model` may be None where the
+        strategy does not need it to place the state."""
+        optimizer.load_state_dict(state)
 
     def describe(self) -> str:
         return self.name

@@ -44,10 +44,16 @@ class DDPOptions:
 
 class DDP(Strategy):
     name = "ddp"
+    options_type = DDPOptions
 
     def __init__(self, env: DistEnv, options: DDPOptions | None = None):
         super().__init__(env)
         self.options = options or DDPOptions()
+
+    @classmethod
+    def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
+               options: object | None = None) -> "DDP":
+        return cls(env, cls.own_options(options))
 
     def setup_module(self, model: nn.Module) -> nn.Module:
         o = self.options
@@ -71,8 +77,30 @@ class DDP(Strategy):
         if isinstance(model, DistributedDataParallel):
             model.require_backward_grad_sync = enabled
 
+    def check_unused(self, models: list[nn.Module]) -> None:
+        """Trap 6: DDP fails one step later, cryptically, when a parameter got no gradient."""
+        o = self.options
+        if not self.env.is_distributed or o.find_unused_parameters or o.static_graph:
+            return
+        for model in models:
+            refuse_unused(self.unwrap(model), "DDP", "pass ddp=DDPOptions(find_unused_parameters="
+                          "True) to setup() (--find-unused-parameters)")
+
     def describe(self) -> str:
         return f"ddp ({self.env.world_size} processes, {self.env.backend})"
+
+
+def refuse_unused(model: nn.Module, engine: str, option: str) -> None:
+    """UsageError naming every trainable parameter of `model` without a gradient after a
+    backward, with the fixes (none when no parameter has one: a model outside this loss)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    unused = [n for n, p in params if p.grad is None]
+    if unused and len(unused) < len(params):
+        shown = ", ".join(unused[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
+        raise UsageError(
+            f"{len(unused)} parameter(s) got no gradient in the first backward: {shown}. "
+            f"{engine} needs every trainable parameter to take part in the loss: remove the "
+            f"unused module, freeze it (requires_grad_(False)), or {option}")
 
 
 def _no_forward_buffer_sync(env: DistEnv, model: nn.Module) -> dict:

@@ -38,6 +38,15 @@ class DataParallel(Strategy):
                              "with --devices cpu:N")
         self.device_ids = tuple(int(i) for i in device_ids)
 
+    @classmethod
+    def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
+               options: object | None = None) -> "DataParallel":
+        if env.device.type != "cuda":
+            device_ids = ()  # refused by __init__, with the fix
+        elif not device_ids:  # default: every visible GPU
+            device_ids = tuple(range(torch.cuda.device_count()))
+        return cls(env, device_ids)
+
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_ids[0])

@@ -3,11 +3,21 @@ from __future__ import annotations
 
 from torch import nn
 
+from multigpu.distributed import DistEnv
+from multigpu.errors import UsageError
 from multigpu.strategies.base import Strategy
 
 
 class SingleDevice(Strategy):
     name = "single"
+
+    @classmethod
+    def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
+               options: object | None = None) -> "SingleDevice":
+        if env.is_distributed:
+            raise UsageError(f"strategy 'single' was asked for, but {env.world_size} processes "
+                             "were launched; use --strategy ddp (or auto), or launch one process")
+        return cls(env)
 
     def setup_module(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)

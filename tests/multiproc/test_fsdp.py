@@ -1,0 +1,131 @@
+"""--strategy fsdp (FSDP2) on CPU processes (gloo), through the real launcher: the same weights as
+ddp, checkpoints that move between strategies and process counts unchanged, an optimizer built on
+the replaced parameters refused, and `multigpu train` resuming inside an epoch on 3 processes."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import multigpu, read_metrics
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "lib_scripts" / "fsdp_train.py"
+# fsdp reduces each shard's gradient and clips with the norm of the shards' norms: the sums run
+# in another order than ddp's, so the weights agree to float32 rounding, not bit for bit.
+TOLERANCE = dict(rel=1e-5, abs=1e-6)
+
+
+def train(tmp_path, devices, strategy, epochs, name, *extra):
+    out = tmp_path / f"{name}.pt"
+    proc = multigpu("run", "--devices", devices, "--log-dir", tmp_path / f"logs-{name}", SCRIPT,
+                    strategy, epochs, out, *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True), json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def leaves(state: dict, prefix="") -> dict:
+    """Every value of a checkpoint's model and optimizer parts, by path."""
+    out = {}
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    for key, value in items:
+        if isinstance(value, (dict, list, tuple)):
+            out.update(leaves(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def assert_close(a: dict, b: dict, exact: bool):
+    a, b = leaves({"model": a["model"], "optimizer": a["optimizer"]}), \
+        leaves({"model": b["model"], "optimizer": b["optimizer"]})
+    assert a.keys() == b.keys()
+    for key in a:
+        if not isinstance(a[key], torch.Tensor):
+            assert a[key] == b[key], key
+        elif exact:
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert torch.allclose(a[key], b[key], rtol=TOLERANCE["rel"], atol=TOLERANCE["abs"]), key
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """2 epochs of the same model on 2 processes under ddp and under fsdp."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    ddp, _ = train(tmp, "cpu:2", "ddp", 2, "ddp")
+    fsdp, info = train(tmp, "cpu:2", "fsdp", 2, "fsdp")
+    return tmp, ddp, fsdp, info
+
+
+def test_fsdp_shards_the_blocks_and_ends_with_the_weights_of_ddp(trained):
+    _, ddp, fsdp, info = trained
+    assert info["units"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert info["strategy"] == "fsdp (2 processes, gloo, 4 shard units)"
+    assert fsdp["strategy"] == "fsdp" and fsdp["world_size"] == 2
+    assert int(fsdp["optimizer"]["state"][0]["step"]) == 12  # 44 samples, 8 a step: 6 steps an epoch
+    assert_close(ddp, fsdp, exact=False)
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:3"])
+def test_an_fsdp_checkpoint_loads_unchanged_on_another_process_count(trained, tmp_path, devices):
+    # loaded, then saved again without a step: the whole model and optimizer state come back
+    # bit for bit, sharded over 3 processes or in one
+    folder, _, fsdp, _ = trained
+    again, _ = train(tmp_path, devices, "fsdp", 0, "again", "--resume", folder / "fsdp.pt")
+    assert_close(fsdp, again, exact=True)
+
+
+def test_a_ddp_checkpoint_loads_under_fsdp_and_an_fsdp_one_into_a_bare_module(trained, tmp_path):
+    folder, ddp, fsdp, _ = trained
+    again, _ = train(tmp_path, "cpu:3", "fsdp", 0, "from-ddp", "--resume", folder / "ddp.pt")
+    assert_close(ddp, again, exact=True)
+    spec = importlib.util.spec_from_file_location("fsdp_net", SCRIPT.parent / "fsdp_net.py")
+    net = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(net)
+    bare = net.Net()
+    bare.load_state_dict(fsdp["model"])  # strict: every key, no prefix
+    assert torch.equal(bare.head.weight, fsdp["model"]["head.weight"])
+
+
+def test_an_optimizer_built_before_prepare_is_refused_with_the_fix(tmp_path):
+    proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs", SCRIPT, "fsdp",
+                    1, tmp_path / "x.pt", "--optimizer-first")
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "the optimizer holds none of the prepared model's parameters" in output
+    assert "rt.prepare(model, lambda params: torch.optim.AdamW(params))" in output
+
+
+def test_fsdp_accumulates_like_ddp(tmp_path):
+    ddp, _ = train(tmp_path, "cpu:2", "ddp", 1, "ddp-acc", "--accumulate", "2")
+    fsdp, _ = train(tmp_path, "cpu:2", "fsdp", 1, "fsdp-acc", "--accumulate", "2")
+    assert int(fsdp["optimizer"]["state"][0]["step"]) == 3  # 6 micro-steps of 8 samples, in windows of 2
+    assert_close(ddp, fsdp, exact=False)
+
+
+TRAIN = ["--model", "mlp", "--data", "synthetic:1200", "--epochs", "2", "--batch-size", "16",
+         "--workers", "0", "--checkpoint-every", "10", "--deterministic"]
+
+
+def test_train_with_fsdp_matches_ddp_and_resumes_inside_an_epoch_on_3_processes(tmp_path):
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / strategy
+        proc = multigpu("train", *TRAIN, "--devices", "cpu:2", "--strategy", strategy, "--out", out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[strategy] = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert json.loads((tmp_path / "fsdp" / "config.json").read_text())["strategy"] == "fsdp"
+    assert_close(runs["ddp"], runs["fsdp"], exact=False)
+    from multigpu.checkpoint_store import CheckpointStore
+    inside = [e for e in CheckpointStore(tmp_path / "fsdp" / "checkpoints").entries()
+              if e.run["position"]]
+    entry = inside[-1]
+    out = tmp_path / "resumed"
+    proc = multigpu("train", *TRAIN, "--devices", "cpu:3", "--strategy", "fsdp", "--out", out,
+                    "--resume", tmp_path / "fsdp" / "checkpoints" / entry.file)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved by 2 x fsdp" in proc.stdout
+    assert f"{entry.run['position']} of 1200 samples in" in proc.stdout
+    assert [(r["epoch"], r["train_samples"]) for r in read_metrics(out)] == [(2, 1200)]

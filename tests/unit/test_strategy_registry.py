@@ -1,0 +1,93 @@
+"""The strategy registry (the one list of names and what each allows) and fsdp's pure parts:
+which modules become shard units, and the optimizer state's two layouts."""
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+from multigpu import compiling
+from multigpu.config import add_config_arguments
+from multigpu.errors import UsageError
+from multigpu.models import build_model
+from multigpu.strategies import STRATEGIES, registry
+from multigpu.strategies.fsdp import (FSDPOptions, named_optimizer_state, numbered_optimizer_state,
+                                      shard_units)
+
+
+def test_every_registered_strategy_loads_its_class_under_its_name_and_is_offered_by_train():
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    help_text = " ".join(parser.format_help().split())
+    for name, info in STRATEGIES.items():
+        assert info.load().name == name
+        assert f"{name} ({info.help.split()[0]}" in help_text
+    assert registry.NAMES == ("auto", "single", "dp", "ddp", "fsdp")
+
+
+def test_plans_a_strategy_cannot_run_are_refused_with_the_fix():
+    with pytest.raises(UsageError, match="--strategy single uses one device, but --devices 0,1 "
+                                         "gives 2; pass --devices 1"):
+        registry.check_device_count("single", "0,1", "cuda", 2, 1)
+    with pytest.raises(UsageError, match="--strategy dp .* needs GPUs; on CPU use --strategy ddp"):
+        registry.check_accelerator("dp", "cpu")
+    with pytest.raises(UsageError, match="--batch-size auto .* with --strategy fsdp give a number"):
+        registry.check_accelerator("fsdp", "cuda", auto_batch=True)
+    registry.check_device_count("fsdp", "cpu:3", "cpu", 0, 3)
+    registry.check_accelerator("fsdp", "cpu")
+    with pytest.raises(UsageError, match="--compile reduce-overhead records CUDA graphs, which "
+                                         "--strategy fsdp cannot use .*: use --strategy ddp, or "
+                                         "--compile default"):
+        compiling.check("reduce-overhead", "cuda", "fsdp")
+    with pytest.raises(UsageError, match="unknown strategy 'zero3'"):
+        registry.info("zero3")
+
+
+def _names(model, units):
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(u)] for u in units]
+
+
+@pytest.mark.parametrize("model_name, blocks", [("resnet50", 16), ("swin_t", None)])
+def test_the_blocks_of_the_built_in_models_become_shard_units(model_name, blocks):
+    model = build_model(model_name, (3, 64, 64), 10)
+    units = shard_units(model, FSDPOptions())
+    inside = sum(p.numel() for u in units for p in u.parameters())
+    assert inside / sum(p.numel() for p in model.parameters()) > 0.98  # the root keeps little
+    ids = [id(m) for u in units for m in u.modules()]
+    assert len(ids) == len(set(ids))  # no unit inside another
+    if blocks:  # resnet50: the bottlenecks of stages 1-3 (stage 0's have < 100k parameters)
+        assert _names(model, units) == [f"stages.{s}.{b}" for s, n in ((1, 4), (2, 6), (3, 3))
+                                        for b in range(n)]
+        assert len(units) == blocks - 3
+
+
+def test_shard_modules_names_the_classes_and_only_the_outermost_are_units():
+    class Inner(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Sequential(Inner(4, 4), nn.ReLU()), Inner(4, 4))
+    assert _names(model, shard_units(model, FSDPOptions(shard_modules=(Inner,)))) == ["0.0", "1"]
+    assert _names(model, shard_units(model, FSDPOptions(shard_modules=(nn.Sequential, Inner)))) \
+        == ["0", "1"]
+    assert shard_units(model, FSDPOptions()) == []  # 20 parameters each: below min_params
+
+
+def test_optimizer_state_by_name_and_by_number_convert_both_ways():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    optimizer = torch.optim.AdamW([{"params": [model[1].weight]},
+                                   {"params": [model[0].weight, model[0].bias, model[1].bias],
+                                    "lr": 0.1}])
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    numbered = optimizer.state_dict()
+    order = ["1.weight", "0.weight", "0.bias", "1.bias"]  # the optimizer's order, by name
+    named = named_optimizer_state(numbered, order)
+    assert [g["params"] for g in named["param_groups"]] == [["1.weight"],
+                                                            ["0.weight", "0.bias", "1.bias"]]
+    assert torch.equal(named["state"]["0.bias"]["exp_avg"], numbered["state"][2]["exp_avg"])
+    again = numbered_optimizer_state(named)
+    assert again["param_groups"] == numbered["param_groups"]
+    assert again["state"].keys() == numbered["state"].keys()
+    for i, state in numbered["state"].items():
+        assert all(torch.equal(state[k], again["state"][i][k]) for k in state)
