@@ -41,7 +41,6 @@ class Precision:
 
     kind:   "fp32", "bf16" or "fp16" ("auto" is resolved by setup() before it gets here).
     device: the device the model computes on; bf16 on a GPU without it raises UsageError.
-    scaler: for fp16, the GradScaler to use (default: torch.amp.GradScaler on `device`).
 
     `setup()` makes one, as `rt.precision`; the Runtime's `autocast()`, `backward()` and
     `step()` call it. Used alone, one iteration is:
@@ -55,7 +54,7 @@ class Precision:
         optimizer.zero_grad()
     """
 
-    def __init__(self, kind: str, device: torch.device, scaler: torch.amp.GradScaler | None = None):
+    def __init__(self, kind: str, device: torch.device):
         if kind not in PRECISIONS:
             raise UsageError(f"unknown precision {kind!r}: choose one of {', '.join(PRECISIONS)}")
         if kind == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -63,8 +62,7 @@ class Precision:
                              "use --precision fp16 (or fp32)")
         self.kind = kind
         self.device = device
-        # fp16's loss scaler: `scaler` (a sharding strategy's) or torch's GradScaler
-        self.scaler = (scaler or torch.amp.GradScaler(device.type)) if kind == "fp16" else None
+        self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None
         # Steps skipped by the scaler, counted on the device so the step never waits for the GPU.
         self._skipped = torch.zeros((), dtype=torch.int64, device=device) if self.scaler else None
         self._update_pending = False

@@ -118,5 +118,4 @@ def _gpu_names(rt) -> list[str]:
         return []
     import torch
 
-    ids = getattr(rt.strategy, "device_ids", None) or [rt.device.index]  # dp drives several
-    return [torch.cuda.get_device_name(i) for i in ids]
+    return [torch.cuda.get_device_name(d) for d in rt.strategy.devices]

@@ -81,12 +81,11 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
 
 
 def make_precision(kind: str, strategy: Strategy) -> Precision:
-    """The run's Precision on the strategy's device, with the strategy's fp16 loss scaler; the
-    strategy is told the precision before it sets up a model."""
+    """The run's Precision on the strategy's device; the strategy is told the precision before
+    it sets up a model."""
     kind = resolve_precision(kind, strategy.device)
     strategy.use_precision(kind)
-    scaler = strategy.grad_scaler(strategy.device) if kind == "fp16" else None
-    return Precision(kind, strategy.device, scaler=scaler)
+    return Precision(kind, strategy.device)
 
 
 def seed_everything(seed: int) -> None:

@@ -129,3 +129,11 @@ def test_train_with_fsdp_matches_ddp_and_resumes_inside_an_epoch_on_3_processes(
     assert "saved by 2 x fsdp" in proc.stdout
     assert f"{entry.run['position']} of 1200 samples in" in proc.stdout
     assert [(r["epoch"], r["train_samples"]) for r in read_metrics(out)] == [(2, 1200)]
+
+
+def test_fp16_skips_a_step_on_every_rank_when_one_rank_s_shard_holds_an_inf(tmp_path):
+    proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs",
+                    SCRIPT.parent / "fsdp_fp16_skip.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == [{"skipped": 1, "unchanged": True}] * 2

@@ -155,6 +155,19 @@ def test_ddp_variants_run_in_the_n_process_groups_and_take_turns_with_multigpu_d
                                                       "GPUs (gloo refuses it)"}]
 
 
+def test_fsdp_is_asked_for_by_name_and_runs_in_the_n_process_groups_with_ddp():
+    assert "multigpu-fsdp" in spec.METHODS and "multigpu-fsdp" not in BenchSettings().methods
+    s = BenchSettings(models=("mlp",), methods=("multigpu-single", "multigpu-ddp", "multigpu-fsdp"))
+    groups, skipped = spec.plan_groups(s, "cpu", (1, 2), SYNTHETIC)
+    assert [[t.method for t in g.tasks] for g in groups] == [
+        ["multigpu-single"], ["multigpu-ddp", "multigpu-fsdp"]]
+    assert not skipped
+    with pytest.raises(UsageError, match="which multigpu-fsdp cannot replay .*: leave "
+                                         "multigpu-fsdp out of --methods"):
+        spec.validate(BenchSettings(models=("mlp",), compile="reduce-overhead",
+                                    methods=("multigpu-ddp", "multigpu-fsdp")))
+
+
 def test_nccl_only_variants_are_skipped_on_cpu_with_the_reason():
     s = BenchSettings(models=("mlp",), methods=("multigpu-ddp", "multigpu-ddp:ctas8",
                                                 "multigpu-ddp:bucket25-ctas8"))

@@ -11,6 +11,7 @@ Methods (one training step each, same model object, same data, same seed):
     multigpu-dp       the same step, strategy dp (nn.DataParallel in one process)
     multigpu-ddp      the same step, strategy ddp (one process per GPU)
     multigpu-ddp:V    the same with one DDP setting changed (spec.DDP_VARIANTS), timed in turns
+    multigpu-fsdp     the same step, strategy fsdp (FSDP2, sharded); not in the default methods
     ddp               the hand-written torchrun + DistributedDataParallel recipe
     accelerate        HF Accelerate, Accelerator(mixed_precision=...)
     fabric            Lightning Fabric, Fabric(strategy="ddp", precision="...-mixed")

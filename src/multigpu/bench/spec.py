@@ -28,10 +28,14 @@ from dataclasses import dataclass, field, replace
 from multigpu import compiling
 from multigpu.errors import UsageError
 from multigpu.extras import install_hint
+from multigpu.strategies import STRATEGIES
 
-METHODS = ("multigpu-single", "multigpu-dp", "multigpu-ddp", "ddp", "accelerate", "fabric")
+OURS_PREFIX = "multigpu-"  # multigpu-<strategy>: `multigpu train`'s step under that strategy
+OURS = tuple(OURS_PREFIX + name for name in STRATEGIES)  # the methods --compile applies to
 PEERS = ("ddp", "accelerate", "fabric")
-OURS = tuple(m for m in METHODS if m not in PEERS)  # the methods --compile applies to
+METHODS = (*OURS, *PEERS)
+# All but fsdp, which is for models larger than a GPU: ask for it with --methods
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "multigpu-fsdp")
 DATA_KINDS = ("synthetic", "real")
 NUM_CLASSES = 1000  # synthetic data: ImageNet-sized classifier head, as in BASELINE.md
 DDP = "multigpu-ddp"
@@ -89,7 +93,7 @@ class BenchSettings:
     batch_sizes: tuple[int, ...] = (128,)  # per GPU (per process on CPU)
     precision: str = "auto"
     gpus: tuple[int, ...] | None = None  # GPU counts to measure; None = 1, 2, 4, ... up to all
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     data: tuple[str, ...] = ("synthetic",)  # in the order of DATA_KINDS
     compile: str | None = None  # torch.compile mode for the multigpu methods' model, as
     # `multigpu train --compile MODE` (None: not compiled)
@@ -237,9 +241,11 @@ def validate(s: BenchSettings) -> None:
         raise UsageError("--compile compiles the model in the warm-up steps; use --warmup 1 or more")
     # GPUs unless CPU processes are asked for; runner.run checks again once "auto" is resolved
     compiling.check(s.compile, "cpu" if s.devices.startswith("cpu") else "cuda", "ddp")
-    if s.compile in compiling.CUDA_GRAPH_MODES and "multigpu-dp" in s.methods:
-        raise UsageError(f"--compile {s.compile} records CUDA graphs, which DataParallel cannot "
-                         "replay (one process drives every GPU): leave multigpu-dp out of --methods")
+    no_graphs = [m for m in s.methods if m in OURS and not strategy_of(m).cuda_graphs]
+    if s.compile in compiling.CUDA_GRAPH_MODES and no_graphs:
+        m = no_graphs[0]
+        raise UsageError(f"--compile {s.compile} records CUDA graphs, which {m} cannot replay "
+                         f"({strategy_of(m).help}): leave {m} out of --methods")
 
 
 def gpu_counts(requested: tuple[int, ...] | None, available: int, unit: str,
@@ -303,7 +309,7 @@ def plan_groups(s: BenchSettings, accelerator: str, counts: tuple[int, ...],
                 first.tasks += [make(m, 1) for m in runnable if m in PEERS and 1 in counts]
                 for n, group in ddp_groups.items():
                     group.tasks += [make(m, n) for m in runnable
-                                    if base_method(m) == DDP or m in PEERS]
+                                    if m in PEERS or _process_per_gpu(base_method(m))]
                 dp.tasks += [make("multigpu-dp", n, dp_steps, min(s.warmup, dp_steps))
                              for n in dp_counts]
     dp.visible = max((t.gpus for t in dp.tasks), default=0)
@@ -316,13 +322,24 @@ def _runnable(methods: tuple[str, ...], accelerator: str, kind: str,
     """The methods that can run on this data kind here; the others go into `skipped`, with why."""
     runnable = []
     for m in methods:
-        reason = "DataParallel needs GPUs; on CPU use multigpu-ddp" if (
-            m == "multigpu-dp" and accelerator != "cuda") else unavailable_reason(m, accelerator, kind)
+        needs_gpus = m in OURS and strategy_of(m).needs_gpus and accelerator != "cuda"
+        reason = (f"{strategy_of(m).help} needs GPUs; on CPU use multigpu-ddp" if needs_gpus
+                  else unavailable_reason(m, accelerator, kind))
         if reason:
             skipped[(m, reason)] = None
         else:
             runnable.append(m)
     return runnable
+
+
+def strategy_of(method: str):
+    """The registry entry of a multigpu-<strategy> method."""
+    return STRATEGIES[base_method(method).removeprefix(OURS_PREFIX)]
+
+
+def _process_per_gpu(method: str) -> bool:
+    """multigpu-ddp, its variants, multigpu-fsdp: run in the launches of N processes."""
+    return method in OURS and not strategy_of(method).one_process
 
 
 @dataclass

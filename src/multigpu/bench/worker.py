@@ -37,7 +37,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from multigpu import console
 from multigpu.bench import measure, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
-from multigpu.bench.spec import Task, base_method, variant_of
+from multigpu.bench.spec import OURS, OURS_PREFIX, Task, base_method, strategy_of, variant_of
+from multigpu.strategies import STRATEGIES
 
 
 def _config(task: Task, strategy: str):
@@ -61,7 +62,8 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     from multigpu.training import build_job, compile_prepared, make_optimizer
 
     cfg = _config(task, strategy)
-    rt = setup(strategy, task.precision, devices=list(range(task.gpus)) if strategy == "dp" else None,
+    one_process = STRATEGIES[strategy].one_process  # drives its GPUs itself: name them
+    rt = setup(strategy, task.precision, devices=list(range(task.gpus)) if one_process else None,
                accelerator=accelerator, seed=0, ddp=ddp_options(task))
     if task.data.startswith("folder:"):  # the whole input pipeline, as `multigpu train` builds it
         job = build_job(cfg, rt)
@@ -88,8 +90,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
             train_step(rt, model, optimizer, F.cross_entropy, batch, settings)
             return global_batch
         close, queue = None, 0
-    devices = ([torch.device("cuda", i) for i in range(task.gpus)] if strategy == "dp"
-               else [rt.device])
+    devices = rt.strategy.devices
     wrapped = getattr(model, "_orig_mod", model)  # the strategy's wrapper, not torch.compile's
     add_comm_hook(task, wrapped)
     info = {"precision": rt.precision.kind, "strategy": rt.strategy.describe(),
@@ -117,10 +118,9 @@ def add_comm_hook(task: Task, model: torch.nn.Module) -> None:
 def build(task: Task, accelerator: str) -> Prepared:
     from multigpu.bench.peers import BUILDERS
 
-    strategies = {"multigpu-single": "single", "multigpu-dp": "dp", "multigpu-ddp": "ddp"}
     method = base_method(task.method)  # multigpu-ddp:static is multigpu-ddp with other options
-    if method in strategies:
-        return build_multigpu(task, accelerator, strategies[method])
+    if method.startswith(OURS_PREFIX):
+        return build_multigpu(task, accelerator, method.removeprefix(OURS_PREFIX))
     return BUILDERS[task.method](task, accelerator)
 
 
@@ -128,7 +128,7 @@ def task_devices(task: Task, accelerator: str) -> list[torch.device]:
     """The devices a task will use, known before it is built (to reset their memory counters)."""
     if accelerator != "cuda":
         return [torch.device("cpu")]
-    if task.method == "multigpu-dp":
+    if task.method in OURS and strategy_of(task.method).one_process:  # dp: every GPU it drives
         return [torch.device("cuda", i) for i in range(task.gpus)]
     return [torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))]
 

@@ -11,7 +11,7 @@ import shlex
 import signal
 import sys
 
-from multigpu.bench.spec import DDP_VARIANTS, METHODS
+from multigpu.bench.spec import DDP_VARIANTS, DEFAULT_METHODS, METHODS
 from multigpu.compiling import MODES as COMPILE_MODES
 from multigpu.model_names import MODEL_NAMES
 
@@ -50,8 +50,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     a("--gpus", default="auto", metavar="N[,N...]",
       help="GPU counts to measure (CPU processes with --devices cpu:N); default 1,2,4,... up to all")
     variants = ", ".join(f"{name} ({v.about})" for name, v in DDP_VARIANTS.items())
-    a("--methods", default=",".join(METHODS), metavar="M[,M...]",
-      help=f"any of {','.join(METHODS)} (default all; peers not installed are skipped), and "
+    a("--methods", default=",".join(DEFAULT_METHODS), metavar="M[,M...]",
+      help=f"any of {','.join(METHODS)} (default all but multigpu-fsdp; peers not installed are "
+           f"skipped), and "
            f"multigpu-ddp:VARIANT, multigpu-ddp with one DDP setting changed, timed in turns with "
            f"it: {variants}")
     a("--data", default="synthetic", metavar="KIND[,KIND]",

@@ -48,9 +48,6 @@ class Strategy(ABC):
     def use_precision(self, kind: str) -> None:
         """Told the run's precision ("fp32", "bf16", "fp16") before the model is set up."""
 
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
-        """The fp16 loss scaler; a sharding strategy's must agree on skipped steps across ranks."""
-        return torch.amp.GradScaler(device.type)
 
     @property
     def device(self) -> torch.device:
@@ -58,8 +55,13 @@ class Strategy(ABC):
         return self.env.device
 
     @property
+    def devices(self) -> list[torch.device]:
+        """Every device this process computes on (DataParallel: each of its GPUs)."""
+        return [self.device]
+
+    @property
     def devices_per_process(self) -> int:
-        return 1
+        return len(self.devices)
 
     @abstractmethod
     def setup_module(self, model: nn.Module) -> nn.Module:

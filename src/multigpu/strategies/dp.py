@@ -52,8 +52,8 @@ class DataParallel(Strategy):
         return torch.device("cuda", self.device_ids[0])
 
     @property
-    def devices_per_process(self) -> int:
-        return len(self.device_ids)
+    def devices(self) -> list[torch.device]:
+        return [torch.device("cuda", i) for i in self.device_ids]
 
     def setup_module(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)  # trap 1: weights in place on device_ids[0] first

@@ -15,8 +15,10 @@ gradients reduce-scattered after the backward: about 1.5x the traffic of DDP's a
 - Precision: with bf16/fp16, parameters are gathered and computed in that dtype and gradients
   reduced in fp32 (FSDP2's MixedPrecisionPolicy). A model with BatchNorm keeps fp32 parameters:
   autocast computes in the low dtype and the running statistics stay exact.
-- fp16 loss scaling agrees across ranks on a skipped step (ShardedGradScaler: each rank sees
-  only its shard of the gradients).
+- fp16 loss scaling agrees across ranks on a skipped step: torch's GradScaler, whose inf/NaN check
+  on sharded gradients (DTensors) is reduced over every rank by DTensor itself. (FSDP1's
+  ShardedGradScaler keeps its flag in a shape that CUDA's fused AdamW refuses: "output with shape
+  [] doesn't match the broadcast shape [1]", torch 2.11 on an H100.)
 - Checkpoints hold the whole model and the optimizer state numbered as torch numbers it, like
   every other strategy's (gathered onto rank 0 with torch.distributed.checkpoint's state-dict
   functions), so they resume under ddp, single or fsdp on any number of processes.
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from multigpu.distributed import DistEnv
@@ -60,6 +63,7 @@ class FSDP(Strategy):
         self.precision = "fp32"
         self.units: list[str] = []          # module paths sharded as units, set by setup_module
         self.param_dtype: torch.dtype | None = None
+        self.sharded = False                # set by setup_module: a process group to shard over
 
     @classmethod
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
@@ -69,15 +73,9 @@ class FSDP(Strategy):
     def use_precision(self, kind: str) -> None:
         self.precision = kind
 
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
-        if not self.env.is_distributed:
-            return super().grad_scaler(device)
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler(device.type)
-
     def setup_module(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
-        if not self.env.is_distributed:  # fsdp asked for in one process: nothing to shard
+        if not dist.is_initialized():  # one process without a group: nothing to shard over
             return model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -87,7 +85,7 @@ class FSDP(Strategy):
         self.param_dtype = None if has_bn else _LOW.get(self.precision)
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype,
                                       reduce_dtype=torch.float32 if self.param_dtype else None)
-        mesh = init_device_mesh(self.device.type, (self.env.world_size,))
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         units = shard_units(model, self.options)
         names = {id(m): n for n, m in model.named_modules()}
         self.units = [names[id(u)] for u in units]
@@ -96,6 +94,7 @@ class FSDP(Strategy):
                         reshard_after_forward=self.options.reshard_after_forward)
         # The root's parameters are used last in backward and first in forward: keep them.
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        self.sharded = True
         return model
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
@@ -105,30 +104,31 @@ class FSDP(Strategy):
 
     # --- checkpoints: the whole state, on rank 0 --------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict:
-        if not self.env.is_distributed:
+        if not self.sharded:
             return super().model_state_dict(model)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return get_model_state_dict(self.unwrap(model), options=_full(gather=True))
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        if not self.env.is_distributed:
+        if not self.sharded:
             return super().optimizer_state_dict(model, optimizer)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         named = get_optimizer_state_dict(self.unwrap(model), optimizer, options=_full(gather=True))
         return numbered_optimizer_state(named) if named else {}
 
     def load_model_state(self, model: nn.Module, state: dict) -> None:
-        if not self.env.is_distributed:
+        if not self.sharded:
             return super().load_model_state(model, state)
         from multigpu.checkpoint import match_keys
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
         inner = self.unwrap(model)
-        set_model_state_dict(inner, match_keys(inner.state_dict().keys(), state),
+        # a copy: torch puts the shards it cuts into the dict it is given
+        set_model_state_dict(inner, dict(match_keys(inner.state_dict().keys(), state)),
                              options=_full(gather=False))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                              state: dict) -> None:
-        if not self.env.is_distributed:
+        if not self.sharded:
             return super().load_optimizer_state(model, optimizer, state)
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         if model is None:
@@ -141,11 +141,12 @@ class FSDP(Strategy):
                                  options=_full(gather=False))
 
     def describe(self) -> str:
-        if not self.env.is_distributed:
+        if not self.sharded:
             return "fsdp (one process: nothing to shard)"
         dtype = {torch.bfloat16: ", bf16 parameters", torch.float16: ", fp16 parameters"}
-        return (f"fsdp ({self.env.world_size} processes, {self.env.backend}, "
-                f"{len(self.units) + 1} shard units{dtype.get(self.param_dtype, '')})")
+        n, units = dist.get_world_size(), len(self.units) + 1
+        return (f"fsdp ({n} process{'es' if n > 1 else ''}, {dist.get_backend()}, {units} shard "
+                f"unit{'s' if units > 1 else ''}{dtype.get(self.param_dtype, '')})")
 
 
 def shard_units(model: nn.Module, options: FSDPOptions) -> list[nn.Module]:
@@ -194,5 +195,5 @@ def numbered_optimizer_state(named: dict) -> dict:
 def named_optimizer_state(numbered: dict, order: list[str]) -> dict:
     """The inverse of `numbered_optimizer_state`, given the parameter names in optimizer order."""
     groups = [{**g, "params": [order[i] for i in g["params"]]} for g in numbered["param_groups"]]
-    return {"state": {order[int(i)]: v for i, v in numbered["state"].items()},
-            "param_groups": groups}
+    return {"state": {order[int(i)]: dict(v) for i, v in numbered["state"].items()},
+            "param_groups": groups}  # new dicts throughout: torch puts shards into them

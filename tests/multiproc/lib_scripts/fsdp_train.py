@@ -25,12 +25,13 @@ parser.add_argument("epochs", type=int)
 parser.add_argument("out")
 parser.add_argument("--resume")
 parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--accelerator", default="cpu")
 parser.add_argument("--optimizer-first", action="store_true",
                     help="build the optimizer before prepare(), as a DDP script does")
 args = parser.parse_args()
 
 
-rt = multigpu.setup(args.strategy, accelerator="cpu", seed=0, accumulate=args.accumulate,
+rt = multigpu.setup(args.strategy, accelerator=args.accelerator, seed=0, accumulate=args.accumulate,
                     options=FSDPOptions(min_params=100))
 g = torch.Generator().manual_seed(3)
 data = TensorDataset(torch.randn(44, 6, generator=g), torch.randint(0, 3, (44,), generator=g))

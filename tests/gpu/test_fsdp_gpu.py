@@ -1,0 +1,83 @@
+"""GPU tier for --strategy fsdp (FSDP2).
+
+One GPU: the NCCL/CUDA path on a one-rank mesh (bf16 with BatchNorm, fp16 with the sharded
+scaler, fused AdamW on sharded parameters, save and load). Two GPUs: the same weights as ddp, a
+model whose state does not fit one GPU under ddp trains, and a run resumes on one GPU.
+
+Run:  make test-gpu   (pytest -m gpu tests/gpu)
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc.conftest import cli_env, multigpu as run_multigpu, read_metrics
+
+pytestmark = pytest.mark.gpu
+SCRIPTS = Path(__file__).parent / "scripts"
+LIB = Path(__file__).parents[1] / "multiproc" / "lib_scripts"
+one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@one_gpu
+@pytest.mark.parametrize("model, precision, param_dtype", [
+    ("resnet18", "bf16", "None"),           # BatchNorm: fp32 parameters, autocast computes in bf16
+    ("swin_t", "fp16", "torch.float16"),    # no BatchNorm: fp16 parameters, loss scaling
+])
+def test_fsdp_steps_save_and_load_on_one_gpu(model, precision, param_dtype):
+    done = subprocess.run([sys.executable, SCRIPTS / "fsdp_steps.py", model, precision],
+                          env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["units"] > 4 and result["param_dtype"] == param_dtype
+    assert result["optimizer_fused"] is True
+    assert result["last_loss"] < 0.5 * result["first_loss"]
+    assert result["skipped"] < 5
+    assert result["same_weights_after_load"] and result["same_optimizer_after_load"]
+    assert result["eval_loss_reloaded"] == result["eval_loss"]
+
+
+@two_gpus
+def test_fsdp_on_two_gpus_ends_with_the_weights_of_ddp(tmp_path):
+    states = {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / f"{strategy}.pt"
+        proc = run_multigpu("run", "--devices", "2", "--log-dir", tmp_path / strategy,
+                            LIB / "fsdp_train.py", strategy, 2, out, "--accelerator", "cuda")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        states[strategy] = torch.load(out, weights_only=True)["model"]
+    for key, value in states["ddp"].items():
+        assert torch.allclose(value, states["fsdp"][key], rtol=1e-4, atol=1e-5), key
+
+
+@two_gpus
+def test_a_model_whose_state_exceeds_one_gpu_trains_under_fsdp_on_two(tmp_path):
+    proc = run_multigpu("run", "--devices", "2", "--log-dir", tmp_path, SCRIPTS / "fsdp_big.py",
+                        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["ddp_state_gib"] > result["gpu_gib"]  # ddp would need more than the GPU has
+    assert max(result["peak_gib_per_gpu"]) < 0.9 * result["gpu_gib"]
+    assert all(l == l for l in result["losses"])  # finite
+
+
+@two_gpus
+def test_train_resnet50_under_fsdp_on_two_gpus_then_resume_on_one(tmp_path):
+    common = ["--model", "resnet50", "--data", "synthetic:2048", "--image-size", "64",
+              "--batch-size", "64", "--precision", "bf16"]
+    out = tmp_path / "run"
+    proc = run_multigpu("train", *common, "--epochs", "1", "--devices", "2", "--strategy", "fsdp",
+                        "--out", out, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "fsdp (2 processes, nccl, 14 shard units)" in proc.stdout
+    proc = run_multigpu("train", *common, "--epochs", "2", "--devices", "1", "--resume", out,
+                        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "saved by 2 x fsdp" in proc.stdout
+    assert [r["train_samples"] for r in read_metrics(out)] == [2048, 2048]
