@@ -99,6 +99,24 @@ def match_optimizer_layout(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
+def numbered_optimizer_state(named: dict) -> dict:
+    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) in
+    `optimizer.state_dict()`'s layout: parameters numbered 0, 1, ... across the groups in order."""
+    number: dict[str, int] = {}
+    groups = []
+    for group in named["param_groups"]:
+        ids = [number.setdefault(name, len(number)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {number[k]: v for k, v in named["state"].items()}, "param_groups": groups}
+
+
+def named_optimizer_state(numbered: dict, order: list[str]) -> dict:
+    """The inverse of `numbered_optimizer_state`, given the parameter names in optimizer order."""
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in numbered["param_groups"]]
+    return {"state": {order[int(i)]: dict(v) for i, v in numbered["state"].items()},
+            "param_groups": groups}  # new dicts throughout: torch puts shards into them
+
+
 class CheckpointError(UsageError):
     """A checkpoint that cannot be read: missing, truncated, corrupt, or refused as unsafe."""
 

@@ -2,6 +2,8 @@
 
     checkpoints/
         step-000001200.pt     the --keep newest checkpoints, named by the run's step count
+        step-000001200.shards/  with a sharding strategy: every rank's part of the model and
+                              optimizer state, which the step file leaves out (sharded_checkpoint)
         last.pt               the newest one (a second name of the same file: no bytes copied)
         best.pt               the one with the best validation score so far
         manifest.json         every complete checkpoint: file, size, SHA-256, where the run stood
@@ -26,6 +28,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,8 +36,10 @@ from typing import Callable
 
 import torch
 
-from multigpu import checkpoint, fileio
+from multigpu import checkpoint, fileio, sharded_checkpoint
 from multigpu.errors import UsageError
+from multigpu.sharded_checkpoint import SUFFIX as SHARDS_SUFFIX
+from multigpu.sharded_checkpoint import shards_name
 
 MANIFEST = "manifest.json"
 LAST, BEST = "last.pt", "best.pt"
@@ -167,9 +172,21 @@ class CheckpointStore:
         if best:
             fileio.atomic_link(path, self.folder / BEST)
         fileio.atomic_link(path, self.folder / LAST)
-        for old in listed[:len(listed) + 1 - len(kept)]:
+        removed = listed[:len(listed) + 1 - len(kept)]
+        for old in removed:
             (self.folder / old.file).unlink(missing_ok=True)
+        self._remove_shards([e.global_step for e in removed], kept, best_entry, manifest.get("best"))
         return path
+
+    def _remove_shards(self, removed: list[int], kept: list[Entry], best: dict | None,
+                       old_best: dict | None) -> None:
+        """The shard folders of checkpoints just dropped (from the list or as best.pt) that no
+        kept checkpoint and no best.pt needs. Only those: a newer step's folder may be being
+        written beside this (the next save's shards are written while this one finishes)."""
+        needed = {e.global_step for e in kept} | {b["global_step"] for b in (best,) if b}
+        dropped = set(removed) | {b["global_step"] for b in (old_best,) if b}
+        for step in dropped - needed:
+            shutil.rmtree(self.folder / shards_name(step_file_name(step)), ignore_errors=True)
 
     def _repair_links(self) -> None:
         """last.pt and best.pt name what the manifest says (a crash between the manifest and the
@@ -188,8 +205,14 @@ class CheckpointStore:
         if manifest is None and any(_STEP_FILE.fullmatch(p.name) for p in self.folder.iterdir()):
             return  # no manifest to tell complete from incomplete: remove nothing
         listed = {e["file"] for e in (manifest or {}).get("checkpoints", [])}
+        best = (manifest or {}).get("best")
+        needed = {shards_name(f) for f in listed} | (
+            {shards_name(step_file_name(best["global_step"]))} if best else set())
         for p in self.folder.iterdir():
-            if fileio.is_temp_name(p.name) or (_STEP_FILE.fullmatch(p.name) and p.name not in listed):
+            if p.is_dir() and (fileio.is_temp_name(p.name) or (
+                    p.name.endswith(SHARDS_SUFFIX) and p.name not in needed)):
+                shutil.rmtree(p, ignore_errors=True)
+            elif fileio.is_temp_name(p.name) or (_STEP_FILE.fullmatch(p.name) and p.name not in listed):
                 with contextlib.suppress(OSError):
                     p.unlink()
 
@@ -207,4 +230,8 @@ def verify_and_load(path: Path, entry: Entry | None) -> dict:
         if fileio.sha256_file(path) != entry.sha256:
             raise checkpoint.CheckpointError("its SHA-256 differs from the manifest's: the file "
                                              "was changed or corrupted after it was written")
-    return checkpoint.load(path)
+    state = checkpoint.load(path)
+    shards = sharded_checkpoint.folder_of(state, path.parent)
+    if shards is not None:
+        sharded_checkpoint.verify(shards, state["shards"]["files"])
+    return state

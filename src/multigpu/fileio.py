@@ -40,6 +40,7 @@ def _umask() -> int:
 
 
 FILE_MODE = 0o666 & ~_umask()  # read once, on the importing (main) thread
+DIR_MODE = 0o777 & ~_umask()
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -93,28 +93,30 @@ def _find(out: Path, resume: str | None, keep: int,
     return ResumePoint(state, str(path), in_place=_same(folder, out))
 
 
-def load_source(resume: str, warn: Callable[[str], None] = lambda _: None) -> tuple[dict, Path]:
+def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
+                flag: str = "--resume") -> tuple[dict, Path]:
     """The checkpoint --resume names (a file, or a run folder's newest readable one), loaded; a
-    one-line UsageError when there is none. The CLI calls it before it makes a run folder."""
+    one-line UsageError when there is none. The CLI calls it before it makes a run folder.
+    `flag`: how the messages name the argument."""
     path = Path(resume)
     if path.is_dir():
         store = CheckpointStore(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
         found = store.load_newest(warn) if store.has_checkpoints() else None
         if not found:
-            raise UsageError(f"--resume {resume}: no checkpoint there (expected a .pt file, or a "
+            raise UsageError(f"{flag} {resume}: no checkpoint there (expected a .pt file, or a "
                              "run folder with checkpoints/)")
         return found
     if not path.is_file():
-        raise missing_resume(resume)
+        raise missing_resume(resume, flag)
     listed = {e.file: e for e in CheckpointStore(path.parent).entries()}
     try:
         return verify_and_load(path, listed.get(path.name)), path
     except checkpoint.CheckpointError as exc:
-        raise checkpoint.CheckpointError(f"--resume {exc}") from None
+        raise checkpoint.CheckpointError(f"{flag} {exc}") from None
 
 
-def missing_resume(resume: str) -> UsageError:
-    return UsageError(f"--resume {resume}: no checkpoint there (no such file or folder); give a "
+def missing_resume(resume: str, flag: str = "--resume") -> UsageError:
+    return UsageError(f"{flag} {resume}: no checkpoint there (no such file or folder); give a "
                       "checkpoint file or a run folder")
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import checkpoint
+from multigpu import checkpoint, sharded_checkpoint
 from multigpu import loggers as run_loggers
 from multigpu.data import StepInfo
 from multigpu.loaders import shard_loader
@@ -342,12 +342,15 @@ class Runtime:
         if error:
             raise (UsageError if error[0] else RuntimeError)(error[1])
 
-    def checkpoint_state(self, model: nn.Module, optimizer=None, scheduler=None, **extra) -> dict | None:
+    def checkpoint_state(self, model: nn.Module, optimizer=None, scheduler=None, *,
+                         weights: bool = True, **extra) -> dict | None:
         """Collective (every rank's RNG is gathered). On rank 0 the checkpoint as a dict, its
-        tensors where they live (copy them before training goes on); None on the other ranks."""
+        tensors where they live (copy them before training goes on); None on the other ranks.
+        weights=False leaves the model's and optimizer's state out (saved sharded beside it)."""
         rng = self.env.all_gather_object(checkpoint.rng_state())
-        model_state = self.strategy.model_state_dict(model)  # collective under fsdp
-        optimizer_state = self.strategy.optimizer_state_dict(model, optimizer) if optimizer else None
+        model_state = self.strategy.model_state_dict(model) if weights else None  # collective
+        optimizer_state = (self.strategy.optimizer_state_dict(model, optimizer)
+                           if weights and optimizer else None)
         if not self.env.is_main:
             return None
         checkpoint.check_loadable(extra)
@@ -364,23 +367,33 @@ class Runtime:
         }
 
     def load(self, path: str | Path | dict, *, model: nn.Module | None = None, optimizer=None,
-             scheduler=None) -> dict:
+             scheduler=None, shards_dir: str | Path | None = None) -> dict:
         """Restore what `save` wrote (from any strategy), from a file or an already loaded
         checkpoint dict; returns the whole checkpoint dict.
 
         Call it on every rank. The file is read with `weights_only=True` (no pickled code runs);
         one that is missing, truncated or not a checkpoint raises CheckpointError (a UsageError)
         naming the cause. The model may be wrapped or bare, and saved from another strategy or
-        world size; each rank gets back its RNG streams when the world size is the same.
+        world size; each rank gets back its RNG streams when the world size is the same. A
+        checkpoint of `multigpu train --strategy fsdp` keeps its model and optimizer state in a
+        folder of shards beside the file (found from the file; give `shards_dir` with a dict),
+        read into the prepared model and optimizer whatever their strategy and world size.
 
             state = rt.load("checkpoints/last.pt", model=model, optimizer=optimizer)
             start_epoch = state["epoch"] + 1
         """
         state = path if isinstance(path, dict) else checkpoint.load(path)
-        if model is not None:
-            self.strategy.load_model_state(model, state["model"])
-        if optimizer is not None and state.get("optimizer"):
-            self.strategy.load_optimizer_state(model, optimizer, state["optimizer"])
+        # torch.distributed.checkpoint's loaders step the optimizer once, with no gradients, to
+        # create its state: not a user's optimizer.step() around the runtime
+        with self._bypass.stepping():
+            if state.get("shards"):  # written sharded (multigpu train under fsdp)
+                self._load_shards(state, path, shards_dir, model, optimizer)
+            else:
+                if model is not None:
+                    self.strategy.load_model_state(model, state["model"])
+                if optimizer is not None and state.get("optimizer"):
+                    self.strategy.load_optimizer_state(model, optimizer, state["optimizer"])
+        if optimizer is not None:
             checkpoint.match_optimizer_layout(optimizer)
         if scheduler is not None and state.get("scheduler"):
             scheduler.load_state_dict(state["scheduler"])
@@ -390,6 +403,19 @@ class Runtime:
         if len(rng) == self.env.world_size:  # same layout: every rank resumes its own streams
             checkpoint.set_rng_state(rng[self.env.rank])
         return state
+
+
+    def _load_shards(self, state: dict, path, shards_dir, model, optimizer) -> None:
+        if model is None:
+            raise UsageError("this checkpoint was saved sharded; load(model=...) reads it into "
+                             "the prepared model (and optimizer)")
+        if shards_dir is None:
+            if isinstance(path, dict):
+                raise UsageError("this checkpoint was saved sharded: give load() its file, or "
+                                 "shards_dir= the folder its shards are in")
+            shards_dir = sharded_checkpoint.folder_of(state, Path(path).parent)
+        sharded_checkpoint.verify(Path(shards_dir), state["shards"]["files"])
+        sharded_checkpoint.load(Path(shards_dir), self.strategy.unwrap(model), optimizer)
 
 
 def _warn_eval_with_grad(module: nn.Module, _args) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from multigpu import batchfit, console, runfolder, watchdog
+from multigpu import batchfit, console, runfolder, sharded_checkpoint, watchdog
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore, step_file_name
 from multigpu.checkpoint_writer import BackgroundWriter
@@ -36,6 +36,7 @@ from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
+from multigpu.sharded_checkpoint import shards_name
 from multigpu.training import (Job, build_job, ddp_options, learning_rate, oom_message,
                                reserve_out, resolved_config)
 
@@ -130,7 +131,8 @@ def make_deterministic() -> None:
 
 def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Path) -> RunState:
     run = point.run
-    rt.load(point.state, model=job.model, optimizer=job.optimizer, scheduler=job.scheduler)
+    rt.load(point.state, model=job.model, optimizer=job.optimizer, scheduler=job.scheduler,
+            shards_dir=sharded_checkpoint.folder_of(point.state, Path(point.path).parent))
     if len(run.rng) != rt.world_size:  # another layout: fresh streams, not those of step 0 again
         seed_everything(sample_seed(cfg.seed, run.global_step, rt.rank))
     if rt.is_main and point.in_place:
@@ -297,12 +299,14 @@ class Checkpointer:
 
     def save(self, run: RunState, *, metrics: dict | None, best: bool, wait: bool = False) -> Path:
         job = self.job
-        state = self.rt.checkpoint_state(job.model, job.optimizer, job.scheduler,
-                                         **run.to_checkpoint(), metrics=metrics, config=self.config)
         path = self.store.folder / step_file_name(run.global_step)
+        began = time.perf_counter()
+        shards = self._save_shards(path) if self.rt.strategy.sharded_state else {}
+        state = self.rt.checkpoint_state(job.model, job.optimizer, job.scheduler,
+                                         weights=not shards, **shards, **run.to_checkpoint(),
+                                         metrics=metrics, config=self.config)
         error = None
         if self.writer is not None:
-            began = time.perf_counter()
             try:
                 self.writer.save(state, lambda s: self.store.write(
                     s, global_step=run.global_step, run=run.summary(), best=best))
@@ -314,6 +318,18 @@ class Checkpointer:
         self._raise_everywhere(error)
         self.last_path = path
         return path
+
+    def _save_shards(self, path: Path) -> dict:
+        """Every rank writes its part of the model and optimizer state beside the step file
+        (sharded_checkpoint.py); {"shards": what the step file records} for the step file."""
+        error, shards = None, None
+        try:
+            shards = sharded_checkpoint.save(self.rt.env, path.with_name(shards_name(path.name)),
+                                             self.job.model, self.job.optimizer)
+        except Exception as exc:  # DCP raises on every rank when one rank's write failed
+            error = self._failure(exc)
+        self._raise_everywhere(error)
+        return {"shards": shards}
 
     @property
     def failed(self) -> bool:

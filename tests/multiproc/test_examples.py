@@ -47,3 +47,21 @@ def test_timeseries_forecaster_beats_persistence(tmp_path):
     windows, model_mse, persistence = int(m[1]), float(m[2]), float(m[3])
     assert windows == 800 - 640 + 48 - 48 - 6 + 1  # the last 20%, cut into 48-in, 6-out windows
     assert model_mse < persistence / 2
+
+
+def test_converted_fsdp2_example_learns_saves_and_resumes_on_another_process_count(tmp_path):
+    ckpt = tmp_path / "lm.pt"
+    out = run_example("fsdp_transformer.py", "--steps", "40", "--save", ckpt,
+                      log_dir=tmp_path / "logs")
+    assert "strategy: fsdp (2 processes, gloo, 7 shard units)" in out  # 6 blocks + the root
+    losses = [float(v) for v in re.findall(r"step \d+: loss ([\d.]+)", out)]
+    assert len(losses) == 4 and losses[-1] < 0.2 < 3 < losses[0]  # ln 512 = 6.2 at chance
+    proc = multigpu("run", "--devices", "cpu:3", "--log-dir", tmp_path / "logs3",
+                    EXAMPLES / "fsdp_transformer.py", "--steps", "10", "--resume", ckpt,
+                    "--save", tmp_path / "lm3.pt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {ckpt} after step 40" in proc.stdout and "step 50: loss" in proc.stdout
+    assert "warning" not in proc.stderr
+    state = torch.load(tmp_path / "lm3.pt", weights_only=True)
+    assert state["steps_done"] == 50 and state["world_size"] == 3
+    assert len([k for k in state["model"] if k.startswith("layers.")]) == 6 * 12

@@ -266,3 +266,39 @@ def test_a_full_disk_stops_the_run_with_one_clear_line_and_the_checkpoints_stay_
     assert store.entries() == before
     state, _ = store.load_newest(lambda w: pytest.fail(w))
     assert state["run"]["epoch"] == 4
+
+
+@pytest.fixture(scope="module")
+def reference_fsdp(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "uninterrupted-fsdp"
+    proc = multigpu("train", *ARGS, "--devices", "cpu:2", "--strategy", "fsdp", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_epochs(out)
+    return out
+
+
+def exported_weights(out: Path) -> dict:
+    """The model of a run's newest checkpoint, its shards gathered by `multigpu export`."""
+    proc = multigpu("export", out, "--out", out / "exported.pt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "exported.pt", weights_only=True)["model"]
+
+
+def test_kill_9_of_a_worker_under_fsdp_restarts_from_the_shards_and_ends_equal(reference_fsdp, tmp_path):
+    # every rank writes its own shards: a kill at a random moment may fall inside that write
+    out = tmp_path / "killed"
+    rng = random.Random(5)
+    proc = start(out, "--strategy", "fsdp", "--max-restarts", "3")
+    victims = wait_for_new_workers(proc, set())
+    step = wait_for_checkpoint(out, proc)
+    delay = rng.uniform(0.0, 1.5)
+    time.sleep(delay)
+    rng.choice(victims).kill()
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("resumed from") == 1, (step, delay, stdout[-2000:])
+    check_epochs(out)
+    assert not list((out / "checkpoints").glob(".*.tmp")), "no temporary shard folder left"
+    a, b = exported_weights(reference_fsdp), exported_weights(out)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert a.keys() == b.keys() and not different, f"kill after step {step} +{delay:.2f} s"

@@ -3,10 +3,14 @@ ddp, checkpoints that move between strategies and process counts unchanged, an o
 the replaced parameters refused, and `multigpu train` resuming inside an epoch on 3 processes."""
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+from multigpu.checkpoint_store import CheckpointStore
 
 from .conftest import multigpu, read_metrics
 
@@ -106,29 +110,82 @@ def test_fsdp_accumulates_like_ddp(tmp_path):
 
 
 TRAIN = ["--model", "mlp", "--data", "synthetic:1200", "--epochs", "2", "--batch-size", "16",
-         "--workers", "0", "--checkpoint-every", "10", "--deterministic"]
+         "--workers", "0", "--checkpoint-every", "10", "--keep", "2", "--deterministic"]
 
 
-def test_train_with_fsdp_matches_ddp_and_resumes_inside_an_epoch_on_3_processes(tmp_path):
-    runs = {}
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`multigpu train` of the same job on 2 processes under ddp and under fsdp."""
+    tmp = tmp_path_factory.mktemp("train")
     for strategy in ("ddp", "fsdp"):
-        out = tmp_path / strategy
-        proc = multigpu("train", *TRAIN, "--devices", "cpu:2", "--strategy", strategy, "--out", out)
+        proc = multigpu("train", *TRAIN, "--devices", "cpu:2", "--strategy", strategy,
+                        "--out", tmp / strategy)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[strategy] = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
-    assert json.loads((tmp_path / "fsdp" / "config.json").read_text())["strategy"] == "fsdp"
-    assert_close(runs["ddp"], runs["fsdp"], exact=False)
-    from multigpu.checkpoint_store import CheckpointStore
-    inside = [e for e in CheckpointStore(tmp_path / "fsdp" / "checkpoints").entries()
+    return tmp
+
+
+def test_train_with_fsdp_saves_shards_beside_small_step_files_and_keeps_only_what_is_listed(runs):
+    folder = runs / "fsdp" / "checkpoints"
+    entries = CheckpointStore(folder).entries()
+    assert len(entries) == 2  # --keep 2
+    best = CheckpointStore(folder).best_entry().global_step
+    steps = {e.global_step for e in entries} | {best}
+    assert sorted(p.name for p in folder.glob("*.shards")) == sorted(
+        f"step-{s:09d}.shards" for s in steps)
+    for entry in entries:
+        state = torch.load(folder / entry.file, weights_only=True)
+        assert state["model"] is None and state["optimizer"] is None
+        assert set(state["shards"]["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert json.loads((runs / "fsdp" / "config.json").read_text())["strategy"] == "fsdp"
+
+
+def test_export_makes_one_file_with_the_weights_of_ddp_and_never_replaces_one(runs, tmp_path):
+    out = tmp_path / "fsdp.pt"
+    proc = multigpu("export", runs / "fsdp", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{out}: the model (" in proc.stdout
+    exported = torch.load(out, weights_only=True)
+    ddp = torch.load(runs / "ddp" / "checkpoints" / "last.pt", weights_only=True)
+    assert "shards" not in exported and exported["step"] == ddp["step"]
+    assert_close(ddp, exported, exact=False)
+    again = multigpu("export", runs / "fsdp", "--out", out)
+    assert again.returncode == 2
+    assert f"{out} already exists; multigpu does not replace your files" in again.stderr
+    assert "Traceback" not in again.stderr
+
+
+@pytest.mark.parametrize("devices, strategy", [("cpu:3", "fsdp"), ("cpu:2", "ddp")])
+def test_a_sharded_checkpoint_resumes_inside_an_epoch_on_3_processes_and_under_ddp(
+        runs, tmp_path, devices, strategy):
+    inside = [e for e in CheckpointStore(runs / "fsdp" / "checkpoints").entries()
               if e.run["position"]]
     entry = inside[-1]
     out = tmp_path / "resumed"
-    proc = multigpu("train", *TRAIN, "--devices", "cpu:3", "--strategy", "fsdp", "--out", out,
-                    "--resume", tmp_path / "fsdp" / "checkpoints" / entry.file)
+    proc = multigpu("train", *TRAIN, "--devices", devices, "--strategy", strategy, "--out", out,
+                    "--resume", runs / "fsdp" / "checkpoints" / entry.file)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "saved by 2 x fsdp" in proc.stdout
     assert f"{entry.run['position']} of 1200 samples in" in proc.stdout
+    assert "warning" not in proc.stderr  # torch's loaders step the optimizer: not a bypass
     assert [(r["epoch"], r["train_samples"]) for r in read_metrics(out)] == [(2, 1200)]
+
+
+def test_a_truncated_shard_is_reported_and_the_checkpoint_before_it_used(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs / "fsdp", run)
+    folder = run / "checkpoints"
+    newest, before = CheckpointStore(folder).entries()[::-1]
+    shard = folder / f"step-{newest.global_step:09d}.shards" / "__1_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    three_epochs = [("3" if a == "2" and TRAIN[i - 1] == "--epochs" else a)
+                    for i, a in enumerate(TRAIN)]
+    proc = multigpu("train", *three_epochs, "--devices", "cpu:2", "--strategy", "fsdp",
+                    "--resume", run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"its shard {shard} has {size // 2} bytes, {size} when it was written: truncated or "
+            "changed); trying the one before it") in proc.stderr
+    assert f"resumed from {folder / before.file}" in proc.stdout
 
 
 def test_fp16_skips_a_step_on_every_rank_when_one_rank_s_shard_holds_an_inf(tmp_path):

@@ -30,7 +30,7 @@ def _probe(*argv: str) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["run", "--help"],
                                   ["bench", "--help"], ["gpus", "--help"], ["env", "--help"],
-                                  ["plot", "--help"]])
+                                  ["plot", "--help"], ["export", "--help"]])
 def test_help_imports_no_heavy_module(argv):
     result, _ = _probe(*argv)
     assert result == {"code": 0, "loaded": []}

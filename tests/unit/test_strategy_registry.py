@@ -11,8 +11,8 @@ from multigpu.config import add_config_arguments
 from multigpu.errors import UsageError
 from multigpu.models import build_model
 from multigpu.strategies import STRATEGIES, registry
-from multigpu.strategies.fsdp import (FSDPOptions, named_optimizer_state, numbered_optimizer_state,
-                                      shard_units)
+from multigpu.checkpoint import named_optimizer_state, numbered_optimizer_state
+from multigpu.strategies.fsdp import FSDPOptions, shard_units
 
 
 def test_every_registered_strategy_loads_its_class_under_its_name_and_is_offered_by_train():

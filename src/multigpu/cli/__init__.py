@@ -24,6 +24,7 @@ COMMANDS = {
     "env": "env",
     "bench": "bench",
     "plot": "plot",
+    "export": "export",
     "test": "selftest",
 }
 

@@ -73,6 +73,12 @@ class Strategy(ABC):
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         """Whether the next forward/backward all-reduces gradients. Single process: nothing to do."""
 
+    @property
+    def sharded_state(self) -> bool:
+        """Whether each rank holds only part of the model: its run checkpoints are then saved
+        sharded, every rank writing its own part (sharded_checkpoint.py)."""
+        return False
+
     def check_unused(self, models: list[nn.Module]) -> None:
         """After the first backward: refuse parameters without a gradient where that would fail
         later (DDP), naming them. Nothing to check in one process."""

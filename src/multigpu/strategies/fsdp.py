@@ -19,9 +19,11 @@ gradients reduce-scattered after the backward: about 1.5x the traffic of DDP's a
   on sharded gradients (DTensors) is reduced over every rank by DTensor itself. (FSDP1's
   ShardedGradScaler keeps its flag in a shape that CUDA's fused AdamW refuses: "output with shape
   [] doesn't match the broadcast shape [1]", torch 2.11 on an H100.)
-- Checkpoints hold the whole model and the optimizer state numbered as torch numbers it, like
-  every other strategy's (gathered onto rank 0 with torch.distributed.checkpoint's state-dict
-  functions), so they resume under ddp, single or fsdp on any number of processes.
+- Checkpoints: `multigpu train` saves sharded ones, each rank writing its part with
+  torch.distributed.checkpoint (sharded_checkpoint.py; `multigpu export` makes one file of one).
+  `rt.save` gathers the whole model and the optimizer state (numbered as torch numbers it) onto
+  rank 0's CPU into the usual single file. Both resume under ddp, single or fsdp, on any number
+  of processes.
 - CUDA graphs (--compile reduce-overhead) are not offered: FSDP2's collectives run outside them.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from multigpu import checkpoint
 from multigpu.distributed import DistEnv
 from multigpu.errors import UsageError
 from multigpu.strategies.base import Strategy
@@ -97,6 +100,10 @@ class FSDP(Strategy):
         self.sharded = True
         return model
 
+    @property
+    def sharded_state(self) -> bool:
+        return self.sharded
+
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         inner = self.unwrap(model)
         if hasattr(inner, "set_requires_gradient_sync"):  # an FSDPModule
@@ -114,16 +121,15 @@ class FSDP(Strategy):
             return super().optimizer_state_dict(model, optimizer)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         named = get_optimizer_state_dict(self.unwrap(model), optimizer, options=_full(gather=True))
-        return numbered_optimizer_state(named) if named else {}
+        return checkpoint.numbered_optimizer_state(named) if named else {}
 
     def load_model_state(self, model: nn.Module, state: dict) -> None:
         if not self.sharded:
             return super().load_model_state(model, state)
-        from multigpu.checkpoint import match_keys
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
         inner = self.unwrap(model)
         # a copy: torch puts the shards it cuts into the dict it is given
-        set_model_state_dict(inner, dict(match_keys(inner.state_dict().keys(), state)),
+        set_model_state_dict(inner, dict(checkpoint.match_keys(inner.state_dict().keys(), state)),
                              options=_full(gather=False))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -137,7 +143,7 @@ class FSDP(Strategy):
         inner = self.unwrap(model)
         fqn = {id(p): n for n, p in inner.named_parameters()}
         order = [fqn[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        set_optimizer_state_dict(inner, optimizer, named_optimizer_state(state, order),
+        set_optimizer_state_dict(inner, optimizer, checkpoint.named_optimizer_state(state, order),
                                  options=_full(gather=False))
 
     def describe(self) -> str:
@@ -179,21 +185,3 @@ def _full(gather: bool):
     """Whole (unsharded) state dicts; when saving, gathered onto rank 0's CPU memory only."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     return StateDictOptions(full_state_dict=True, cpu_offload=gather)
-
-
-def numbered_optimizer_state(named: dict) -> dict:
-    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) in
-    `optimizer.state_dict()`'s layout: parameters numbered 0, 1, ... across the groups in order."""
-    number: dict[str, int] = {}
-    groups = []
-    for group in named["param_groups"]:
-        ids = [number.setdefault(name, len(number)) for name in group["params"]]
-        groups.append({**group, "params": ids})
-    return {"state": {number[k]: v for k, v in named["state"].items()}, "param_groups": groups}
-
-
-def named_optimizer_state(numbered: dict, order: list[str]) -> dict:
-    """The inverse of `numbered_optimizer_state`, given the parameter names in optimizer order."""
-    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in numbered["param_groups"]]
-    return {"state": {order[int(i)]: dict(v) for i, v in numbered["state"].items()},
-            "param_groups": groups}  # new dicts throughout: torch puts shards into them

@@ -1,0 +1,59 @@
+"""`multigpu export RUN|CHECKPOINT`: one checkpoint as a single .pt file.
+
+A run of `--strategy fsdp` keeps each checkpoint's model and optimizer state in a folder of
+shards, one file per rank (torch.distributed.checkpoint). This gathers one into a single file in
+the layout every other strategy writes: `torch.load(FILE, weights_only=True)["model"]` is the
+model's state dict without wrapper prefixes, loadable into the bare nn.Module, and the file
+resumes a run with `multigpu train --resume FILE` on any device count. Runs in one process,
+without GPUs. A single-file checkpoint is copied as it is.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from multigpu.errors import UsageError
+
+EXAMPLES = """\
+examples:
+  multigpu export runs/20261125-101500-resnet50-folder            # its newest checkpoint
+  multigpu export runs/big/checkpoints/best.pt --out big-best.pt
+"""
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export", help="write a checkpoint (sharded or not) as one .pt file",
+                              description=__doc__, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="RUN|CHECKPOINT",
+                   help="a run folder (its newest readable checkpoint) or a checkpoint file")
+    p.add_argument("--out", metavar="FILE.pt",
+                   help="where the file goes (default: RUN/export/step-NNNNNNNNN.pt); an existing "
+                        "file is not replaced")
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from multigpu import checkpoint, console, sharded_checkpoint
+    from multigpu.runstate import load_source
+
+    state, path = load_source(args.source, console.warn, flag="export")  # shards verified too
+    out = Path(args.out) if args.out else _default_out(path, state)
+    if out.suffix != ".pt":
+        raise UsageError(f"--out {out}: a checkpoint file ends in .pt; give a name like model.pt")
+    if out.exists():
+        raise UsageError(f"{out} already exists; multigpu does not replace your files: choose "
+                         "another name with --out")
+    if state.get("shards"):
+        state = sharded_checkpoint.export(state, path.parent)
+    checkpoint.atomic_save(state, out)
+    params = sum(t.numel() for t in state["model"].values())
+    print(f"{out}: the model ({params:,} values in {len(state['model'])} tensors), the optimizer "
+          f"and the run's state from {path}; torch.load(path, weights_only=True)['model'] is the "
+          "model's state dict")
+    return 0
+
+
+def _default_out(path: Path, state: dict) -> Path:
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return run / "export" / f"step-{int(state.get('step', 0)):09d}.pt"
