@@ -120,7 +120,7 @@ def _search_on_this_gpu(cfg, rt) -> tuple[int, int]:
 
     data = load_run_data(cfg)
     model = build_model(cfg.model, data.input_shape, data.num_outputs).to(rt.device)
-    optimizer = make_optimizer(cfg, model, rt.device)
+    optimizer = make_optimizer(cfg, model)
     settings = StepSettings.for_data(data.normalize, rt.device)
     loss_fn = (torch.nn.functional.cross_entropy if data.task == "classification"
                else torch.nn.functional.mse_loss)

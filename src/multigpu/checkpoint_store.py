@@ -2,8 +2,9 @@
 
     checkpoints/
         step-000001200.pt     the --keep newest checkpoints, named by the run's step count
-        step-000001200.shards/  with a sharding strategy: every rank's part of the model and
-                              optimizer state, which the step file leaves out (sharded_checkpoint)
+        step-000001200.<random>.shards/  with a sharding strategy: every rank's part of the
+                              model and optimizer state, which the step file leaves out
+                              (sharded_checkpoint.py); the manifest names each entry's folder
         last.pt               the newest one (a second name of the same file: no bytes copied)
         best.pt               the one with the best validation score so far
         manifest.json         every complete checkpoint: file, size, SHA-256, where the run stood
@@ -38,8 +39,7 @@ import torch
 
 from multigpu import checkpoint, fileio, sharded_checkpoint
 from multigpu.errors import UsageError
-from multigpu.sharded_checkpoint import SUFFIX as SHARDS_SUFFIX
-from multigpu.sharded_checkpoint import shards_name
+from multigpu.sharded_checkpoint import is_shards_name
 
 MANIFEST = "manifest.json"
 LAST, BEST = "last.pt", "best.pt"
@@ -61,6 +61,7 @@ class Entry:
     global_step: int
     run: dict = field(default_factory=dict)  # where the run stood (RunState.summary())
     time: float = 0.0
+    shards: str | None = None  # its folder of shards, when the step file leaves them out
 
 
 class CheckpointStore:
@@ -161,9 +162,10 @@ class CheckpointStore:
         name = step_file_name(global_step)
         path = fileio.atomic_write(self.folder / name, lambda f: torch.save(state, f))
         entry = Entry(name, path.stat().st_size, fileio.sha256_file(path), global_step, run,
-                      round(time.time(), 3))
+                      round(time.time(), 3), (state.get("shards") or {}).get("dir"))
         manifest = self._read_manifest() or {}
         listed = [Entry(**e) for e in manifest.get("checkpoints", []) if e["file"] != name]
+        replaced = [Entry(**e) for e in manifest.get("checkpoints", []) if e["file"] == name]
         kept = (listed + [entry])[-self.keep:]
         best_entry = asdict(entry) | {"file": BEST} if best else manifest.get("best")
         fileio.atomic_write_text(self.folder / MANIFEST, json.dumps(
@@ -175,18 +177,18 @@ class CheckpointStore:
         removed = listed[:len(listed) + 1 - len(kept)]
         for old in removed:
             (self.folder / old.file).unlink(missing_ok=True)
-        self._remove_shards([e.global_step for e in removed], kept, best_entry, manifest.get("best"))
+        self._remove_shards(removed + replaced, kept, best_entry, manifest.get("best"))
         return path
 
-    def _remove_shards(self, removed: list[int], kept: list[Entry], best: dict | None,
+    def _remove_shards(self, dropped: list[Entry], kept: list[Entry], best: dict | None,
                        old_best: dict | None) -> None:
-        """The shard folders of checkpoints just dropped (from the list or as best.pt) that no
-        kept checkpoint and no best.pt needs. Only those: a newer step's folder may be being
-        written beside this (the next save's shards are written while this one finishes)."""
-        needed = {e.global_step for e in kept} | {b["global_step"] for b in (best,) if b}
-        dropped = set(removed) | {b["global_step"] for b in (old_best,) if b}
-        for step in dropped - needed:
-            shutil.rmtree(self.folder / shards_name(step_file_name(step)), ignore_errors=True)
+        """The shard folders of checkpoints just dropped (beyond --keep, written again at their
+        step, or no longer best.pt) that no kept checkpoint and no best.pt names. Only those: the
+        next save's folder may be being written beside this one."""
+        needed = {e.shards for e in kept} | {b.get("shards") for b in (best,) if b}
+        gone = {e.shards for e in dropped} | {b.get("shards") for b in (old_best,) if b}
+        for name in gone - needed - {None}:
+            shutil.rmtree(self.folder / name, ignore_errors=True)
 
     def _repair_links(self) -> None:
         """last.pt and best.pt name what the manifest says (a crash between the manifest and the
@@ -205,12 +207,11 @@ class CheckpointStore:
         if manifest is None and any(_STEP_FILE.fullmatch(p.name) for p in self.folder.iterdir()):
             return  # no manifest to tell complete from incomplete: remove nothing
         listed = {e["file"] for e in (manifest or {}).get("checkpoints", [])}
-        best = (manifest or {}).get("best")
-        needed = {shards_name(f) for f in listed} | (
-            {shards_name(step_file_name(best["global_step"]))} if best else set())
+        needed = {e.get("shards") for e in (manifest or {}).get("checkpoints", [])} | {
+            (manifest or {}).get("best", None) and manifest["best"].get("shards")}
         for p in self.folder.iterdir():
             if p.is_dir() and (fileio.is_temp_name(p.name) or (
-                    p.name.endswith(SHARDS_SUFFIX) and p.name not in needed)):
+                    is_shards_name(p.name) and p.name not in needed)):
                 shutil.rmtree(p, ignore_errors=True)
             elif fileio.is_temp_name(p.name) or (_STEP_FILE.fullmatch(p.name) and p.name not in listed):
                 with contextlib.suppress(OSError):
@@ -233,5 +234,5 @@ def verify_and_load(path: Path, entry: Entry | None) -> dict:
     state = checkpoint.load(path)
     shards = sharded_checkpoint.folder_of(state, path.parent)
     if shards is not None:
-        sharded_checkpoint.verify(shards, state["shards"]["files"])
+        sharded_checkpoint.verify(shards, state["shards"]["files"], path)
     return state

@@ -62,6 +62,12 @@ class TrainConfig:
                                    "data, else the CPU cores per GPU)")
     find_unused_parameters: bool = _f(False, "let DDP search for parameters the loss does not use "
                                              "(slower; the default reports them by name instead)")
+    fsdp_cpu_offload: bool = _f(False, "--strategy fsdp: keep the shards of parameters, gradients "
+                                       "and optimizer state in host memory (the optimizer steps "
+                                       "on the CPU): for models whose shards do not fit the GPUs")
+    activation_checkpointing: bool = _f(False, "--strategy fsdp: recompute each block's "
+                                               "activations in the backward instead of keeping "
+                                               "them (about 1/3 more compute, much less memory)")
     compile: str | None = _f(None, "torch.compile the model in MODE: default (--compile alone), "
                                    "reduce-overhead (CUDA graphs: a step's kernels launched at "
                                    "once; much faster small batches, GPUs only), max-autotune, "

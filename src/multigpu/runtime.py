@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import atexit
 import random
+import shutil
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +60,9 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
                 rank 0's initial weights to the others.
     accumulate: micro-batches per optimizer step; the all-reduce runs only on the last one.
     ddp:        DDPOptions for the DDP engine (find_unused_parameters, static_graph, ...).
-    options:    the strategy's options object by another name: DDPOptions, or FSDPOptions for
-                fsdp (shard_modules=(MyBlock,), min_params, reshard_after_forward).
+    options:    the strategy's options object: DDPOptions, or FSDPOptions for fsdp
+                (shard_modules=(MyBlock,), min_params, reshard_after_forward, cpu_offload,
+                activation_checkpointing); a tuple of several, each strategy taking its own.
     log_dir:    the folder `rt.log()` writes to (TensorBoard events, metrics.csv), on rank 0.
     loggers:    what `rt.log()` writes: any of "tensorboard", "csv", "mlflow", "wandb".
 
@@ -74,7 +77,9 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
     log_names = run_loggers.parse(loggers)
     gpu_index = devices[0] if devices else None  # dp too: its first GPU, never GPU 0 by default
     env = init_distributed(accelerator, gpu_index=gpu_index)
-    strat = make_strategy(strategy, env, device_ids=tuple(devices or ()), options=options or ddp)
+    given = options if isinstance(options, (tuple, list)) else (options,)
+    strat = make_strategy(strategy, env, device_ids=tuple(devices or ()),
+                          options=tuple(o for o in (*given, ddp) if o is not None))
     seed_everything(seed + env.rank)
     return Runtime(env, strat, make_precision(precision, strat), seed=seed, accumulate=accumulate,
                    log_to=(Path(log_dir), log_names) if log_dir is not None else None)
@@ -109,6 +114,8 @@ class Runtime:
         self.seed, self.accumulate = seed, accumulate
         self.step_info: StepInfo | None = None  # set by prepared loaders before each batch
         self._models: list[nn.Module] = []
+        self._replaced: dict[int, weakref.ref] = {}  # parameters a strategy replaced (fsdp)
+        self._stepped: set[int] = set()  # optimizers rt.step has checked
         self._unused_checked = False
         self._log_to = log_to  # (folder, logger names): setup(log_dir=, loggers=)
         self._logs = None
@@ -187,31 +194,38 @@ class Runtime:
             model, optimizer, train_loader = rt.prepare(model, optimizer, train_loader)
             model, optimizer = rt.prepare(model, lambda params: torch.optim.AdamW(params))
         """
-        out = []
-        for obj in objects:
+        # models first, so that an optimizer or a factory anywhere in the call sees them prepared
+        out = [self._prepare_model(o) if isinstance(o, nn.Module) else o for o in objects]
+        models = [(i, m) for i, m in enumerate(out) if isinstance(objects[i], nn.Module)]
+        for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
-                out.append(self._prepare_model(obj))
-            elif isinstance(obj, DataLoader):
-                out.append(self.prepare_loader(obj))
+                continue
+            if isinstance(obj, DataLoader):
+                out[i] = self.prepare_loader(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 self._check_optimizer(obj)
                 self._bypass.watch(obj)  # a direct optimizer.step() warns once
-                out.append(obj)
             elif hasattr(obj, "step"):
-                out.append(obj)
+                pass  # an LR scheduler
             elif callable(obj):
-                out.append(self._make_optimizer(obj))
+                before = [m for j, m in models if j < i]
+                after = [m for j, m in models if j > i]
+                nearest = before[-1] if before else after[0] if after else (
+                    self._models[-1] if self._models else None)
+                out[i] = self._make_optimizer(obj, nearest)
             else:
                 raise UsageError(f"prepare() got a {type(obj).__name__}; it takes models, "
                                  "optimizers (or a function that makes one), LR schedulers and "
                                  "DataLoaders")
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _make_optimizer(self, factory) -> torch.optim.Optimizer:
-        if not self._models:
-            raise UsageError("prepare() got a function to make the optimizer before any model: "
-                             "pass the model first, rt.prepare(model, make_optimizer)")
-        model = self.strategy.unwrap(self._models[-1])
+    def _make_optimizer(self, factory, model: nn.Module | None) -> torch.optim.Optimizer:
+        """`factory` called with the trainable parameters of `model` (the nearest model of the
+        prepare() call, before it first)."""
+        if model is None:
+            raise UsageError("prepare() got a function to make the optimizer but no model: "
+                             "rt.prepare(model, make_optimizer)")
+        model = self.strategy.unwrap(model)
         optimizer = factory([p for p in model.parameters() if p.requires_grad])
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError(f"the function given to prepare() returned a "
@@ -223,20 +237,24 @@ class Runtime:
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer built on parameters that the strategy replaced (fsdp shards them) would
         step tensors the model no longer uses: the run would train nothing, silently."""
-        owned = {id(p) for m in self._models for p in self.strategy.unwrap(m).parameters()}
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if owned and params and not any(id(p) in owned for p in params):
+        stale = [p for g in optimizer.param_groups for p in g["params"]
+                 if (ref := self._replaced.get(id(p))) is not None and ref() is p]
+        if stale:
             raise UsageError(
-                f"the optimizer holds none of the prepared model's parameters: strategy "
-                f"'{self.strategy.name}' replaced them when it prepared the model. Build the "
-                "optimizer after prepare() from model.parameters(), or pass prepare() a function "
-                "that makes it: rt.prepare(model, lambda params: torch.optim.AdamW(params))")
+                f"the optimizer holds {len(stale)} parameter(s) that strategy "
+                f"'{self.strategy.name}' replaced when it prepared the model: stepping them "
+                "would train nothing. Build the optimizer after prepare() from "
+                "model.parameters(), or pass prepare() a function that makes it: "
+                "rt.prepare(model, lambda params: torch.optim.AdamW(params))")
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             raise UsageError("prepare() got a model already wrapped in DataParallel/DDP; pass the "
                              "bare model and let the strategy wrap it (--strategy dp|ddp)")
+        before = list(model.parameters())
         wrapped = self.strategy.setup_module(model)
+        kept = {id(p) for p in self.strategy.unwrap(wrapped).parameters()}
+        self._replaced.update((id(p), weakref.ref(p)) for p in before if id(p) not in kept)
         wrapped.register_forward_pre_hook(_warn_eval_with_grad)
         self._models.append(wrapped)
         return wrapped
@@ -309,6 +327,9 @@ class Runtime:
         """
         if self.step_info is not None and not self.step_info.sync:
             return False
+        if id(optimizer) not in self._stepped:  # once per optimizer: one not given to prepare()
+            self._check_optimizer(optimizer)
+            self._stepped.add(id(optimizer))
         self._bypass.check_step(optimizer)  # gradients rt.backward did not make: warned once
         if clip_grad_norm is not None:
             self.precision.unscale(optimizer)  # clip the true gradients, not the scaled ones
@@ -321,21 +342,34 @@ class Runtime:
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, path: str | Path, *, model: nn.Module, optimizer=None, scheduler=None,
-             **extra) -> None:
+             sharded: bool = False, **extra) -> None:
         """Save a checkpoint. Collective: call on every rank. Rank 0 writes `path` atomically;
         all ranks then wait, and all of them raise if the write failed.
 
         The file holds the model's bare state dict (no `module.` prefix: it loads into an
         unwrapped model), the optimizer's and scheduler's state, the precision's (GradScaler),
         every rank's RNG state and the `extra` values (int, float, str, lists, dicts, tensors).
+        sharded=True (for fsdp's large models): every rank writes its own part of the model and
+        optimizer state into a folder beside `path` (torch.distributed.checkpoint) and nothing
+        is gathered onto rank 0; `path` then holds the rest and names the folder. `rt.load(path)`
+        reads it on any number of processes; `multigpu export path` makes one file of it.
 
             rt.save("checkpoints/last.pt", model=model, optimizer=optimizer, epoch=epoch)
         """
-        state = self.checkpoint_state(model, optimizer, scheduler, **extra)
+        path = Path(path)
+        shards = {}
+        if sharded:
+            shards["shards"] = sharded_checkpoint.save(self.env, path.parent, path.stem, model,
+                                                       optimizer)
+        state = self.checkpoint_state(model, optimizer, scheduler, weights=not sharded, **shards,
+                                      **extra)
         error = None
         if self.env.is_main:
             try:
+                replaced = sharded_checkpoint.folder_named_by(path)
                 checkpoint.atomic_save(checkpoint.to_cpu(state), path)
+                if replaced is not None and replaced.name != (shards.get("shards") or {}).get("dir"):
+                    shutil.rmtree(replaced, ignore_errors=True)  # the file that named it is gone
             except Exception as exc:  # tell the other ranks instead of leaving them in a barrier
                 error = (isinstance(exc, UsageError), f"saving {path} failed on rank 0: {exc}")
         error = self.env.broadcast_object(error)
@@ -414,7 +448,16 @@ class Runtime:
                 raise UsageError("this checkpoint was saved sharded: give load() its file, or "
                                  "shards_dir= the folder its shards are in")
             shards_dir = sharded_checkpoint.folder_of(state, Path(path).parent)
-        sharded_checkpoint.verify(Path(shards_dir), state["shards"]["files"])
+        error = None
+        if self.env.is_main:  # checked once; every rank then reads its part, or none does
+            try:
+                sharded_checkpoint.verify(Path(shards_dir), state["shards"]["files"],
+                                          None if isinstance(path, dict) else path)
+            except checkpoint.CheckpointError as exc:
+                error = str(exc)
+        error = self.env.broadcast_object(error)
+        if error:
+            raise checkpoint.CheckpointError(error)
         sharded_checkpoint.load(Path(shards_dir), self.strategy.unwrap(model), optimizer)
 
 

@@ -2,14 +2,18 @@
 torch.distributed.checkpoint (DCP); nothing is gathered onto one rank.
 
     checkpoints/
-        step-000000024.pt        the usual step file, without the model and optimizer tensors:
-                                 its "shards" names the folder below and the size of each file
-        step-000000024.shards/   DCP's files: .metadata and one __<rank>_0.distcp per rank
+        step-000000024.pt                 the usual step file, without the model and optimizer
+                                          tensors: its "shards" names the folder below and the
+                                          size of each of its files
+        step-000000024.5f3a9c1e.shards/   DCP's files: .metadata and one __<rank>_0.distcp per
+                                          rank; a new name for every save, never reused
 
-Writing (collective): every rank writes into one temporary folder (`.step-....shards.<random>.tmp`,
-a name the store removes as a leftover), DCP fsyncs each file and writes .metadata last; rank 0
-then renames the folder into place. The step file, written after, lists the files and their
-sizes, and the manifest lists the step file: the checkpoint is complete only then.
+Writing (collective): every rank writes into one temporary folder (`.step-....tmp`, a name the
+store removes as a leftover); DCP fsyncs each file and writes .metadata last; the ranks check
+that they all see the same files (a folder every node shares); rank 0 renames it to its new
+name. The step file, written after, lists the files and their sizes, and the manifest lists the
+step file and its folder: the checkpoint is complete only then. Folders are removed only once no
+listed checkpoint and no best.pt names them (checkpoint_store.py).
 
 Reading: on any number of processes, under any strategy, and in one process without a process
 group: DCP cuts what was saved into whatever layout the prepared model and optimizer have
@@ -19,8 +23,10 @@ into the single-file checkpoint every other strategy writes.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,35 +36,51 @@ from multigpu import checkpoint, fileio
 from multigpu.distributed import DistEnv
 
 SUFFIX = ".shards"
+NOT_SHARED = ("the ranks see different files in {folder}: the checkpoint folder must be on a "
+              "file system every node shares (NFS, Lustre, ...); give --out such a folder")
 
 
-def shards_name(step_file: str) -> str:
-    """'step-000000024.shards' for 'step-000000024.pt'."""
-    return step_file.removesuffix(".pt") + SUFFIX
+def is_shards_name(name: str) -> bool:
+    return name.endswith(SUFFIX) and not fileio.is_temp_name(name)
 
 
-def save(env: DistEnv, folder: Path, model: nn.Module, optimizer) -> dict | None:
-    """Collective: write `model`'s and `optimizer`'s state, each rank its own shards, as
-    `folder`. Returns {"dir": folder's name, "files": {name: bytes}} on rank 0, None elsewhere.
-    A folder of that name already there is replaced."""
+def save(env: DistEnv, beside: Path, stem: str, model: nn.Module, optimizer) -> dict | None:
+    """Collective: write `model`'s and `optimizer`'s state, each rank its own shards, into a new
+    folder `beside/<stem>.<random>.shards` (never one that exists: a checkpoint written again at
+    the same step gets a folder of its own, and the old one stays valid until its step file is
+    replaced). Returns {"dir": the folder's name, "files": {name: bytes}} on rank 0, None
+    elsewhere. Every rank raises if any rank's part failed."""
     import torch.distributed.checkpoint as dcp
 
-    tmp = None
+    made = None
     if env.is_main:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=fileio.TEMP_SUFFIX,
-                               dir=folder.parent)
-    tmp = Path(env.broadcast_object(tmp))
+        try:
+            beside.mkdir(parents=True, exist_ok=True)
+            made = (tempfile.mkdtemp(prefix=f".{stem}.", suffix=fileio.TEMP_SUFFIX, dir=beside),
+                    f"{stem}.{secrets.token_hex(4)}{SUFFIX}")
+        except OSError as exc:
+            made = exc
+    made = env.broadcast_object(made)
+    if isinstance(made, OSError):  # every rank stops here together
+        raise made
+    tmp, name = Path(made[0]), made[1]
     try:
         dcp.save(_state(model, optimizer), checkpoint_id=tmp)  # raises on every rank if one fails
+        seen = env.all_gather_object(sorted(os.listdir(tmp)))
+        if any(names != seen[0] for names in seen):
+            raise RuntimeError(NOT_SHARED.format(folder=beside))
     except BaseException:
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if not env.is_main:
         return None
-    _replace_folder(tmp, folder)
-    return {"dir": folder.name, "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir())}}
+    folder = beside / name
+    fileio.fsync_dir(tmp)
+    os.chmod(tmp, fileio.DIR_MODE)  # mkdtemp's folder is private
+    os.replace(tmp, folder)
+    fileio.fsync_dir(beside)
+    return {"dir": name, "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir())}}
 
 
 def load(folder: Path, model: nn.Module, optimizer=None) -> None:
@@ -67,22 +89,29 @@ def load(folder: Path, model: nn.Module, optimizer=None) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=folder)
+    with warnings.catch_warnings():  # one process without a group: torch warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder)
     set_state_dict(model, optimizer or [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optimizer", {}))
 
 
-def verify(folder: Path, files: dict) -> None:
-    """CheckpointError unless every file the step file lists is in `folder`, whole."""
+def verify(folder: Path, files: dict, step_file: Path | str | None = None) -> None:
+    """CheckpointError unless every file the step file lists is in `folder`, whole; the message
+    names `step_file` (the checkpoint whose shards these are) and what to do."""
+    whose = f"{step_file} keeps its model and optimizer in {folder}, but " if step_file else ""
     for name, size in files.items():
         try:
             found = (folder / name).stat().st_size
         except OSError as exc:
-            raise checkpoint.CheckpointError(f"its shard {folder / name} cannot be read "
-                                             f"({exc.strerror or exc})") from None
+            raise checkpoint.CheckpointError(
+                f"{whose}its shard {folder / name} cannot be read ({exc.strerror or exc}); a "
+                "checkpoint file moved or copied needs its shards folder beside it (or give "
+                "the run folder)") from None
         if found != size:
-            raise checkpoint.CheckpointError(f"its shard {folder / name} has {found} bytes, "
-                                             f"{size} when it was written: truncated or changed")
+            raise checkpoint.CheckpointError(f"{whose}its shard {folder / name} has {found} "
+                                             f"bytes, {size} when it was written: truncated or "
+                                             "changed")
 
 
 def folder_of(state: dict, beside: Path) -> Path | None:
@@ -91,17 +120,31 @@ def folder_of(state: dict, beside: Path) -> Path | None:
     return beside / shards["dir"] if shards else None
 
 
-def export(state: dict, beside: Path) -> dict:
+def folder_named_by(path: Path) -> Path | None:
+    """The shards folder that the checkpoint file `path` names, if it exists and names one."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # no tensor read
+    except Exception:  # no file yet, or not ours: nothing of it to clean up
+        return None
+    folder = folder_of(state, path.parent) if isinstance(state, dict) else None
+    return folder if folder is not None and folder.is_dir() else None
+
+
+def export(state: dict, beside: Path, scratch: Path) -> dict:
     """A checkpoint with shards as the single-file kind: the whole model state under "model" and
-    the optimizer's numbered as `optimizer.state_dict()` numbers it. One process, no GPU."""
+    the optimizer's numbered as `optimizer.state_dict()` numbers it. One process, no GPU; the
+    whole state passes through a temporary file in `scratch` (where the export goes)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder = folder_of(state, beside)
     verify(folder, state["shards"]["files"])
-    with tempfile.TemporaryDirectory(dir=beside) as tmp:
-        whole = Path(tmp) / "whole.pt"
+    fd, whole = tempfile.mkstemp(prefix=".export.", suffix=fileio.TEMP_SUFFIX, dir=scratch)
+    os.close(fd)
+    try:
         dcp_to_torch_save(folder, whole)
         parts = torch.load(whole, map_location="cpu", weights_only=True)
+    finally:
+        os.unlink(whole)
     optimizer = parts.get("optimizer")
     out = {k: v for k, v in state.items() if k != "shards"}
     out["model"] = parts["model"]
@@ -117,17 +160,3 @@ def _state(model: nn.Module, optimizer) -> dict:
         return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
-
-
-def _replace_folder(tmp: Path, folder: Path) -> None:
-    """Put `tmp` in place of `folder` (renamed away first when it exists; folders cannot be
-    replaced in one rename), durably."""
-    old = None
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.{os.getpid()}.old{fileio.TEMP_SUFFIX}")
-        os.replace(folder, old)
-    os.chmod(tmp, fileio.DIR_MODE)  # mkdtemp's folder is private
-    os.replace(tmp, folder)
-    fileio.fsync_dir(folder.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -24,7 +24,7 @@ from multigpu.engine import StepSettings
 from multigpu.models import build_model, default_image_size, is_convnet, model_input_kind
 from multigpu.runstate import missing_resume
 from multigpu.runtime import Runtime
-from multigpu.strategies import DDPOptions
+from multigpu.strategies import DDPOptions, FSDPOptions
 
 IN_MEMORY_DATA = ("digits", "timeseries:")
 MAX_WORKERS = 16      # DataLoader workers per rank, at most
@@ -49,6 +49,12 @@ def reserve_out(cfg: TrainConfig, nodes_log: bool = False) -> Path:
 
 
 # --- building blocks ------------------------------------------------------------------------------
+
+def strategy_options(cfg: TrainConfig) -> tuple:
+    """The options objects of every strategy for `cfg`; the run's strategy takes its own."""
+    return ddp_options(cfg), FSDPOptions(cpu_offload=cfg.fsdp_cpu_offload,
+                                         activation_checkpointing=cfg.activation_checkpointing)
+
 
 def ddp_options(cfg: TrainConfig) -> DDPOptions:
     """The DDP settings of `multigpu train` (and of bench's multigpu-ddp). Buffers are not copied
@@ -77,11 +83,13 @@ def image_size(cfg: TrainConfig) -> int | None:
     return (cfg.image_size or default_image_size(cfg.model)) if made else cfg.image_size
 
 
-def make_optimizer(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     lr = learning_rate(cfg)
-    # Fused kernels on GPUs: one launch for all parameters instead of several per tensor.
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     params = [p for p in model.parameters() if p.requires_grad]
+    # Fused kernels for parameters on GPUs: one launch for all of them instead of several per
+    # tensor. Where they are decides, not the run's device: fsdp's CPU offload keeps them on the CPU.
+    on_gpu = bool(params) and params[0].device.type == "cuda"
+    fast = {"fused": True} if on_gpu else {"foreach": True}
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay, **fast)
     cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
@@ -154,7 +162,7 @@ def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     val_loader = make_loader(data.val, cfg.batch_size, False, workers)
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
     model = compile_prepared(cfg, rt, model)
-    optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
+    optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
     scheduler = make_scheduler(cfg, optimizer)
     return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings)
 

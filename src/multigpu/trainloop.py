@@ -36,8 +36,7 @@ from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
-from multigpu.sharded_checkpoint import shards_name
-from multigpu.training import (Job, build_job, ddp_options, learning_rate, oom_message,
+from multigpu.training import (Job, build_job, learning_rate, oom_message, strategy_options,
                                reserve_out, resolved_config)
 
 
@@ -54,7 +53,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
-               seed=cfg.seed, accumulate=cfg.accumulate, ddp=ddp_options(cfg))
+               seed=cfg.seed, accumulate=cfg.accumulate, options=strategy_options(cfg))
     console.configure(rt.is_main)
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
@@ -324,8 +323,8 @@ class Checkpointer:
         (sharded_checkpoint.py); {"shards": what the step file records} for the step file."""
         error, shards = None, None
         try:
-            shards = sharded_checkpoint.save(self.rt.env, path.with_name(shards_name(path.name)),
-                                             self.job.model, self.job.optimizer)
+            shards = sharded_checkpoint.save(self.rt.env, path.parent, path.stem, self.job.model,
+                                             self.job.optimizer)
         except Exception as exc:  # DCP raises on every rank when one rank's write failed
             error = self._failure(exc)
         self._raise_everywhere(error)

@@ -24,18 +24,23 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 
 
 @one_gpu
-@pytest.mark.parametrize("model, precision, param_dtype", [
-    ("resnet18", "bf16", "None"),           # BatchNorm: fp32 parameters, autocast computes in bf16
-    ("swin_t", "fp16", "torch.float16"),    # no BatchNorm: fp16 parameters, loss scaling
+@pytest.mark.parametrize("model, precision, extras, param_dtype", [
+    ("resnet18", "bf16", "", "None"),       # BatchNorm: fp32 parameters, autocast computes in bf16
+    ("swin_t", "fp16", "", "torch.float16"),  # no BatchNorm: fp16 parameters, loss scaling
+    ("swin_t", "bf16", "offload,recompute", "torch.bfloat16"),  # shards in host memory
 ])
-def test_fsdp_steps_save_and_load_on_one_gpu(model, precision, param_dtype):
-    done = subprocess.run([sys.executable, SCRIPTS / "fsdp_steps.py", model, precision],
+def test_fsdp_steps_save_and_load_on_one_gpu(model, precision, extras, param_dtype):
+    done = subprocess.run([sys.executable, SCRIPTS / "fsdp_steps.py", model, precision, extras],
                           env=cli_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     print(result)
     assert result["units"] > 4 and result["param_dtype"] == param_dtype
-    assert result["optimizer_fused"] is True
+    offload = "offload" in extras
+    assert result["parameters_on"] == ("cpu" if offload else "cuda")
+    assert result["optimizer_fused"] is (None if offload else True)  # foreach on the CPU
+    if "recompute" in extras:
+        assert "activation checkpointing" in result["strategy"]
     assert result["last_loss"] < 0.5 * result["first_loss"]
     assert result["skipped"] < 5
     assert result["same_weights_after_load"] and result["same_optimizer_after_load"]

@@ -81,6 +81,41 @@ def test_an_fsdp_checkpoint_loads_unchanged_on_another_process_count(trained, tm
     assert_close(fsdp, again, exact=True)
 
 
+@pytest.fixture(scope="module")
+def sharded(trained):
+    """The fsdp run's weights saved again with rt.save(sharded=True), and exported to one file."""
+    folder = trained[0]
+    state, _ = train(folder, "cpu:2", "fsdp", 0, "sharded", "--resume", folder / "fsdp.pt",
+                     "--sharded-save")
+    assert state["model"] is None and set(state["shards"]["files"]) == {
+        ".metadata", "__0_0.distcp", "__1_0.distcp"}
+    proc = multigpu("export", folder / "sharded.pt", "--out", folder / "sharded-whole.pt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder / "sharded.pt", torch.load(folder / "sharded-whole.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("devices, strategy", [("cpu:3", "fsdp"), ("cpu:2", "ddp"),
+                                               ("cpu:1", "single")])
+def test_a_sharded_checkpoint_loads_bit_for_bit_under_any_strategy_and_count(
+        trained, sharded, tmp_path, devices, strategy):
+    path, whole = sharded
+    assert_close(trained[2], whole, exact=True)  # export = what was sharded
+    again, _ = train(tmp_path, devices, strategy, 0, "again", "--resume", path)
+    assert_close(whole, again, exact=True)
+
+
+def test_saving_sharded_again_at_the_same_path_removes_the_folder_the_old_file_named(
+        trained, sharded, tmp_path):
+    path, _ = sharded
+    out = tmp_path / "s.pt"
+    for attempt in range(2):
+        proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / f"logs{attempt}",
+                        SCRIPT, "fsdp", 0, out, "--resume", path, "--sharded-save")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    named = torch.load(out, weights_only=True)["shards"]["dir"]
+    assert [p.name for p in tmp_path.glob("*.shards")] == [named]
+
+
 def test_a_ddp_checkpoint_loads_under_fsdp_and_an_fsdp_one_into_a_bare_module(trained, tmp_path):
     folder, ddp, fsdp, _ = trained
     again, _ = train(tmp_path, "cpu:3", "fsdp", 0, "from-ddp", "--resume", folder / "ddp.pt")
@@ -93,12 +128,21 @@ def test_a_ddp_checkpoint_loads_under_fsdp_and_an_fsdp_one_into_a_bare_module(tr
     assert torch.equal(bare.head.weight, fsdp["model"]["head.weight"])
 
 
-def test_an_optimizer_built_before_prepare_is_refused_with_the_fix(tmp_path):
+def test_activation_checkpointing_recomputes_the_blocks_to_the_same_weights(trained, tmp_path):
+    _, _, fsdp, _ = trained
+    recomputed, info = train(tmp_path, "cpu:2", "fsdp", 2, "recompute", "--recompute")
+    assert info["strategy"] == "fsdp (2 processes, gloo, 4 shard units, activation checkpointing)"
+    assert_close(fsdp, recomputed, exact=True)
+
+
+@pytest.mark.parametrize("where", ["after-model", "before-model", "not-prepared"])
+def test_an_optimizer_built_before_prepare_is_refused_with_the_fix(tmp_path, where):
     proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs", SCRIPT, "fsdp",
-                    1, tmp_path / "x.pt", "--optimizer-first")
+                    1, tmp_path / "x.pt", "--optimizer-first", where)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
-    assert "the optimizer holds none of the prepared model's parameters" in output
+    assert ("the optimizer holds 16 parameter(s) that strategy 'fsdp' replaced when it prepared "
+            "the model: stepping them would train nothing") in output
     assert "rt.prepare(model, lambda params: torch.optim.AdamW(params))" in output
 
 
@@ -128,10 +172,9 @@ def test_train_with_fsdp_saves_shards_beside_small_step_files_and_keeps_only_wha
     folder = runs / "fsdp" / "checkpoints"
     entries = CheckpointStore(folder).entries()
     assert len(entries) == 2  # --keep 2
-    best = CheckpointStore(folder).best_entry().global_step
-    steps = {e.global_step for e in entries} | {best}
-    assert sorted(p.name for p in folder.glob("*.shards")) == sorted(
-        f"step-{s:09d}.shards" for s in steps)
+    named = {e.shards for e in entries} | {CheckpointStore(folder).best_entry().shards}
+    assert sorted(p.name for p in folder.glob("*.shards")) == sorted(named)
+    assert all(n.startswith("step-") for n in named)
     for entry in entries:
         state = torch.load(folder / entry.file, weights_only=True)
         assert state["model"] is None and state["optimizer"] is None
@@ -170,12 +213,31 @@ def test_a_sharded_checkpoint_resumes_inside_an_epoch_on_3_processes_and_under_d
     assert [(r["epoch"], r["train_samples"]) for r in read_metrics(out)] == [(2, 1200)]
 
 
+def test_a_step_saved_twice_gets_a_new_shards_folder_and_the_old_one_goes(tmp_path):
+    # 1024 samples, 32 a step: the checkpoint every 16 steps falls on each epoch's last step,
+    # which the end of the epoch saves again (after the scheduler's step): a new folder each
+    # time, so the listed step file always names a folder written with it
+    out = tmp_path / "run"
+    proc = multigpu("train", "--model", "mlp", "--data", "synthetic:1024", "--epochs", "2",
+                    "--batch-size", "16", "--workers", "0", "--checkpoint-every", "16", "--keep",
+                    "1", "--scheduler", "step", "--step-size", "1", "--strategy", "fsdp",
+                    "--devices", "cpu:2", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = CheckpointStore(out / "checkpoints")
+    (entry,) = store.entries()
+    assert entry.global_step == 64 and entry.run["position"] == 0  # the end-of-epoch save
+    named = {entry.shards, store.best_entry().shards}
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.shards")) == sorted(named)
+    state = torch.load(out / "checkpoints" / entry.file, weights_only=True)
+    assert state["shards"]["dir"] == entry.shards
+
+
 def test_a_truncated_shard_is_reported_and_the_checkpoint_before_it_used(runs, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(runs / "fsdp", run)
     folder = run / "checkpoints"
     newest, before = CheckpointStore(folder).entries()[::-1]
-    shard = folder / f"step-{newest.global_step:09d}.shards" / "__1_0.distcp"
+    shard = folder / newest.shards / "__1_0.distcp"
     size = shard.stat().st_size
     os.truncate(shard, size // 2)
     three_epochs = [("3" if a == "2" and TRAIN[i - 1] == "--epochs" else a)

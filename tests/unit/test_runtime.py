@@ -40,6 +40,19 @@ def test_prepare_rejects_an_already_wrapped_model():
         rt.prepare(nn.DataParallel(nn.Linear(2, 2)))
 
 
+def test_prepare_takes_an_optimizer_factory_and_optimizers_of_other_parameters():
+    rt = multigpu.setup("single", accelerator="cpu")
+    loss_weights = nn.Parameter(torch.ones(2))  # learnable, outside any model: not refused
+    extra = torch.optim.SGD([loss_weights], lr=0.1)
+    frozen = nn.Linear(2, 2)
+    frozen.bias.requires_grad_(False)
+    made, model, same = rt.prepare(lambda params: torch.optim.AdamW(params, lr=1e-3), frozen, extra)
+    assert model is frozen and same is extra
+    assert made.param_groups[0]["params"] == [frozen.weight]  # trainable ones, in model order
+    with pytest.raises(UsageError, match="returned a int; it must return a torch.optim.Optimizer"):
+        rt.prepare(nn.Linear(2, 2), lambda params: 3)
+
+
 def test_single_strategy_refuses_dp_on_cpu_and_unknown_names():
     with pytest.raises(UsageError, match="needs GPUs"):
         multigpu.setup("dp", accelerator="cpu")

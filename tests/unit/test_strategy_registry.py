@@ -31,7 +31,9 @@ def test_plans_a_strategy_cannot_run_are_refused_with_the_fix():
         registry.check_device_count("single", "0,1", "cuda", 2, 1)
     with pytest.raises(UsageError, match="--strategy dp .* needs GPUs; on CPU use --strategy ddp"):
         registry.check_accelerator("dp", "cpu")
-    with pytest.raises(UsageError, match="--batch-size auto .* with --strategy fsdp give a number"):
+    with pytest.raises(UsageError, match="--batch-size auto measures with real steps of the whole "
+                                         "model on one GPU, and --strategy fsdp shares it out over "
+                                         "all; give a number"):
         registry.check_accelerator("fsdp", "cuda", auto_batch=True)
     registry.check_device_count("fsdp", "cpu:3", "cpu", 0, 3)
     registry.check_accelerator("fsdp", "cpu")
@@ -71,6 +73,16 @@ def test_shard_modules_names_the_classes_and_only_the_outermost_are_units():
     assert _names(model, shard_units(model, FSDPOptions(shard_modules=(nn.Sequential, Inner)))) \
         == ["0", "1"]
     assert shard_units(model, FSDPOptions()) == []  # 20 parameters each: below min_params
+
+
+def test_a_module_sharing_a_parameter_outside_it_is_never_a_shard_unit():
+    embed, head = nn.Embedding(50, 64), nn.Linear(64, 50, bias=False)
+    head.weight = embed.weight  # tied input and output weights
+    model = nn.Sequential(embed, nn.Linear(64, 64), head)
+    assert _names(model, shard_units(model, FSDPOptions(min_params=10))) == ["1"]
+    with pytest.raises(UsageError, match="names Linear, but one of them shares a parameter with "
+                                         "0.weight outside it"):
+        shard_units(model, FSDPOptions(shard_modules=(nn.Linear,)))
 
 
 def test_optimizer_state_by_name_and_by_number_convert_both_ways():

@@ -81,7 +81,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
         if settings.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model = compile_prepared(cfg, rt, rt.prepare(model))  # unwrap() peels compile off
-        optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), rt.device)
+        optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
         per_process = task.batch_size * rt.strategy.devices_per_process  # dp: split over GPUs
         batch = synthetic_batch(per_process, task, rt.device, settings.channels_last, seed=1 + rt.rank)
         global_batch = per_process * rt.world_size

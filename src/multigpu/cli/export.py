@@ -34,24 +34,52 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu import checkpoint, console, sharded_checkpoint
-    from multigpu.runstate import load_source
+    from multigpu import checkpoint
 
-    state, path = load_source(args.source, console.warn, flag="export")  # shards verified too
-    out = Path(args.out) if args.out else _default_out(path, state)
-    if out.suffix != ".pt":
-        raise UsageError(f"--out {out}: a checkpoint file ends in .pt; give a name like model.pt")
-    if out.exists():
-        raise UsageError(f"{out} already exists; multigpu does not replace your files: choose "
-                         "another name with --out")
-    if state.get("shards"):
-        state = sharded_checkpoint.export(state, path.parent)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        _check_out(out)
+    for attempt in range(3):  # a run still training may drop a checkpoint while it is read
+        state, path = _newest(args.source)
+        if out is None:
+            out = _default_out(path, state)
+            _check_out(out)
+        try:
+            state = _whole(state, path, out.parent)
+            break
+        except checkpoint.CheckpointError:
+            if attempt == 2 or not Path(args.source).is_dir():
+                raise
     checkpoint.atomic_save(state, out)
     params = sum(t.numel() for t in state["model"].values())
     print(f"{out}: the model ({params:,} values in {len(state['model'])} tensors), the optimizer "
           f"and the run's state from {path}; torch.load(path, weights_only=True)['model'] is the "
           "model's state dict")
     return 0
+
+
+def _newest(source: str):
+    from multigpu import console
+    from multigpu.runstate import load_source
+
+    return load_source(source, console.warn, flag="export")  # shards verified too
+
+
+def _whole(state: dict, path: Path, scratch: Path) -> dict:
+    from multigpu import sharded_checkpoint
+
+    if not state.get("shards"):
+        return state
+    scratch.mkdir(parents=True, exist_ok=True)
+    return sharded_checkpoint.export(state, path.parent, scratch)
+
+
+def _check_out(out: Path) -> None:
+    if out.suffix != ".pt":
+        raise UsageError(f"--out {out}: a checkpoint file ends in .pt; give a name like model.pt")
+    if out.exists():
+        raise UsageError(f"{out} already exists; multigpu does not replace your files: choose "
+                         "another name with --out")
 
 
 def _default_out(path: Path, state: dict) -> Path:

@@ -59,6 +59,7 @@ def validate(cfg: TrainConfig) -> None:
     """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
     from multigpu import loggers
     from multigpu.control import Cadence
+    from multigpu.strategies import registry
     from multigpu.model_names import check_input_kind, model_input_kind
 
     for name, (low, inclusive) in _LIMITS.items():
@@ -72,6 +73,7 @@ def validate(cfg: TrainConfig) -> None:
                              f"{_EXAMPLES.get(name, max(low, 1))}")
     Cadence.parse(cfg.checkpoint_every)
     loggers.parse(cfg.logger)
+    registry.check_flags(cfg.strategy, {f for f in vars(cfg) if getattr(cfg, f) is True})
     check_input_kind(cfg.data, model_input_kind(cfg.model))  # also raises on an unknown model
 
 
@@ -150,7 +152,12 @@ def check_resume(cfg: TrainConfig) -> None:
     from multigpu.runstate import load_source
 
     if cfg.resume and not (cfg.out and CheckpointStore(Path(cfg.out) / "checkpoints").has_checkpoints()):
-        load_source(cfg.resume)
+        state, path = load_source(cfg.resume)
+        saved = (state.get("config") or {}).get("model")
+        if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
+            raise UsageError(f"--resume {path}: that checkpoint is of --model {saved}, and this "
+                             f"run asks for --model {cfg.model}; give --model {saved}, or "
+                             "another checkpoint")
 
 
 def _plan_devices(cfg: TrainConfig):
@@ -164,4 +171,7 @@ def _plan_devices(cfg: TrainConfig):
                                 plan.nproc)
     compiling.check(cfg.compile, plan.accelerator, cfg.strategy, cfg.accumulate)
     registry.check_accelerator(cfg.strategy, plan.accelerator, auto_batch=cfg.batch_size == "auto")
+    if cfg.fsdp_cpu_offload and plan.accelerator != "cuda":
+        from multigpu.strategies.fsdp import OFFLOAD_NEEDS_GPUS
+        raise UsageError(OFFLOAD_NEEDS_GPUS)
     return plan

@@ -35,6 +35,6 @@ def make_strategy(name: str, env: "DistEnv", *, device_ids: tuple[int, ...] = ()
                   options: object | None = None) -> "Strategy":
     """The strategy `name` for this process. `auto` is ddp when launched with more than one
     process, otherwise single. `options`: the strategy's options object (DDPOptions for ddp,
-    FSDPOptions for fsdp); one of another strategy's type is ignored."""
+    FSDPOptions for fsdp), or a tuple of several; those of other strategies are ignored."""
     return resolve(name, env.is_distributed).load().create(env, device_ids=device_ids,
                                                           options=options)

@@ -42,8 +42,10 @@ class Strategy(ABC):
 
     @classmethod
     def own_options(cls, options: object | None):
-        """`options` when they are this strategy's kind, else None (its defaults)."""
-        return options if cls.options_type and isinstance(options, cls.options_type) else None
+        """Of `options` (one options object, or several of different strategies), the one of
+        this strategy's kind, else None (its defaults)."""
+        given = options if isinstance(options, (tuple, list)) else (options,)
+        return next((o for o in given if cls.options_type and isinstance(o, cls.options_type)), None)
 
     def use_precision(self, kind: str) -> None:
         """Told the run's precision ("fp32", "bf16", "fp16") before the model is set up."""

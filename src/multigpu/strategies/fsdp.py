@@ -15,6 +15,8 @@ gradients reduce-scattered after the backward: about 1.5x the traffic of DDP's a
 - Precision: with bf16/fp16, parameters are gathered and computed in that dtype and gradients
   reduced in fp32 (FSDP2's MixedPrecisionPolicy). A model with BatchNorm keeps fp32 parameters:
   autocast computes in the low dtype and the running statistics stay exact.
+- Gradient accumulation reduces every micro-batch's gradients into the shards (see
+  set_grad_sync): the memory of one shard, not of the whole gradient.
 - fp16 loss scaling agrees across ranks on a skipped step: torch's GradScaler, whose inf/NaN check
   on sharded gradients (DTensors) is reduced over every rank by DTensor itself. (FSDP1's
   ShardedGradScaler keeps its flag in a shape that CUDA's fused AdamW refuses: "output with shape
@@ -28,6 +30,7 @@ gradients reduce-scattered after the backward: about 1.5x the traffic of DDP's a
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,9 @@ from multigpu.errors import UsageError
 from multigpu.strategies.base import Strategy
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+OFFLOAD_NEEDS_GPUS = ("fsdp's CPU offload moves the shards of GPUs to host memory; CPU processes "
+                      "keep everything there already: leave --fsdp-cpu-offload "
+                      "(FSDPOptions(cpu_offload=True)) out")
 _LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -54,6 +60,13 @@ class FSDPOptions:
     # Free each unit's gathered parameters after its forward (gathered again for the backward):
     # the memory of one unit at a time, at one more all-gather per unit. False keeps them.
     reshard_after_forward: bool = True
+    # Keep the shards of parameters, gradients and optimizer state in host memory (FSDP2's
+    # CPUOffloadPolicy): GPU memory for activations and one gathered unit only; the optimizer
+    # steps on the CPU. For models whose shards do not fit the GPUs either.
+    cpu_offload: bool = False
+    # Recompute each shard unit's activations in the backward instead of keeping them
+    # (torch.utils.checkpoint, non-reentrant): about a third more compute for much less memory.
+    activation_checkpointing: bool = False
 
 
 class FSDP(Strategy):
@@ -71,7 +84,10 @@ class FSDP(Strategy):
     @classmethod
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
                options: object | None = None) -> "FSDP":
-        return cls(env, cls.own_options(options))
+        options = cls.own_options(options)
+        if options is not None and options.cpu_offload and env.device.type != "cuda":
+            raise UsageError(OFFLOAD_NEEDS_GPUS)
+        return cls(env, options)
 
     def use_precision(self, kind: str) -> None:
         self.precision = kind
@@ -79,9 +95,13 @@ class FSDP(Strategy):
     def setup_module(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         if not dist.is_initialized():  # one process without a group: nothing to shard over
+            warnings.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
+                          "it trains as --strategy single would; launch several processes "
+                          "(--devices 2, or cpu:2) to shard it", stacklevel=3)
             return model
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                            fully_shard)
 
         self.env.broadcast_tensors([*model.parameters(), *model.buffers()])  # rank 0's weights
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -89,14 +109,23 @@ class FSDP(Strategy):
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype,
                                       reduce_dtype=torch.float32 if self.param_dtype else None)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        offload = CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy()
         units = shard_units(model, self.options)
+        if self.options.activation_checkpointing and not units:
+            warnings.warn("activation checkpointing recomputes the shard units, and this model "
+                          f"has none (no container item with {self.options.min_params:,}+ "
+                          "parameters): nothing is recomputed. Name the blocks with "
+                          "FSDPOptions(shard_modules=(MyBlock,)) or lower min_params", stacklevel=3)
         names = {id(m): n for n, m in model.named_modules()}
         self.units = [names[id(u)] for u in units]
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy,
+            if self.options.activation_checkpointing:
+                recompute_in_backward(unit)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload,
                         reshard_after_forward=self.options.reshard_after_forward)
         # The root's parameters are used last in backward and first in forward: keep them.
-        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=False)
         self.sharded = True
         return model
 
@@ -105,9 +134,10 @@ class FSDP(Strategy):
         return self.sharded
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
-        inner = self.unwrap(model)
-        if hasattr(inner, "set_requires_gradient_sync"):  # an FSDPModule
-            inner.set_requires_gradient_sync(enabled)
+        """Gradients are reduce-scattered on every micro-batch, also with accumulation: FSDP2's
+        set_requires_gradient_sync(False) would keep each unit's whole, unsharded gradient
+        (fp32) until the last micro-batch, the memory this strategy exists to save. The sums
+        are the same; each micro-batch costs one reduce-scatter more."""
 
     # --- checkpoints: the whole state, on rank 0 --------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict:
@@ -151,29 +181,80 @@ class FSDP(Strategy):
             return "fsdp (one process: nothing to shard)"
         dtype = {torch.bfloat16: ", bf16 parameters", torch.float16: ", fp16 parameters"}
         n, units = dist.get_world_size(), len(self.units) + 1
+        extras = [name for name, on in (("CPU offload", self.options.cpu_offload),
+                                        ("activation checkpointing",
+                                         self.options.activation_checkpointing)) if on]
         return (f"fsdp ({n} process{'es' if n > 1 else ''}, {dist.get_backend()}, {units} shard "
-                f"unit{'s' if units > 1 else ''}{dtype.get(self.param_dtype, '')})")
+                f"unit{'s' if units > 1 else ''}{dtype.get(self.param_dtype, '')}"
+                + "".join(f", {e}" for e in extras) + ")")
 
 
 def shard_units(model: nn.Module, options: FSDPOptions) -> list[nn.Module]:
     """The submodules sharded as units of their own, in the order found from the root down. A
-    unit's own submodules are never units: its parameters are gathered at once."""
+    unit's own submodules are never units: its parameters are gathered at once. A module that
+    shares a parameter with modules outside it (tied embedding and output weights) cannot be a
+    unit: FSDP2 manages each parameter in one unit only."""
+    owners = _parameter_owners(model)
     if options.shard_modules:
         classes = tuple(options.shard_modules)
-        return _outermost([m for m in model.modules() if isinstance(m, classes) and m is not model])
+        units = _outermost([m for m in model.modules() if isinstance(m, classes) and m is not model])
+        for unit in units:
+            shared = _shared_outside(unit, owners)
+            if shared:
+                raise UsageError(f"FSDPOptions(shard_modules=...) names {type(unit).__name__}, but "
+                                 f"one of them shares a parameter with {shared} outside it (tied "
+                                 "weights), and FSDP2 shards each parameter in one unit only: "
+                                 "leave that class out, or untie the weights")
+        return units
     units: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         in_container = isinstance(module, _CONTAINERS)
         for child in module.children():
             if (in_container and not isinstance(child, _CONTAINERS)
-                    and sum(p.numel() for p in child.parameters()) >= options.min_params):
+                    and sum(p.numel() for p in child.parameters()) >= options.min_params
+                    and not _shared_outside(child, owners)):
                 units.append(child)
             else:
                 visit(child)
 
     visit(model)
     return units
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """Every parameter (by id) -> the modules that hold it directly, with their paths."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((f"{path}.{name}" if path else name, module))
+    return owners
+
+
+def _shared_outside(unit: nn.Module, owners: dict) -> str | None:
+    """The path of a parameter of `unit` also held by a module outside it, or None."""
+    inside = {id(m) for m in unit.modules()}
+    for param in unit.parameters():
+        for path, module in owners.get(id(param), ()):
+            if id(module) not in inside:
+                return path
+    return None
+
+
+def recompute_in_backward(module: nn.Module) -> None:
+    """Activation checkpointing of `module`: its forward keeps only its inputs, and runs again
+    in the backward (inside FSDP's gathering of the unit's parameters). Its parameter names do
+    not change, so checkpoints stay loadable with and without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def forward_recomputed_in_backward(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to keep, nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward_recomputed_in_backward
 
 
 def _outermost(modules: list[nn.Module]) -> list[nn.Module]:

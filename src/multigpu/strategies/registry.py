@@ -30,6 +30,7 @@ class StrategyInfo:
     cuda_graphs: bool = True      # --compile reduce-overhead / max-autotune can run under it
     auto_batch: bool = True       # --batch-size auto can measure it (one process per GPU)
     unused_fails: bool = False    # a parameter without a gradient breaks its next step
+    flags: tuple[str, ...] = ()   # `multigpu train` options only this strategy reads
 
     def load(self) -> type["Strategy"]:
         module, name = self.cls.split(":")
@@ -43,10 +44,11 @@ STRATEGIES: dict[str, StrategyInfo] = {s.name: s for s in (
                  "nn.DataParallel, one process", one_process=True, needs_gpus=True,
                  cuda_graphs=False, auto_batch=False),
     StrategyInfo("ddp", "multigpu.strategies.ddp:DDP", "one process per device, gradients "
-                 "all-reduced", unused_fails=True),
+                 "all-reduced", unused_fails=True, flags=("find_unused_parameters",)),
     StrategyInfo("fsdp", "multigpu.strategies.fsdp:FSDP", "FSDP2: parameters, gradients and "
                  "optimizer state sharded over the processes, for models larger than one GPU",
-                 cuda_graphs=False, auto_batch=False),
+                 cuda_graphs=False, auto_batch=False,
+                 flags=("fsdp_cpu_offload", "activation_checkpointing")),
 )}
 AUTO = "auto"
 NAMES = (AUTO, *STRATEGIES)
@@ -70,6 +72,17 @@ def resolve(name: str, distributed: bool) -> StrategyInfo:
     return info(name)
 
 
+def check_flags(name: str, given: set[str]) -> None:
+    """Refuse an option of one strategy (a TrainConfig field name in `given`) with another."""
+    own = info(name).flags
+    for flag in sorted(given):
+        owners = [s.name for s in STRATEGIES.values() if flag in s.flags]
+        if owners and flag not in own:
+            option = "--" + flag.replace("_", "-")
+            raise UsageError(f"{option} is an option of --strategy {owners[0]}, not of "
+                             f"--strategy {name}; add --strategy {owners[0]}, or leave it out")
+
+
 def check_device_count(name: str, devices: str, accelerator: str, gpu_count: int,
                        nproc: int) -> None:
     """Refuse, with the fix, a strategy that cannot run on as many devices as `--devices`
@@ -87,10 +100,14 @@ def check_accelerator(name: str, accelerator: str, auto_batch: bool = False) -> 
     """Refuse, with the fix, a strategy that needs GPUs on CPUs, and --batch-size auto
     (`auto_batch`) where it cannot measure."""
     s = info(name)
-    if auto_batch and (accelerator != "cuda" or not s.auto_batch):
-        where = "CPU processes" if accelerator != "cuda" else f"--strategy {name}"
-        raise UsageError(f"--batch-size auto measures each GPU's memory with real steps, one "
-                         f"process per GPU; with {where} give a number, e.g. --batch-size 64")
+    if auto_batch and accelerator != "cuda":
+        raise UsageError("--batch-size auto measures each GPU's memory with real steps, one "
+                         "process per GPU; with CPU processes give a number, e.g. --batch-size 64")
+    if auto_batch and not s.auto_batch:
+        why = ("one process per GPU, and --strategy dp drives several from one" if s.one_process
+               else f"the whole model on one GPU, and --strategy {name} shares it out over all")
+        raise UsageError(f"--batch-size auto measures with real steps of {why}; give a number, "
+                         "e.g. --batch-size 64")
     if s.needs_gpus and accelerator != "cuda":
         raise UsageError(f"--strategy {name} ({s.help}) needs GPUs; on CPU use --strategy ddp "
                          "with --devices cpu:N")

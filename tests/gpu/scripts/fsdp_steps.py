@@ -1,6 +1,6 @@
 """fsdp's GPU path in one process: a one-rank NCCL group, so fully_shard runs on a mesh of one.
 
-    python fsdp_steps.py MODEL PRECISION
+    python fsdp_steps.py MODEL PRECISION [offload,recompute]
 
 What this exercises that the CPU tests cannot: NCCL collectives of FSDP2, the bf16/fp16
 parameter policy (fp32 parameters for a model with BatchNorm), CUDA's fused AdamW on sharded
@@ -22,16 +22,18 @@ from multigpu.models import build_model
 from multigpu.training import make_optimizer
 
 name, precision = sys.argv[1], sys.argv[2]
+extras = sys.argv[3].split(",") if len(sys.argv) > 3 else []
 device = torch.device("cuda", 0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-rt = multigpu.setup("fsdp", precision)
+rt = multigpu.setup("fsdp", precision, options=multigpu.FSDPOptions(
+    cpu_offload="offload" in extras, activation_checkpointing="recompute" in extras))
 cfg = TrainConfig(model=name, optimizer="adamw", lr=1e-3)
 
 
 def prepared():
     torch.manual_seed(0)
     model = rt.prepare(build_model(name, (3, 64, 64), 10))
-    return model, make_optimizer(cfg, model, rt.device)  # fused AdamW, as multigpu train builds it
+    return model, make_optimizer(cfg, model)  # fused AdamW, as multigpu train builds it
 
 
 g = torch.Generator().manual_seed(1)
@@ -49,6 +51,8 @@ def step(model, optimizer) -> float:
 
 torch.cuda.reset_peak_memory_stats(device)
 model, optimizer = prepared()
+parameters_on = next(model.parameters()).device.type  # the shards' home (after a forward
+# without a backward the root's parameters stay gathered on the GPU)
 losses = [step(model, optimizer) for _ in range(30)]
 state = rt.checkpoint_state(model, optimizer)
 buffer = io.BytesIO()
@@ -74,6 +78,7 @@ next_loss, next_again = eval_loss(model), eval_loss(again)
 print(json.dumps({
     "strategy": rt.strategy.describe(), "units": len(rt.strategy.units),
     "param_dtype": str(rt.strategy.param_dtype), "optimizer_fused": optimizer.defaults.get("fused"),
+    "parameters_on": parameters_on,
     "first_loss": losses[0], "last_loss": losses[-1], "skipped": rt.precision.skipped_steps,
     "same_weights_after_load": same_weights, "same_optimizer_after_load": same_optimizer,
     "eval_loss": next_loss, "eval_loss_reloaded": next_again,
