@@ -92,7 +92,13 @@ class CheckpointStore:
         problems = []
         for path, entry in candidates:
             try:
-                state = verify_and_load(path, entry)
+                try:
+                    state = verify_and_load(path, entry)
+                except checkpoint.CheckpointError:
+                    second = self._second_name(path, entry)  # last.pt/best.pt, same bytes
+                    if second is None:
+                        raise
+                    path, state = second, verify_and_load(second, entry)
             except checkpoint.CheckpointError as exc:
                 problems.append(f"{path.name}: {exc}")
                 warn(f"checkpoint {path} is damaged ({exc}); "
@@ -102,6 +108,18 @@ class CheckpointStore:
         if problems:
             raise checkpoint.CheckpointError(f"no readable checkpoint in {self.folder}: "
                                              + "; ".join(problems))
+        return None
+
+    def _second_name(self, path: Path, entry: Entry | None) -> Path | None:
+        """last.pt or best.pt when it holds the bytes the manifest lists for `entry` and `path`
+        does not: a save of the same step again was stopped after its new file replaced the
+        listed one and before the manifest said so; the second name still has the listed file."""
+        if entry is None:
+            return None
+        for name in (LAST, BEST):
+            other = self.folder / name
+            if other.is_file() and not _same_file(other, path) and _matches(other, entry):
+                return other
         return None
 
     def _candidates(self) -> list[tuple[Path, Entry | None]]:
@@ -192,14 +210,20 @@ class CheckpointStore:
 
     def _repair_links(self) -> None:
         """last.pt and best.pt name what the manifest says (a crash between the manifest and the
-        links leaves them one checkpoint behind)."""
+        links leaves them one checkpoint behind), and only files whose bytes the manifest lists:
+        when a step saved again was stopped between its file and the manifest, the step file is
+        the unlisted new one and last.pt still the listed one, which is put back."""
         entries = self.entries()
-        best = self.best_entry()
-        for name, entry in ((LAST, entries[-1] if entries else None), (BEST, best)):
-            target = self.folder / (step_file_name(entry.global_step) if entry else "")
-            link = self.folder / name
-            if entry and target.is_file() and not (link.exists() and os.path.samefile(link, target)):
+        for name, entry in ((LAST, entries[-1] if entries else None), (BEST, self.best_entry())):
+            if entry is None:
+                continue
+            target, link = self.folder / step_file_name(entry.global_step), self.folder / name
+            if target.is_file() and link.exists() and _same_file(link, target):
+                continue
+            if target.is_file() and _matches(target, entry):
                 fileio.atomic_link(target, link)
+            elif name == LAST and link.is_file() and _matches(link, entry):
+                fileio.atomic_link(link, target)
 
     def _remove_leftovers(self) -> None:
         """Temporary files of interrupted writes, and step files the manifest does not list."""
@@ -216,6 +240,21 @@ class CheckpointStore:
             elif fileio.is_temp_name(p.name) or (_STEP_FILE.fullmatch(p.name) and p.name not in listed):
                 with contextlib.suppress(OSError):
                     p.unlink()
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _matches(path: Path, entry: Entry) -> bool:
+    """Whether `path` holds the bytes the manifest lists for `entry` (size, then SHA-256)."""
+    try:
+        return path.stat().st_size == entry.size and fileio.sha256_file(path) == entry.sha256
+    except OSError:
+        return False
 
 
 def verify_and_load(path: Path, entry: Entry | None) -> dict:

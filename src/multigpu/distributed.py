@@ -87,17 +87,19 @@ class DistEnv:
         return t.tolist()
 
     def broadcast_tensors(self, tensors, src: int = 0) -> None:
-        """Overwrite each tensor, in place, with rank `src`'s: one broadcast per dtype (the
-        tensors flattened into one), whatever their layout. A no-op with one process."""
+        """Overwrite each tensor, in place, with rank `src`'s: one broadcast per dtype and device
+        (the tensors flattened into one), whatever their layout; CPU tensors of an NCCL run go
+        through the gloo group. A no-op with one process."""
         if not self.is_distributed:
             return
         groups: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         with torch.no_grad():
-            for same in groups.values():
+            for (_, device), same in groups.items():
                 flat = torch.cat([t.reshape(-1) for t in same])
-                dist.broadcast(flat, src=src)
+                cpu_group = _CPU_GROUP if device.type == "cpu" else None
+                dist.broadcast(flat, src=src, group=cpu_group)
                 for t, part in zip(same, flat.split([t.numel() for t in same])):
                     t.copy_(part.view(t.shape))
 

@@ -361,15 +361,19 @@ class Runtime:
         if sharded:
             shards["shards"] = sharded_checkpoint.save(self.env, path.parent, path.stem, model,
                                                        optimizer)
-        state = self.checkpoint_state(model, optimizer, scheduler, weights=not sharded, **shards,
-                                      **extra)
         error = None
-        if self.env.is_main:
+        try:  # collective first; then only rank 0 can fail (a value weights_only refuses)
+            state = self.checkpoint_state(model, optimizer, scheduler, weights=not sharded,
+                                          **shards, **extra)
+        except UsageError as exc:
+            error = (True, str(exc))
+        if self.env.is_main and error is None:
             try:
                 replaced = sharded_checkpoint.folder_named_by(path)
                 checkpoint.atomic_save(checkpoint.to_cpu(state), path)
-                if replaced is not None and replaced.name != (shards.get("shards") or {}).get("dir"):
-                    shutil.rmtree(replaced, ignore_errors=True)  # the file that named it is gone
+                new = (shards.get("shards") or {}).get("dir")
+                if replaced is not None and replaced.name != new and not _named_beside(replaced):
+                    shutil.rmtree(replaced, ignore_errors=True)  # no file names it any more
             except Exception as exc:  # tell the other ranks instead of leaving them in a barrier
                 error = (isinstance(exc, UsageError), f"saving {path} failed on rank 0: {exc}")
         error = self.env.broadcast_object(error)
@@ -459,6 +463,11 @@ class Runtime:
         if error:
             raise checkpoint.CheckpointError(error)
         sharded_checkpoint.load(Path(shards_dir), self.strategy.unwrap(model), optimizer)
+
+
+def _named_beside(folder: Path) -> bool:
+    """Whether a checkpoint file beside `folder` names it (a copy of an earlier save, say)."""
+    return any(sharded_checkpoint.folder_named_by(f) == folder for f in folder.parent.glob("*.pt"))
 
 
 def _warn_eval_with_grad(module: nn.Module, _args) -> None:

@@ -35,6 +35,12 @@ from torch import nn
 from multigpu import checkpoint, fileio
 from multigpu.distributed import DistEnv
 
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # torch without distributed checkpoints: none to catch
+    class CheckpointException(BaseException):
+        pass
+
 SUFFIX = ".shards"
 NOT_SHARED = ("the ranks see different files in {folder}: the checkpoint folder must be on a "
               "file system every node shares (NFS, Lustre, ...); give --out such a folder")
@@ -65,22 +71,47 @@ def save(env: DistEnv, beside: Path, stem: str, model: nn.Module, optimizer) -> 
         raise made
     tmp, name = Path(made[0]), made[1]
     try:
-        dcp.save(_state(model, optimizer), checkpoint_id=tmp)  # raises on every rank if one fails
+        try:
+            dcp.save(_state(model, optimizer), checkpoint_id=tmp)  # every rank raises if one fails
+        except CheckpointException as exc:  # a BaseException, holding each rank's failure
+            raise RuntimeError(_first_failure(exc)) from None
         seen = env.all_gather_object(sorted(os.listdir(tmp)))
         if any(names != seen[0] for names in seen):
             raise RuntimeError(NOT_SHARED.format(folder=beside))
+        done = _put_in_place(tmp, beside / name) if env.is_main else None
+        done = env.broadcast_object(done)  # rank 0's result or its error, on every rank
+        if isinstance(done, OSError):
+            raise done
     except BaseException:
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not env.is_main:
-        return None
-    folder = beside / name
-    fileio.fsync_dir(tmp)
-    os.chmod(tmp, fileio.DIR_MODE)  # mkdtemp's folder is private
-    os.replace(tmp, folder)
-    fileio.fsync_dir(beside)
-    return {"dir": name, "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir())}}
+    return done if env.is_main else None
+
+
+def _put_in_place(tmp: Path, folder: Path) -> dict | OSError:
+    """Rank 0: the written folder under its new name, durably; what the step file records."""
+    try:
+        fileio.fsync_dir(tmp)
+        os.chmod(tmp, fileio.DIR_MODE)  # mkdtemp's folder is private
+        os.replace(tmp, folder)
+        fileio.fsync_dir(folder.parent)
+        files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
+        return {"dir": folder.name, "files": files}
+    except OSError as exc:
+        return exc
+
+
+def _first_failure(exc: BaseException) -> str:
+    """One line for torch.distributed.checkpoint's CheckpointException: its first rank's error."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = getattr(failure, "exception", failure)
+        if isinstance(inner, OSError) and inner.strerror:
+            return f"rank {rank}: {inner.strerror} ({inner.filename})"
+        text = str(inner).strip()
+        return f"rank {rank}: {text.splitlines()[0] if text else type(inner).__name__}"
+    return str(exc).strip().splitlines()[0]
 
 
 def load(folder: Path, model: nn.Module, optimizer=None) -> None:
@@ -143,6 +174,10 @@ def export(state: dict, beside: Path, scratch: Path) -> dict:
     try:
         dcp_to_torch_save(folder, whole)
         parts = torch.load(whole, map_location="cpu", weights_only=True)
+    except (CheckpointException, OSError) as exc:  # its shards went while they were read
+        why = _first_failure(exc) if isinstance(exc, CheckpointException) else str(exc)
+        raise checkpoint.CheckpointError(f"the shards in {folder} could not be read ({why})"
+                                         ) from None
     finally:
         os.unlink(whole)
     optimizer = parts.get("optimizer")

@@ -104,16 +104,20 @@ def test_a_sharded_checkpoint_loads_bit_for_bit_under_any_strategy_and_count(
     assert_close(whole, again, exact=True)
 
 
-def test_saving_sharded_again_at_the_same_path_removes_the_folder_the_old_file_named(
+def test_saving_sharded_again_at_a_path_removes_the_old_folder_unless_a_copy_names_it(
         trained, sharded, tmp_path):
     path, _ = sharded
     out = tmp_path / "s.pt"
-    for attempt in range(2):
+    names = []
+    for attempt in range(3):
         proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / f"logs{attempt}",
                         SCRIPT, "fsdp", 0, out, "--resume", path, "--sharded-save")
         assert proc.returncode == 0, proc.stderr[-3000:]
-    named = torch.load(out, weights_only=True)["shards"]["dir"]
-    assert [p.name for p in tmp_path.glob("*.shards")] == [named]
+        names.append(torch.load(out, weights_only=True)["shards"]["dir"])
+        if attempt == 0:
+            shutil.copyfile(out, tmp_path / "best.pt")  # a copy names the first folder too
+    assert len(set(names)) == 3
+    assert sorted(p.name for p in tmp_path.glob("*.shards")) == sorted([names[0], names[2]])
 
 
 def test_a_ddp_checkpoint_loads_under_fsdp_and_an_fsdp_one_into_a_bare_module(trained, tmp_path):
@@ -230,6 +234,17 @@ def test_a_step_saved_twice_gets_a_new_shards_folder_and_the_old_one_goes(tmp_pa
     assert sorted(p.name for p in (out / "checkpoints").glob("*.shards")) == sorted(named)
     state = torch.load(out / "checkpoints" / entry.file, weights_only=True)
     assert state["shards"]["dir"] == entry.shards
+
+
+def test_resuming_with_another_model_is_refused_before_the_run_folder_changes(runs):
+    config = (runs / "fsdp" / "config.json").read_text()
+    for extra in (["--out", runs / "fsdp"], []):  # in place, and into a new folder
+        proc = multigpu("train", "--model", "cnn", "--data", "digits", "--devices", "cpu:2",
+                        "--resume", runs / "fsdp", *extra)
+        assert proc.returncode == 2
+        assert "its checkpoints are of --model mlp, and this run asks for --model cnn" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert (runs / "fsdp" / "config.json").read_text() == config
 
 
 def test_a_truncated_shard_is_reported_and_the_checkpoint_before_it_used(runs, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu import checkpoint
+from multigpu import checkpoint, fileio
 from multigpu.checkpoint_store import CheckpointStore, step_file_name
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -25,10 +25,12 @@ store.acquire()
 entries = store.entries()
 step = entries[-1].global_step if entries else 0
 print("writing", flush=True)
+twice = len(sys.argv) > 2  # each step saved again, as at an epoch's end after an in-epoch save
 while True:
     step += 1
-    state = {"w": torch.full((250_000,), float(step)), "step": step}
-    store.write(state, global_step=step, run={"step": step}, best=step % 3 == 0)
+    for again in range(1 + twice):
+        state = {"w": torch.full((250_000,), float(step)), "step": step, "again": again}
+        store.write(state, global_step=step, run={"step": step}, best=step % 3 == 0)
 """
 
 
@@ -95,6 +97,25 @@ def test_a_second_writer_is_refused_with_the_holders_pid(store, monkeypatch):
         other.acquire()
 
 
+def test_a_step_saved_again_and_stopped_before_the_manifest_keeps_the_listed_one(tmp_path):
+    # the state a kill leaves between the new file of a step saved again (the epoch's end after
+    # an in-epoch save at the same step) and the manifest: the step file is unlisted bytes
+    first = CheckpointStore(tmp_path, keep=1)
+    first.acquire()
+    _write(first, 5)
+    first.release()
+    fileio.atomic_write(tmp_path / step_file_name(5),  # as write() does first: a new inode
+                        lambda f: torch.save({"w": torch.zeros(4), "step": 5, "again": True}, f))
+    warned = []
+    state, path = CheckpointStore(tmp_path, keep=1).load_newest(warned.append)
+    assert (state["w"][0], path.name, warned) == (5.0, "last.pt", [])  # the listed bytes
+    second = CheckpointStore(tmp_path, keep=1)
+    second.acquire()  # puts the listed file back under its step name
+    assert checkpoint.load(tmp_path / step_file_name(5))["w"][0] == 5.0
+    assert os.path.samefile(tmp_path / step_file_name(5), tmp_path / "last.pt")
+    second.release()
+
+
 def test_leftovers_of_interrupted_writes_go_when_the_next_writer_starts(tmp_path):
     first = CheckpointStore(tmp_path, keep=2)
     first.acquire()
@@ -109,13 +130,14 @@ def test_leftovers_of_interrupted_writes_go_when_the_next_writer_starts(tmp_path
     second.release()
 
 
-def test_kill_9_during_writes_never_loses_or_corrupts_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("twice", [False, True], ids=["each-step-once", "each-step-twice"])
+def test_kill_9_during_writes_never_loses_or_corrupts_a_checkpoint(tmp_path, twice):
     folder = tmp_path / "checkpoints"
     rng = random.Random(11)
     env = dict(os.environ, PYTHONPATH=str(SRC))
     for attempt in range(8):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(folder)], env=env,
-                                  stdout=subprocess.PIPE, text=True)
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(folder), *(["twice"] * twice)],
+                                  env=env, stdout=subprocess.PIPE, text=True)
         assert writer.stdout.readline().strip() == "writing"
         time.sleep(rng.uniform(0.05, 0.4))
         writer.kill()

@@ -36,14 +36,13 @@ def register(subparsers) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from multigpu import checkpoint
 
-    out = Path(args.out) if args.out else None
-    if out is not None:
-        _check_out(out)
+    given = Path(args.out) if args.out else None
+    if given is not None:
+        _check_out(given)
     for attempt in range(3):  # a run still training may drop a checkpoint while it is read
         state, path = _newest(args.source)
-        if out is None:
-            out = _default_out(path, state)
-            _check_out(out)
+        out = given or _default_out(path, state)
+        _check_out(out)
         try:
             state = _whole(state, path, out.parent)
             break

@@ -151,13 +151,28 @@ def check_resume(cfg: TrainConfig) -> None:
     from multigpu.checkpoint_store import CheckpointStore
     from multigpu.runstate import load_source
 
-    if cfg.resume and not (cfg.out and CheckpointStore(Path(cfg.out) / "checkpoints").has_checkpoints()):
+    if not cfg.resume:
+        return
+    if cfg.out and CheckpointStore(Path(cfg.out) / "checkpoints").has_checkpoints():
+        # the run goes on from --out's own checkpoints, whose model its config.json names
+        path = Path(cfg.out)
+        saved = _json_field(path / "config.json", "model")
+    else:
         state, path = load_source(cfg.resume)
         saved = (state.get("config") or {}).get("model")
-        if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
-            raise UsageError(f"--resume {path}: that checkpoint is of --model {saved}, and this "
-                             f"run asks for --model {cfg.model}; give --model {saved}, or "
-                             "another checkpoint")
+    if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
+        raise UsageError(f"--resume {path}: its checkpoints are of --model {saved}, and this run "
+                         f"asks for --model {cfg.model}; give --model {saved}, or another "
+                         "checkpoint")
+
+
+def _json_field(path: Path, key: str):
+    import json
+
+    try:
+        return json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _plan_devices(cfg: TrainConfig):

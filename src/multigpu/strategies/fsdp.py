@@ -93,7 +93,10 @@ class FSDP(Strategy):
         self.precision = kind
 
     def setup_module(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+        if not (self.options.cpu_offload and dist.is_initialized()):
+            # with CPU offload the model stays in host memory: fully_shard moves one unit at a
+            # time to the GPU to cut its shards, so the whole model never has to fit there
+            model = model.to(self.device)
         if not dist.is_initialized():  # one process without a group: nothing to shard over
             warnings.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
                           "it trains as --strategy single would; launch several processes "

@@ -44,7 +44,7 @@ STRATEGIES: dict[str, StrategyInfo] = {s.name: s for s in (
                  "nn.DataParallel, one process", one_process=True, needs_gpus=True,
                  cuda_graphs=False, auto_batch=False),
     StrategyInfo("ddp", "multigpu.strategies.ddp:DDP", "one process per device, gradients "
-                 "all-reduced", unused_fails=True, flags=("find_unused_parameters",)),
+                 "all-reduced", unused_fails=True),
     StrategyInfo("fsdp", "multigpu.strategies.fsdp:FSDP", "FSDP2: parameters, gradients and "
                  "optimizer state sharded over the processes, for models larger than one GPU",
                  cuda_graphs=False, auto_batch=False,
