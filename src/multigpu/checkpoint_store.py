@@ -94,11 +94,14 @@ class CheckpointStore:
             try:
                 try:
                     state = verify_and_load(path, entry)
-                except checkpoint.CheckpointError:
+                except checkpoint.CheckpointError as first:
                     second = self._second_name(path, entry)  # last.pt/best.pt, same bytes
                     if second is None:
                         raise
-                    path, state = second, verify_and_load(second, entry)
+                    state = verify_and_load(second, entry)
+                    warn(f"checkpoint {path} is not the file the manifest lists ({first}); "
+                         f"{second.name} holds that file and is used")
+                    path = second
             except checkpoint.CheckpointError as exc:
                 problems.append(f"{path.name}: {exc}")
                 warn(f"checkpoint {path} is damaged ({exc}); "

@@ -1,7 +1,8 @@
 """GPU tier for --strategy fsdp (FSDP2).
 
-One GPU: the NCCL/CUDA path on a one-rank mesh (bf16 with BatchNorm, fp16 with the sharded
-scaler, fused AdamW on sharded parameters, save and load). Two GPUs: the same weights as ddp, a
+One GPU: the NCCL/CUDA path on a one-rank mesh (bf16 with BatchNorm, fp16 with loss scaling,
+fused AdamW on sharded parameters, CPU offload with activation checkpointing, save and load), and
+a model whose state exceeds the GPU trained on it with CPU offload. Two GPUs: the same weights as ddp, a
 model whose state does not fit one GPU under ddp trains, and a run resumes on one GPU.
 
 Run:  make test-gpu   (pytest -m gpu tests/gpu)
@@ -45,6 +46,19 @@ def test_fsdp_steps_save_and_load_on_one_gpu(model, precision, extras, param_dty
     assert result["skipped"] < 5
     assert result["same_weights_after_load"] and result["same_optimizer_after_load"]
     assert result["eval_loss_reloaded"] == result["eval_loss"]
+
+
+@one_gpu
+@pytest.mark.timeout(1200)  # ~5 billion parameters: AdamW steps on the CPU take tens of seconds
+def test_a_model_whose_state_exceeds_the_gpu_trains_on_it_with_cpu_offload(tmp_path):
+    proc = run_multigpu("run", "--devices", "1", "--log-dir", tmp_path,
+                        SCRIPTS / "fsdp_offload_big.py", timeout=1150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["ddp_state_gib"] > result["gpu_gib"]  # ddp (or single) could not hold it
+    assert result["peak_gpu_gib"] < 0.5 * result["gpu_gib"]
+    assert "CPU offload" in result["strategy"] and all(l == l for l in result["losses"])
 
 
 @two_gpus

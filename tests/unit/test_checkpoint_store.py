@@ -108,7 +108,10 @@ def test_a_step_saved_again_and_stopped_before_the_manifest_keeps_the_listed_one
                         lambda f: torch.save({"w": torch.zeros(4), "step": 5, "again": True}, f))
     warned = []
     state, path = CheckpointStore(tmp_path, keep=1).load_newest(warned.append)
-    assert (state["w"][0], path.name, warned) == (5.0, "last.pt", [])  # the listed bytes
+    assert (state["w"][0], path.name) == (5.0, "last.pt")  # the listed bytes
+    (note,) = warned
+    assert note.startswith(f"checkpoint {tmp_path / step_file_name(5)} is not the file the "
+                           "manifest lists (") and note.endswith("); last.pt holds that file and is used")
     second = CheckpointStore(tmp_path, keep=1)
     second.acquire()  # puts the listed file back under its step name
     assert checkpoint.load(tmp_path / step_file_name(5))["w"][0] == 5.0
@@ -145,7 +148,9 @@ def test_kill_9_during_writes_never_loses_or_corrupts_a_checkpoint(tmp_path, twi
         store = CheckpointStore(folder, keep=2)
         warnings = []
         state, path = store.load_newest(warnings.append)
-        assert not warnings, f"attempt {attempt}: {warnings}"
+        # nothing damaged; a kill inside a step's second save leaves its listed file in last.pt
+        assert all(w.endswith("last.pt holds that file and is used") for w in warnings), \
+            f"attempt {attempt}: {warnings}"
         entries = store.entries()
         assert state["step"] == entries[-1].global_step and state["w"][0] == state["step"]
         for e in entries:  # every listed checkpoint verifies and loads

@@ -26,6 +26,8 @@ gradients reduce-scattered after the backward: about 1.5x the traffic of DDP's a
   `rt.save` gathers the whole model and the optimizer state (numbered as torch numbers it) onto
   rank 0's CPU into the usual single file. Both resume under ddp, single or fsdp, on any number
   of processes.
+- In one process, with CPU offload, a group of that process alone is made: a model larger than
+  its GPU trains there, the shards in host memory. Without offload one process shards nothing.
 - CUDA graphs (--compile reduce-overhead) are not offered: FSDP2's collectives run outside them.
 """
 from __future__ import annotations
@@ -97,6 +99,8 @@ class FSDP(Strategy):
             # with CPU offload the model stays in host memory: fully_shard moves one unit at a
             # time to the GPU to cut its shards, so the whole model never has to fit there
             model = model.to(self.device)
+        if not dist.is_initialized() and self.options.cpu_offload:
+            one_rank_group(self.device)  # one GPU, the shards in host memory: still worth it
         if not dist.is_initialized():  # one process without a group: nothing to shard over
             warnings.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
                           "it trains as --strategy single would; launch several processes "
@@ -190,6 +194,17 @@ class FSDP(Strategy):
         return (f"fsdp ({n} process{'es' if n > 1 else ''}, {dist.get_backend()}, {units} shard "
                 f"unit{'s' if units > 1 else ''}{dtype.get(self.param_dtype, '')}"
                 + "".join(f", {e}" for e in extras) + ")")
+
+
+def one_rank_group(device: torch.device) -> None:
+    """A process group of this process alone (NCCL on its GPU), for FSDP2 in one process: with
+    CPU offload a model larger than the GPU then trains on it, its shards in host memory. Torn
+    down at exit."""
+    import atexit
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device)
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def shard_units(model: nn.Module, options: FSDPOptions) -> list[nn.Module]:
