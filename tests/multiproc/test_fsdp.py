@@ -72,7 +72,7 @@ def test_fsdp_shards_the_blocks_and_ends_with_the_weights_of_ddp(trained):
     assert_close(ddp, fsdp, exact=False)
 
 
-@pytest.mark.parametrize("devices", ["cpu:1", "cpu:3"])
+@pytest.mark.parametrize("devices", [pytest.param("cpu:1", marks=pytest.mark.extended), "cpu:3"])
 def test_an_fsdp_checkpoint_loads_unchanged_on_another_process_count(trained, tmp_path, devices):
     # loaded, then saved again without a step: the whole model and optimizer state come back
     # bit for bit, sharded over 3 processes or in one
@@ -94,8 +94,9 @@ def sharded(trained):
     return folder / "sharded.pt", torch.load(folder / "sharded-whole.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("devices, strategy", [("cpu:3", "fsdp"), ("cpu:2", "ddp"),
-                                               ("cpu:1", "single")])
+@pytest.mark.parametrize("devices, strategy", [
+    ("cpu:3", "fsdp"), pytest.param("cpu:2", "ddp", marks=pytest.mark.extended),
+    pytest.param("cpu:1", "single", marks=pytest.mark.extended)])
 def test_a_sharded_checkpoint_loads_bit_for_bit_under_any_strategy_and_count(
         trained, sharded, tmp_path, devices, strategy):
     path, whole = sharded
@@ -104,6 +105,7 @@ def test_a_sharded_checkpoint_loads_bit_for_bit_under_any_strategy_and_count(
     assert_close(whole, again, exact=True)
 
 
+@pytest.mark.extended
 def test_saving_sharded_again_at_a_path_removes_the_old_folder_unless_a_copy_names_it(
         trained, sharded, tmp_path):
     path, _ = sharded
@@ -132,6 +134,7 @@ def test_a_ddp_checkpoint_loads_under_fsdp_and_an_fsdp_one_into_a_bare_module(tr
     assert torch.equal(bare.head.weight, fsdp["model"]["head.weight"])
 
 
+@pytest.mark.extended
 def test_activation_checkpointing_recomputes_the_blocks_to_the_same_weights(trained, tmp_path):
     _, _, fsdp, _ = trained
     recomputed, info = train(tmp_path, "cpu:2", "fsdp", 2, "recompute", "--recompute")
@@ -139,7 +142,8 @@ def test_activation_checkpointing_recomputes_the_blocks_to_the_same_weights(trai
     assert_close(fsdp, recomputed, exact=True)
 
 
-@pytest.mark.parametrize("where", ["after-model", "before-model", "not-prepared"])
+@pytest.mark.parametrize("where", [pytest.param("after-model", marks=pytest.mark.extended),
+                                   pytest.param("before-model", marks=pytest.mark.extended), "not-prepared"])
 def test_an_optimizer_built_before_prepare_is_refused_with_the_fix(tmp_path, where):
     proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs", SCRIPT, "fsdp",
                     1, tmp_path / "x.pt", "--optimizer-first", where)
@@ -150,6 +154,7 @@ def test_an_optimizer_built_before_prepare_is_refused_with_the_fix(tmp_path, whe
     assert "rt.prepare(model, lambda params: torch.optim.AdamW(params))" in output
 
 
+@pytest.mark.extended
 def test_fsdp_accumulates_like_ddp(tmp_path):
     ddp, _ = train(tmp_path, "cpu:2", "ddp", 1, "ddp-acc", "--accumulate", "2")
     fsdp, _ = train(tmp_path, "cpu:2", "fsdp", 1, "fsdp-acc", "--accumulate", "2")
@@ -201,7 +206,8 @@ def test_export_makes_one_file_with_the_weights_of_ddp_and_never_replaces_one(ru
     assert "Traceback" not in again.stderr
 
 
-@pytest.mark.parametrize("devices, strategy", [("cpu:3", "fsdp"), ("cpu:2", "ddp")])
+@pytest.mark.parametrize("devices, strategy", [("cpu:3", "fsdp"),
+                                               pytest.param("cpu:2", "ddp", marks=pytest.mark.extended)])
 def test_a_sharded_checkpoint_resumes_inside_an_epoch_on_3_processes_and_under_ddp(
         runs, tmp_path, devices, strategy):
     inside = [e for e in CheckpointStore(runs / "fsdp" / "checkpoints").entries()
