@@ -3,7 +3,9 @@
     python -P -m multigpu.worker script.py ARGS...     (python -P -m multigpu.worker -m pkg.mod ARGS...)
 
 The script runs as `python script.py ARGS` would run it: `__name__ == "__main__"`, `sys.argv`,
-the script's folder first on sys.path (the current folder for -m), its exceptions and exit status.
+the script's folder first on sys.path (the current folder for -m), its exceptions and exit status;
+a UsageError of multigpu's (a mistake the library names, with its fix) is one line and exit 2,
+its traceback only with MULTIGPU_DEBUG=1 (`multigpu --debug run ...`).
 `-P` keeps the current folder off sys.path while multigpu itself is imported, so a file named
 multigpu.py beside the user's script (pytorch/examples has one) cannot shadow this package.
 """
@@ -15,6 +17,7 @@ import runpy
 import sys
 
 from multigpu import watchdog
+from multigpu.errors import UsageError
 
 
 def main(argv: list[str]) -> None:
@@ -29,6 +32,14 @@ def main(argv: list[str]) -> None:
     except SystemExit as exc:
         ended["clean"] = exc.code in (None, 0)
         raise
+    except UsageError as exc:  # multigpu's own one-line message for a mistake: no traceback
+        if os.environ.get("MULTIGPU_DEBUG"):
+            raise
+        from multigpu.distributed import mark_failed
+
+        mark_failed()
+        print(f"multigpu: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     ended["clean"] = True
 
 

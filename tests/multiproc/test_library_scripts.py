@@ -14,9 +14,14 @@ def test_unused_parameter_is_named_with_the_fix_at_the_first_step(tmp_path):
     proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path, SCRIPTS / "unused_parameter.py")
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
-    assert "initial.weight, initial.bias" in output
+    assert ("multigpu: error: 2 parameter(s) got no gradient in the first backward: "
+            "initial.weight, initial.bias") in output
     assert "find_unused_parameters=True" in output
     assert "Expected to have finished reduction" not in output  # DDP's cryptic error never comes
+    assert "Traceback" not in output  # multigpu's own message: one line
+    debug = multigpu("--debug", "run", "--devices", "cpu:2", "--log-dir", tmp_path / "debug",
+                     SCRIPTS / "unused_parameter.py")
+    assert debug.returncode != 0 and "Traceback" in debug.stdout + debug.stderr
 
 
 @pytest.mark.parametrize("flag", ["--find-unused", pytest.param("--teacher", marks=pytest.mark.extended)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from multigpu.errors import Stopped, UsageError
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_main", None):
         parser.print_help()
         return 0
+    if args.debug:  # the processes it starts show their tracebacks too
+        os.environ["MULTIGPU_DEBUG"] = "1"
     try:
         code = int(args._main(args) or 0)
     except SystemExit as exc:
