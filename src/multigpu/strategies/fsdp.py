@@ -32,14 +32,13 @@ gradients reduce-scattered after the backward: about 1.5x the traffic of DDP's a
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu import checkpoint
+from multigpu import checkpoint, console
 from multigpu.distributed import DistEnv
 from multigpu.errors import UsageError
 from multigpu.strategies.base import Strategy
@@ -102,9 +101,10 @@ class FSDP(Strategy):
         if not dist.is_initialized() and self.options.cpu_offload:
             one_rank_group(self.device)  # one GPU, the shards in host memory: still worth it
         if not dist.is_initialized():  # one process without a group: nothing to shard over
-            warnings.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
-                          "it trains as --strategy single would; launch several processes "
-                          "(--devices 2, or cpu:2) to shard it", stacklevel=3)
+            console.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
+                         "it trains as --strategy single would; launch several processes "
+                         "(--devices 2, or cpu:2) to shard it, or add CPU offload "
+                         "(--fsdp-cpu-offload) to train a model larger than the GPU")
             return model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
@@ -119,10 +119,11 @@ class FSDP(Strategy):
         offload = CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy()
         units = shard_units(model, self.options)
         if self.options.activation_checkpointing and not units:
-            warnings.warn("activation checkpointing recomputes the shard units, and this model "
-                          f"has none (no container item with {self.options.min_params:,}+ "
-                          "parameters): nothing is recomputed. Name the blocks with "
-                          "FSDPOptions(shard_modules=(MyBlock,)) or lower min_params", stacklevel=3)
+            if self.env.is_main:
+                console.warn("activation checkpointing recomputes the shard units, and this "
+                             f"model has none (no container item with {self.options.min_params:,}+ "
+                             "parameters): nothing is recomputed. Name the blocks with "
+                             "FSDPOptions(shard_modules=(MyBlock,)) or lower min_params")
         names = {id(m): n for n, m in model.named_modules()}
         self.units = [names[id(u)] for u in units]
         for unit in units:
