@@ -94,12 +94,13 @@ class FSDP(Strategy):
         self.precision = kind
 
     def setup_module(self, model: nn.Module) -> nn.Module:
-        if not (self.options.cpu_offload and dist.is_initialized()):
-            # with CPU offload the model stays in host memory: fully_shard moves one unit at a
-            # time to the GPU to cut its shards, so the whole model never has to fit there
+        if self.options.cpu_offload:  # (create() refused it without GPUs)
+            if not dist.is_initialized():
+                one_rank_group(self.device)  # one GPU, the shards in host memory: worth it
+            # the model stays in host memory: fully_shard moves one unit at a time to the GPU
+            # to cut its shards, so the whole model never has to fit there
+        else:
             model = model.to(self.device)
-        if not dist.is_initialized() and self.options.cpu_offload:
-            one_rank_group(self.device)  # one GPU, the shards in host memory: still worth it
         if not dist.is_initialized():  # one process without a group: nothing to shard over
             console.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
                          "it trains as --strategy single would; launch several processes "
