@@ -15,15 +15,7 @@ import torch
 from torch import nn
 
 import multigpu
-
-
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(width, width), nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+from wide_blocks import Block  # next to this script
 
 
 fraction = float(sys.argv[1]) if len(sys.argv) > 1 else 1.05
