@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import random
-import shutil
 import warnings
 import weakref
 from pathlib import Path
@@ -371,9 +370,7 @@ class Runtime:
             try:
                 replaced = sharded_checkpoint.folder_named_by(path)
                 checkpoint.atomic_save(checkpoint.to_cpu(state), path)
-                new = (shards.get("shards") or {}).get("dir")
-                if replaced is not None and replaced.name != new and not _named_beside(replaced):
-                    shutil.rmtree(replaced, ignore_errors=True)  # no file names it any more
+                sharded_checkpoint.drop_if_unnamed(replaced)  # the replaced file's folder
             except Exception as exc:  # tell the other ranks instead of leaving them in a barrier
                 error = (isinstance(exc, UsageError), f"saving {path} failed on rank 0: {exc}")
         error = self.env.broadcast_object(error)
@@ -452,22 +449,9 @@ class Runtime:
                 raise UsageError("this checkpoint was saved sharded: give load() its file, or "
                                  "shards_dir= the folder its shards are in")
             shards_dir = sharded_checkpoint.folder_of(state, Path(path).parent)
-        error = None
-        if self.env.is_main:  # checked once; every rank then reads its part, or none does
-            try:
-                sharded_checkpoint.verify(Path(shards_dir), state["shards"]["files"],
-                                          None if isinstance(path, dict) else path)
-            except checkpoint.CheckpointError as exc:
-                error = str(exc)
-        error = self.env.broadcast_object(error)
-        if error:
-            raise checkpoint.CheckpointError(error)
-        sharded_checkpoint.load(Path(shards_dir), self.strategy.unwrap(model), optimizer)
-
-
-def _named_beside(folder: Path) -> bool:
-    """Whether a checkpoint file beside `folder` names it (a copy of an earlier save, say)."""
-    return any(sharded_checkpoint.folder_named_by(f) == folder for f in folder.parent.glob("*.pt"))
+        sharded_checkpoint.load(self.env, Path(shards_dir), state["shards"]["files"],
+                                None if isinstance(path, dict) else path,
+                                self.strategy.unwrap(model), optimizer)
 
 
 def _warn_eval_with_grad(module: nn.Module, _args) -> None:

@@ -114,10 +114,22 @@ def _first_failure(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0]
 
 
-def load(folder: Path, model: nn.Module, optimizer=None) -> None:
-    """Every rank (or one process): fill the prepared `model` (and `optimizer`) from `folder`."""
+def load(env: DistEnv, folder: Path, files: dict, step_file: Path | str | None,
+         model: nn.Module, optimizer=None) -> None:
+    """Collective (or one process): fill the prepared `model` (and `optimizer`) from `folder`,
+    whose `files` rank 0 checks first (`verify`); every rank then reads its part, or none does."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    error = None
+    if env.is_main:
+        try:
+            verify(folder, files, step_file)
+        except checkpoint.CheckpointError as exc:
+            error = str(exc)
+    error = env.broadcast_object(error)
+    if error:
+        raise checkpoint.CheckpointError(error)
 
     state = _state(model, optimizer)
     with warnings.catch_warnings():  # one process without a group: torch warns that it assumes so
@@ -159,6 +171,14 @@ def folder_named_by(path: Path) -> Path | None:
         return None
     folder = folder_of(state, path.parent) if isinstance(state, dict) else None
     return folder if folder is not None and folder.is_dir() else None
+
+
+def drop_if_unnamed(folder: Path | None) -> None:
+    """Remove `folder` unless a checkpoint file beside it still names it (a copy of an earlier
+    save, say): the folder of a file that `rt.save` just replaced."""
+    if folder is None or any(folder_named_by(f) == folder for f in folder.parent.glob("*.pt")):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def export(state: dict, beside: Path, scratch: Path) -> dict:
