@@ -13,6 +13,8 @@ from multigpu.compiling import MODES as COMPILE_MODES
 from multigpu.strategies.registry import HELP as STRATEGY_HELP
 from multigpu.strategies.registry import NAMES as STRATEGY_NAMES
 
+DECODE_CHOICES = ("auto", "cpu", "gpu")  # --decode (imagefolder.use_decode)
+
 
 def _f(default, help: str, choices=None, metavar=None, const=None):
     """A field; with `const`, its flag may be given alone and then means `const`."""
@@ -58,6 +60,10 @@ class TrainConfig:
                                  "readable image takes its place, it is named and counted; the "
                                  "run stops if over 1 %% of an epoch's images are bad) or fail",
                          choices=("skip", "fail"))
+    decode: str = _f("auto", "folder: data, where JPEGs are decoded: gpu (nvJPEG through "
+                             "torchvision, the crops on the GPU too, overlapped with the step), "
+                             "cpu (in the loader workers), auto (gpu where nvJPEG works here)",
+                     choices=DECODE_CHOICES)
     workers: int | None = _f(None, "DataLoader worker processes per rank (default: 0 for in-memory "
                                    "data, else the CPU cores per GPU)")
     find_unused_parameters: bool = _f(False, "let DDP search for parameters the loss does not use "

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from multigpu import gpu_images
+from multigpu.config import DECODE_CHOICES
 from multigpu.datasets import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
 from multigpu.errors import UsageError
 
@@ -49,11 +51,15 @@ class ImageFolderDataset(Dataset):
     centre crop. An unreadable file is handled per `bad_images` (module docstring)."""
 
     def __init__(self, samples: list[tuple[str, int]], classes: list[str], image_size: int,
-                 train: bool, bad_images: str = "skip", decoder: str | None = None) -> None:
+                 train: bool, bad_images: str = "skip", decoder: str | None = None,
+                 on_gpu: bool = False, cpu_share: float = 0.0) -> None:
         if bad_images not in BAD_IMAGE_CHOICES:
             raise UsageError(f"--bad-images {bad_images}: choose skip or fail")
         self.samples, self.classes, self.image_size, self.train = samples, classes, image_size, train
         self.bad_images = bad_images
+        # on_gpu: JPEGs leave the workers encoded and are decoded on the device (gpu_images), but
+        # for the `cpu_share` of samples (0-1) the workers decode anyway (a hybrid).
+        self.on_gpu, self.cpu_share = on_gpu, cpu_share
         self.decoder = decoder or default_decoder()
         self._transform = _torchvision_transform(image_size, train) if self.decoder == "torchvision" else None
         # Shared memory, so counts made in DataLoader workers reach the main process.
@@ -68,16 +74,58 @@ class ImageFolderDataset(Dataset):
         """Unreadable files met so far (each time one is met)."""
         return int(self.bad_counts.sum())
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | gpu_images.EncodedImage, torch.Tensor]:
+        return self._item(index, self.on_gpu)
+
+    def _item(self, index: int, on_gpu: bool):
         for offset in range(len(self.samples)):
-            path, label = self.samples[(index + offset) % len(self.samples)]
+            at = (index + offset) % len(self.samples)
+            path, label = self.samples[at]
             try:
-                image = self._read(path)
+                image = (on_gpu and self._encoded(path, at)) or self._read(path)
             except Exception as exc:  # PIL: OSError, SyntaxError, ValueError, DecompressionBombError;
                 self._bad(path, exc)  # torchvision: RuntimeError
                 continue
             return image, torch.tensor(label, dtype=torch.int64)
         raise UsageError("no image of this split can be read: check the files of --data folder:")
+
+    def _encoded(self, path: str, index: int) -> gpu_images.EncodedImage | None:
+        """The file's bytes and this sample's crop, for the device to decode; None when the file
+        or the hybrid's share leaves it to the CPU path (gpu_images)."""
+        if math.floor((index + 1) * self.cpu_share) > math.floor(index * self.cpu_share):
+            return None  # the hybrid's share, spread evenly over the indices
+        if Path(path).suffix.lower() not in (".jpg", ".jpeg"):
+            return None
+        data = gpu_images.read_bytes(path)
+        size = gpu_images.gpu_readable(memoryview(data.numpy()))
+        if size is None:
+            return None
+        if self.train:
+            box, flip = _random_box(*size), float(torch.rand(1)) < 0.5
+        else:
+            box, flip = gpu_images.center_box(*size, self.image_size), False
+        return gpu_images.EncodedImage(data, box, flip, index)
+
+    collate = staticmethod(gpu_images.collate)
+
+    @property
+    def on_device(self):
+        """What the prepared loader calls on each batch on the device, ahead of the step (in a
+        thread: prefetch_thread), when JPEGs are decoded there; None otherwise."""
+        return self._finish_on_device if self.on_gpu else None
+
+    def _finish_on_device(self, batch, device: torch.device):
+        """Images still encoded are decoded on `device` (gpu_images.decode_batch)."""
+        images, labels = batch
+        if isinstance(images, gpu_images.ImageBatch):
+            images = gpu_images.decode_batch(images, self.image_size, device, self._replacement)
+        return images, labels
+
+    def _replacement(self, index: int, exc: BaseException) -> torch.Tensor:
+        """A file the device and PIL both failed on: named and counted (or, with --bad-images
+        fail, the end of the run), and the next readable image decoded on the CPU instead."""
+        self._bad(self.samples[index][0], exc)
+        return self._item(index + 1, on_gpu=False)[0]
 
     def _read(self, path: str) -> torch.Tensor:
         if self._transform is not None and Path(path).suffix.lower() in _TORCHVISION_SUFFIXES:
@@ -129,13 +177,9 @@ def _decode(path: str):
         return raw.convert("RGB")
 
 
-def _random_crop(image, size: int):
-    """Crop a random region (35-100% of the area, aspect 3/4-4/3), resize it to size x size, maybe flip it."""
-    from PIL import Image
-
-    width, height = image.size
+def _random_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, top, width, height) of a random region: 35-100% of the area, aspect 3/4-4/3."""
     area = width * height
-    box = None
     for _ in range(10):
         target = area * float(torch.empty(1).uniform_(0.35, 1.0))
         aspect = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
@@ -143,29 +187,31 @@ def _random_crop(image, size: int):
         if 0 < w <= width and 0 < h <= height:
             left = int(torch.randint(width - w + 1, (1,)))
             top = int(torch.randint(height - h + 1, (1,)))
-            box = (left, top, left + w, top + h)
-            break
-    if box is None:  # very elongated image: fall back to the largest centred square
-        side = min(width, height)
-        left, top = (width - side) // 2, (height - side) // 2
-        box = (left, top, left + side, top + side)
-    image = image.resize((size, size), Image.Resampling.BILINEAR, box=box)
+            return left, top, w, h
+    side = min(width, height)  # very elongated image: the largest centred square
+    return (width - side) // 2, (height - side) // 2, side, side
+
+
+def _random_crop(image, size: int):
+    """Crop a random region (_random_box), resize it to size x size, maybe flip it (the draws in
+    the order the GPU path makes them too)."""
+    from PIL import Image
+
+    left, top, w, h = _random_box(*image.size)
+    image = image.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
     if float(torch.rand(1)) < 0.5:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return image
 
 
 def _center_crop(image, size: int):
-    """Resize the shorter side to size * 8/7 (256 for 224), then cut out the centre size x size."""
+    """The centre region that resizing the shorter side to size * 8/7 (256 for 224) and cutting out
+    the centre size x size would keep, resized in one step (gpu_images.center_box: the GPU path
+    cuts the same box)."""
     from PIL import Image
 
-    width, height = image.size
-    short = round(size * 8 / 7)
-    scale = short / min(width, height)
-    width, height = max(short, round(width * scale)), max(short, round(height * scale))
-    image = image.resize((width, height), Image.Resampling.BILINEAR)
-    left, top = (width - size) // 2, (height - size) // 2
-    return image.crop((left, top, left + size, top + size))
+    left, top, w, h = gpu_images.center_box(*image.size, size)
+    return image.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
 
 
 def _to_tensor(image) -> torch.Tensor:
@@ -226,3 +272,41 @@ def load_folder(path: str, image_size: int, bad_images: str = "skip", decoder: s
     )
 
 
+
+
+def use_decode(data: DataBundle, asked: str, device: torch.device, workers: int,
+               deterministic: bool = False) -> str | None:
+    """Where folder: JPEGs get decoded (`--decode`), set on both datasets; returns the line that
+    says so on a GPU run (None for other data, or on CPUs where there is no choice).
+
+    auto, where nvJPEG works: the workers alone when there are enough of them, else both, the
+    workers taking gpu_images.hybrid_share of the images (by index, so a sample's decoder does
+    not change within a run); with --deterministic and too few workers the GPU alone, so that a
+    run resumed with other workers decodes every image as before."""
+    if not isinstance(data.train, ImageFolderDataset):
+        return None
+    if asked not in DECODE_CHOICES:
+        raise UsageError(f"--decode {asked}: choose {', '.join(DECODE_CHOICES)}")
+    problem = None if asked == "cpu" else gpu_images.gpu_decode_problem(device)
+    if asked == "gpu" and problem:
+        raise UsageError(f"--decode gpu: {problem}; use --decode cpu (the loader workers decode) "
+                         "or auto")
+    on_gpu = asked != "cpu" and problem is None
+    share = gpu_images.hybrid_share(workers) if on_gpu and asked == "auto" else 0.0
+    if share == 1.0:
+        on_gpu, share = False, 0.0
+    elif deterministic:
+        share = 0.0
+    for dataset in (data.train, data.val):
+        dataset.on_gpu, dataset.cpu_share = on_gpu, share
+    if device.type != "cuda":
+        return None
+    if on_gpu and share:
+        return (f"folder: JPEGs decoded on {device} (nvJPEG) and by {workers} loader workers "
+                f"({share:.0%} of them), the GPU's crops there too (--decode gpu|cpu: one of them)")
+    if on_gpu:
+        return (f"folder: JPEGs decoded on {device} (nvJPEG), the crops there too; {workers} loader "
+                "workers read the files (--decode cpu: the workers decode)")
+    why = ("--decode cpu" if asked == "cpu" else f"the GPU path is off: {problem}" if problem
+           else "enough of them: --decode gpu to use nvJPEG")
+    return f"folder: images decoded by {workers} loader workers per GPU ({why})"

@@ -2,7 +2,9 @@
 
 `shard_loader` rebuilds a user's DataLoader around a ShardedBatchSampler, keeping its settings;
 `PreparedLoader` iterates it, tells the runtime each step's real sample counts, copies batches to
-the GPU ahead of the step, and can go on from a position inside an epoch.
+the GPU ahead of the step, and can go on from a position inside an epoch. A dataset with an
+`on_device(batch, device) -> batch` method finishes its batches there, in a thread on a stream of
+its own, also ahead of the step (prefetch_thread; folder: data decodes its JPEGs that way).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableD
 
 from multigpu.data import ShardedBatchSampler, StepInfo, map_tensors, move_to_device
 from multigpu.errors import UsageError
+from multigpu.prefetch_thread import finish_in_thread
 
 
 class PreparedLoader:
@@ -75,15 +78,23 @@ class PreparedLoader:
         infos = self.sampler.step_infos(self.accumulate)
         self.epoch, self.position = epoch + 1, start
         batches = zip(infos, self.loader, strict=True)
-        if self.device.type == "cuda":
+        finish = getattr(self._dataset, "on_device", None)
+        if self.device.type == "cuda" and finish is not None:
+            batches = finish_in_thread(batches, self.device, finish, _to_device)
+        elif self.device.type == "cuda":
             batches = _prefetch_to_gpu(batches, self.device)
         else:
-            batches = ((info, move_to_device(b, self.device, False)) for info, b in batches)
+            batches = ((info, _to_device(b, self.device, False, finish)) for info, b in batches)
         for info, batch in batches:
             self.position += info.global_count
             self.on_step(info)
             yield batch
         self.on_step(None)
+
+
+def _to_device(batch, device: torch.device, non_blocking: bool, finish):
+    batch = move_to_device(batch, device, non_blocking)
+    return finish(batch, device) if finish is not None else batch
 
 
 def _prefetch_to_gpu(batches, device: torch.device):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import compiling, provenance, runfolder
+from multigpu import compiling, console, imagefolder, provenance, runfolder
 from multigpu.config import TrainConfig
 from multigpu.datasets import DataBundle, load_data
 from multigpu.engine import StepSettings
@@ -116,7 +116,7 @@ def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
 def make_loader(dataset, batch_size: int, shuffle: bool, workers: int,
                 drop_last: bool = False) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
-                      drop_last=drop_last,
+                      drop_last=drop_last, collate_fn=getattr(dataset, "collate", None),
                       persistent_workers=workers > 0,
                       prefetch_factor=PREFETCH_FACTOR if workers else None)
 
@@ -158,6 +158,9 @@ def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
     workers = loader_workers(cfg, rt)
+    decode_note = imagefolder.use_decode(data, cfg.decode, rt.device, workers, cfg.deterministic)
+    if decode_note:
+        console.info(decode_note)
     train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
     val_loader = make_loader(data.val, cfg.batch_size, False, workers)
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)

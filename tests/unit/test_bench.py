@@ -755,10 +755,28 @@ def test_data_takes_one_kind_or_both_and_compile_takes_an_optional_mode():
     assert settings_from_args(graphs).compile == "reduce-overhead"
     assert settings_from_args(parse(["bench", "--data", "real, synthetic"])).data == both.data
     with pytest.raises(UsageError, match=r"--data bogus: unknown kind 'bogus'; choose from "
-                                         r"synthetic,real"):
+                                         r"synthetic,real,real-cpu,real-gpu or folder:PATH"):
         settings_from_args(parse(["bench", "--data", "bogus"]))
+    mine = settings_from_args(parse(["bench", "--data", "real-cpu,folder:~/imgs,synthetic"]))
+    assert (mine.data, mine.folder) == (("synthetic", "real", "real-cpu"), "~/imgs")
+    assert (both.folder, settings_from_args(parse(["bench", "--data", "real-gpu"])).data) == (None, ("real-gpu",))
+    with pytest.raises(UsageError, match=r"--data folder:a,folder:b: name one folder"):
+        settings_from_args(parse(["bench", "--data", "folder:a,folder:b"]))
     with pytest.raises(UsageError, match="--compile .*--warmup 1 or more"):
         settings_from_args(parse(["bench", "--compile", "--warmup", "0"]))
+
+
+def test_real_kinds_are_one_folder_decoded_three_ways():
+    from multigpu.bench.spec import Task
+
+    kinds = [Task("multigpu-single", "resnet50", 8, 1, 224, "auto", "folder:/d", 10, 1, 1, 1, decode=d)
+             for d in ("auto", "cpu", "gpu")]
+    assert [t.data_kind for t in kinds] == ["real", "real-cpu", "real-gpu"]
+    assert len({t.key for t in kinds}) == 3
+    assert [t.describe() for t in kinds] == [
+        "multigpu-single x1 resnet50 batch 8, real data",
+        "multigpu-single x1 resnet50 batch 8, real data, CPU decode",
+        "multigpu-single x1 resnet50 batch 8, real data, GPU decode"]
 
 
 def test_nccl_max_ctas_below_one_is_refused_when_the_options_are_made():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from multigpu import fileio
 from multigpu.bench import stats, telemetry
-from multigpu.bench.spec import Task, base_method
+from multigpu.bench.spec import REAL_DECODE, Task, base_method
 
 SCHEMA = "multigpu-bench/1"
 GIB = 1024**3
@@ -98,7 +98,7 @@ def add_of_synthetic(rows: list[dict]) -> None:
 
     synthetic = {same(r): r["img_per_s"] for r in rows if r["data"] == "synthetic"}
     for r in rows:
-        base = synthetic.get(same(r)) if r["data"] == "real" else None
+        base = synthetic.get(same(r)) if r["data"] in REAL_DECODE else None
         r["of_synthetic"] = r["img_per_s"] / base if base else None
 
 
@@ -177,7 +177,9 @@ def _series(rows: list[dict]) -> dict[str, list[tuple[int, float, float | None]]
 
     def label(method: str, r: dict) -> str:
         text = method if len(combos) == 1 else f"{method} {r['model']} b{r['batch_size']}"
-        return f"{text} real" if mixed and r["data"] == "real" else text  # real and synthetic apart
+        if mixed and r["data"] in REAL_DECODE:  # real and synthetic apart
+            return f"{text} {r['data']}"
+        return text
 
     out: dict[str, list] = {}
     for r in rows:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from multigpu import compiling, console
 from multigpu.bench import realdata, report, stats, telemetry
-from multigpu.bench.spec import (NUM_CLASSES, BenchSettings, Group, Task, gpu_counts,
+from multigpu.bench.spec import (NUM_CLASSES, REAL_DECODE, BenchSettings, Group, Task, gpu_counts,
                                  plan_groups)
 from multigpu.devices import DevicePlan, resolve_devices
 from multigpu.errors import UsageError
@@ -58,13 +58,21 @@ def prepare_data(s: BenchSettings, counts: tuple[int, ...]) -> dict[str, tuple[s
     inputs = {}
     if "synthetic" in s.data:
         inputs["synthetic"] = ("synthetic", NUM_CLASSES)
-    if "real" in s.data:
-        inputs["real"] = (f"folder:{_image_folder(s, counts)}", realdata.CLASSES)
+    real = [k for k in s.data if k in REAL_DECODE]
+    if real:
+        folder = f"folder:{_image_folder(s, counts)}"
+        inputs.update({k: (folder, realdata.CLASSES) for k in real})
     return inputs
 
 
 def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> Path:
-    """The cached JPEG folder, generated when missing: one image size, so one folder, for all."""
+    """--data folder:PATH's folder, or the cached JPEG folder, generated when missing: one image
+    size, so one folder, for all."""
+    if s.folder:
+        from multigpu.imagefolder import load_folder
+
+        load_folder(s.folder, 224)  # its layout checked here, in one line, not in every worker
+        return Path(s.folder).expanduser()
     sizes = {s.image_size or _default_size(m) for m in s.models}
     if len(sizes) > 1:
         raise UsageError(f"--data real with models of different default image sizes ({sorted(sizes)}); "

@@ -36,7 +36,9 @@ PEERS = ("ddp", "accelerate", "fabric")
 METHODS = (*OURS, *PEERS)
 # All but fsdp, which is for models larger than a GPU: ask for it with --methods
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "multigpu-fsdp")
-DATA_KINDS = ("synthetic", "real")
+DATA_KINDS = ("synthetic", "real", "real-cpu", "real-gpu")
+# Real-data kinds: the same JPEG folder through `multigpu train`'s pipeline, with its --decode.
+REAL_DECODE = {"real": "auto", "real-cpu": "cpu", "real-gpu": "gpu"}
 NUM_CLASSES = 1000  # synthetic data: ImageNet-sized classifier head, as in BASELINE.md
 DDP = "multigpu-ddp"
 
@@ -106,6 +108,7 @@ class BenchSettings:
     min_free_memory: float = 2.0
     out: str | None = None
     data_dir: str | None = None  # cache of the generated JPEG folder (--data real)
+    folder: str | None = None  # --data folder:PATH: the real kinds read it instead
     command: str = ""  # the command line, recorded in the JSON
 
 
@@ -124,10 +127,13 @@ class Task:
     steps: int
     trials: int
     compile: str | None = None  # torch.compile mode of the prepared model (multigpu methods only)
+    decode: str = "auto"  # real data: `multigpu train --decode`
 
     @property
     def data_kind(self) -> str:
-        return "real" if self.data.startswith("folder:") else "synthetic"
+        if not self.data.startswith("folder:"):
+            return "synthetic"
+        return {"cpu": "real-cpu", "gpu": "real-gpu"}.get(self.decode, "real")
 
     @property
     def variant(self) -> str | None:
@@ -140,8 +146,13 @@ class Task:
 
     def describe(self) -> str:
         """'multigpu-ddp x2 mlp batch 16', with ', real data' when that is what it reads."""
-        real = ", real data" if self.data_kind == "real" else ""
-        return f"{self.method} x{self.gpus} {self.model} batch {self.batch_size}{real}"
+        return f"{self.method} x{self.gpus} {self.model} batch {self.batch_size}{data_note(self.data_kind)}"
+
+
+def data_note(kind: str | None) -> str:
+    """', real data' (', real data, CPU decode') after a task or a row of that kind; '' for synthetic."""
+    return {"real": ", real data", "real-cpu": ", real data, CPU decode",
+            "real-gpu": ", real data, GPU decode"}.get(kind or "", "")
 
 
 @dataclass
@@ -201,14 +212,23 @@ def variant_of(method: str) -> DDPVariant | None:
 
 
 def parse_data(text: str) -> tuple[str, ...]:
-    """The data kinds, in the order of DATA_KINDS: each group runs synthetic before real."""
-    kinds = {k.strip() for k in str(text).split(",") if k.strip()}
+    """The data kinds, in the order of DATA_KINDS: each group runs synthetic before real.
+    `folder:PATH` is the real kind, on that folder (parse_folder) instead of generated images."""
+    kinds = {"real" if k.strip().startswith("folder:") else k.strip() for k in str(text).split(",") if k.strip()}
     unknown = sorted(kinds - set(DATA_KINDS))
     if unknown or not kinds:
         named = ", ".join(map(repr, unknown)) or "(none)"
         raise UsageError(f"--data {text}: unknown kind {named}; choose from {','.join(DATA_KINDS)} "
-                         "(or both: --data synthetic,real)")
+                         "or folder:PATH (or several: --data synthetic,real)")
     return tuple(k for k in DATA_KINDS if k in kinds)
+
+
+def parse_folder(text: str) -> str | None:
+    """The PATH of a `folder:PATH` item of --data (one at most), else None."""
+    folders = [k.strip().removeprefix("folder:") for k in str(text).split(",") if k.strip().startswith("folder:")]
+    if len(folders) > 1 or (folders and not folders[0]):
+        raise UsageError(f"--data {text}: name one folder, as folder:PATH (its train/ is read)")
+    return folders[0] if folders else None
 
 
 def parse_models(text: str) -> tuple[str, ...]:
@@ -282,8 +302,8 @@ def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
     fabric_packages = ("lightning", "lightning_fabric")
     if method == "fabric" and not any(importlib.util.find_spec(m) for m in fabric_packages):
         return f"lightning is not installed: {install_hint('lightning')}"
-    if data == "real":
-        return "--data real times multigpu's own input pipeline; peers run on synthetic data only"
+    if data in REAL_DECODE:
+        return f"--data {data} times multigpu's own input pipeline; peers run on synthetic data only"
     return None
 
 
@@ -303,7 +323,7 @@ def plan_groups(s: BenchSettings, accelerator: str, counts: tuple[int, ...],
         for model in s.models:
             size = s.image_size or _default_image_size(model)
             for batch in s.batch_sizes:
-                make = _TaskMaker(s, model, batch, size, *inputs[kind])
+                make = _TaskMaker(s, model, batch, size, *inputs[kind], REAL_DECODE.get(kind, "auto"))
                 if "multigpu-single" in runnable:
                     first.tasks.append(make("multigpu-single", 1))
                 first.tasks += [make(m, 1) for m in runnable if m in PEERS and 1 in counts]
@@ -350,6 +370,7 @@ class _TaskMaker:
     size: int
     data: str
     num_outputs: int
+    decode: str
 
     def __call__(self, method: str, n: int, steps: int | None = None,
                  warmup: int | None = None) -> Task:
@@ -357,7 +378,7 @@ class _TaskMaker:
         return Task(method, self.model, self.batch, n, self.size, s.precision, self.data,
                     self.num_outputs, s.warmup if warmup is None else warmup,
                     steps or s.steps, s.trials,
-                    compile=s.compile if base_method(method) in OURS else None)
+                    compile=s.compile if base_method(method) in OURS else None, decode=self.decode)
 
 
 def _default_image_size(model: str) -> int:

@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from multigpu.bench.spec import data_note
+
 INTERVAL_S = 0.02
 # nvmlClocksEventReasons bits (nvml.h). "idle" shows between kernels and means nothing here.
 REASONS = {0x1: "idle", 0x2: "app_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
@@ -186,7 +188,7 @@ def slowdown_notes(rows: list[dict]) -> list[str]:
         span = (f"{spreads[0]:.0f} %" if len(group) == 1
                 else f"{min(spreads):.0f}-{max(spreads):.0f} %")
         where = "host CPU, other jobs" + (", waiting for a slower rank" if gpus > 1 else "")
-        kind = ", real data" if data == "real" else ""
+        kind = data_note(data)
         notes.append(f"{model} batch {batch} x{gpus}{kind}: the trials of {who} spread {span} while no "
                      f"GPU clock was held down (lowest {low:,} MHz), so the time went elsewhere "
                      f"({where}); min-max shows each one's worst and best trial")

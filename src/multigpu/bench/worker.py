@@ -47,7 +47,7 @@ def _config(task: Task, strategy: str):
     data = task.data if task.data.startswith("folder:") else "digits"  # synthetic: unused by it
     return TrainConfig(model=task.model, data=data, batch_size=task.batch_size, optimizer="sgd",
                        lr=0.1, precision=task.precision, strategy=strategy,
-                       image_size=task.image_size, compile=task.compile)
+                       image_size=task.image_size, compile=task.compile, decode=task.decode)
 
 
 def _endless(loader):
@@ -75,6 +75,9 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
             train_step(rt, model, optimizer, F.cross_entropy, next(batches), settings)
             return rt.step_info.global_count
         close = batches.close
+        train = job.data.train
+        decode = ("cpu" if not getattr(train, "on_gpu", False) else
+                  f"gpu, workers {train.cpu_share:.0%}" if train.cpu_share else "gpu")
     else:
         model = build_model(task.model, (3, task.image_size, task.image_size), task.num_outputs)
         settings = StepSettings(channels_last=rt.device.type == "cuda" and is_convnet(task.model))
@@ -89,13 +92,13 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
         def step() -> int:
             train_step(rt, model, optimizer, F.cross_entropy, batch, settings)
             return global_batch
-        close, queue = None, 0
+        close, queue, decode = None, 0, None
     devices = rt.strategy.devices
     wrapped = getattr(model, "_orig_mod", model)  # the strategy's wrapper, not torch.compile's
     add_comm_hook(task, wrapped)
     info = {"precision": rt.precision.kind, "strategy": rt.strategy.describe(),
             "optimizer": measure.describe_optimizer(optimizer), "wrapper": type(wrapped).__name__,
-            "world_size": rt.world_size}
+            "world_size": rt.world_size, "decode": decode}
     return Prepared(step, devices, info, close, extra_warmup=queue)
 
 
@@ -140,7 +143,7 @@ def comparable(task: Task) -> tuple:
     method is part of its key): its loader would refill its queue while the others ran, and start
     each trial with batches it loaded off the clock. (The peers run on synthetic data only, but
     multigpu-ddp and its variants all read real data.)"""
-    alone = task.method if task.data_kind == "real" else None
+    alone = task.method if task.data_kind != "synthetic" else None
     return task.model, task.batch_size, task.image_size, task.data, task.gpus, alone
 
 

@@ -57,9 +57,11 @@ def register(subparsers) -> argparse.ArgumentParser:
            f"it: {variants}")
     a("--data", default="synthetic", metavar="KIND[,KIND]",
       help="synthetic: one random batch kept on the GPU (compute + communication only); real: a "
-           "generated JPEG folder through multigpu's whole input pipeline; synthetic,real: both, "
-           "in the same launches, to show real as a share of synthetic (default synthetic; "
-           "peers run on synthetic data only)")
+           "generated JPEG folder through multigpu's whole input pipeline (decoded as `multigpu "
+           "train --decode auto` does); folder:PATH: the same on your ImageFolder folder; real-cpu: "
+           "the real data decoded by the loader workers; real-gpu: on the GPU alone; "
+           "several: in the same launches, to show real as a share of synthetic (default "
+           "synthetic; peers run on synthetic data only)")
     a("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES, metavar="MODE",
       help="torch.compile the model of the multigpu methods in MODE, as `multigpu train --compile "
            "MODE` does: default (--compile alone) or reduce-overhead (CUDA graphs), max-autotune, "
@@ -82,7 +84,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from multigpu.bench.spec import (BenchSettings, parse_data, parse_int_list, parse_methods,
+    from multigpu.bench.spec import (BenchSettings, parse_data, parse_folder, parse_int_list, parse_methods,
                                      parse_models, validate)
 
     s = BenchSettings(
@@ -90,7 +92,8 @@ def settings_from_args(args: argparse.Namespace):
         batch_sizes=parse_int_list(args.batch_size, "--batch-size"),
         precision=args.precision,
         gpus=None if str(args.gpus).strip() == "auto" else parse_int_list(args.gpus, "--gpus"),
-        methods=parse_methods(args.methods), data=parse_data(args.data), compile=args.compile,
+        methods=parse_methods(args.methods), data=parse_data(args.data), folder=parse_folder(args.data),
+        compile=args.compile,
         steps=args.steps, warmup=args.warmup, trials=args.trials, dp_steps=args.dp_steps,
         image_size=args.image_size, devices=args.devices, min_free_memory=args.min_free_memory,
         out=args.out, data_dir=args.data_dir,

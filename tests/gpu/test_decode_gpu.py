@@ -1,0 +1,75 @@
+"""GPU tier for folder: data decoded on the GPU (gpu_images): nvJPEG against the CPU path, and
+`multigpu train --decode` end to end, resumed inside an epoch.
+
+Run on a machine with a GPU and torchvision:  pytest -m gpu tests/gpu/test_decode_gpu.py
+"""
+import re
+
+import pytest
+import torch
+
+from multigpu import gpu_images, imagefolder
+from tests.multiproc.conftest import multigpu as run_multigpu
+from tests.multiproc.conftest import read_metrics
+from tests.unit.test_gpu_images import make_folder, samples, scene
+
+GPU = torch.device("cuda", 0)
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+              pytest.mark.skipif(torch.cuda.is_available() and gpu_images.gpu_decode_problem(GPU) is not None,
+                                 reason="torchvision's nvJPEG does not work here")]
+
+
+def imagenet_like(root, per_class=6):
+    """500 x 375 JPEGs (ImageNet's median shape), a PNG among them."""
+    for split in ("train", "val"):
+        for c in range(2):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                scene(500, 375, seed=10 * c + i).save(folder / f"{i}.jpg", quality=90)
+    scene(300, 200, seed=99).save(root / "train" / "c0" / "z.png")
+    return root
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_nvjpeg_gives_the_cpu_paths_crops(tmp_path, split):
+    dataset = getattr(imagefolder.load_folder(str(imagenet_like(tmp_path)), 224, decoder="pil"), split)
+    cpu = torch.stack([x for x, _ in samples(dataset, on_gpu=False)])
+    batch = gpu_images.collate(samples(dataset, on_gpu=True))
+    with torch.cuda.stream(torch.cuda.Stream(GPU)):  # as the prepared loader calls it
+        x, y = dataset.on_device(batch, GPU)
+    torch.cuda.synchronize(GPU)
+    assert x.device == GPU and x.dtype == torch.uint8 and x.shape == cpu.shape
+    diff = (x.cpu().float() - cpu.float()).abs()
+    # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's by a level or two; the same
+    # boxes and flips keep the mean far below what a pixel's shift gives.
+    print(f"{split}: mean abs difference {diff.mean():.3f}, max {diff.max():.0f}")
+    assert diff.mean() < 1.5
+
+
+def test_train_decodes_on_the_gpu_and_a_run_resumed_inside_an_epoch_ends_the_same(tmp_path):
+    data = make_folder(tmp_path / "imgs", per_class=24)  # 48 training images: 6 steps of 8
+    common = ["--model", "resnet18", "--data", f"folder:{data}", "--image-size", "64", "--batch-size", "8",
+              "--workers", "2", "--deterministic", "--devices", "0,", "--min-free-memory", "0",
+              "--logger", "none", "--epochs", "2"]  # GPU 0 though this process holds it
+
+    def train(out, *extra):
+        proc = run_multigpu("train", *common, "--out", tmp_path / out, *extra, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+        return proc
+
+    whole = train("whole", "--checkpoint-every", "2", "--keep", "10")
+    assert re.search(r"folder: JPEGs decoded on cuda:0 \(nvJPEG\)", whole.stdout)
+    middle = tmp_path / "whole" / "checkpoints" / "step-000000004.pt"  # 4 of epoch 1's 6 steps
+    train("resumed", "--resume", middle, "--workers", "3")
+    final = [torch.load(tmp_path / run / "checkpoints" / "last.pt", weights_only=True)["model"]
+             for run in ("whole", "resumed")]
+    assert final[0].keys() == final[1].keys()
+    for name in final[0]:
+        assert torch.equal(final[0][name], final[1][name]), name
+
+    on_cpu = train("cpu", "--decode", "cpu")
+    assert "folder: images decoded by 2 loader workers per GPU (--decode cpu)" in on_cpu.stdout
+    # (torchvision's CPU transforms draw other crops than gpu_images: no loss to compare with)
+    assert [r["train_samples"] for r in read_metrics(tmp_path / "cpu")] == [48, 48]

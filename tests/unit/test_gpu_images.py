@@ -1,0 +1,180 @@
+"""folder: images decoded on the device (gpu_images): the same crops and flips as the CPU path,
+the files the device path leaves to the workers, bad files, and the prepared loader around it.
+Here the device is the CPU and PIL stands in for nvJPEG (tests/gpu/test_decode_gpu.py runs nvJPEG)."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from multigpu import gpu_images, imagefolder
+from multigpu.datasets import load_data
+from multigpu.errors import UsageError
+from multigpu.loaders import PerSampleSeed, shard_loader
+
+CPU = torch.device("cpu")
+
+
+def scene(width, height, seed):
+    """A smooth random picture (JPEG-friendly: few artefacts), as a PIL image."""
+    coarse = np.random.default_rng(seed).uniform(0, 255, size=(6, 8, 3)).astype(np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC)
+
+
+def make_folder(root, per_class=5, extra=None):
+    for split in ("train", "val"):
+        for c, name in enumerate(("a", "b")):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                scene(90 + 13 * i, 70 + 5 * c, seed=100 * c + i).save(folder / f"{i}.jpg", quality=92)
+    for rel, write in (extra or {}).items():
+        write(root / rel)
+    return root
+
+
+def folder_data(root, size=32):
+    """The PIL decoder on the CPU path (the one the GPU path's crops are compared with)."""
+    return imagefolder.load_folder(str(root), size)
+
+
+def samples(dataset, on_gpu, seed=3, epoch=0):
+    """Every sample as a seeded loader worker makes it (loaders.PerSampleSeed)."""
+    dataset.on_gpu = on_gpu
+    seeded = PerSampleSeed(dataset, seed)
+    return [seeded[(epoch, i)] for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_the_device_path_makes_the_cpu_paths_crops_and_flips(tmp_path, split):
+    dataset = getattr(folder_data(make_folder(tmp_path)), split)
+    cpu = torch.stack([x for x, _ in samples(dataset, on_gpu=False)])
+    encoded = samples(dataset, on_gpu=True)
+    assert all(isinstance(x, gpu_images.EncodedImage) for x, _ in encoded)
+    x, y = dataset.on_device(gpu_images.collate(encoded), CPU)
+    assert x.shape == cpu.shape and x.dtype == torch.uint8
+    assert y.tolist() == [0] * 5 + [1] * 5
+    # Same boxes and flips: only the resize kernels differ (PIL's against torch's, both
+    # antialiased bilinear). A box or flip off by a pixel gives several levels on average.
+    diff = (x.float() - cpu.float()).abs()
+    assert diff.mean() < 0.5 and diff.max() <= 8
+    if split == "train":
+        flipped = [bool(s.flip) for s, _ in encoded]
+        assert any(flipped) and not all(flipped)
+
+
+def test_a_batch_mixes_what_the_workers_decoded_in_place(tmp_path):
+    def png(path):
+        scene(60, 50, 7).save(path.with_suffix(".png"))
+
+    def progressive(path):
+        scene(80, 60, 8).save(path, quality=90, progressive=True)
+
+    def cmyk(path):
+        scene(80, 60, 9).convert("CMYK").save(path, quality=90)
+
+    extra = {"train/a/x_png": png, "train/a/x_prog.jpg": progressive, "train/b/x_cmyk.jpg": cmyk}
+    train = folder_data(make_folder(tmp_path, extra=extra)).train
+    paths = [p for p, _ in train.samples]
+    left_to_cpu = {paths.index(str(tmp_path / r)) for r in ("train/a/x_png.png", "train/a/x_prog.jpg",
+                                                              "train/b/x_cmyk.jpg")}
+    cpu = torch.stack([x for x, _ in samples(train, on_gpu=False)])
+    encoded = samples(train, on_gpu=True)
+    assert {i for i, (x, _) in enumerate(encoded) if isinstance(x, torch.Tensor)} == left_to_cpu
+    batch = gpu_images.collate(encoded)
+    assert batch[0].decoded_at == sorted(left_to_cpu)
+    x, _ = train.on_device(batch, CPU)
+    for i in left_to_cpu:  # the worker's own pixels, at their place in the batch
+        assert torch.equal(x[i], cpu[i])
+    assert (x.float() - cpu.float()).abs().mean() < 0.5
+
+
+def test_only_whole_jpegs_are_sent_encoded(tmp_path):
+    scene(80, 60, 9).save(tmp_path / "a.jpg", quality=90)
+    whole = (tmp_path / "a.jpg").read_bytes()
+    assert gpu_images.gpu_readable(whole) == (80, 60)
+    assert gpu_images.gpu_readable(whole[:-2]) is None, "no end marker: truncated"
+    assert gpu_images.gpu_readable(b"\x89PNG" + whole[4:]) is None
+    assert gpu_images.gpu_readable(b"\xff\xd8 not a jpeg \xff\xd9") is None
+
+
+def test_the_hybrid_leaves_its_share_to_the_workers(tmp_path):
+    train = folder_data(make_folder(tmp_path, per_class=20)).train
+    train.cpu_share = 0.25
+    on_cpu = sum(isinstance(x, torch.Tensor) for x, _ in samples(train, on_gpu=True))
+    assert on_cpu == 10  # a quarter of 40, spread evenly over the indices
+
+
+def test_a_file_neither_decoder_reads_is_replaced_by_the_next_and_counted(tmp_path, capsys):
+    def broken_body(path):  # a header PIL accepts and an end marker, but no image data
+        whole = (tmp_path / "val/a/0.jpg").read_bytes()
+        path.write_bytes(whole[:whole.index(b"\xff\xda")] + b"\xff\xda\x00\x02" + b"\xff\xd9")
+
+    train = folder_data(make_folder(tmp_path, extra={"train/a/zz.jpg": broken_body})).train
+    index = [p for p, _ in train.samples].index(str(tmp_path / "train/a/zz.jpg"))
+    encoded = samples(train, on_gpu=True)
+    assert isinstance(encoded[index][0], gpu_images.EncodedImage), "it passes the header checks"
+    x, _ = train.on_device(gpu_images.collate(encoded), CPU)
+    assert train.bad_count == 1
+    assert x.shape == (len(train), 3, 32, 32)
+    nxt = train._item(index + 1, on_gpu=False)[0]  # a crop of the next file: compare its colours
+    assert (x[index].float().mean((1, 2)) - nxt.float().mean((1, 2))).abs().max() < 25
+    assert capsys.readouterr().err.count("skipped unreadable image") == 1
+
+    train.bad_images = "fail"
+    with pytest.raises(imagefolder.BadImageError, match=r"cannot read image '.*zz.jpg'"):
+        train.on_device(gpu_images.collate(encoded), CPU)
+
+
+def test_the_prepared_loader_decodes_on_the_device_and_resumes_exactly(tmp_path):
+    train = folder_data(make_folder(tmp_path, per_class=9)).train
+
+    def run(on_gpu, start=0, workers=2):
+        train.on_gpu = on_gpu
+        loader = DataLoader(train, batch_size=4, shuffle=True, num_workers=workers, collate_fn=train.collate)
+        prepared = shard_loader(loader, num_ranks=1, rank=0, devices_per_rank=1, device=CPU, seed=11,
+                                on_step=lambda info: None)
+        prepared.set_epoch(1, start)
+        return [batch for batch in prepared]
+
+    on_device, on_cpu = run(True), run(False)
+    assert [len(y) for _, y in on_device] == [4, 4, 4, 4, 2]
+    for (x, y), (cx, cy) in zip(on_device, on_cpu, strict=True):
+        assert x.dtype == torch.uint8 and torch.equal(y, cy)
+        assert (x.float() - cx.float()).abs().mean() < 0.5
+    resumed = run(True, start=8, workers=1)  # another worker count, from inside the epoch
+    for (x, y), (ex, ey) in zip(resumed, on_device[2:], strict=True):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_decode_choice_on_a_cpu_run(tmp_path):
+    data = folder_data(make_folder(tmp_path))
+    assert imagefolder.use_decode(data, "auto", CPU, workers=2) is None
+    assert data.train.on_gpu is False and data.val.on_gpu is False
+    with pytest.raises(UsageError) as excinfo:
+        imagefolder.use_decode(data, "gpu", CPU, workers=2)
+    assert str(excinfo.value) == ("--decode gpu: the run's device is cpu, not a GPU; use --decode cpu "
+                                  "(the loader workers decode) or auto")
+    assert imagefolder.use_decode(load_data("digits", input_kind="image", image_size=None), "gpu", CPU, 2) is None
+
+
+def test_center_box_is_the_resize_then_centre_crop():
+    # 500 x 375 to 224: shorter side to 256 (scale 0.6827), centre 224 = 328 source pixels
+    assert gpu_images.center_box(500, 375, 224) == (86, 23, 328, 328)
+    assert gpu_images.center_box(10, 10, 224) == (0, 0, 9, 9)  # 224/256 of 10
+
+
+def test_auto_decodes_with_the_workers_when_there_are_enough_of_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_images, "gpu_decode_problem", lambda device: None)  # a GPU with nvJPEG
+    data, gpu = folder_data(make_folder(tmp_path)), torch.device("cuda", 0)
+    assert imagefolder.use_decode(data, "auto", gpu, 15) == (
+        "folder: images decoded by 15 loader workers per GPU (enough of them: --decode gpu to use nvJPEG)")
+    assert not data.train.on_gpu and not data.val.on_gpu
+    assert imagefolder.use_decode(data, "auto", gpu, 3) == (
+        "folder: JPEGs decoded on cuda:0 (nvJPEG) and by 3 loader workers (17% of them), the GPU's "
+        "crops there too (--decode gpu|cpu: one of them)")
+    assert (data.train.on_gpu, data.train.cpu_share, data.val.cpu_share) == (True, 0.17, 0.17)
+    imagefolder.use_decode(data, "auto", gpu, 3, deterministic=True)  # the same decoder after any resume
+    assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
+    assert imagefolder.use_decode(data, "gpu", gpu, 15).startswith("folder: JPEGs decoded on cuda:0 (nvJPEG), the crops")
+    assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
