@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-from multigpu.compiling import MODES as COMPILE_MODES
+from multigpu.compiling import TRAIN_MODES as COMPILE_MODES
 from multigpu.strategies.registry import HELP as STRATEGY_HELP
 from multigpu.strategies.registry import NAMES as STRATEGY_NAMES
 
@@ -77,7 +77,9 @@ class TrainConfig:
     compile: str | None = _f(None, "torch.compile the model in MODE: default (--compile alone), "
                                    "reduce-overhead (CUDA graphs: a step's kernels launched at "
                                    "once; much faster small batches, GPUs only), max-autotune, "
-                                   "max-autotune-no-cudagraphs",
+                                   "max-autotune-no-cudagraphs, or auto (CUDA graphs where they "
+                                   "work and the run is long enough to win back compiling; "
+                                   "compiled code is cached in ~/.cache/multigpu/torch-compile)",
                              choices=COMPILE_MODES, metavar="MODE", const="default")
     resume: str | None = _f(None, "continue from a checkpoint file or a run folder (its newest "
                                   "readable checkpoint), from any strategy or device count, inside "

@@ -65,11 +65,16 @@ def ddp_options(cfg: TrainConfig) -> DDPOptions:
     return DDPOptions(find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
 
 
-def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module) -> nn.Module:
+def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module, steps: int | None = None) -> nn.Module:
     """The prepared model, compiled in --compile's mode (unchanged without it), once the run's
-    devices, strategy and accumulation are known to allow that mode."""
-    compiling.check(cfg.compile, rt.device.type, rt.strategy.name, cfg.accumulate)
-    return compiling.compile_model(model, cfg.compile)
+    devices, strategy and accumulation are known to allow that mode. `steps`: the run's optimizer
+    steps, which --compile auto decides on."""
+    mode = cfg.compile
+    if mode == "auto":
+        mode, why = compiling.auto_mode(rt.device.type, rt.strategy.name, cfg.accumulate, steps or 0)
+        console.info(why)
+    compiling.check(mode, rt.device.type, rt.strategy.name, cfg.accumulate)
+    return compiling.compile_model(model, mode)
 
 
 def learning_rate(cfg: TrainConfig) -> float:
@@ -164,10 +169,18 @@ def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
     val_loader = make_loader(data.val, cfg.batch_size, False, workers)
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
-    model = compile_prepared(cfg, rt, model)
+    model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.accumulate)
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
     scheduler = make_scheduler(cfg, optimizer)
     return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings)
+
+
+def _length(loader) -> int:
+    """Steps of an epoch; 0 for a loader over a stream, which has no length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return 0
 
 
 def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: dict) -> dict:

@@ -112,3 +112,33 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run
     assert compiling.compile_model(model, None) is model and not compiling.is_compiled(model)
     model.compile()  # nn.Module.compile(): compiled in place, at its first call
     assert compiling.is_compiled(model) and compiling.is_compiled(Wrapper(model))
+
+
+def test_compile_auto_uses_cuda_graphs_only_where_they_work_and_pay():
+    from multigpu import compiling
+
+    long_run = compiling.AUTO_MIN_STEPS
+    assert compiling.auto_mode("cuda", "ddp", 1, long_run) == (
+        "reduce-overhead", f"--compile auto: CUDA graphs (reduce-overhead) for {long_run:,} steps; the "
+        "first steps compile, the compile cache is kept for the next run")
+    mode, why = compiling.auto_mode("cuda", "ddp", 1, long_run - 1)
+    assert mode is None and why == (
+        f"--compile auto: not compiled: {long_run - 1:,} steps are too few to win back compiling "
+        f"(about 46 s; from {long_run:,} steps CUDA graphs are used)")
+    assert compiling.auto_mode("cpu", "ddp", 1, 10**6) == (
+        None, "--compile auto: not compiled (CUDA graphs need GPUs)")
+    assert compiling.auto_mode("cuda", "dp", 1, 10**6)[0] is None
+    assert compiling.auto_mode("cuda", "ddp", 2, 10**6) == (
+        None, "--compile auto: not compiled (CUDA graphs cannot work with --accumulate 2)")
+    compiling.check("auto", "cpu", "dp", accumulate=4)  # decided per run, never refused up front
+
+
+def test_the_compile_cache_goes_to_a_per_user_folder_unless_one_is_set(tmp_path):
+    from multigpu import compiling
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    compiling.use_persistent_cache(env)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "multigpu" / "torch-compile")
+    mine = {"TORCHINDUCTOR_CACHE_DIR": "/data/cache", "XDG_CACHE_HOME": str(tmp_path)}
+    compiling.use_persistent_cache(mine)
+    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/data/cache"
