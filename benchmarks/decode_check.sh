@@ -2,7 +2,7 @@
 # GPU JPEG decoding on one GPU (issue 15, item 1): its GPU tests, the input pipeline alone per
 # decode mode, and ResNet-50 steps on synthetic data, on the folder decoded on the GPU and by the
 # CPU workers, in one `multigpu bench` invocation. Logs and JSON under $OUT.
-#   OUT=/tmp/dc bash benchmarks/decode_check.sh [eager|graphs|few-cores|all]
+#   OUT=/tmp/dc bash benchmarks/decode_check.sh [eager|graphs|few-cores|gil|all]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -34,6 +34,16 @@ if [ "$WHAT" = all ] || [ "$WHAT" = few-cores ]; then  # 4 cores for one GPU: 3 
     taskset -c 0-3 "$PY" -m multigpu bench --model resnet50 --batch-size 128 --gpus 1 \
         --methods multigpu-single --data "synthetic,folder:$FOLDER,real-cpu,real-gpu" --steps 30 \
         --trials 3 $mode --out "$OUT/$name" > "$OUT/$name.log" 2>&1; echo "$name: $?" >> "$OUT/status.txt"
+  done
+fi
+if [ "$WHAT" = all ] || [ "$WHAT" = gil ]; then  # CUDA graphs, 16 cores: the GIL's share
+  for interval in "" 0.0005; do
+    name=bench-graphs-switch${interval:-default}
+    BENCH_SWITCH_INTERVAL=$interval BENCH_SWITCH_MARK=$OUT/$name.mark PYTHONPATH=$PWD/benchmarks/gil:$PYTHONPATH \
+      "$PY" -m multigpu bench --model resnet50 --batch-size 128 --gpus 1 --methods multigpu-single \
+        --data "synthetic,folder:$FOLDER,real-gpu" --steps 30 \
+        --trials 3 --compile reduce-overhead --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+    echo "$name: $?" >> "$OUT/status.txt"
   done
 fi
 cat "$OUT/status.txt"

@@ -54,7 +54,9 @@ def methods(size: int) -> dict:
     from torchvision.transforms import v2
 
     def tv_pil(train, paths):  # the alternative not taken: v2 on PIL images
-        crop = imagefolder._torchvision_transform(size, train)
+        crop = (v2.Compose([v2.RandomResizedCrop(size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3)),
+                            v2.RandomHorizontalFlip()]) if train
+                else v2.Compose([v2.Resize(round(size * 8 / 7)), v2.CenterCrop(size)]))
         to_tensor = v2.PILToTensor()
         return lambda i: to_tensor(crop(imagefolder._decode(paths[i])))
 

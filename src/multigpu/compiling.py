@@ -97,7 +97,8 @@ def use_persistent_cache(environ=None) -> None:
     """torch.compile's caches in a per-user folder that outlives /tmp (torch's default place):
     ~/.cache/multigpu/torch-compile, or $XDG_CACHE_HOME's. A second run of the same model then
     compiles from the cache. Left alone where TORCHINDUCTOR_CACHE_DIR is set (a sweep sets its
-    own)."""
+    own). `multigpu train` calls it before anything imports torch._dynamo, which sets torch's
+    default place in the variable; compile_model's call serves the library's users."""
     import os
 
     env = os.environ if environ is None else environ

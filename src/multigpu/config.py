@@ -62,7 +62,8 @@ class TrainConfig:
                          choices=("skip", "fail"))
     decode: str = _f("auto", "folder: data, where JPEGs are decoded: gpu (nvJPEG through "
                              "torchvision, the crops on the GPU too, overlapped with the step), "
-                             "cpu (in the loader workers), auto (gpu where nvJPEG works here)",
+                             "cpu (in the loader workers), auto (the workers alone when there are "
+                             "15 or more per GPU, else both, sharing each batch)",
                      choices=DECODE_CHOICES)
     workers: int | None = _f(None, "DataLoader worker processes per rank (default: 0 for in-memory "
                                    "data, else the CPU cores per GPU)")

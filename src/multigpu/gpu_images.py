@@ -3,11 +3,11 @@
 With `--decode gpu` (or `auto` where it works) loader workers no longer decode: per sample they read
 the file and draw its augmentation (the crop box and flip the CPU path would draw, from the same
 seeded generator, so a sample's augmentation is a function of (seed, epoch, index) either way), and
-the batch leaves them still encoded, as one byte buffer. On the loader's copy stream, while the
-previous step computes (loaders.PreparedLoader), `decode_batch` decodes it with one batched
-`torchvision.io.decode_jpeg(..., device=cuda)` call (the hardware JPEG engines of A100/H100/H200,
-nvJPEG's CUDA decoder elsewhere), then crops, resizes (bilinear, antialiased) and flips each image
-on the GPU. Files that cannot take that way are decoded by the worker as before and join the batch
+the batch leaves them still encoded, as one byte buffer. In a thread of its own, on its own
+stream, while the previous step computes (prefetch_thread), `decode_batch` decodes it with one
+batched `torchvision.io.decode_jpeg(..., device=cuda)` call (the hardware JPEG engines of
+A100/H100/H200, nvJPEG's CUDA decoder elsewhere), then crops, resizes (PIL's antialiased
+bilinear) and flips the whole batch on the GPU in a few batched kernels (crop_resize). Files that cannot take that way are decoded by the worker as before and join the batch
 decoded: not a JPEG, CMYK, progressive (nvJPEG decodes those on the host, slowly), no end-of-image
 marker (truncated), and the `cpu_share` of samples a hybrid leaves to the CPUs.
 
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from multigpu.crop_resize import crop_resize
 
 _END_OF_IMAGE = b"\xff\xd9"
 # Images a second, 500 x 375 JPEGs to 224 x 224, one H100 machine with 16 cores
@@ -42,6 +43,7 @@ class EncodedImage:
     box: tuple[int, int, int, int]  # left, top, width, height in the decoded image
     flip: bool
     index: int  # in the dataset: names the file if the GPU cannot decode it
+    seed: int  # drawn with the crop: the replacement's crop, should the file prove unreadable
 
 
 class ImageBatch:
@@ -55,6 +57,7 @@ class ImageBatch:
         self.boxes = [s.box for _, s in encoded]
         self.flips = [s.flip for _, s in encoded]
         self.indices = [s.index for _, s in encoded]
+        self.seeds = [s.seed for _, s in encoded]
         self.lengths = [s.data.numel() for _, s in encoded]
         # One buffer: a batch crosses from the worker in one shared-memory tensor, not one per image.
         self.data = torch.cat([s.data for _, s in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
@@ -103,11 +106,11 @@ def hybrid_share(workers: int) -> float:
     when they decode at least as fast as the GPU path would add, else their speed over the sum of
     theirs and the GPU's (CPU_WORKER_RATE, GPU_RATE), in hundredths.
 
-    Why the workers alone where they can: decoding on the GPU costs the training thread time (the
-    decode thread's Python shares the GIL with it). Measured on one H100 with 15 workers,
-    ResNet-50 batch 128: eager, all three ways reach 93 % of synthetic; with CUDA graphs the
-    workers alone 99 %, the hybrid 85 %, the GPU alone 73 %. The GPU path is for machines with
-    few cores per GPU."""
+    Why the workers alone where they can: one decode thread delivers about 3 700 of these images a
+    second on an H100, less than 15 workers do. Measured there, ResNet-50 batch 128: eager, all
+    three ways reach 93 % of synthetic; with CUDA graphs the workers alone 97-99 %, the hybrid
+    85 %, the GPU alone 67-73 % (a 10x shorter GIL switch interval changed nothing). The GPU path
+    is for machines with few cores per GPU."""
     cpu = max(workers, 0) * CPU_WORKER_RATE
     return 1.0 if cpu >= GPU_RATE else round(cpu / (cpu + GPU_RATE), 2)
 
@@ -134,47 +137,62 @@ def pil_decode(encoded: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
-def decode_batch(batch: ImageBatch, size: int, device: torch.device, fallback) -> torch.Tensor:
-    """uint8 (N, 3, size, size) on `device`. `fallback(index, exc)` gives a CPU-decoded sample
-    (3, size, size) for an image neither the device nor PIL could decode."""
-    pixels = torch.empty((batch.count, 3, size, size), dtype=torch.float32, device=device)
+def decode_batch(batch: ImageBatch, size: int, device: torch.device, fallback) -> tuple[torch.Tensor, dict]:
+    """(uint8 (N, 3, size, size) on `device`, {position: label} of replaced samples).
+    `fallback(index, seed, exc)` gives (image, label) of the sample that replaces a file neither
+    the device nor PIL could decode."""
+    out = torch.empty((batch.count, 3, size, size), dtype=torch.uint8, device=device)
     replaced = {}
-    images = _decode(batch, device, lambda k, exc: replaced.setdefault(k, fallback(batch.indices[k], exc)))
-    for k, (image, (left, top, width, height), flip) in enumerate(zip(images, batch.boxes, batch.flips,
-                                                                         strict=True)):
-        if k in replaced:
-            pixels[batch.positions[k]] = replaced[k].to(device)
-            continue
-        crop = image[:, top:top + height, left:left + width].unsqueeze(0).float()
-        resized = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True,
-                                align_corners=False)[0]
-        pixels[batch.positions[k]] = resized.flip(-1) if flip else resized
-    out = pixels.round_().clamp_(0, 255).to(torch.uint8)
+
+    def replace(k: int, exc: BaseException) -> None:
+        replaced[k] = fallback(batch.indices[k], batch.seeds[k], exc)
+
+    images = _decode(batch, device, replace)
+    good = [k for k in range(len(images)) if k not in replaced]
+    if good:
+        pixels = crop_resize([images[k] for k in good], [batch.boxes[k] for k in good],
+                             [batch.flips[k] for k in good], size)
+        out[[batch.positions[k] for k in good]] = pixels.round_().clamp_(0, 255).to(torch.uint8)
+    for k, (image, _) in replaced.items():
+        out[batch.positions[k]] = image.to(device)
     if batch.decoded is not None:
         out[batch.decoded_at] = batch.decoded.to(device, non_blocking=True)
-    return out
+    return out, {batch.positions[k]: label for k, (_, label) in replaced.items()}
 
 
 def _decode(batch: ImageBatch, device: torch.device, on_bad) -> list[torch.Tensor | None]:
-    """The batch's encoded images decoded on `device`, in one call when every file is good."""
+    """The batch's encoded images decoded on `device`, in one call when every file is good. A
+    file that fails there and in PIL goes to `on_bad(k, exc)`; the device running out of memory
+    or failing is raised, not blamed on a file."""
+    from PIL import Image
+
     encoded = batch.encoded()
     if not encoded:
         return []
     try:
         return decode_jpegs(encoded, device)
-    except Exception:  # one bad file fails the whole call (nvJPEG: RuntimeError): find it
-        pass
+    except Exception as exc:  # one bad file fails the whole call (nvJPEG: RuntimeError): find it
+        _raise_if_device_failed(exc)
     images = []
     for k, data in enumerate(encoded):
         try:
             images.append(decode_jpegs([data], device)[0])
-        except Exception:
-            try:
-                images.append(pil_decode(data).to(device))
-            except Exception as exc:  # unreadable by both: the dataset's --bad-images rule
-                on_bad(k, exc)
-                images.append(None)
+            continue
+        except Exception as exc:
+            _raise_if_device_failed(exc)
+        try:
+            images.append(pil_decode(data).to(device))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:  # PIL's
+            on_bad(k, exc)
+            images.append(None)
     return images
+
+
+def _raise_if_device_failed(exc: BaseException) -> None:
+    """Out of memory, or a CUDA error: the device's fault, not the file's."""
+    if isinstance(exc, torch.OutOfMemoryError) or type(exc).__name__ == "AcceleratorError" \
+            or "CUDA error" in str(exc):
+        raise exc
 
 
 def center_box(width: int, height: int, size: int) -> tuple[int, int, int, int]:

@@ -6,12 +6,14 @@ Classes are the sorted folder names under train/ (at least two). Training images
 resized crop and a random flip; validation images are resized and centre-cropped. Samples are uint8
 (C, H, W); the float conversion and normalisation happen on the device (DataBundle.normalize).
 
-Decoding: torchvision where it is installed (torchvision.io.decode_image, then transforms.v2 on
-the uint8 tensor), PIL otherwise and for the formats torchvision.io does not read (BMP, PPM, TIFF).
-Measured on one thread of an H100 machine's CPU (benchmarks/image_transforms.py, 500x375 JPEGs,
-torch 2.11, torchvision 0.26): torchvision 304 training / 306 validation images a second against
-PIL's 216 / 172; torchvision's transforms on PIL images were the slowest (196 / 169). Both paths
-draw their randomness from torch's generator, so seeded workers repeat their crops.
+Decoding: torchvision where it is installed (torchvision.io.decode_image, then the crop by
+transforms.v2.functional.resized_crop on the uint8 tensor), PIL otherwise and for the formats
+torchvision.io does not read (BMP, PPM, TIFF); with --decode gpu, nvJPEG on the GPU (gpu_images).
+Every path draws the same crop box and flip for a sample (ImageFolderDataset._crop), so which one
+decodes changes pixels by a level or so, never the augmentation. Measured on one thread of an H100
+machine's CPU (benchmarks/image_transforms.py, 500x375 JPEGs, torch 2.11, torchvision 0.26):
+torchvision 304 training / 306 validation images a second against PIL's 216 / 172 (with v2's own
+RandomResizedCrop then; the crop is now the same box, one resize). Seeded workers repeat their crops.
 
 A file that cannot be decoded (truncated, not an image, ...): with `--bad-images skip` (the
 default: one unreadable file among a million must not end a week-long run at 99 %) it is replaced
@@ -61,7 +63,6 @@ class ImageFolderDataset(Dataset):
         # for the `cpu_share` of samples (0-1) the workers decode anyway (a hybrid).
         self.on_gpu, self.cpu_share = on_gpu, cpu_share
         self.decoder = decoder or default_decoder()
-        self._transform = _torchvision_transform(image_size, train) if self.decoder == "torchvision" else None
         # Shared memory, so counts made in DataLoader workers reach the main process.
         self.bad_counts = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()
         self._named: set[str] = set()
@@ -77,17 +78,27 @@ class ImageFolderDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor | gpu_images.EncodedImage, torch.Tensor]:
         return self._item(index, self.on_gpu)
 
-    def _item(self, index: int, on_gpu: bool):
+    def _item(self, index: int, on_gpu: bool, own: bool = True, generator=None):
+        """Sample `index`, or the next readable one. A bad file is counted only as its own sample
+        (`own`, offset 0), not again each time a walk to the next readable file passes it: each is
+        then counted once an epoch. Crops draw from `generator` (default: torch's global one)."""
         for offset in range(len(self.samples)):
             at = (index + offset) % len(self.samples)
             path, label = self.samples[at]
             try:
-                image = (on_gpu and self._encoded(path, at)) or self._read(path)
+                image = (on_gpu and self._encoded(path, at)) or self._read(path, generator)
             except Exception as exc:  # PIL: OSError, SyntaxError, ValueError, DecompressionBombError;
-                self._bad(path, exc)  # torchvision: RuntimeError
+                self._bad(path, exc, count=own and offset == 0)  # torchvision: RuntimeError
                 continue
             return image, torch.tensor(label, dtype=torch.int64)
         raise UsageError("no image of this split can be read: check the files of --data folder:")
+
+    def _crop(self, width: int, height: int, generator=None) -> tuple[tuple[int, int, int, int], bool]:
+        """(box, flip) of one sample: the same draws, in the same order, whichever decoder."""
+        if not self.train:
+            return gpu_images.center_box(width, height, self.image_size), False
+        box = _random_box(width, height, generator)
+        return box, float(torch.rand(1, generator=generator)) < 0.5
 
     def _encoded(self, path: str, index: int) -> gpu_images.EncodedImage | None:
         """The file's bytes and this sample's crop, for the device to decode; None when the file
@@ -100,11 +111,9 @@ class ImageFolderDataset(Dataset):
         size = gpu_images.gpu_readable(memoryview(data.numpy()))
         if size is None:
             return None
-        if self.train:
-            box, flip = _random_box(*size), float(torch.rand(1)) < 0.5
-        else:
-            box, flip = gpu_images.center_box(*size, self.image_size), False
-        return gpu_images.EncodedImage(data, box, flip, index)
+        box, flip = self._crop(*size)
+        seed = int(torch.randint(2**62, (1,)))  # for a replacement, should the file prove bad
+        return gpu_images.EncodedImage(data, box, flip, index, seed)
 
     collate = staticmethod(gpu_images.collate)
 
@@ -118,31 +127,40 @@ class ImageFolderDataset(Dataset):
         """Images still encoded are decoded on `device` (gpu_images.decode_batch)."""
         images, labels = batch
         if isinstance(images, gpu_images.ImageBatch):
-            images = gpu_images.decode_batch(images, self.image_size, device, self._replacement)
+            images, replaced = gpu_images.decode_batch(images, self.image_size, device, self._replacement)
+            for position, label in replaced.items():
+                labels[position] = label
         return images, labels
 
-    def _replacement(self, index: int, exc: BaseException) -> torch.Tensor:
+    def _replacement(self, index: int, seed: int, exc: BaseException) -> tuple[torch.Tensor, torch.Tensor]:
         """A file the device and PIL both failed on: named and counted (or, with --bad-images
-        fail, the end of the run), and the next readable image decoded on the CPU instead."""
+        fail, the end of the run), and the next readable sample, image and label, made on the CPU
+        with a generator seeded from the sample (not torch's global one: this runs in a thread)."""
         self._bad(self.samples[index][0], exc)
-        return self._item(index + 1, on_gpu=False)[0]
+        return self._item(index + 1, on_gpu=False, own=False,
+                          generator=torch.Generator().manual_seed(seed))
 
-    def _read(self, path: str) -> torch.Tensor:
-        if self._transform is not None and Path(path).suffix.lower() in _TORCHVISION_SUFFIXES:
+    def _read(self, path: str, generator=None) -> torch.Tensor:
+        if self.decoder == "torchvision" and Path(path).suffix.lower() in _TORCHVISION_SUFFIXES:
             from torchvision.io import ImageReadMode, decode_image, read_file
+            from torchvision.transforms.v2 import functional as TF
 
-            return self._transform(decode_image(read_file(path), mode=ImageReadMode.RGB)).contiguous()
+            image = decode_image(read_file(path), mode=ImageReadMode.RGB)
+            (left, top, w, h), flip = self._crop(image.shape[2], image.shape[1], generator)
+            image = TF.resized_crop(image, top, left, h, w, [self.image_size] * 2, antialias=True)
+            return (image.flip(-1) if flip else image).contiguous()
         image = _decode(path)
-        image = _random_crop(image, self.image_size) if self.train else _center_crop(image, self.image_size)
-        return _to_tensor(image)
+        (left, top, w, h), flip = self._crop(*image.size, generator)
+        return _to_tensor(_resize_box(image, (left, top, w, h), flip, self.image_size))
 
-    def _bad(self, path: str, exc: BaseException) -> None:
+    def _bad(self, path: str, exc: BaseException, count: bool = True) -> None:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self.bad_images == "fail":
             raise BadImageError(f"cannot read image '{path}' ({why}): delete or replace the file, "
                                 "or pass --bad-images skip to train without it")
-        info = get_worker_info()
-        self.bad_counts[(info.id + 1) % _SLOTS if info else 0] += 1
+        if count:
+            info = get_worker_info()
+            self.bad_counts[(info.id + 1) % _SLOTS if info else 0] += 1
         if path not in self._named:
             self._named.add(path)
             print(f"multigpu: warning: skipped unreadable image '{path}' ({why}); the next image "
@@ -160,16 +178,6 @@ def default_decoder() -> str:
     return "torchvision"
 
 
-def _torchvision_transform(size: int, train: bool):
-    """The PIL path's crops (_random_crop, _center_crop) as torchvision.transforms.v2."""
-    from torchvision.transforms import v2
-
-    if train:
-        return v2.Compose([v2.RandomResizedCrop(size, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
-                           v2.RandomHorizontalFlip()])
-    return v2.Compose([v2.Resize(round(size * 8 / 7), antialias=True), v2.CenterCrop(size)])
-
-
 def _decode(path: str):
     from PIL import Image
 
@@ -177,41 +185,28 @@ def _decode(path: str):
         return raw.convert("RGB")
 
 
-def _random_box(width: int, height: int) -> tuple[int, int, int, int]:
+def _random_box(width: int, height: int, generator=None) -> tuple[int, int, int, int]:
     """(left, top, width, height) of a random region: 35-100% of the area, aspect 3/4-4/3."""
     area = width * height
     for _ in range(10):
-        target = area * float(torch.empty(1).uniform_(0.35, 1.0))
-        aspect = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3))))
+        target = area * float(torch.empty(1).uniform_(0.35, 1.0, generator=generator))
+        aspect = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3), generator=generator)))
         w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
-            left = int(torch.randint(width - w + 1, (1,)))
-            top = int(torch.randint(height - h + 1, (1,)))
+            left = int(torch.randint(width - w + 1, (1,), generator=generator))
+            top = int(torch.randint(height - h + 1, (1,), generator=generator))
             return left, top, w, h
     side = min(width, height)  # very elongated image: the largest centred square
     return (width - side) // 2, (height - side) // 2, side, side
 
 
-def _random_crop(image, size: int):
-    """Crop a random region (_random_box), resize it to size x size, maybe flip it (the draws in
-    the order the GPU path makes them too)."""
+def _resize_box(image, box: tuple[int, int, int, int], flip: bool, size: int):
+    """PIL: the box resized to size x size (bilinear, antialiased), mirrored if `flip`."""
     from PIL import Image
 
-    left, top, w, h = _random_box(*image.size)
+    left, top, w, h = box
     image = image.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
-    if float(torch.rand(1)) < 0.5:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return image
-
-
-def _center_crop(image, size: int):
-    """The centre region that resizing the shorter side to size * 8/7 (256 for 224) and cutting out
-    the centre size x size would keep, resized in one step (gpu_images.center_box: the GPU path
-    cuts the same box)."""
-    from PIL import Image
-
-    left, top, w, h = gpu_images.center_box(*image.size, size)
-    return image.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
 
 
 def _to_tensor(image) -> torch.Tensor:

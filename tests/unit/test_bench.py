@@ -199,6 +199,16 @@ def test_real_data_tasks_never_take_turns_not_even_ddp_variants():
                               [("multigpu-ddp", "real")], [("multigpu-ddp:bcast", "real")]]
 
 
+def test_each_real_kind_is_timed_alone():
+    from multigpu.bench import worker
+
+    s = BenchSettings(models=("mlp",), data=("real", "real-cpu"), methods=("multigpu-ddp",))
+    inputs = {"real": REAL["real"], "real-cpu": REAL["real"]}
+    groups, _ = spec.plan_groups(s, "cpu", (2,), inputs)
+    assert [[t.data_kind for t in one] for one in worker.interleave_sets(groups[0].tasks)] == [
+        ["real"], ["real-cpu"]]
+
+
 def test_real_data_skips_the_peers():
     s = BenchSettings(models=("mlp",), data=("real",), methods=("multigpu-ddp", "ddp"))
     groups, skipped = spec.plan_groups(s, "cpu", (2,), REAL)
@@ -785,3 +795,13 @@ def test_nccl_max_ctas_below_one_is_refused_when_the_options_are_made():
     with pytest.raises(UsageError, match=r"DDPOptions\(nccl_max_ctas=0\): give at least 1"):
         DDPOptions(nccl_max_ctas=0)
     assert DDPOptions(nccl_max_ctas=1).nccl_max_ctas == 1
+
+
+def test_real_gpu_is_skipped_on_cpu_and_folder_is_not_given_beside_real():
+    from multigpu.bench.spec import parse_data, unavailable_reason
+
+    assert unavailable_reason("multigpu-single", "cpu", "real-gpu") == (
+        "--data real-gpu decodes on GPUs; on CPU use --data real-cpu")
+    with pytest.raises(UsageError, match=r"--data real,folder:x: folder:PATH is the real kind on your "
+                                         r"folder, in place of the generated images; give one"):
+        parse_data("real,folder:x")

@@ -378,3 +378,11 @@ def test_a_folder_of_one_class_is_refused(tmp_path):
         Image.new("RGB", (8, 8)).save(tmp_path / split / "only" / "x.png")
     with pytest.raises(UsageError, match="has one class folder \\(only\\): a classifier of one class"):
         load_data(f"folder:{tmp_path}", input_kind="image", image_size=8)
+
+
+def test_adjacent_unreadable_images_are_each_counted_once_an_epoch(tmp_path, decoder):
+    _image_folder(tmp_path, bad=["train/a/0.png", "train/a/1.png", "train/a/2.png"])  # 3 in a row
+    data = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8)
+    for i in range(len(data.train)):  # one epoch
+        data.train[i]
+    assert data.train.bad_count == 3, "not 3 + 2 + 1: the walk past a bad file does not count it again"

@@ -35,7 +35,7 @@ def make_folder(root, per_class=5, extra=None):
 
 def folder_data(root, size=32):
     """The PIL decoder on the CPU path (the one the GPU path's crops are compared with)."""
-    return imagefolder.load_folder(str(root), size)
+    return imagefolder.load_folder(str(root), size, decoder="pil")
 
 
 def samples(dataset, on_gpu, seed=3, epoch=0):
@@ -54,10 +54,10 @@ def test_the_device_path_makes_the_cpu_paths_crops_and_flips(tmp_path, split):
     x, y = dataset.on_device(gpu_images.collate(encoded), CPU)
     assert x.shape == cpu.shape and x.dtype == torch.uint8
     assert y.tolist() == [0] * 5 + [1] * 5
-    # Same boxes and flips: only the resize kernels differ (PIL's against torch's, both
-    # antialiased bilinear). A box or flip off by a pixel gives several levels on average.
+    # Same boxes and flips, and PIL's weights as matrices (crop_resize): only rounding differs.
+    # A box or flip off by a pixel gives several levels on average.
     diff = (x.float() - cpu.float()).abs()
-    assert diff.mean() < 0.5 and diff.max() <= 8
+    assert diff.mean() < 0.25 and diff.max() <= 2
     if split == "train":
         flipped = [bool(s.flip) for s, _ in encoded]
         assert any(flipped) and not all(flipped)
@@ -114,12 +114,18 @@ def test_a_file_neither_decoder_reads_is_replaced_by_the_next_and_counted(tmp_pa
     index = [p for p, _ in train.samples].index(str(tmp_path / "train/a/zz.jpg"))
     encoded = samples(train, on_gpu=True)
     assert isinstance(encoded[index][0], gpu_images.EncodedImage), "it passes the header checks"
-    x, _ = train.on_device(gpu_images.collate(encoded), CPU)
+    torch.manual_seed(1)
+    x, y = train.on_device(gpu_images.collate(encoded), CPU)
     assert train.bad_count == 1
     assert x.shape == (len(train), 3, 32, 32)
+    assert train.samples[index + 1][1] == 1 and y[index] == 1, "the next file's label, class b's"
     nxt = train._item(index + 1, on_gpu=False)[0]  # a crop of the next file: compare its colours
     assert (x[index].float().mean((1, 2)) - nxt.float().mean((1, 2))).abs().max() < 25
     assert capsys.readouterr().err.count("skipped unreadable image") == 1
+    torch.manual_seed(2)  # the replacement's crop comes from the sample's seed, not torch's RNG
+    state = torch.get_rng_state()
+    again, _ = train.on_device(gpu_images.collate(encoded), CPU)
+    assert torch.equal(again, x) and torch.equal(torch.get_rng_state(), state)
 
     train.bad_images = "fail"
     with pytest.raises(imagefolder.BadImageError, match=r"cannot read image '.*zz.jpg'"):
@@ -178,3 +184,73 @@ def test_auto_decodes_with_the_workers_when_there_are_enough_of_them(tmp_path, m
     assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
     assert imagefolder.use_decode(data, "gpu", gpu, 15).startswith("folder: JPEGs decoded on cuda:0 (nvJPEG), the crops")
     assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
+
+
+def test_crop_resize_in_chunks_upscaling_and_flipped_is_pils(monkeypatch):
+    from PIL import Image as PILImage
+
+    from multigpu import crop_resize
+
+    pictures = [scene(400, 300, 1), scene(60, 40, 2), scene(123, 77, 3)]
+    boxes = [(10, 20, 300, 250), (5, 3, 20, 30), (0, 0, 123, 77)]  # shrink, enlarge, whole
+    flips = [False, True, False]
+    tensors = [torch.from_numpy(np.array(p)).permute(2, 0, 1).contiguous() for p in pictures]
+    whole = crop_resize.crop_resize(tensors, boxes, flips, 32)
+    monkeypatch.setattr(crop_resize, "CHUNK_BYTES", 400 * 300 * 6)  # the big one alone
+    assert crop_resize._chunks([400 * 300, 60 * 40, 123 * 77]) == [[0], [2, 1]]
+    assert torch.equal(crop_resize.crop_resize(tensors, boxes, flips, 32), whole)
+    for picture, (left, top, w, h), flip, ours in zip(pictures, boxes, flips, whole, strict=True):
+        pil = picture.resize((32, 32), PILImage.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+        if flip:
+            pil = pil.transpose(PILImage.Transpose.FLIP_LEFT_RIGHT)
+        expected = torch.from_numpy(np.array(pil)).permute(2, 0, 1).float()
+        assert (ours.round() - expected).abs().max() <= 1
+
+
+def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises_its_errors(monkeypatch):
+    """prefetch_thread on the CPU, with torch.cuda's streams and events stubbed out."""
+    import contextlib
+    import threading
+
+    from multigpu import prefetch_thread
+
+    class Stub:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, *args):
+            pass
+
+        def wait_event(self, *args):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stub)
+    monkeypatch.setattr(torch.cuda, "Event", Stub)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stub())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(prefetch_thread, "map_tensors", lambda fn, obj: obj)
+    caller, loaded_in, finished_in = threading.get_ident(), set(), set()
+
+    def batches(n):
+        for i in range(n):
+            loaded_in.add(threading.get_ident())  # a 0-worker DataLoader makes samples here
+            yield i, torch.tensor([i])
+
+    def finish(batch, device, non_blocking, _):
+        finished_in.add(threading.get_ident())
+        if int(batch) == 3:
+            raise ValueError("batch 3 is bad")
+        return batch * 10
+
+    got = []
+    with pytest.raises(ValueError, match="batch 3 is bad"):
+        for info, batch in prefetch_thread.finish_in_thread(batches(6), CPU, None, finish):
+            got.append((info, int(batch)))
+    assert got == [(0, 0), (1, 10), (2, 20)]
+    assert loaded_in == {caller} and caller not in finished_in
+
+    early = prefetch_thread.finish_in_thread(batches(100), CPU, None, lambda b, *a: b)
+    assert next(early)[0] == 0
+    early.close()  # a consumer that stops: the helper is shut down, nothing left running
+    assert not [t for t in threading.enumerate() if t.name.startswith("multigpu-finish")]

@@ -60,19 +60,19 @@ def prepare_data(s: BenchSettings, counts: tuple[int, ...]) -> dict[str, tuple[s
         inputs["synthetic"] = ("synthetic", NUM_CLASSES)
     real = [k for k in s.data if k in REAL_DECODE]
     if real:
-        folder = f"folder:{_image_folder(s, counts)}"
-        inputs.update({k: (folder, realdata.CLASSES) for k in real})
+        folder, classes = _image_folder(s, counts)
+        inputs.update({k: (f"folder:{folder}", classes) for k in real})
     return inputs
 
 
-def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> Path:
-    """--data folder:PATH's folder, or the cached JPEG folder, generated when missing: one image
-    size, so one folder, for all."""
+def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]:
+    """(folder, classes): --data folder:PATH's, or the cached JPEG folder, generated when missing
+    (one image size, so one folder, for all)."""
     if s.folder:
         from multigpu.imagefolder import load_folder
 
-        load_folder(s.folder, 224)  # its layout checked here, in one line, not in every worker
-        return Path(s.folder).expanduser()
+        # Its layout checked here, in one line, not in every worker; the model's head its classes.
+        return Path(s.folder).expanduser(), load_folder(s.folder, 224).num_outputs
     sizes = {s.image_size or _default_size(m) for m in s.models}
     if len(sizes) > 1:
         raise UsageError(f"--data real with models of different default image sizes ({sorted(sizes)}); "
@@ -82,7 +82,7 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> Path:
     folder = realdata.ensure_image_folder(s.data_dir, need, sizes.pop())
     console.info(f"multigpu bench: {need:,} JPEG images in {folder} "
                  f"({time.perf_counter() - start:.1f} s, cached for the next run)")
-    return folder
+    return folder, realdata.CLASSES
 
 
 def _default_size(model: str) -> int:

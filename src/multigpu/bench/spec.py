@@ -214,7 +214,11 @@ def variant_of(method: str) -> DDPVariant | None:
 def parse_data(text: str) -> tuple[str, ...]:
     """The data kinds, in the order of DATA_KINDS: each group runs synthetic before real.
     `folder:PATH` is the real kind, on that folder (parse_folder) instead of generated images."""
-    kinds = {"real" if k.strip().startswith("folder:") else k.strip() for k in str(text).split(",") if k.strip()}
+    named = [k.strip() for k in str(text).split(",") if k.strip()]
+    if "real" in named and any(k.startswith("folder:") for k in named):
+        raise UsageError(f"--data {text}: folder:PATH is the real kind on your folder, in place of "
+                         "the generated images; give one of real and folder:PATH")
+    kinds = {"real" if k.startswith("folder:") else k for k in named}
     unknown = sorted(kinds - set(DATA_KINDS))
     if unknown or not kinds:
         named = ", ".join(map(repr, unknown)) or "(none)"
@@ -288,6 +292,8 @@ def unavailable_reason(method: str, accelerator: str, data: str) -> str | None:
     """Why a peer or a DDP variant cannot run here on this data kind (one line), or None. The
     machine's reasons come first: they hold for every data kind, so a peer skipped for both kinds
     is named once."""
+    if data == "real-gpu" and accelerator != "cuda":
+        return "--data real-gpu decodes on GPUs; on CPU use --data real-cpu"
     variant = variant_of(method)
     if variant and variant.needs_nccl and accelerator != "cuda":
         if variant.bf16_hook:

@@ -143,7 +143,7 @@ def comparable(task: Task) -> tuple:
     method is part of its key): its loader would refill its queue while the others ran, and start
     each trial with batches it loaded off the clock. (The peers run on synthetic data only, but
     multigpu-ddp and its variants all read real data.)"""
-    alone = task.method if task.data_kind != "synthetic" else None
+    alone = (task.method, task.data_kind) if task.data_kind != "synthetic" else None
     return task.model, task.batch_size, task.image_size, task.data, task.gpus, alone
 
 

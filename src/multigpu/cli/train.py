@@ -185,8 +185,13 @@ def _plan_devices(cfg: TrainConfig):
     registry.check_device_count(cfg.strategy, cfg.devices, plan.accelerator, len(plan.gpu_ids),
                                 plan.nproc)
     compiling.check(cfg.compile, plan.accelerator, cfg.strategy, cfg.accumulate)
+    if cfg.compile:  # before torch._dynamo is imported (DDP does), which sets torch's own default
+        compiling.use_persistent_cache()
     registry.check_accelerator(cfg.strategy, plan.accelerator, auto_batch=cfg.batch_size == "auto")
     if cfg.fsdp_cpu_offload and plan.accelerator != "cuda":
         from multigpu.strategies.fsdp import OFFLOAD_NEEDS_GPUS
         raise UsageError(OFFLOAD_NEEDS_GPUS)
+    if cfg.decode == "gpu" and plan.accelerator != "cuda" and cfg.data.startswith("folder:"):
+        raise UsageError(f"--decode gpu decodes JPEGs on GPUs, and this run is on {plan.accelerator}: "
+                         "use --decode cpu (the loader workers decode) or auto")
     return plan
