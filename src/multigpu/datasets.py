@@ -220,6 +220,41 @@ class WindowDataset(Dataset):
         y = self.series[t + self.seq : t + self.seq + self.future].reshape(-1)
         return x, y
 
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows `indices` stacked, (B, seq, columns) and (B, future * columns), by two gathers
+        instead of B slices and a collate."""
+        t = torch.as_tensor(indices, dtype=torch.int64)
+        if len(t) and not (0 <= int(t.min()) and int(t.max()) < self.count):
+            raise IndexError(f"indices {int(t.min())}..{int(t.max())} out of range for {self.count} windows")
+        t = t + self.start
+        x = self.series[t[:, None] + torch.arange(self.seq)]
+        y = self.series[t[:, None] + self.seq + torch.arange(self.future)].reshape(len(t), -1)
+        return x, y
+
+
+class BatchedWindows(Dataset):
+    """A WindowDataset that `multigpu train`'s loaders read a batch at a time: DataLoader calls
+    __getitems__ with a batch's indices, and `collate` passes the batch on. Small models' steps are
+    short (post 002's), and per-sample slicing and collating is the loader's share of them. Only
+    the loaders multigpu builds use it: a DataLoader with the default collate_fn over it would
+    get a batch where it expects samples."""
+
+    def __init__(self, windows: WindowDataset) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int):
+        return self.windows[index]
+
+    def __getitems__(self, indices: list[int]):
+        return self.windows.batch(indices)
+
+    @staticmethod
+    def collate(batch):
+        return batch if isinstance(batch, tuple) else torch.utils.data.default_collate(batch)
+
 
 def _read_numeric_csv(path: str) -> np.ndarray:
     if path in EMBEDDED_SERIES:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from multigpu import compiling, console, imagefolder, provenance, runfolder
 from multigpu.config import TrainConfig
-from multigpu.datasets import DataBundle, load_data
+from multigpu.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
 from multigpu.engine import StepSettings
 from multigpu.models import build_model, default_image_size, is_convnet, model_input_kind
 from multigpu.runstate import missing_resume
@@ -120,6 +120,8 @@ def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
 
 def make_loader(dataset, batch_size: int, shuffle: bool, workers: int,
                 drop_last: bool = False) -> DataLoader:
+    if isinstance(dataset, WindowDataset):  # timeseries: a batch by two gathers, not B slices
+        dataset = BatchedWindows(dataset)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
                       drop_last=drop_last, collate_fn=getattr(dataset, "collate", None),
                       persistent_workers=workers > 0,

@@ -157,3 +157,22 @@ def test_error_off_by_c_normalised_units_is_c_times_std_in_original_units():
     assert (again["val_mae"], again["val_rmse"]) == pytest.approx((result["val_mae"], result["val_rmse"]))
     plain = evaluate(rt, signs, torch.nn.functional.mse_loss, batches, False, StepSettings())
     assert "val_mae" not in plain and "val_rmse" not in plain
+
+
+def test_train_loaders_read_windows_a_batch_at_a_time_with_the_same_values():
+    from torch.utils.data import default_collate
+
+    from multigpu.datasets import BatchedWindows, load_data
+    from multigpu.training import make_loader
+
+    data = load_data("timeseries:co2", input_kind="sequence", image_size=None, seq_length=12, future_length=3)
+    loader = make_loader(data.train, 16, shuffle=False, workers=0)
+    assert isinstance(loader.dataset, BatchedWindows)
+    for k, (x, y) in enumerate(loader):
+        ex, ey = default_collate([data.train[i] for i in range(16 * k, min(16 * (k + 1), len(data.train)))])
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    assert x.shape[1:] == (12, data.input_shape[1]) and y.shape[1] == data.num_outputs
+    with pytest.raises(IndexError, match="out of range"):
+        data.train.batch([0, len(data.train)])
+    plain = torch.utils.data.DataLoader(data.train, batch_size=4)  # a user's own loader: samples as ever
+    assert next(iter(plain))[0].shape == (4, 12, data.input_shape[1])
