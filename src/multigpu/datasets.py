@@ -239,6 +239,8 @@ class BatchedWindows(Dataset):
     the loaders multigpu builds use it: a DataLoader with the default collate_fn over it would
     get a batch where it expects samples."""
 
+    batched_reads = True  # no randomness: loaders.PerSampleSeed may read it a batch at a time
+
     def __init__(self, windows: WindowDataset) -> None:
         self.windows = windows
 

@@ -86,19 +86,24 @@ class ImageFolderDataset(Dataset):
             at = (index + offset) % len(self.samples)
             path, label = self.samples[at]
             try:
-                image = (on_gpu and self._encoded(path, at)) or self._read(path, generator)
+                # A walk to the next readable file stays on the CPU: a file sent to the GPU
+                # and failing there would be counted by the replacement and by its own sample.
+                image = (on_gpu and offset == 0 and self._encoded(path, at)) or self._read(path, generator)
             except Exception as exc:  # PIL: OSError, SyntaxError, ValueError, DecompressionBombError;
                 self._bad(path, exc, count=own and offset == 0)  # torchvision: RuntimeError
                 continue
             return image, torch.tensor(label, dtype=torch.int64)
         raise UsageError("no image of this split can be read: check the files of --data folder:")
 
-    def _crop(self, width: int, height: int, generator=None) -> tuple[tuple[int, int, int, int], bool]:
-        """(box, flip) of one sample: the same draws, in the same order, whichever decoder."""
+    def _crop(self, width: int, height: int, generator=None) -> tuple[tuple[int, int, int, int], bool, int]:
+        """(box, flip, seed) of one sample: the same draws, in the same order, whichever decoder
+        (the seed is for a replacement on the GPU path; every path draws it, so that 0-worker
+        loaders' global generator moves alike)."""
         if not self.train:
-            return gpu_images.center_box(width, height, self.image_size), False
+            return gpu_images.center_box(width, height, self.image_size), False, 0
         box = _random_box(width, height, generator)
-        return box, float(torch.rand(1, generator=generator)) < 0.5
+        flip = float(torch.rand(1, generator=generator)) < 0.5
+        return box, flip, int(torch.randint(2**62, (1,), generator=generator))
 
     def _encoded(self, path: str, index: int) -> gpu_images.EncodedImage | None:
         """The file's bytes and this sample's crop, for the device to decode; None when the file
@@ -111,8 +116,7 @@ class ImageFolderDataset(Dataset):
         size = gpu_images.gpu_readable(memoryview(data.numpy()))
         if size is None:
             return None
-        box, flip = self._crop(*size)
-        seed = int(torch.randint(2**62, (1,)))  # for a replacement, should the file prove bad
+        box, flip, seed = self._crop(*size)
         return gpu_images.EncodedImage(data, box, flip, index, seed)
 
     collate = staticmethod(gpu_images.collate)
@@ -146,11 +150,13 @@ class ImageFolderDataset(Dataset):
             from torchvision.transforms.v2 import functional as TF
 
             image = decode_image(read_file(path), mode=ImageReadMode.RGB)
-            (left, top, w, h), flip = self._crop(image.shape[2], image.shape[1], generator)
+            if image.ndim == 4:  # an animated GIF: its first frame, as PIL reads it
+                image = image[0]
+            (left, top, w, h), flip, _ = self._crop(image.shape[2], image.shape[1], generator)
             image = TF.resized_crop(image, top, left, h, w, [self.image_size] * 2, antialias=True)
             return (image.flip(-1) if flip else image).contiguous()
         image = _decode(path)
-        (left, top, w, h), flip = self._crop(*image.size, generator)
+        (left, top, w, h), flip, _ = self._crop(*image.size, generator)
         return _to_tensor(_resize_box(image, (left, top, w, h), flip, self.image_size))
 
     def _bad(self, path: str, exc: BaseException, count: bool = True) -> None:

@@ -199,7 +199,11 @@ class PerSampleSeed(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, keys):
-        batched = getattr(self.dataset, "__getitems__", None)
+        # Only a dataset that says it reads batches without randomness takes the batch at once
+        # (datasets.BatchedWindows); torch's Subset has __getitems__ for every dataset, and
+        # seeding once per batch would make a sample's augmentation depend on its batch.
+        inner = self.dataset.dataset if isinstance(self.dataset, Subset) else self.dataset
+        batched = getattr(self.dataset, "__getitems__", None) if getattr(inner, "batched_reads", False) else None
         if batched is None:
             return [self[k] for k in keys]
         self._seed(*keys[0])  # a batched dataset draws once per batch

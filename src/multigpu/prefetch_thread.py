@@ -42,7 +42,7 @@ def finish_in_thread(batches, device: torch.device, finish, to_device, depth: in
             return
 
     try:
-        for _ in range(depth):
+        for _ in range(max(depth, 1)):
             submit()
         while pending:
             info, future = pending.popleft()

@@ -180,8 +180,11 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         bad_before = _count_bad_images(rt, job, record, bad_before)
         rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved below
         scale = job.data.target_scale
-        record |= evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification, job.settings,
-                           target_std=scale[1] if scale is not None else None)
+        try:  # validation decodes and runs its own batches: it can run out of memory too
+            record |= evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification,
+                               job.settings, target_std=scale[1] if scale is not None else None)
+        except torch.cuda.OutOfMemoryError:
+            raise UsageError(oom_message(cfg, rt)) from None
         if rt.precision.scaler is not None:
             record["skipped_steps"] = rt.precision.skipped_steps
         if rt.device.type == "cuda":  # rank 0's peak of the epoch

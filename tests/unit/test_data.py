@@ -245,3 +245,20 @@ def test_loader_workers_keep_out_of_the_ranks_process_group_but_die_on_sigterm()
     with pytest.raises((RuntimeError, EOFError, ConnectionResetError)):
         for _ in range(50):
             next(it)
+
+
+def test_per_sample_seeds_hold_behind_a_subset_too():
+    from torch.utils.data import Dataset, Subset
+
+    from multigpu.loaders import PerSampleSeed
+
+    class Noisy(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return torch.rand(1)
+
+    seeded = PerSampleSeed(Subset(Noisy(), list(range(10))), 7)  # a SubsetRandomSampler's shard
+    batch = seeded.__getitems__([(0, 3), (0, 4)])
+    assert [float(v) for v in batch] == [float(seeded[(0, 3)]), float(seeded[(0, 4)])]

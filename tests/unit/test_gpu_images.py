@@ -254,3 +254,30 @@ def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises
     assert next(early)[0] == 0
     early.close()  # a consumer that stops: the helper is shut down, nothing left running
     assert not [t for t in threading.enumerate() if t.name.startswith("multigpu-finish")]
+
+
+def test_a_walk_past_a_bad_file_stays_on_the_cpu_and_counts_each_file_once(tmp_path):
+    def truncated(path):
+        whole = (tmp_path / "val/a/0.jpg").read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])  # no end marker: the CPU path, unreadable
+
+    def broken_body(path):  # a header and an end marker: sent to the device, unreadable there
+        whole = (tmp_path / "val/a/0.jpg").read_bytes()
+        path.write_bytes(whole[:whole.index(b"\xff\xda")] + b"\xff\xda\x00\x02" + b"\xff\xd9")
+
+    extra = {"train/a/y1.jpg": truncated, "train/a/y2.jpg": broken_body}
+    train = folder_data(make_folder(tmp_path, extra=extra)).train
+    batch = gpu_images.collate(samples(train, on_gpu=True))  # y1's walk reads y2 on the CPU
+    train.on_device(batch, CPU)  # y2's own sample fails on the device
+    assert train.bad_count == 2
+
+
+def test_every_decoder_moves_torchs_generator_alike_with_0_workers(tmp_path):
+    train = folder_data(make_folder(tmp_path)).train
+    states = []
+    for on_gpu in (False, True):
+        train.on_gpu = on_gpu
+        torch.manual_seed(4)
+        [train[i] for i in range(len(train))]
+        states.append(torch.get_rng_state())
+    assert torch.equal(*states)
