@@ -258,7 +258,13 @@ def _count_bad_images(rt: Runtime, job: Job, record: dict, before: int) -> int:
     if record["bad_images"] > max(MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION * record["train_samples"]):
         raise UsageError(f"{record['bad_images']} of the {record['train_samples']} images of epoch "
                          f"{record['epoch']} could not be read (over {MAX_BAD_FRACTION:.0%}): the "
-                         "data looks broken; the files are named in the warnings above")
+                         "data looks broken; the files are named in the warnings above and in "
+                         "the rank logs")
+    if record["bad_images"]:  # every rank's count, on rank 0's console: it may have met none
+        n = record["bad_images"]
+        console.warn(f"epoch {record['epoch']}: {n} unreadable image{'s' if n > 1 else ''} skipped, "
+                     "each replaced by the next readable one (named where met; every rank's "
+                     "warnings are in the run's logs/)")
     return total
 
 

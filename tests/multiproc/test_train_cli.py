@@ -205,6 +205,8 @@ def test_an_unreadable_image_is_skipped_counted_and_the_run_finishes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipped unreadable image" in proc.stderr and "train/a/3.png" in proc.stderr
     assert [(m["train_samples"], m["bad_images"]) for m in read_metrics(out)] == [(24, 1), (24, 1)]
+    for epoch in (1, 2):  # summed over the ranks, said on rank 0's console
+        assert f"multigpu: warning: epoch {epoch}: 1 unreadable image skipped" in proc.stderr
 
 
 def test_a_config_file_reaches_every_worker_and_config_json_keeps_the_typed_command(tmp_path):
