@@ -805,3 +805,9 @@ def test_real_gpu_is_skipped_on_cpu_and_folder_is_not_given_beside_real():
     with pytest.raises(UsageError, match=r"--data real,folder:x: folder:PATH is the real kind on your "
                                          r"folder, in place of the generated images; give one"):
         parse_data("real,folder:x")
+
+
+def test_the_title_names_the_users_folder():
+    assert report.data_title({"settings": {"data": ["synthetic", "real"], "folder": "/data/imgs"}}) == (
+        "synthetic and real data (real: /data/imgs)")
+    assert report.data_title({"settings": {"data": "synthetic"}}) == "synthetic data"  # an old report

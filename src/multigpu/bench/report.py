@@ -127,6 +127,12 @@ def data_kinds(report: dict) -> list[str]:
     return [data] if isinstance(data, str) else list(data)
 
 
+def data_title(report: dict) -> str:
+    """'synthetic and real data', with the folder the real kinds read when it was the user's."""
+    folder = report["settings"].get("folder")
+    return f"{' and '.join(data_kinds(report))} data" + (f" (real: {folder})" if folder else "")
+
+
 def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -139,7 +145,7 @@ def print_table(report: dict) -> None:
     m = report["machine"]
     kinds = data_kinds(report)
     table = Table(title=f"multigpu bench on {m['label']} ({m.get('gpu_name') or 'CPU'}), "
-                        f"{' and '.join(kinds)} data", title_justify="left")
+                        f"{data_title(report)}", title_justify="left")
     unit = "GPUs" if m["accelerator"] == "cuda" else "procs"
     mixed = len(kinds) > 1  # a data column, and a share of synthetic where a real row has one
     share = any(r.get("of_synthetic") is not None for r in report["rows"])
@@ -286,7 +292,7 @@ def _finish_plot(fig, plt, report: dict, path: Path) -> Path:
     compiled = f", multigpu methods compiled ({'default' if mode is True else mode})" if mode else ""
     fig.suptitle(f"multigpu bench, {report['date']}: {', '.join(settings['models'])}, "
                  f"batch {','.join(map(str, settings['batch_sizes']))} per GPU, "
-                 f"{' and '.join(data_kinds(report))} data{compiled}", fontsize=10)
+                 f"{data_title(report)}{compiled}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
