@@ -292,12 +292,9 @@ def use_decode(data: DataBundle, asked: str, device: torch.device, workers: int,
     if asked == "gpu" and problem:
         raise UsageError(f"--decode gpu: {problem}; use --decode cpu (the loader workers decode) "
                          "or auto")
-    on_gpu = asked != "cpu" and problem is None
-    share = gpu_images.hybrid_share(workers) if on_gpu and asked == "auto" else 0.0
-    if share == 1.0:
-        on_gpu, share = False, 0.0
-    elif deterministic:
-        share = 0.0
+    auto = asked == "auto" and problem is None
+    on_gpu = asked == "gpu" or (auto and not gpu_images.workers_suffice(workers))
+    share = gpu_images.hybrid_share(workers) if on_gpu and auto and not deterministic else 0.0
     for dataset in (data.train, data.val):
         dataset.on_gpu, dataset.cpu_share = on_gpu, share
     if device.type != "cuda":

@@ -80,11 +80,13 @@ class PreparedLoader:
         batches = zip(infos, self.loader, strict=True)
         finish = getattr(self._dataset, "on_device", None)
         if self.device.type == "cuda" and finish is not None:
-            batches = finish_in_thread(batches, self.device, finish, _to_device)
+            batches = finish_in_thread(batches, self.device,
+                                       lambda b: finish(move_to_device(b, self.device, True), self.device))
         elif self.device.type == "cuda":
             batches = _prefetch_to_gpu(batches, self.device)
         else:
-            batches = ((info, _to_device(b, self.device, False, finish)) for info, b in batches)
+            batches = ((info, _finished(move_to_device(b, self.device, False), self.device, finish))
+                       for info, b in batches)
         for info, batch in batches:
             self.position += info.global_count
             self.on_step(info)
@@ -92,8 +94,7 @@ class PreparedLoader:
         self.on_step(None)
 
 
-def _to_device(batch, device: torch.device, non_blocking: bool, finish):
-    batch = move_to_device(batch, device, non_blocking)
+def _finished(batch, device: torch.device, finish):
     return finish(batch, device) if finish is not None else batch
 
 

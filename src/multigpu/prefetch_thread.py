@@ -17,9 +17,9 @@ import torch
 from multigpu.data import map_tensors
 
 
-def finish_in_thread(batches, device: torch.device, finish, to_device, depth: int = 2):
-    """Yield (info, batch) from `batches` (pairs), each moved by `to_device(batch, device, True,
-    finish)` in a helper thread on a side stream, ready for the current stream to use.
+def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2):
+    """Yield (info, batch) from `batches` (pairs), each made ready by `prepare(batch)` (copied to
+    `device` and finished there) in a helper thread on a side stream, for the current stream to use.
 
     The DataLoader is iterated here, in the caller's thread: with 0 workers its samples (and their
     random crops, from torch's global generator) are made in the training thread, in order, as
@@ -31,7 +31,7 @@ def finish_in_thread(batches, device: torch.device, finish, to_device, depth: in
 
     def finish_one(batch):
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            moved = to_device(batch, device, True, finish)
+            moved = prepare(batch)
             done = torch.cuda.Event()
             done.record(stream)
             return moved, done

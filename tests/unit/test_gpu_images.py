@@ -237,7 +237,7 @@ def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises
             loaded_in.add(threading.get_ident())  # a 0-worker DataLoader makes samples here
             yield i, torch.tensor([i])
 
-    def finish(batch, device, non_blocking, _):
+    def finish(batch):
         finished_in.add(threading.get_ident())
         if int(batch) == 3:
             raise ValueError("batch 3 is bad")
@@ -245,12 +245,12 @@ def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises
 
     got = []
     with pytest.raises(ValueError, match="batch 3 is bad"):
-        for info, batch in prefetch_thread.finish_in_thread(batches(6), CPU, None, finish):
+        for info, batch in prefetch_thread.finish_in_thread(batches(6), CPU, finish):
             got.append((info, int(batch)))
     assert got == [(0, 0), (1, 10), (2, 20)]
     assert loaded_in == {caller} and caller not in finished_in
 
-    early = prefetch_thread.finish_in_thread(batches(100), CPU, None, lambda b, *a: b)
+    early = prefetch_thread.finish_in_thread(batches(100), CPU, lambda b: b)
     assert next(early)[0] == 0
     early.close()  # a consumer that stops: the helper is shut down, nothing left running
     assert not [t for t in threading.enumerate() if t.name.startswith("multigpu-finish")]

@@ -133,7 +133,7 @@ class Task:
     def data_kind(self) -> str:
         if not self.data.startswith("folder:"):
             return "synthetic"
-        return {"cpu": "real-cpu", "gpu": "real-gpu"}.get(self.decode, "real")
+        return next(kind for kind, decode in REAL_DECODE.items() if decode == self.decode)
 
     @property
     def variant(self) -> str | None:
