@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import checkpoint, sharded_checkpoint
+from multigpu import runtime_checkpoints
 from multigpu import loggers as run_loggers
 from multigpu.data import StepInfo
 from multigpu.loaders import shard_loader
@@ -355,51 +355,16 @@ class Runtime:
 
             rt.save("checkpoints/last.pt", model=model, optimizer=optimizer, epoch=epoch)
         """
-        path = Path(path)
-        shards = {}
-        if sharded:
-            shards["shards"] = sharded_checkpoint.save(self.env, path.parent, path.stem, model,
-                                                       optimizer)
-        error = None
-        try:  # collective first; then only rank 0 can fail (a value weights_only refuses)
-            state = self.checkpoint_state(model, optimizer, scheduler, weights=not sharded,
-                                          **shards, **extra)
-        except UsageError as exc:
-            error = (True, str(exc))
-        if self.env.is_main and error is None:
-            try:
-                replaced = sharded_checkpoint.folder_named_by(path)
-                checkpoint.atomic_save(checkpoint.to_cpu(state), path)
-                sharded_checkpoint.drop_if_unnamed(replaced)  # the replaced file's folder
-            except Exception as exc:  # tell the other ranks instead of leaving them in a barrier
-                error = (isinstance(exc, UsageError), f"saving {path} failed on rank 0: {exc}")
-        error = self.env.broadcast_object(error)
-        if error:
-            raise (UsageError if error[0] else RuntimeError)(error[1])
+        runtime_checkpoints.save(self, path, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 sharded=sharded, **extra)
 
     def checkpoint_state(self, model: nn.Module, optimizer=None, scheduler=None, *,
                          weights: bool = True, **extra) -> dict | None:
         """Collective (every rank's RNG is gathered). On rank 0 the checkpoint as a dict, its
         tensors where they live (copy them before training goes on); None on the other ranks.
         weights=False leaves the model's and optimizer's state out (saved sharded beside it)."""
-        rng = self.env.all_gather_object(checkpoint.rng_state())
-        model_state = self.strategy.model_state_dict(model) if weights else None  # collective
-        optimizer_state = (self.strategy.optimizer_state_dict(model, optimizer)
-                           if weights and optimizer else None)
-        if not self.env.is_main:
-            return None
-        checkpoint.check_loadable(extra)
-        return {
-            "format": checkpoint.FORMAT_VERSION,
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "precision": self.precision.state_dict(),
-            "rng": rng,
-            "world_size": self.env.world_size,
-            "strategy": self.strategy.name,
-            **extra,
-        }
+        return runtime_checkpoints.checkpoint_state(self, model, optimizer, scheduler, weights=weights,
+                                                    **extra)
 
     def load(self, path: str | Path | dict, *, model: nn.Module | None = None, optimizer=None,
              scheduler=None, shards_dir: str | Path | None = None) -> dict:
@@ -417,41 +382,8 @@ class Runtime:
             state = rt.load("checkpoints/last.pt", model=model, optimizer=optimizer)
             start_epoch = state["epoch"] + 1
         """
-        state = path if isinstance(path, dict) else checkpoint.load(path)
-        # torch.distributed.checkpoint's loaders step the optimizer once, with no gradients, to
-        # create its state: not a user's optimizer.step() around the runtime
-        with self._bypass.stepping():
-            if state.get("shards"):  # written sharded (multigpu train under fsdp)
-                self._load_shards(state, path, shards_dir, model, optimizer)
-            else:
-                if model is not None:
-                    self.strategy.load_model_state(model, state["model"])
-                if optimizer is not None and state.get("optimizer"):
-                    self.strategy.load_optimizer_state(model, optimizer, state["optimizer"])
-        if optimizer is not None:
-            checkpoint.match_optimizer_layout(optimizer)
-        if scheduler is not None and state.get("scheduler"):
-            scheduler.load_state_dict(state["scheduler"])
-        if state.get("precision"):
-            self.precision.load_state_dict(state["precision"])
-        rng = state.get("rng") or []
-        if len(rng) == self.env.world_size:  # same layout: every rank resumes its own streams
-            checkpoint.set_rng_state(rng[self.env.rank])
-        return state
-
-
-    def _load_shards(self, state: dict, path, shards_dir, model, optimizer) -> None:
-        if model is None:
-            raise UsageError("this checkpoint was saved sharded; load(model=...) reads it into "
-                             "the prepared model (and optimizer)")
-        if shards_dir is None:
-            if isinstance(path, dict):
-                raise UsageError("this checkpoint was saved sharded: give load() its file, or "
-                                 "shards_dir= the folder its shards are in")
-            shards_dir = sharded_checkpoint.folder_of(state, Path(path).parent)
-        sharded_checkpoint.load(self.env, Path(shards_dir), state["shards"]["files"],
-                                None if isinstance(path, dict) else path,
-                                self.strategy.unwrap(model), optimizer)
+        return runtime_checkpoints.load(self, path, model=model, optimizer=optimizer,
+                                        scheduler=scheduler, shards_dir=shards_dir)
 
 
 def _warn_eval_with_grad(module: nn.Module, _args) -> None:
