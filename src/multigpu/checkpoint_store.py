@@ -181,8 +181,8 @@ class CheckpointStore:
         """Save `state` as the newest checkpoint (steps 1-3 of the module docstring)."""
         assert self._lock_fd is not None, "acquire() first"
         name = step_file_name(global_step)
-        path = fileio.atomic_write(self.folder / name, lambda f: torch.save(state, f))
-        entry = Entry(name, path.stat().st_size, fileio.sha256_file(path), global_step, run,
+        path, sha256 = fileio.atomic_write_hashed(self.folder / name, lambda f: torch.save(state, f))
+        entry = Entry(name, path.stat().st_size, sha256, global_step, run,
                       round(time.time(), 3), (state.get("shards") or {}).get("dir"))
         manifest = self._read_manifest() or {}
         listed = [Entry(**e) for e in manifest.get("checkpoints", []) if e["file"] != name]

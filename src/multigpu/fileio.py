@@ -60,6 +60,17 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
     """Call `write(f)` on a temporary file, then put it in place of `path` (see module docstring)."""
+    return _atomic_write(path, write)[0]
+
+
+def atomic_write_hashed(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> tuple[Path, str]:
+    """atomic_write, and the file's SHA-256, hashed as the bytes go out rather than read back (a
+    checkpoint of many GB is not read twice); read back only if `write` moved in the file."""
+    path, f = _atomic_write(path, write)
+    return path, f.digest.hexdigest() if f.digest is not None else sha256_file(path)
+
+
+def _atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> tuple[Path, "_Writes"]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
@@ -67,9 +78,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     try:
         with f.raw:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), FILE_MODE)
+            f.raw.flush()
+            os.fsync(f.raw.fileno())
+            os.fchmod(f.raw.fileno(), FILE_MODE)
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -77,25 +88,43 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
             raise f.error from None  # the disk's error, not what a serialiser made of it
         raise
     fsync_dir(path.parent)
-    return path
+    return path, f
 
 
 class _Writes:
-    """A file that remembers the first OSError of a write: torch.save turns a failed write into
+    """A file that remembers the first OSError of a write (torch.save turns a failed write into
     "RuntimeError: [enforce fail at inline_container.cc] unexpected pos", hiding "No space left
-    on device"."""
+    on device"), and hashes what is written while the writes run in order through write(). Any
+    other way to change the file (seek, truncate, the descriptor itself) drops the hash: the file
+    is then read back instead."""
+
+    _KEEP_HASH = frozenset({"flush", "tell", "closed", "name", "mode", "writable", "seekable",
+                            "readable", "isatty"})
 
     def __init__(self, raw):
         self.raw, self.error = raw, None
+        self.digest = hashlib.sha256()
 
     def write(self, data) -> int:
         try:
-            return self.raw.write(data)
+            written = self.raw.write(data)
         except OSError as exc:
             self.error = self.error or exc
             raise
+        if self.digest is not None:
+            if written == memoryview(data).nbytes:
+                self.digest.update(data)
+            else:  # a short write: the caller writes the rest again, hash the file instead
+                self.digest = None
+        return written
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
 
     def __getattr__(self, name):
+        if name not in self._KEEP_HASH:  # seek, truncate, fileno, ...: bytes may change unseen
+            self.digest = None
         return getattr(self.raw, name)
 
 

@@ -25,6 +25,7 @@ With `--bad-images fail` the first one stops the run, naming the file.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -226,7 +227,9 @@ _FOLDER_LAYOUT = "expected PATH/train/<class>/<image> and PATH/val/<class>/<imag
 def _class_images(split_dir: Path) -> dict[str, list[str]]:
     images = {}
     for folder in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-        files = sorted(str(f) for f in folder.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        with os.scandir(folder) as entries:  # file types from the listing: no stat per file
+            files = sorted(e.path for e in entries
+                           if e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES)
         if not files:
             raise UsageError(
                 f"class folder '{folder}' has no images: add .jpg/.png files to it or remove the folder"

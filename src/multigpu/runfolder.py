@@ -19,8 +19,13 @@ import os
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from multigpu import fileio
 from multigpu.errors import UsageError
+
+if TYPE_CHECKING:
+    from multigpu.config import TrainConfig
 
 CONFIG, METRICS, METRICS_CSV, LOGS = "config.json", "metrics.jsonl", "metrics.csv", "logs"
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
@@ -29,6 +34,29 @@ _CLAIM = b'{"status": "starting"}\n'
 
 def default_out(model: str, data: str) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model.replace(':', '-')}-{data.split(':', 1)[0]}"
+
+
+def reserve_out(cfg: "TrainConfig", nodes_log: bool = False) -> Path:
+    """The run folder of `cfg`, claimed for this run (reserve). --resume without --out goes on in
+    the resumed run's folder (a lone checkpoint file starts a new one). Torch-free: the launching
+    process claims the folder before it starts the workers."""
+    out = cfg.out
+    if cfg.resume and not out:
+        path = Path(cfg.resume)
+        if path.is_file():  # a checkpoint inside a run folder goes on there, any other: a new one
+            path = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+            out = str(path) if is_run_folder(path) else None
+        elif path.is_dir():
+            out = str(path)
+        else:
+            raise missing_resume(cfg.resume)
+    return reserve(out, model=cfg.model, data=cfg.data, continuing=bool(cfg.resume),
+                   nodes_log=nodes_log)
+
+
+def missing_resume(resume: str, flag: str = "--resume") -> UsageError:
+    return UsageError(f"{flag} {resume}: no checkpoint there (no such file or folder); give a "
+                      "checkpoint file or a run folder")
 
 
 def reserve(out: str | None, *, model: str, data: str, continuing: bool, nodes_log: bool = False) -> Path:

@@ -19,6 +19,7 @@ from multigpu import checkpoint, console
 from multigpu.checkpoint_store import CheckpointStore, verify_and_load
 from multigpu.distributed import DistEnv
 from multigpu.errors import UsageError
+from multigpu.runfolder import missing_resume
 
 
 @dataclass
@@ -113,11 +114,6 @@ def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
         return verify_and_load(path, listed.get(path.name)), path
     except checkpoint.CheckpointError as exc:
         raise checkpoint.CheckpointError(f"{flag} {exc}") from None
-
-
-def missing_resume(resume: str, flag: str = "--resume") -> UsageError:
-    return UsageError(f"{flag} {resume}: no checkpoint there (no such file or folder); give a "
-                      "checkpoint file or a run folder")
 
 
 def _same(a: Path, b: Path) -> bool:

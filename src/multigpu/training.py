@@ -17,35 +17,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import compiling, console, imagefolder, provenance, runfolder
+from multigpu import compiling, console, imagefolder, provenance
 from multigpu.config import TrainConfig
 from multigpu.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
 from multigpu.engine import StepSettings
 from multigpu.models import build_model, default_image_size, is_convnet, model_input_kind
-from multigpu.runstate import missing_resume
 from multigpu.runtime import Runtime
-from multigpu.strategies import DDPOptions, FSDPOptions
+from multigpu.strategies import DDPOptions, FSDPOptions, registry
 
 IN_MEMORY_DATA = ("digits", "timeseries:")
 MAX_WORKERS = 16      # DataLoader workers per rank, at most
 PREFETCH_FACTOR = 4   # batches each worker keeps ready
-
-
-def reserve_out(cfg: TrainConfig, nodes_log: bool = False) -> Path:
-    """The run folder, claimed for this run (runfolder.reserve). --resume without --out goes on
-    in the resumed run's folder (a lone checkpoint file starts a new one)."""
-    out = cfg.out
-    if cfg.resume and not out:
-        path = Path(cfg.resume)
-        if path.is_file():  # a checkpoint inside a run folder goes on there, any other: a new one
-            path = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-            out = str(path) if runfolder.is_run_folder(path) else None
-        elif path.is_dir():
-            out = str(path)
-        else:
-            raise missing_resume(cfg.resume)
-    return runfolder.reserve(out, model=cfg.model, data=cfg.data, continuing=bool(cfg.resume),
-                             nodes_log=nodes_log)
 
 
 # --- building blocks ------------------------------------------------------------------------------
@@ -156,12 +138,19 @@ def load_run_data(cfg: TrainConfig) -> DataBundle:
                      bad_images=cfg.bad_images)
 
 
+def uses_channels_last(rt: Runtime, model: str) -> bool:
+    """Built-in convnets on GPUs train in channels_last (NHWC weights and inputs), unless the
+    strategy keeps its parameters contiguous (fsdp: FSDP2 shards only contiguous parameters)."""
+    return (rt.device.type == "cuda" and is_convnet(model)
+            and registry.info(rt.strategy.name).channels_last)
+
+
 def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy."""
     data = load_run_data(cfg)
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.clip_grad_norm,
-                                     channels_last=rt.device.type == "cuda" and is_convnet(cfg.model))
+                                     channels_last=uses_channels_last(rt, cfg.model))
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
     workers = loader_workers(cfg, rt)
@@ -169,7 +158,9 @@ def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     if decode_note:
         console.info(decode_note)
     train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
-    val_loader = make_loader(data.val, cfg.batch_size, False, workers)
+    per_step = cfg.batch_size * rt.world_size * rt.strategy.devices_per_process
+    val_batches = -(-len(data.val) // per_step)  # a rank's, at most
+    val_loader = make_loader(data.val, cfg.batch_size, False, min(workers, val_batches))
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
     model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.accumulate)
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))

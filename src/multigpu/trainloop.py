@@ -35,9 +35,11 @@ from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
+from multigpu.timeline import Timeline
 from multigpu.runtime import Runtime, seed_everything, setup
+from multigpu.runfolder import reserve_out
 from multigpu.training import (Job, build_job, learning_rate, oom_message, strategy_options,
-                               reserve_out, resolved_config)
+                               resolved_config)
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -50,6 +52,7 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
 
 def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
            launch: dict | None) -> dict:
+    clock = Timeline()  # the command's start, else now
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
@@ -82,15 +85,19 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         saver.last_path = Path(point.path) if point else None  # the last good one, until a save
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
+        clock.mark_ready()
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
-                             point.state.get("metrics") if point else None, log)
+                             point.state.get("metrics") if point else None, log, clock)
+        began = time.perf_counter()
         saver.finish()
+        clock.add("checkpoints", time.perf_counter() - began)
     finally:
         saver.close()
         store.release()
         if log is not None:
             log.close()  # curves.png: also of a run that stopped or failed
+    console.info(clock.summary())
     # Every rank done with its collectives before any tears down: a gloo rank that exits while a
     # peer's last exchange is in flight can abort ("terminate called without an active
     # exception", seen once in 4-process runs here).
@@ -144,7 +151,7 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
 
 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
-            saver: "Checkpointer", out: Path, last: dict | None, log: RunLog) -> dict:
+            saver: "Checkpointer", out: Path, last: dict | None, log: RunLog, clock: Timeline) -> dict:
     record, bad_before = {}, 0
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
                          clip_grad_norm=cfg.clip_grad_norm)
@@ -169,6 +176,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
             _save_or_stop(rt, saver, control, at, last, decision.stop, out)
 
         record = {"epoch": epoch, "step": base + steps, "lr": job.optimizer.param_groups[0]["lr"]}
+        began = time.perf_counter()
         try:
             record |= train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
                                   job.settings, description=f"epoch {epoch}/{cfg.epochs}",
@@ -176,20 +184,10 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
                                   after_step=after_step, nonfinite=first_nonfinite)
         except torch.cuda.OutOfMemoryError:
             raise UsageError(oom_message(cfg, rt)) from None
+        clock.add("training", time.perf_counter() - began)
         _stop_if_diverged(guards, saver, steps, job.model)
         bad_before = _count_bad_images(rt, job, record, bad_before)
-        rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved below
-        scale = job.data.target_scale
-        try:  # validation decodes and runs its own batches: it can run out of memory too
-            record |= evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification,
-                               job.settings, target_std=scale[1] if scale is not None else None)
-        except torch.cuda.OutOfMemoryError:
-            raise UsageError(oom_message(cfg, rt)) from None
-        if rt.precision.scaler is not None:
-            record["skipped_steps"] = rt.precision.skipped_steps
-        if rt.device.type == "cuda":  # rank 0's peak of the epoch
-            record["max_memory_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-            torch.cuda.reset_peak_memory_stats(rt.device)
+        record |= _validate(cfg, rt, job, clock)
         if job.scheduler is not None:
             job.scheduler.step()
         # Regression keeps the lowest val_loss (MSE of the standardised values), not val_rmse: in
@@ -198,12 +196,32 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         improved = run.best is None or score > run.best
         run = RunState(epoch + 1, 0, base + steps, best=score if improved else run.best)
         saver.save(run, metrics=record, best=improved)
+        clock.add("checkpoints", saver.pause)
         control.saved(run.global_step)
         _report(rt, out, record, job.classification)
         log.epoch(run.global_step, record)
         last = record
         if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
             _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)
+    return record
+
+
+def _validate(cfg: TrainConfig, rt: Runtime, job: Job, clock: Timeline) -> dict:
+    """The end of an epoch's training: validation metrics of rank 0's model, and the epoch's
+    figures of the precision and the GPU memory."""
+    rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved next
+    scale, began = job.data.target_scale, time.perf_counter()
+    try:  # validation decodes and runs its own batches: it can run out of memory too
+        record = evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification,
+                          job.settings, target_std=scale[1] if scale is not None else None)
+    except torch.cuda.OutOfMemoryError:
+        raise UsageError(oom_message(cfg, rt)) from None
+    clock.add("evaluating", time.perf_counter() - began)
+    if rt.precision.scaler is not None:
+        record["skipped_steps"] = rt.precision.skipped_steps
+    if rt.device.type == "cuda":  # rank 0's peak of the epoch
+        record["max_memory_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(rt.device)
     return record
 
 

@@ -104,5 +104,5 @@ def test_gpus_json_lists_every_gpu(tmp_path, gpus):
     listed = json.loads(r.stdout)["gpus"]
     assert [g["index"] for g in listed] == [g.index for g in gpus]
     assert all(g["name"] and g["memory_total_mib"] > 0 for g in listed)
-    r = multigpu("gpus", cwd=tmp_path)  # the table
+    r = multigpu("gpus", cwd=tmp_path, env={"COLUMNS": "200"})  # the table, wide enough not to wrap a name
     assert r.returncode == 0 and gpus[0].name in r.stdout

@@ -277,3 +277,16 @@ def test_fp16_skips_a_step_on_every_rank_when_one_rank_s_shard_holds_an_inf(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == [{"skipped": 1, "unchanged": True}] * 2
+
+
+def test_a_convnet_with_channels_last_weights_shards_and_trains_as_under_ddp(tmp_path):
+    script = SCRIPT.parent / "channels_last_convnet.py"
+    states = {}
+    for strategy in ("ddp", "fsdp"):
+        proc = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / strategy, script,
+                        strategy, tmp_path / f"{strategy}.pt")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        states[strategy] = torch.load(tmp_path / f"{strategy}.pt", weights_only=True)["model"]
+    assert states["ddp"].keys() == states["fsdp"].keys()
+    for key, value in states["ddp"].items():
+        assert torch.allclose(value, states["fsdp"][key], **dict(rtol=TOLERANCE["rel"], atol=TOLERANCE["abs"])), key

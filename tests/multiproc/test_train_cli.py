@@ -66,6 +66,23 @@ def test_run_folder_holds_config_metrics_and_checkpoints(one_and_two_process_run
     assert proc.stdout.count("epoch 2 ") == 1, "only rank 0 prints the epoch summary"
 
 
+def test_rank_0_ends_with_where_the_job_s_time_went(one_and_two_process_runs):
+    import re
+
+    _, two, proc = one_and_two_process_runs
+    said = [line for line in proc.stdout.splitlines() if line.startswith("time: ")]
+    assert len(said) == 1, proc.stdout[-2000:]
+    parts = re.fullmatch(r"time: ([\d.]+) s since the command: ([\d.]+) s starting \(launch, data, "
+                         r"model, resume\), ([\d.]+) s training, ([\d.]+) s evaluating, ([\d.]+) s held up "
+                         r"by checkpoints, (-?[\d.]+) s other \(metrics, plot\)", said[0])
+    assert parts, said[0]
+    _, start, training, _, _, other = map(float, parts.groups())
+    epochs = sum(r["epoch_seconds"] for r in read_metrics(two))
+    assert start > 0.5  # the launcher and the workers' imports count: the clock is the command's
+    assert training == pytest.approx(epochs, abs=0.15)
+    assert other >= 0  # the parts, each timed on its own, add up to no more than the whole
+
+
 def test_two_process_checkpoint_loads_into_a_bare_model(one_and_two_process_runs):
     _, two, _ = one_and_two_process_runs
     state = torch.load(two / "checkpoints" / "last.pt", weights_only=True)

@@ -103,3 +103,16 @@ def test_optimizer_state_by_name_and_by_number_convert_both_ways():
     assert again["state"].keys() == numbered["state"].keys()
     for i, state in numbered["state"].items():
         assert all(torch.equal(state[k], again["state"][i][k]) for k in state)
+
+
+def test_convnets_train_channels_last_on_gpus_except_under_fsdp():
+    from types import SimpleNamespace
+
+    from multigpu.training import uses_channels_last
+
+    def rt(device, strategy):
+        return SimpleNamespace(device=torch.device(device), strategy=SimpleNamespace(name=strategy))
+    assert [uses_channels_last(rt("cuda", s), "resnet50") for s in STRATEGIES] == [True, True, True, False]
+    assert list(STRATEGIES) == ["single", "dp", "ddp", "fsdp"]
+    assert not uses_channels_last(rt("cpu", "ddp"), "resnet50")
+    assert not uses_channels_last(rt("cuda", "ddp"), "mlp")

@@ -57,9 +57,9 @@ def _endless(loader):
 
 def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     from multigpu.engine import StepSettings, train_step
-    from multigpu.models import build_model, is_convnet
+    from multigpu.models import build_model
     from multigpu.runtime import setup
-    from multigpu.training import build_job, compile_prepared, make_optimizer
+    from multigpu.training import build_job, compile_prepared, make_optimizer, uses_channels_last
 
     cfg = _config(task, strategy)
     one_process = STRATEGIES[strategy].one_process  # drives its GPUs itself: name them
@@ -80,7 +80,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
                   f"gpu, workers {train.cpu_share:.0%}" if train.cpu_share else "gpu")
     else:
         model = build_model(task.model, (3, task.image_size, task.image_size), task.num_outputs)
-        settings = StepSettings(channels_last=rt.device.type == "cuda" and is_convnet(task.model))
+        settings = StepSettings(channels_last=uses_channels_last(rt, task.model))
         if settings.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model = compile_prepared(cfg, rt, rt.prepare(model))  # unwrap() peels compile off

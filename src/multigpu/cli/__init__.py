@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 from multigpu.errors import Stopped, UsageError
 from multigpu.provenance import PrintVersion
@@ -72,9 +73,11 @@ def one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()  # a job's clock (timeline.py) starts with the command
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.started_at = started
     if not getattr(args, "_main", None):
         parser.print_help()
         return 0

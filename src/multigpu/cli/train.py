@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from pathlib import Path
 
-from multigpu import compiling, configfile, console, devices, provenance
+from multigpu import compiling, configfile, console, devices, provenance, timeline
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.errors import UsageError
 
@@ -85,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
     from multigpu.doctor.setup_checks import refuse_stale_worker_env
     from multigpu.launch import in_worker, launch, options_from_args, python_command
     from multigpu import runfolder
-    from multigpu.runfolder import OUT_RESERVED_ENV, nothing_trained, remove_untrained
+    from multigpu.runfolder import OUT_RESERVED_ENV, nothing_trained, remove_untrained, reserve_out
 
     cfg = config_from_args(args)
     refuse_stale_worker_env(os.environ, console.warn)  # trap 8: LOCAL_RANK left by a launch
@@ -94,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
 
         run_training(cfg, launch=provenance.from_env())
         return 0
+    timeline.mark_command_start(getattr(args, "started_at", time.time()))  # workers inherit it
 
     validate(cfg)
     plan = _plan_devices(cfg)
@@ -101,10 +103,6 @@ def main(args: argparse.Namespace) -> int:
     devices.lease(plan, f"multigpu train {cfg.out or f'--model {cfg.model} --data {cfg.data}'}",
                   cfg.min_free_memory)
     opts = options_from_args(args)
-    # torch only now: every mistake found above costs one line and no torch import
-    from multigpu.training import reserve_out
-    from multigpu.trainloop import run_training
-
     check_resume(cfg)
     made = _first_missing(Path(cfg.out) if cfg.out else Path("runs"))  # what we make, we may remove
     if opts.nnodes != "1" and opts.node_rank not in (None, 0):
@@ -124,6 +122,10 @@ def main(args: argparse.Namespace) -> int:
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
         return launch(argv, plan, opts, python=False)
+    # torch only now, in this process alone: every mistake found above costs one line and no
+    # torch import, and a launch of several processes starts them without the training modules
+    from multigpu.trainloop import run_training
+
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
                      launch=launch_facts)

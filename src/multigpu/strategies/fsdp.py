@@ -111,6 +111,9 @@ class FSDP(Strategy):
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                             fully_shard)
 
+        for p in model.parameters():  # FSDP2 shards only contiguous ones (not NHWC weights)
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
         self.env.broadcast_tensors([*model.parameters(), *model.buffers()])  # rank 0's weights
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         self.param_dtype = None if has_bn else _LOW.get(self.precision)

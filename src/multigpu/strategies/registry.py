@@ -30,6 +30,7 @@ class StrategyInfo:
     cuda_graphs: bool = True      # --compile reduce-overhead / max-autotune can run under it
     auto_batch: bool = True       # --batch-size auto can measure it (one process per GPU)
     unused_fails: bool = False    # a parameter without a gradient breaks its next step
+    channels_last: bool = True    # convnets' weights may be NHWC (FSDP2 shards only contiguous ones)
     flags: tuple[str, ...] = ()   # `multigpu train` options only this strategy reads
 
     def load(self) -> type["Strategy"]:
@@ -47,7 +48,7 @@ STRATEGIES: dict[str, StrategyInfo] = {s.name: s for s in (
                  "all-reduced", unused_fails=True),
     StrategyInfo("fsdp", "multigpu.strategies.fsdp:FSDP", "FSDP2: parameters, gradients and "
                  "optimizer state sharded over the processes, for models larger than one GPU",
-                 cuda_graphs=False, auto_batch=False,
+                 cuda_graphs=False, auto_batch=False, channels_last=False,
                  flags=("fsdp_cpu_offload", "activation_checkpointing")),
 )}
 AUTO = "auto"
