@@ -20,6 +20,11 @@
 #   9 bench-models swin_t and vgg16, multigpu-ddp on 1 and N GPUs         (box  90 s)
 #  10 image-transforms JPEG decode + crops per CPU thread, PIL vs torchvision (box 150 s)
 #  11 cli-startup `multigpu --help` and friends, cold and warm (benchmarks/cli_startup.py) (box 90 s)
+#  12 decode-alone the JPEG pipeline without a model, workers / GPU / hybrid (decode_pipeline.py) (box 120 s)
+#  13 time-to-train whole 3-epoch ResNet-50 jobs on N GPUs: multigpu against Lightning, Accelerate,
+#                 pytorch/examples (benchmarks/time_to_train.sh)                    (box 420 s)
+#  14 post002     post 002's LSTM, multigpu against hand-written DDP, 1 and N GPUs  (box 240 s)
+#  15 bench-fsdp  resnet50 and swin_t, multigpu-ddp against multigpu-fsdp on N GPUs (box 150 s)
 # Everything lands in $OUT: <stage>.log for each stage, summary.txt, pytest-gpu.xml, and
 # bench-*.json / bench-*.png / bench-*-logs/ (per-rank logs of every launch).
 set -uo pipefail
@@ -62,8 +67,9 @@ stage() {
     fi
     echo "== $name (at most $limit s): $*" | tee -a "$OUT/summary.txt"
     local t0=$SECONDS
-    # SIGTERM first: multigpu bench then stops its workers and still writes its JSON.
-    timeout -k 15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    # SIGTERM first: multigpu bench then stops its workers and still writes its JSON. SIG=INT for
+    # pytest: its fixtures then stop what the test started (a SIGTERM leaves a run on a GPU).
+    timeout -s "${SIG:-TERM}" -k 15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     local note=""
     (( rc == 124 || rc == 137 )) && note=" (time limit)"
@@ -91,8 +97,8 @@ export -f facts
 BENCH=("$PY" -m multigpu bench --precision bf16 --devices "$DEVICES" --min-free-memory 0)
 
 stage facts 30 bash -c facts
-stage pytest-gpu 240 "$PY" -m pytest -m gpu tests/gpu -v -p no:cacheprovider \
-    --junitxml="$OUT/pytest-gpu.xml"
+SIG=INT stage pytest-gpu 240 "$PY" -m pytest -m gpu -o addopts="" tests/gpu -v -p no:cacheprovider \
+    -k "not exceeds_the_gpu" --junitxml="$OUT/pytest-gpu.xml"
 # DataParallel: 5 warm-up steps (cuDNN tunes on the first) + 3 trials x 5 steps.
 stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus "$SCALE" \
     --steps 30 --warmup 10 --trials 3 --dp-steps 5 --out "$OUT/bench-main.json"
@@ -127,6 +133,25 @@ stage bench-models 90 "${BENCH[@]}" --model swin_t,vgg16 --batch-size 128 --gpus
 # CPU-side stages: what a DataLoader worker does per JPEG, and how fast the CLI answers.
 stage image-transforms 150 "$PY" benchmarks/image_transforms.py --out "$OUT/image-transforms"
 stage cli-startup 90 "$PY" benchmarks/cli_startup.py --runs 9 --json "$OUT/cli-startup.json"
+# Real data and whole jobs (issue 15). One folder of 25 600 generated JPEGs for all of them; run
+# folders (checkpoints: many files) under /tmp, logs and summaries in $OUT.
+FOLDER="${FOLDER:-/tmp/multigpu-jpeg25k}"
+RUNS_ROOT=$(mktemp -d /tmp/multigpu-runs.XXXXXX)  # new each invocation: --out must not exist
+COUNTS=1; (( N > 1 )) && COUNTS+=" $N"
+make_folder() {
+    [[ -d $FOLDER ]] || { "$PY" benchmarks/decode_pipeline.py --make "$FOLDER.part" --train 25600 \
+        && mv "$FOLDER.part" "$FOLDER"; }
+}
+export FOLDER
+export -f make_folder
+stage decode-alone 120 bash -c "make_folder && '$PY' benchmarks/decode_pipeline.py --folder '$FOLDER' \
+    --modes cpu,gpu,hybrid-0.47 --out '$OUT/decode-alone.json'"
+stage time-to-train 420 bash -c "make_folder && OUT='$OUT/time-to-train' RUNS='$RUNS_ROOT/ttt' \
+    GPUS=$N bash benchmarks/time_to_train.sh"
+stage post002 240 env OUT="$OUT/post002" RUNS="$RUNS_ROOT/post002" COUNTS="$COUNTS" \
+    bash benchmarks/post002_compare.sh
+stage bench-fsdp 150 "${BENCH[@]}" --model resnet50,swin_t --batch-size 128 --gpus "$N" \
+    --methods multigpu-ddp,multigpu-fsdp --steps 20 --warmup 5 --trials 3 --out "$OUT/bench-fsdp.json"
 
 # Clocks after the runs (BASELINE.md saw 1980 MHz, the maximum, on every GPU).
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \

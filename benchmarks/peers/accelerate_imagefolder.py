@@ -20,7 +20,7 @@ def main():
     accelerator = Accelerator(mixed_precision="bf16")
     train, val = common.datasets(a.folder)
     train_loader = DataLoader(train, batch_size=a.batch_size, shuffle=True, num_workers=a.workers,
-                              pin_memory=True, persistent_workers=True)
+                              pin_memory=True, persistent_workers=a.workers > 0)
     val_loader = DataLoader(val, batch_size=a.batch_size, num_workers=a.workers, pin_memory=True)
     model = common.model(len(train.classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9, weight_decay=1e-4)
@@ -34,6 +34,8 @@ def main():
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the epoch's queued GPU work belongs to its seconds
         epochs.append(time.perf_counter() - began)
         model.eval()
         correct = total = 0

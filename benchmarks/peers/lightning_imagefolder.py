@@ -35,14 +35,28 @@ class Classifier(L.LightningModule):
 
 
 class EpochTimer(L.Callback):
+    """Each epoch's training seconds. Lightning calls on_train_epoch_end only after the epoch's
+    validation, so the clock stops when validation starts (the sanity check aside)."""
     def __init__(self):
         self.seconds = []
+        self.began = None
 
     def on_train_epoch_start(self, trainer, module):
         self.began = time.perf_counter()
 
+    def _stop(self):
+        if self.began is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds.append(time.perf_counter() - self.began)
+            self.began = None
+
+    def on_validation_epoch_start(self, trainer, module):
+        if not trainer.sanity_checking:
+            self._stop()
+
     def on_train_epoch_end(self, trainer, module):
-        self.seconds.append(time.perf_counter() - self.began)
+        self._stop()  # an epoch without validation
 
 
 def main():
@@ -50,14 +64,15 @@ def main():
     gpus = a.gpus
     train, val = common.datasets(a.folder)
     loaders = [DataLoader(d, batch_size=a.batch_size, shuffle=s, num_workers=a.workers, pin_memory=True,
-                          persistent_workers=True) for d, s in ((train, True), (val, False))]
+                          persistent_workers=a.workers > 0) for d, s in ((train, True), (val, False))]
     timer = EpochTimer()
     trainer = L.Trainer(accelerator="gpu", devices=gpus, strategy="ddp" if gpus > 1 else "auto",
                         precision="bf16-mixed", max_epochs=a.epochs, callbacks=[timer],
                         enable_progress_bar=False, logger=False)
     trainer.fit(Classifier(len(train.classes), a.lr), *loaders)
     if trainer.global_rank == 0:
-        common.report("lightning", timer.seconds, float(trainer.callback_metrics.get("val_acc", -1)))
+        acc = trainer.callback_metrics.get("val_acc")
+        common.report("lightning", timer.seconds, None if acc is None else float(acc))
 
 
 if __name__ == "__main__":
