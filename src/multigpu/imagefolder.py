@@ -37,6 +37,7 @@ from multigpu import gpu_images
 from multigpu.config import DECODE_CHOICES
 from multigpu.datasets import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
 from multigpu.errors import UsageError
+from multigpu.folder_layout import LAYOUT, check_root
 
 BAD_IMAGE_CHOICES = ("skip", "fail")
 DECODERS = ("torchvision", "pil")
@@ -221,9 +222,6 @@ def _to_tensor(image) -> torch.Tensor:
     return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()
 
 
-_FOLDER_LAYOUT = "expected PATH/train/<class>/<image> and PATH/val/<class>/<image>"
-
-
 def _class_images(split_dir: Path) -> dict[str, list[str]]:
     images = {}
     for folder in sorted(p for p in split_dir.iterdir() if p.is_dir()):
@@ -236,24 +234,19 @@ def _class_images(split_dir: Path) -> dict[str, list[str]]:
             )
         images[folder.name] = files
     if not images:
-        raise UsageError(f"'{split_dir}' has no class folders: {_FOLDER_LAYOUT}")
+        raise UsageError(f"'{split_dir}' has no class folders: {LAYOUT}")
     return images
 
 
 def load_folder(path: str, image_size: int, bad_images: str = "skip", decoder: str | None = None) -> DataBundle:
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise UsageError(f"data folder '{path}' does not exist: check the path in --data folder:{path}")
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise UsageError(f"data folder '{path}' has no {split}/ subfolder: {_FOLDER_LAYOUT}")
+    root = check_root(path)
     train_images = _class_images(root / "train")
     val_images = _class_images(root / "val")
     classes = list(train_images)
     if len(classes) < 2:
         raise UsageError(f"'{root / 'train'}' has one class folder ({classes[0]}): a classifier "
                          "of one class is always right and learns nothing; add a folder per "
-                         f"class: {_FOLDER_LAYOUT}")
+                         f"class: {LAYOUT}")
     extra = sorted(set(val_images) - set(classes))
     if extra:
         raise UsageError(
@@ -291,7 +284,10 @@ def use_decode(data: DataBundle, asked: str, device: torch.device, workers: int,
         return None
     if asked not in DECODE_CHOICES:
         raise UsageError(f"--decode {asked}: choose {', '.join(DECODE_CHOICES)}")
-    problem = None if asked == "cpu" else gpu_images.gpu_decode_problem(device)
+    # The probe starts nvJPEG on the GPU (its handles and memory stay for the run): only where
+    # the GPU might decode.
+    workers_alone = asked == "cpu" or (asked == "auto" and gpu_images.workers_suffice(workers))
+    problem = None if workers_alone else gpu_images.gpu_decode_problem(device)
     if asked == "gpu" and problem:
         raise UsageError(f"--decode gpu: {problem}; use --decode cpu (the loader workers decode) "
                          "or auto")

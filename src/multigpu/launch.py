@@ -16,7 +16,7 @@ Rendezvous, always torchrun's c10d backend (ports.py plans it):
   - --start-timeout bounds the rendezvous (join_timeout); when it expires we say how many nodes
     joined and what to check.
 
-Logs: local rank 0 writes to this console as usual; the other ranks' stdout/stderr go to
+Logs: local rank 0 writes to this console only; the other ranks' stdout/stderr go to
 <log-dir>/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log. With --tee every rank is shown
 with a "[rankN]:" prefix (and still logged). When a rank fails we print which rank failed first
 and the end of its traceback.
@@ -358,6 +358,11 @@ def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str
     node = "?" if opts.node_rank is None else opts.node_rank
     where = "" if hi == 1 else f" on node {node} of {opts.nnodes}, rendezvous {rdzv.endpoint}"
     # On a node other than 0 the first local process is not global rank 0: say which it is.
-    shown = "every rank shown" if opts.tee else ("rank 0 shown here" if hi == 1 else
-                                                 "this node's local rank 0 shown here")
-    return f"{plan.describe()}{where}; {shown}, all ranks logged in {log_dir}"
+    if opts.tee:
+        shown = f"every rank shown here and logged in {log_dir}"
+    elif plan.nproc == 1:
+        shown = "its output shown here"
+    else:  # torchrun's --redirects: local rank 0 keeps the console, the others write files
+        first = "rank 0" if hi == 1 else "this node's local rank 0"
+        shown = f"{first} shown here, the other ranks logged in {log_dir}"
+    return f"{plan.describe()}{where}; {shown}"

@@ -75,6 +75,13 @@ def report_child_failed(exc, log_dir: str, node: str | None = None) -> int:
             score = 2 if _COLLATERAL.search(text.splitlines()[-1] if text else "") else 0
         return score, failures.index(item)
 
+    usage = _usage_error(failures, texts)
+    if usage is not None:  # bad input: one line, as in one process (rank 0's is on the console)
+        line, said = usage
+        if not said:
+            print(line, file=sys.stderr, flush=True)
+        return 2
+
     rank, first = min(failures, key=blame)
     what = _how(first).replace("exit", "exit code")
     on = f" on {node}" if node else ""
@@ -91,6 +98,21 @@ def report_child_failed(exc, log_dir: str, node: str | None = None) -> int:
     lines.append(f"logs of every rank: {log_dir}")
     err("\nmultigpu: ".join(lines))
     return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
+
+
+def _usage_error(failures: list, texts: dict) -> tuple[str, bool] | None:
+    """When every failed rank ended with one `multigpu: error: ...` line (a UsageError: exit 2),
+    that line and whether local rank 0, whose output is on the console, said one too; else None."""
+    lines, console = [], False
+    for rank, f in failures:
+        text = (texts[rank] or "").strip()
+        if f.exitcode != 2 or "\n" in text or (text and not text.startswith("multigpu: error: ")):
+            return None
+        console = console or f.local_rank == 0
+        lines += [text] if text else []
+    if not lines and not console:
+        return None
+    return (lines[0] if lines else ""), console
 
 
 def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -109,16 +110,17 @@ def _claim(path: Path, fresh_only: bool, allowed: set[str] = frozenset()) -> boo
     return True
 
 
-def nothing_trained(path: Path) -> bool:
+def nothing_trained(path: Path, logs: bool = False) -> bool:
     """True while the folder holds only what a run writes before its first epoch ends: its
-    config.json and a checkpoints/ folder with no checkpoint in it (nothing worth keeping)."""
+    config.json and a checkpoints/ folder with no checkpoint in it (nothing worth keeping);
+    `logs`: and the ranks' LOGS of that launch."""
     if not path.is_dir():
         return False
     for entry in path.iterdir():
         if entry.name == "checkpoints" and entry.is_dir():
             if any(not p.name.startswith(".") for p in entry.iterdir()):
                 return False
-        elif entry.name != CONFIG:
+        elif not (entry.name == CONFIG or (logs and entry.name == LOGS and entry.is_dir())):
             return False
     return True
 
@@ -131,6 +133,8 @@ def remove_untrained(path: Path, up_to: Path) -> None:
         for p in checkpoints.iterdir():
             p.unlink()
         checkpoints.rmdir()
+    if (path / LOGS).is_dir():  # nothing_trained(logs=True): the logs of a launch that failed
+        shutil.rmtree(path / LOGS)
     (path / CONFIG).unlink(missing_ok=True)
     path = path.absolute()
     path.rmdir()

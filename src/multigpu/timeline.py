@@ -6,7 +6,8 @@
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
 which the launched workers inherit), so the start-up counts as the user waits for it; a worker
 started some other way counts from the start of its training. It stops at this line: the
-processes' teardown and exit come after it. Pure: no torch.
+processes' teardown and exit come after it. A run that stops early (a signal, an error) ends
+with its own message instead. Pure: no torch.
 """
 from __future__ import annotations
 

@@ -52,6 +52,8 @@ def make_files(folder: Path) -> None:
     (folder / "good.pt").unlink()
     (folder / "mine").mkdir()
     (folder / "mine" / "notes.txt").write_text("mine")
+    (folder / "runs" / "earlier").mkdir(parents=True)  # a run of before: runs/ exists already
+    (folder / "runs" / "earlier" / "config.json").write_text("{}")
     (folder / "text.csv").write_text("a,b\n1,x\n2,3\n")
     (folder / "short.csv").write_text("a,b\n1,2\n3,4\n")
     (folder / "crlf.sh").write_bytes(b"#!/bin/bash\r\necho hi\r\n")

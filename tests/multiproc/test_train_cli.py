@@ -237,3 +237,16 @@ def test_a_config_file_reaches_every_worker_and_config_json_keeps_the_typed_comm
     assert (config["world_size"], config["epochs"], config["global_batch"]) == (2, 2, 16)
     assert config["provenance"]["command"] == "multigpu train --config run.yaml --epochs 2 --out run"
     assert [m["epoch"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_bad_input_found_by_two_workers_is_one_line_and_leaves_no_run_folder(tmp_path):
+    (tmp_path / "bad.csv").write_text("a,b\n1,x\n2,3\n")
+    (tmp_path / "runs" / "earlier").mkdir(parents=True)  # runs/ of before stays as it was
+    proc = multigpu("train", "--model", "mlp", "--data", f"timeseries:{tmp_path / 'bad.csv'}",
+                    "--devices", "cpu:2", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line or "failed" in line]
+    assert errors == [f"multigpu: error: timeseries file '{tmp_path / 'bad.csv'}' column 'b' holds a "
+                      "non-numeric value 'x' (row 2): keep only numeric columns, e.g. drop or "
+                      "encode column 'b'"], proc.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["earlier"]

@@ -43,7 +43,7 @@ def test_help_imports_no_heavy_module(argv):
     (["train", "--model", "mlp", "--devices", "cpu:0"], "--devices cpu:0"),
     (["train", "--model", "mlp", "--compile", "reduce-overhead", "--devices", "cpu:1"],
      "records CUDA graphs, which need GPUs"),
-    (["gpus", "--bogus"], "unrecognized arguments: --bogus"),
+    (["gpus", "--bogus"], "multigpu gpus has no option --bogus"),
     (["train", "--model", "mlp", "--logger", "tb"], "'tb' is not a logger"),
     (["train", "--model", "mlp", "--log-every", "0"], "--log-every 0 must be a number at least 1"),
     (["plot", "no-such-run"], "no-such-run does not exist"),

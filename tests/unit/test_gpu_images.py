@@ -171,11 +171,14 @@ def test_center_box_is_the_resize_then_centre_crop():
 
 
 def test_auto_decodes_with_the_workers_when_there_are_enough_of_them(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_images, "gpu_decode_problem", lambda device: None)  # a GPU with nvJPEG
+    def no_probe(device):
+        raise AssertionError("nvJPEG started on the GPU for a run whose workers decode alone")
+    monkeypatch.setattr(gpu_images, "gpu_decode_problem", no_probe)
     data, gpu = folder_data(make_folder(tmp_path)), torch.device("cuda", 0)
     assert imagefolder.use_decode(data, "auto", gpu, 15) == (
         "folder: images decoded by 15 loader workers per GPU (enough of them: --decode gpu to use nvJPEG)")
     assert not data.train.on_gpu and not data.val.on_gpu
+    monkeypatch.setattr(gpu_images, "gpu_decode_problem", lambda device: None)  # a GPU with nvJPEG
     assert imagefolder.use_decode(data, "auto", gpu, 3) == (
         "folder: JPEGs decoded on cuda:0 (nvJPEG) and by 3 loader workers (17% of them), the GPU's "
         "crops there too (--decode gpu|cpu: one of them)")

@@ -322,3 +322,15 @@ def test_workers_get_the_hang_timeout_the_log_dir_and_the_flight_recorder(tmp_pa
         assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path.resolve() / "nccl_trace_rank_")
         assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert "MULTIGPU_HANG_TIMEOUT" not in os.environ
+
+
+def test_the_header_says_where_each_rank_s_output_goes():
+    opts = LaunchOptions()
+    rdzv = plan_rendezvous(opts)
+    assert launch.header(CPU2, opts, rdzv, "runs/x/logs") == (
+        "2 CPU processes (gloo); rank 0 shown here, the other ranks logged in runs/x/logs")
+    assert launch.header(DevicePlan("cpu", (), 1), opts, rdzv, "runs/x/logs") == (
+        "1 CPU process (gloo); its output shown here")  # nothing is written to the log folder
+    tee = LaunchOptions(tee=True)
+    assert launch.header(CPU2, tee, plan_rendezvous(tee), "L").endswith(
+        "; every rank shown here and logged in L")

@@ -116,3 +116,14 @@ def test_convnets_train_channels_last_on_gpus_except_under_fsdp():
     assert list(STRATEGIES) == ["single", "dp", "ddp", "fsdp"]
     assert not uses_channels_last(rt("cpu", "ddp"), "resnet50")
     assert not uses_channels_last(rt("cuda", "ddp"), "mlp")
+
+
+def test_fsdp_in_one_cpu_process_says_how_to_shard_without_offering_gpu_offload(capsys):
+    import multigpu
+
+    rt = multigpu.setup("fsdp", accelerator="cpu", seed=0)
+    rt.prepare(nn.Linear(3, 2))
+    err = capsys.readouterr().err
+    assert ("strategy 'fsdp' in one process has nothing to shard the model over: it trains as "
+            "--strategy single would; launch several processes (--devices 2, or cpu:2) to shard it\n") in err
+    assert "--fsdp-cpu-offload" not in err  # refused on CPUs: not a fix there

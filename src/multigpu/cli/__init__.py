@@ -53,6 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unknown_option_message(parser: argparse.ArgumentParser, command: str | None, option: str) -> str:
+    """One line for an option the command does not have, with the nearest one it does have."""
+    import difflib
+
+    sub = parser
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        sub = action.choices.get(command, parser)
+    known = [o for o in sub._option_string_actions if o.startswith("--")]
+    close = difflib.get_close_matches(option.split("=")[0], known, n=1, cutoff=0.6)
+    prog = f"multigpu {command}" if command else "multigpu"
+    hint = f"did you mean {close[0]}?" if close else f"{prog} --help lists them"
+    return f"multigpu: error: {prog} has no option {option}; {hint}"
+
+
 def _mark_failed() -> None:
     """Tell a live process group not to wait for the other ranks at exit (without importing
     torch for commands that never loaded it)."""
@@ -76,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()  # a job's clock (timeline.py) starts with the command
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and unknown[0].startswith("--"):  # (its value, if any, comes after it)
+        print(unknown_option_message(parser, getattr(args, "command", None), unknown[0]), file=sys.stderr)
+        return 2
+    if unknown:  # a stray positional: argparse's own message, with the usage
+        parser.parse_args(argv)
     args.started_at = started
     if not getattr(args, "_main", None):
         parser.print_help()

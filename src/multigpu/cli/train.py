@@ -61,6 +61,7 @@ def validate(cfg: TrainConfig) -> None:
     from multigpu import loggers
     from multigpu.control import Cadence
     from multigpu.strategies import registry
+    from multigpu.folder_layout import check_root
     from multigpu.model_names import check_input_kind, model_input_kind
 
     for name, (low, inclusive) in _LIMITS.items():
@@ -76,6 +77,9 @@ def validate(cfg: TrainConfig) -> None:
     loggers.parse(cfg.logger)
     registry.check_flags(cfg.strategy, {f for f in vars(cfg) if getattr(cfg, f) is True})
     check_input_kind(cfg.data, model_input_kind(cfg.model))  # also raises on an unknown model
+    kind, _, path = cfg.data.partition(":")
+    if kind == "folder" and path:
+        check_root(path)  # a mistyped path: one line now, not one per worker after the launch
 
 
 _EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 1.0,
@@ -104,13 +108,18 @@ def main(args: argparse.Namespace) -> int:
                   cfg.min_free_memory)
     opts = options_from_args(args)
     check_resume(cfg)
-    made = _first_missing(Path(cfg.out) if cfg.out else Path("runs"))  # what we make, we may remove
+    # what we make, we may remove: the outermost folder of --out that is new, or the new run folder
+    # that `runs/` gets (runs/ itself may be there already; a --resume goes on in an old one)
+    made = _first_missing(Path(cfg.out) if cfg.out else Path("runs"))
+    default_folder = cfg.out is None and not cfg.resume
     if opts.nnodes != "1" and opts.node_rank not in (None, 0):
         # Node 0 claims the folder (on a shared filesystem a second claim would fail); global
         # rank 0, wherever it runs, tells every rank which folder that is.
         out = Path(cfg.out) if cfg.out else runfolder.default_out(cfg.model, cfg.data)
     else:
         out = reserve_out(cfg, nodes_log=opts.nnodes != "1")
+    if made is None and default_folder:
+        made = out
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
     typed = getattr(args, "command_line", None) or ["multigpu", "train", *config_to_argv(cfg)]
@@ -121,7 +130,11 @@ def main(args: argparse.Namespace) -> int:
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
-        return launch(argv, plan, opts, python=False)
+        code = launch(argv, plan, opts, python=False)
+        # bad input found by the workers (exit 2) before an epoch: its line was said, leave nothing
+        if code == 2 and made is not None and opts.nnodes == "1" and nothing_trained(out, logs=True):
+            remove_untrained(out, up_to=made)
+        return code
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
     from multigpu.trainloop import run_training

@@ -102,10 +102,11 @@ class FSDP(Strategy):
         else:
             model = model.to(self.device)
         if not dist.is_initialized():  # one process without a group: nothing to shard over
+            offload = (", or add CPU offload (--fsdp-cpu-offload) to train a model larger than "
+                       "the GPU") if self.device.type == "cuda" else ""
             console.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
                          "it trains as --strategy single would; launch several processes "
-                         "(--devices 2, or cpu:2) to shard it, or add CPU offload "
-                         "(--fsdp-cpu-offload) to train a model larger than the GPU")
+                         f"(--devices 2, or cpu:2) to shard it{offload}")
             return model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
