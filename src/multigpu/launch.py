@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from multigpu import ports, sysinfo, watchdog
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
@@ -284,9 +285,11 @@ def _quiet_torchelastic():
 
 # --------------------------------------------------------------------------- launching
 
-def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True) -> int:
+def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True,
+           on_usage_error: Callable[[], None] | None = None) -> int:
     """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`, through
-    torch.distributed.run; returns the exit code (non-zero when any rank failed)."""
+    torch.distributed.run; returns the exit code (non-zero when any rank failed).
+    `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2)."""
     rdzv = plan_rendezvous(opts)
     if rdzv.named_port:
         ports.check_named_port(*rdzv.named_port)
@@ -309,7 +312,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             torchrun.run(args)
             return 0
         except ChildFailedError as exc:
-            return report_child_failed(exc, log_dir, node=_node_name(opts))
+            return report_child_failed(exc, log_dir, node=_node_name(opts),
+                                       on_usage_error=on_usage_error)
         except SignalException as exc:
             at_once = _kill_workers_left() or signals.signals > 1
             err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"

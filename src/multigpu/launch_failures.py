@@ -6,7 +6,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from multigpu import ports, watchdog
 from multigpu.ports import Rendezvous, parse_nnodes
@@ -53,9 +53,12 @@ _COLLATERAL = re.compile(r"gloo|nccl|DistBackendError|DistNetworkError|Connectio
                          r"Broken pipe|ProcessGroup|timed out|SIGTERM", re.IGNORECASE)
 
 
-def report_child_failed(exc, log_dir: str, node: str | None = None) -> int:
+def report_child_failed(exc, log_dir: str, node: str | None = None,
+                        on_usage_error: Callable[[], None] | None = None) -> int:
     """Print which rank failed first and its traceback; return the exit code to use. The ranks
-    are global ranks; `node` names this node in a launch of several ('node 1 (host)')."""
+    are global ranks; `node` names this node in a launch of several ('node 1 (host)'). When the
+    failure is bad input said in one line (see _usage_error), only that line is printed and
+    `on_usage_error` is called: the logs then hold nothing more than that line."""
     failures = list(exc.failures.items())  # in the order the agent saw them fail
     texts = {rank: _failure_text(f, log_dir) for rank, f in failures}
     hang = next((texts[r] for r, f in failures if f.exitcode == watchdog.EXIT_HANG and texts[r]
@@ -80,6 +83,8 @@ def report_child_failed(exc, log_dir: str, node: str | None = None) -> int:
         line, said = usage
         if not said:
             print(line, file=sys.stderr, flush=True)
+        if on_usage_error is not None:
+            on_usage_error()
         return 2
 
     rank, first = min(failures, key=blame)
@@ -110,9 +115,9 @@ def _usage_error(failures: list, texts: dict) -> tuple[str, bool] | None:
             return None
         console = console or f.local_rank == 0
         lines += [text] if text else []
-    if not lines and not console:
+    if not lines:  # nothing logged said it: the full report, which points at the console
         return None
-    return (lines[0] if lines else ""), console
+    return lines[0], console
 
 
 def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:

@@ -37,10 +37,9 @@ def default_out(model: str, data: str) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model.replace(':', '-')}-{data.split(':', 1)[0]}"
 
 
-def reserve_out(cfg: "TrainConfig", nodes_log: bool = False) -> Path:
-    """The run folder of `cfg`, claimed for this run (reserve). --resume without --out goes on in
-    the resumed run's folder (a lone checkpoint file starts a new one). Torch-free: the launching
-    process claims the folder before it starts the workers."""
+def out_for(cfg: "TrainConfig") -> str | None:
+    """The run folder `cfg` names, or None for a new one under runs/: --out, else with --resume
+    the resumed run's folder (a lone checkpoint file starts a new one)."""
     out = cfg.out
     if cfg.resume and not out:
         path = Path(cfg.resume)
@@ -51,7 +50,13 @@ def reserve_out(cfg: "TrainConfig", nodes_log: bool = False) -> Path:
             out = str(path)
         else:
             raise missing_resume(cfg.resume)
-    return reserve(out, model=cfg.model, data=cfg.data, continuing=bool(cfg.resume),
+    return out
+
+
+def reserve_out(cfg: "TrainConfig", nodes_log: bool = False) -> Path:
+    """The run folder of `cfg` (out_for), claimed for this run (reserve). Torch-free: the
+    launching process claims the folder before it starts the workers."""
+    return reserve(out_for(cfg), model=cfg.model, data=cfg.data, continuing=bool(cfg.resume),
                    nodes_log=nodes_log)
 
 
@@ -125,9 +130,10 @@ def nothing_trained(path: Path, logs: bool = False) -> bool:
     return True
 
 
-def remove_untrained(path: Path, up_to: Path) -> None:
+def remove_untrained(path: Path, up_to: Path, keep: bool = False) -> None:
     """Remove a folder for which nothing_trained() holds, and the empty folders above it that
-    this run made (up to `up_to`, the outermost one)."""
+    this run made (up to `up_to`, the outermost one); `keep`: only what the run wrote in it (a
+    folder the user made stays, empty, as it was)."""
     checkpoints = path / "checkpoints"
     if checkpoints.is_dir():
         for p in checkpoints.iterdir():
@@ -136,6 +142,8 @@ def remove_untrained(path: Path, up_to: Path) -> None:
     if (path / LOGS).is_dir():  # nothing_trained(logs=True): the logs of a launch that failed
         shutil.rmtree(path / LOGS)
     (path / CONFIG).unlink(missing_ok=True)
+    if keep:
+        return
     path = path.absolute()
     path.rmdir()
     up_to = up_to.absolute()

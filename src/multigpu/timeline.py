@@ -1,7 +1,7 @@
 """Where a `multigpu train` job's wall time went, said once at its end on rank 0, e.g.
 
-    time: 6.8 s since the command: 5.2 s starting (launch, data, model, resume), 0.3 s training,
-    0.1 s evaluating, 0.0 s held up by checkpoints, 1.1 s other (metrics, plot)
+    time: 4.7 s since the command: 3.8 s starting (launch, data, model, resume), 0.2 s training,
+    0.1 s evaluating, 0.0 s held up by checkpoints, 0.7 s other (metrics, plot)
 
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
 which the launched workers inherit), so the start-up counts as the user waits for it; a worker

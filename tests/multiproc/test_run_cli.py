@@ -254,3 +254,10 @@ def test_a_group_left_alive_is_still_there_for_a_late_thread_and_the_ranks_end_c
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert seen == [{"late_sum": 2.0}] * 2
     assert "Traceback" not in stderr and "note: tearing down" not in stderr
+
+
+def test_a_script_that_exits_2_silently_is_reported_as_a_failed_rank(tmp_path):
+    (tmp_path / "two.py").write_text("import sys\nsys.exit(2)\n")
+    proc = multigpu("--devices", "cpu:2", "two.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "failed first (exit code 2" in proc.stderr and "logs of every rank: " in proc.stderr, proc.stderr

@@ -1,5 +1,6 @@
 """`multigpu train` end to end, through the real launcher (torch.distributed.run) on CPU/gloo."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,31 @@ def test_bad_input_found_by_two_workers_is_one_line_and_leaves_no_run_folder(tmp
                       "non-numeric value 'x' (row 2): keep only numeric columns, e.g. drop or "
                       "encode column 'b'"], proc.stderr
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["earlier"]
+
+
+def test_a_crash_keeps_its_logs_and_bad_input_leaves_a_user_s_empty_out_folder_empty(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (tmp_path / "two" / split / cls).mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (16, 16), (60 * i, 0, 0)).save(tmp_path / "two" / split / cls / f"{i}.png")
+    (tmp_path / "two" / "train" / "a" / "bad.png").write_bytes(b"not an image")
+    # One rank meets the bad file mid-epoch (--bad-images fail: exit 2), the other is stopped by
+    # the launcher: not bad input said by every rank, so the report and the logs it names stay.
+    proc = multigpu("train", "--model", "cnn", "--data", f"folder:{tmp_path / 'two'}", "--devices", "cpu:2",
+                    "--epochs", "1", "--bad-images", "fail", "--image-size", "16", "--batch-size", "4",
+                    "--workers", "0", "--out", tmp_path / "crash")
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: logs of every rank: ")]
+    assert said and Path(said[0].split(": ", 2)[2]).is_dir(), proc.stderr[-3000:]
+    (tmp_path / "mine").mkdir()  # an empty folder of the user's, given as --out
+    (tmp_path / "one" / "train" / "a").mkdir(parents=True)
+    (tmp_path / "one" / "val" / "a").mkdir(parents=True)
+    Image.new("RGB", (16, 16)).save(tmp_path / "one" / "train" / "a" / "0.png")
+    Image.new("RGB", (16, 16)).save(tmp_path / "one" / "val" / "a" / "0.png")
+    proc = multigpu("train", "--model", "cnn", "--data", f"folder:{tmp_path / 'one'}", "--devices", "cpu:2",
+                    "--out", tmp_path / "mine")
+    assert proc.returncode == 2 and "has one class folder" in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())

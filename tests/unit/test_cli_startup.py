@@ -62,3 +62,16 @@ def test_package_exports_load_on_first_use():
             "== [n for n in dir(multigpu) if n in multigpu.__all__])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["False", "True", "True", "True"], done.stderr
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["train", "--model", "mlp", "--epochz", "3"], "multigpu train has no option --epochz; did you mean --epochs?"),
+    (["train", "--model", "mlp", "--epochz=3"], "multigpu train has no option --epochz; did you mean --epochs?"),
+    (["bench", "--bogus"], "multigpu bench has no option --bogus; multigpu bench --help lists them"),
+    (["--bogus", "gpus"], "multigpu has no option --bogus; multigpu --help lists them"),
+])
+def test_an_unknown_option_is_named_with_the_nearest_real_one(argv, said, capsys):
+    from multigpu import cli
+
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"multigpu: error: {said}\n"

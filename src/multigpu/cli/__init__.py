@@ -60,11 +60,12 @@ def unknown_option_message(parser: argparse.ArgumentParser, command: str | None,
     sub = parser
     for action in parser._subparsers._group_actions if parser._subparsers else ():
         sub = action.choices.get(command, parser)
-    known = [o for o in sub._option_string_actions if o.startswith("--")]
-    close = difflib.get_close_matches(option.split("=")[0], known, n=1, cutoff=0.6)
+    name = option.split("=")[0]
+    known = {o[2:]: o for o in sub._option_string_actions if o.startswith("--")}
+    close = difflib.get_close_matches(name[2:], list(known), n=1, cutoff=0.7)
     prog = f"multigpu {command}" if command else "multigpu"
-    hint = f"did you mean {close[0]}?" if close else f"{prog} --help lists them"
-    return f"multigpu: error: {prog} has no option {option}; {hint}"
+    hint = f"did you mean {known[close[0]]}?" if close else f"{prog} --help lists them"
+    return f"multigpu: error: {prog} has no option {name}; {hint}"
 
 
 def _mark_failed() -> None:
@@ -91,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown and unknown[0].startswith("--"):  # (its value, if any, comes after it)
-        print(unknown_option_message(parser, getattr(args, "command", None), unknown[0]), file=sys.stderr)
+    if unknown and unknown[0].startswith("--") and unknown[0] != "--":  # (a value may follow)
+        command = getattr(args, "command", None)
+        before = command in argv and unknown[0] in argv and argv.index(unknown[0]) < argv.index(command)
+        print(unknown_option_message(parser, None if before else command, unknown[0]), file=sys.stderr)
         return 2
     if unknown:  # a stray positional: argparse's own message, with the usage
         parser.parse_args(argv)

@@ -11,6 +11,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from multigpu import compiling, configfile, console, devices, provenance, timeline
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
@@ -90,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     from multigpu.doctor.setup_checks import refuse_stale_worker_env
     from multigpu.launch import in_worker, launch, options_from_args, python_command
     from multigpu import runfolder
-    from multigpu.runfolder import OUT_RESERVED_ENV, nothing_trained, remove_untrained, reserve_out
+    from multigpu.runfolder import OUT_RESERVED_ENV
 
     cfg = config_from_args(args)
     refuse_stale_worker_env(os.environ, console.warn)  # trap 8: LOCAL_RANK left by a launch
@@ -108,18 +109,7 @@ def main(args: argparse.Namespace) -> int:
                   cfg.min_free_memory)
     opts = options_from_args(args)
     check_resume(cfg)
-    # what we make, we may remove: the outermost folder of --out that is new, or the new run folder
-    # that `runs/` gets (runs/ itself may be there already; a --resume goes on in an old one)
-    made = _first_missing(Path(cfg.out) if cfg.out else Path("runs"))
-    default_folder = cfg.out is None and not cfg.resume
-    if opts.nnodes != "1" and opts.node_rank not in (None, 0):
-        # Node 0 claims the folder (on a shared filesystem a second claim would fail); global
-        # rank 0, wherever it runs, tells every rank which folder that is.
-        out = Path(cfg.out) if cfg.out else runfolder.default_out(cfg.model, cfg.data)
-    else:
-        out = reserve_out(cfg, nodes_log=opts.nnodes != "1")
-    if made is None and default_folder:
-        made = out
+    out, clean_up = _claim_folder(cfg, opts)
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
     typed = getattr(args, "command_line", None) or ["multigpu", "train", *config_to_argv(cfg)]
@@ -130,11 +120,11 @@ def main(args: argparse.Namespace) -> int:
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
-        code = launch(argv, plan, opts, python=False)
-        # bad input found by the workers (exit 2) before an epoch: its line was said, leave nothing
-        if code == 2 and made is not None and opts.nnodes == "1" and nothing_trained(out, logs=True):
-            remove_untrained(out, up_to=made)
-        return code
+        try:  # bad input the workers found is said in one line (on_usage_error), and so is ours
+            return launch(argv, plan, opts, python=False, on_usage_error=clean_up)
+        except UsageError:
+            clean_up()
+            raise
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
     from multigpu.trainloop import run_training
@@ -143,10 +133,34 @@ def main(args: argparse.Namespace) -> int:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
                      launch=launch_facts)
     except UsageError:
-        if made is not None and nothing_trained(out):  # stopped before an epoch: leave nothing
-            remove_untrained(out, up_to=made)
+        clean_up()
         raise
     return 0
+
+
+def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:
+    """The run folder, claimed, and what removes it again when the run stops on bad input before
+    its first epoch: the outermost folder of --out that is new, or the new folder under runs/
+    (runs/ may be there already); of an empty folder the user made, only what the run wrote in
+    it. Never a run that trained, nor on several nodes (node 0 owns the shared folder)."""
+    from multigpu import runfolder
+
+    target = runfolder.out_for(cfg)  # None: a new folder under runs/
+    made = _first_missing(Path(target) if target else Path("runs"))
+    emptied = target is not None and Path(target).is_dir() and not any(Path(target).iterdir())
+    if opts.nnodes != "1" and opts.node_rank not in (None, 0):
+        # Node 0 claims the folder (on a shared filesystem a second claim would fail); global
+        # rank 0, wherever it runs, tells every rank which folder that is.
+        out = Path(cfg.out) if cfg.out else runfolder.default_out(cfg.model, cfg.data)
+    else:
+        out = runfolder.reserve_out(cfg, nodes_log=opts.nnodes != "1")
+    made = made or (out if target is None else None)
+
+    def clean_up() -> None:
+        if (opts.nnodes == "1" and (made is not None or emptied)
+                and runfolder.nothing_trained(out, logs=True)):
+            runfolder.remove_untrained(out, up_to=made or out, keep=made is None)
+    return out, clean_up
 
 
 def _first_missing(path: Path) -> Path | None:
