@@ -19,7 +19,6 @@ import os
 import shutil
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from multigpu import fileio

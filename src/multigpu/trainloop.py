@@ -35,9 +35,8 @@ from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
-from multigpu.timeline import Timeline
 from multigpu.runtime import Runtime, seed_everything, setup
-from multigpu.runfolder import reserve_out
+from multigpu.timeline import Timeline
 from multigpu.training import (Job, build_job, learning_rate, oom_message, strategy_options,
                                resolved_config)
 
@@ -63,7 +62,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     control = Control(rt.env, Cadence.parse(cfg.checkpoint_every))
     # Under the launcher: hangs named, and a dead launcher makes every rank save and stop.
     watchdog.start_from_env(on_orphan=lambda: control.request_stop("launcher gone"))
-    out = _on_rank0(rt, lambda: reserve_out(cfg))
+    out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
     if cfg.batch_size == batchfit.AUTO:  # before the loaders are built with it
         cfg.batch_size = batchfit.auto_batch_size(
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.resume)))
