@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -107,10 +108,14 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
 
 def _usage_error(failures: list, texts: dict) -> tuple[str, bool] | None:
     """When every failed rank ended with one `multigpu: error: ...` line (a UsageError: exit 2),
-    that line and whether local rank 0, whose output is on the console, said one too; else None."""
+    that line and whether local rank 0, whose output is on the console, said one too; else None.
+    Ranks that only echo the failure (stopped by the agent's SIGTERM, or a communication error
+    as their last line) do not count against it: one rank may meet a bad file mid-epoch."""
     lines, console = [], False
     for rank, f in failures:
         text = (texts[rank] or "").strip()
+        if f.exitcode == -signal.SIGTERM or (text and _COLLATERAL.search(text.splitlines()[-1])):
+            continue
         if f.exitcode != 2 or "\n" in text or (text and not text.startswith("multigpu: error: ")):
             return None
         console = console or f.local_rank == 0

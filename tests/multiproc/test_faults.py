@@ -207,6 +207,19 @@ def test_kill_9_of_a_worker_at_random_moments_restarts_and_ends_equal(reference,
     assert_same_weights(reference, out, f"kills {kills}")
 
 
+def test_a_crash_without_restarts_names_the_rank_and_keeps_the_logs_it_points_at(tmp_path):
+    out = tmp_path / "crashed"
+    proc = start(out, "--max-restarts", "0")
+    victim = wait_for_new_workers(proc, set())[1]
+    victim.kill()
+    _, stderr = finish(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    blamed = [line for line in stderr.splitlines() if "failed first" in line]
+    assert blamed and "(signal SIGKILL" in blamed[0] and f"pid {victim.pid})" in blamed[0], stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("multigpu: logs of every rank: ")]
+    assert said and list(Path(said[0].split(": ", 2)[2]).glob("*/attempt_0/*/stderr.log")), stderr[-3000:]
+
+
 def test_kill_9_of_the_launcher_workers_save_and_stop_then_resume_ends_equal(reference, tmp_path):
     out = tmp_path / "orphaned"
     rng = random.Random(5)

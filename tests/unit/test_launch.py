@@ -264,6 +264,31 @@ def test_failure_report_blames_the_crashing_rank(tmp_path, capsys):
     assert "noise" not in err  # the traceback only
 
 
+@pytest.mark.parametrize("rank_0_ended, rank_0_said, one_line", [
+    (-15, "", True), (1, "RuntimeError: [gloo] Connection closed by peer", True),
+    (-9, "", False), (1, "ValueError: boom", False)])
+def test_bad_input_is_one_line_when_the_other_ranks_only_echo_it(
+        tmp_path, capsys, rank_0_ended, rank_0_said, one_line):
+    """Rank 1 found bad input (exit 2, one line); rank 0 was stopped by the agent's SIGTERM or
+    lost its peer: one line. Killed otherwise (-9) or failing on its own: the full report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    for rank, text in ((1, "multigpu: error: column 'b' holds 'x'"), (0, rank_0_said)):
+        d = tmp_path / "run_abc" / "attempt_0" / str(rank)
+        d.mkdir(parents=True)
+        (d / "stderr.log").write_text(text + "\n")
+    none = str(tmp_path / "missing.json")
+    failures = {1: ProcessFailure(1, 101, 2, none), 0: ProcessFailure(0, 100, rank_0_ended, none)}
+    cleaned = []
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
+                                               on_usage_error=lambda: cleaned.append(True))
+    err = capsys.readouterr().err
+    if one_line:
+        assert (code, err, cleaned) == (2, "multigpu: error: column 'b' holds 'x'\n", [True])
+    else:
+        assert cleaned == [] and "failed first" in err and f"logs of every rank: {tmp_path}" in err
+
+
 # ------------------------------------------------------------------------------- `run` helpers
 
 @pytest.mark.parametrize("source, flag", [
