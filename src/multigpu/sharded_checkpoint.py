@@ -35,11 +35,19 @@ from torch import nn
 from multigpu import checkpoint, fileio
 from multigpu.distributed import DistEnv
 
-try:
-    from torch.distributed.checkpoint.api import CheckpointException
-except ImportError:  # torch without distributed checkpoints: none to catch
-    class CheckpointException(BaseException):
-        pass
+
+class _NoCheckpointException(BaseException):
+    """Stands for torch's CheckpointException where torch has no distributed checkpoints."""
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """torch.distributed.checkpoint's CheckpointException, imported only when a sharded
+    checkpoint is used (the module costs a worker about 0.4 s of imports: DTensor, sympy)."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:
+        return _NoCheckpointException
+    return CheckpointException
 
 SUFFIX = ".shards"
 NOT_SHARED = ("the ranks see different files in {folder}: the checkpoint folder must be on a "
@@ -73,7 +81,7 @@ def save(env: DistEnv, beside: Path, stem: str, model: nn.Module, optimizer) -> 
     try:
         try:
             dcp.save(_state(model, optimizer), checkpoint_id=tmp)  # every rank raises if one fails
-        except CheckpointException as exc:  # a BaseException, holding each rank's failure
+        except _checkpoint_exception() as exc:  # a BaseException, holding each rank's failure
             raise RuntimeError(_first_failure(exc)) from None
         seen = env.all_gather_object(sorted(os.listdir(tmp)))
         if any(names != seen[0] for names in seen):
@@ -194,8 +202,8 @@ def export(state: dict, beside: Path, scratch: Path) -> dict:
     try:
         dcp_to_torch_save(folder, whole)
         parts = torch.load(whole, map_location="cpu", weights_only=True)
-    except (CheckpointException, OSError) as exc:  # its shards went while they were read
-        why = _first_failure(exc) if isinstance(exc, CheckpointException) else str(exc)
+    except (_checkpoint_exception(), OSError) as exc:  # its shards went while they were read
+        why = str(exc) if isinstance(exc, OSError) else _first_failure(exc)
         raise checkpoint.CheckpointError(f"the shards in {folder} could not be read ({why})"
                                          ) from None
     finally:

@@ -1,13 +1,17 @@
 """Where a `multigpu train` job's wall time went, said once at its end on rank 0, e.g.
 
-    time: 4.7 s since the command: 3.8 s starting (launch, data, model, resume), 0.2 s training,
-    0.1 s evaluating, 0.0 s held up by checkpoints, 0.7 s other (metrics, plot)
+    time: 4.7 s since the command: 3.8 s starting (launch 1.2, imports 1.4, process group 0.3,
+    data 0.1, model 0.6, resume 0.2), 0.2 s training, 0.1 s evaluating, 0.0 s held up by
+    checkpoints, 0.7 s other (metrics, plot)
 
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
 which the launched workers inherit), so the start-up counts as the user waits for it; a worker
-started some other way counts from the start of its training. It stops at this line: the
-processes' teardown and exit come after it. A run that stops early (a signal, an error) ends
-with its own message instead. Pure: no torch.
+started some other way counts from the start of its training. The start-up is split where it
+happens: launch (the command until this worker process began: the launcher, the rendezvous),
+imports (the worker's Python until its training began), then the parts the training marks as it
+passes them (process group, data, model, resume). It stops at this line: the processes'
+teardown and exit come after it. A run that stops early (a signal, an error) ends with its own
+message instead. Pure: no torch.
 """
 from __future__ import annotations
 
@@ -24,22 +28,51 @@ def mark_command_start(started: float, env=os.environ) -> None:
     env[STARTED_ENV] = repr(started)
 
 
-def command_start(env=os.environ) -> float:
-    """time.time() when the command started (STARTED_ENV), or now for a process without it."""
+def command_start(env=os.environ) -> float | None:
+    """time.time() when the command started (STARTED_ENV), or None for a process without it."""
     try:
         return float(env[STARTED_ENV])
     except (KeyError, ValueError):
-        return time.time()
+        return None
+
+
+def process_start() -> float:
+    """time.time() when this process began (its Python's start-up counts as imports)."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 @dataclass
 class Timeline:
-    started: float = field(default_factory=command_start)
+    """`started`: the command's start (None: now, the start-up then is this process's alone);
+    `process`: this process's start, which splits the time before now into launch and imports."""
+    started: float | None = field(default_factory=command_start)
+    process: float | None = None
     ready: float | None = None                      # time.time() when training could begin
     seconds: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    starting: dict = field(default_factory=dict)    # the start-up's parts, in the order marked
 
-    def mark_ready(self) -> None:
-        self.ready = time.time()
+    def __post_init__(self) -> None:
+        now = time.time()
+        if self.started is None:
+            self.started = now
+        elif self.process is not None:
+            launch = min(max(0.0, self.process - self.started), now - self.started)
+            self.starting = {"launch": launch, "imports": now - self.started - launch}
+        else:
+            self.starting = {"launch, imports": now - self.started}
+        self._last = now
+
+    def mark(self, part: str) -> None:
+        """The start-up's `part` ended now (it began where the last mark ended)."""
+        now = time.time()
+        self.starting[part] = self.starting.get(part, 0.0) + now - self._last
+        self._last = now
+
+    def mark_ready(self, part: str = "resume") -> None:
+        self.mark(part)
+        self.ready = self._last
 
     def add(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
@@ -50,7 +83,8 @@ class Timeline:
         start = (self.ready or now) - self.started
         s = self.seconds
         other = whole - start - sum(s.values())
-        return (f"time: {whole:.1f} s since the command: {start:.1f} s starting (launch, data, "
-                f"model, resume), {s['training']:.1f} s training, {s['evaluating']:.1f} s evaluating, "
+        parts = ", ".join(f"{name} {sec:.1f}" for name, sec in self.starting.items())
+        return (f"time: {whole:.1f} s since the command: {start:.1f} s starting ({parts}), "
+                f"{s['training']:.1f} s training, {s['evaluating']:.1f} s evaluating, "
                 f"{s['checkpoints']:.1f} s held up by checkpoints, {other:.1f} s other "
                 "(metrics, plot)")

@@ -145,9 +145,11 @@ def uses_channels_last(rt: Runtime, model: str) -> bool:
             and registry.info(rt.strategy.name).channels_last)
 
 
-def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
-    """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy."""
+def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None) -> Job:
+    """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
+    `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark)."""
     data = load_run_data(cfg)
+    mark("data")
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.clip_grad_norm,
                                      channels_last=uses_channels_last(rt, cfg.model))
@@ -165,6 +167,7 @@ def build_job(cfg: TrainConfig, rt: Runtime) -> Job:
     model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.accumulate)
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
     scheduler = make_scheduler(cfg, optimizer)
+    mark("model")
     return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings)
 
 

@@ -36,7 +36,7 @@ from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
-from multigpu.timeline import Timeline
+from multigpu.timeline import Timeline, process_start
 from multigpu.training import (Job, build_job, learning_rate, oom_message, strategy_options,
                                resolved_config)
 
@@ -51,12 +51,13 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
 
 def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
            launch: dict | None) -> dict:
-    clock = Timeline()  # the command's start, else now
+    clock = Timeline(process=process_start())  # from the command's start, else from now
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
                seed=cfg.seed, accumulate=cfg.accumulate, options=strategy_options(cfg))
     console.configure(rt.is_main)
+    clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
     control = Control(rt.env, Cadence.parse(cfg.checkpoint_every))
@@ -66,11 +67,13 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     if cfg.batch_size == batchfit.AUTO:  # before the loaders are built with it
         cfg.batch_size = batchfit.auto_batch_size(
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.resume)))
-    job = build_job(cfg, rt)
+        clock.mark("batch size")
+    job = build_job(cfg, rt, mark=clock.mark)
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(out / "checkpoints", cfg.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
     saver = Checkpointer(rt, job, store, config)
+    clock.mark("config")
     log = None
     try:
         console.info(f"multigpu train: {cfg.model} on {job.data.name} ({len(job.data.train)} train / "
@@ -82,9 +85,10 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         point = resume_point(rt.env, out, cfg.resume, cfg.keep)
         run = restore(cfg, rt, job, point, out) if point else RunState()
         saver.last_path = Path(point.path) if point else None  # the last good one, until a save
+        clock.mark("resume")
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
-        clock.mark_ready()
+        clock.mark_ready("logs")
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get("metrics") if point else None, log, clock)

@@ -1,0 +1,46 @@
+import pytest
+
+from multigpu import timeline
+from multigpu.timeline import Timeline, command_start, mark_command_start
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock(1000.0)
+    monkeypatch.setattr(timeline, "time", fake)
+    return fake
+
+
+def test_the_start_up_splits_into_launch_imports_and_the_parts_marked_in_order(clock):
+    job = Timeline(started=995.0, process=998.0)  # the launcher took 3 s, imports 2 s
+    clock.now += 0.25
+    job.mark("data")
+    clock.now += 0.5
+    job.mark("model")
+    clock.now += 0.5
+    job.mark("data")  # a part marked twice adds up
+    job.mark_ready("logs")
+    job.add("training", 1.0)
+    assert job.starting == {"launch": 3.0, "imports": 2.0, "data": 0.75, "model": 0.5, "logs": 0.0}
+    assert job.summary(now=clock.now + 1.5) == (
+        "time: 7.8 s since the command: 6.2 s starting (launch 3.0, imports 2.0, data 0.8, model 0.5, "
+        "logs 0.0), 1.0 s training, 0.0 s evaluating, 0.0 s held up by checkpoints, 0.5 s other "
+        "(metrics, plot)")
+
+
+def test_a_process_older_than_the_command_counts_no_launch_and_one_without_a_command_starts_now(clock):
+    assert Timeline(started=999.0, process=998.9).starting == {"launch": 0.0, "imports": 1.0}
+    env = {}
+    assert command_start(env) is None
+    mark_command_start(123.5, env)
+    assert command_start(env) == 123.5
+    alone = Timeline(started=None)
+    assert (alone.started, alone.starting) == (1000.0, {})
