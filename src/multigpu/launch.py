@@ -289,7 +289,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
            on_usage_error: Callable[[], None] | None = None) -> int:
     """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`, through
     torch.distributed.run; returns the exit code (non-zero when any rank failed).
-    `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2)."""
+    `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2);
+    only for a `cmd` that is one of multigpu's own commands (launch_failures.report_child_failed)."""
     rdzv = plan_rendezvous(opts)
     if rdzv.named_port:
         ports.check_named_port(*rdzv.named_port)

@@ -59,7 +59,8 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     """Print which rank failed first and its traceback; return the exit code to use. The ranks
     are global ranks; `node` names this node in a launch of several ('node 1 (host)'). When the
     failure is bad input said in one line (see _usage_error), only that line is printed and
-    `on_usage_error` is called: the logs then hold nothing more than that line."""
+    `on_usage_error` is called: the logs then hold nothing more than that line. Pass it only for
+    workers that are multigpu's own commands (exit 2: they said a `multigpu: error:` line)."""
     failures = list(exc.failures.items())  # in the order the agent saw them fail
     texts = {rank: _failure_text(f, log_dir) for rank, f in failures}
     hang = next((texts[r] for r, f in failures if f.exitcode == watchdog.EXIT_HANG and texts[r]
@@ -79,10 +80,10 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
             score = 2 if _COLLATERAL.search(text.splitlines()[-1] if text else "") else 0
         return score, failures.index(item)
 
-    usage = _usage_error(failures, texts)
+    usage = _usage_error(failures, texts, ours=on_usage_error is not None)
     if usage is not None:  # bad input: one line, as in one process (rank 0's is on the console)
         line, said = usage
-        if not said:
+        if not said and line:
             print(line, file=sys.stderr, flush=True)
         if on_usage_error is not None:
             on_usage_error()
@@ -106,11 +107,13 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
 
 
-def _usage_error(failures: list, texts: dict) -> tuple[str, bool] | None:
+def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | None:
     """When every failed rank ended with one `multigpu: error: ...` line (a UsageError: exit 2),
-    that line and whether local rank 0, whose output is on the console, said one too; else None.
-    Ranks that only echo the failure (stopped by the agent's SIGTERM, or a communication error
-    as their last line) do not count against it: one rank may meet a bad file mid-epoch."""
+    that line (None: only on the console) and whether local rank 0, whose output is on the
+    console, said one too; else None. Ranks that only echo the failure (stopped by the agent's
+    SIGTERM, or a communication error as their last line) do not count against it: one rank may
+    meet a bad file mid-epoch. `ours`: the workers are multigpu's own commands, whose exit 2 always
+    said such a line, also where it went to the console and cannot be read back."""
     lines, console = [], False
     for rank, f in failures:
         text = (texts[rank] or "").strip()
@@ -120,9 +123,9 @@ def _usage_error(failures: list, texts: dict) -> tuple[str, bool] | None:
             return None
         console = console or f.local_rank == 0
         lines += [text] if text else []
-    if not lines:  # nothing logged said it: the full report, which points at the console
+    if not lines and not (ours and console):  # nothing said it: the full report, pointing at the console
         return None
-    return lines[0], console
+    return (lines[0] if lines else None), console
 
 
 def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:

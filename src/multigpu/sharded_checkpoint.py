@@ -82,7 +82,7 @@ def save(env: DistEnv, beside: Path, stem: str, model: nn.Module, optimizer) -> 
         try:
             dcp.save(_state(model, optimizer), checkpoint_id=tmp)  # every rank raises if one fails
         except _checkpoint_exception() as exc:  # a BaseException, holding each rank's failure
-            raise RuntimeError(_first_failure(exc)) from None
+            raise RuntimeError(_first_failure(exc, tmp)) from None
         seen = env.all_gather_object(sorted(os.listdir(tmp)))
         if any(names != seen[0] for names in seen):
             raise RuntimeError(NOT_SHARED.format(folder=beside))
@@ -110,16 +110,29 @@ def _put_in_place(tmp: Path, folder: Path) -> dict | OSError:
         return exc
 
 
-def _first_failure(exc: BaseException) -> str:
-    """One line for torch.distributed.checkpoint's CheckpointException: its first rank's error."""
+def _first_failure(exc: BaseException, folder: Path) -> str:
+    """One line for torch.distributed.checkpoint's CheckpointException: its first rank's error
+    (each failure is the exception, or the exception and its stack)."""
     failures = getattr(exc, "failures", None) or {}
     for rank, failure in sorted(failures.items()):
-        inner = getattr(failure, "exception", failure)
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        inner = getattr(inner, "exception", inner)
         if isinstance(inner, OSError) and inner.strerror:
             return f"rank {rank}: {inner.strerror} ({inner.filename})"
         text = str(inner).strip()
-        return f"rank {rank}: {text.splitlines()[0] if text else type(inner).__name__}"
+        line = text.splitlines()[0] if text else type(inner).__name__
+        if "unexpected pos" in line:  # torch.save's zip writer: fewer bytes reached the file
+            return (f"rank {rank}: its shard file was written short ({line}), as on a full disk "
+                    f"or past a file size limit; {_free(folder)}")
+        return f"rank {rank}: {line}"
     return str(exc).strip().splitlines()[0]
+
+
+def _free(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there now"
+    except OSError:
+        return "its free space is unknown"
 
 
 def load(env: DistEnv, folder: Path, files: dict, step_file: Path | str | None,
@@ -203,7 +216,7 @@ def export(state: dict, beside: Path, scratch: Path) -> dict:
         dcp_to_torch_save(folder, whole)
         parts = torch.load(whole, map_location="cpu", weights_only=True)
     except (_checkpoint_exception(), OSError) as exc:  # its shards went while they were read
-        why = str(exc) if isinstance(exc, OSError) else _first_failure(exc)
+        why = str(exc) if isinstance(exc, OSError) else _first_failure(exc, Path(folder))
         raise checkpoint.CheckpointError(f"the shards in {folder} could not be read ({why})"
                                          ) from None
     finally:

@@ -319,3 +319,24 @@ def test_kill_9_of_a_worker_under_fsdp_restarts_from_the_shards_and_ends_equal(r
     a, b = exported_weights(reference_fsdp), exported_weights(out)
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert a.keys() == b.keys() and not different, f"kill after step {step} +{delay:.2f} s"
+
+
+def test_a_full_disk_under_fsdp_is_one_clear_line_and_the_shards_before_stay_intact(reference_fsdp, tmp_path):
+    # every rank writes its shards through torch.distributed.checkpoint, whose failure holds
+    # each rank's error: the user reads the first one, as under ddp
+    out = tmp_path / "run"
+    shutil.copytree(reference_fsdp, out)
+    before = CheckpointStore(out / "checkpoints").entries()
+    proc = start(out, "--strategy", "fsdp", "--resume", out, "--epochs", "4", preexec_fn=_file_size_limit)
+    stdout, stderr = finish(proc)
+    assert proc.returncode != 0
+    said = [line for line in stderr.splitlines() if "saving a checkpoint" in line]
+    assert said and said[0].startswith(f"multigpu: error: saving a checkpoint to {out / 'checkpoints'} "
+                                       "failed: "), stderr[-3000:]
+    # torch.save's zip writer loses the errno of a short write (EFBIG here, ENOSPC on a full disk)
+    assert "rank 0: its shard file was written short ([enforce fail" in said[0], said[0]
+    assert "as on a full disk or past a file size limit; " in said[0] and " GiB free there now" in said[0]
+    assert f"the last complete checkpoint, {out / 'checkpoints' / before[-1].file}, is intact" in said[0]
+    assert "Traceback" not in stderr.split("failed first")[0]
+    assert CheckpointStore(out / "checkpoints").entries() == before
+    assert not list((out / "checkpoints").glob(".*.tmp")), "no temporary shard folder left"

@@ -289,6 +289,26 @@ def test_bad_input_is_one_line_when_the_other_ranks_only_echo_it(
         assert cleaned == [] and "failed first" in err and f"logs of every rank: {tmp_path}" in err
 
 
+@pytest.mark.parametrize("ours", [True, False])
+def test_bad_input_said_on_the_console_alone_is_one_line_only_from_multigpu_s_own_workers(
+        tmp_path, capsys, ours):
+    """Local rank 0 writes to the console: its line cannot be read back. multigpu's own workers
+    exit 2 only after saying one; a user's script may exit 2 for any reason: the full report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    none = str(tmp_path / "missing.json")
+    failures = {0: ProcessFailure(0, 100, 2, none), 1: ProcessFailure(1, 101, -15, none)}
+    cleaned = []
+    code = launch_failures.report_child_failed(
+        ChildFailedError("x", failures), str(tmp_path),
+        on_usage_error=(lambda: cleaned.append(True)) if ours else None)
+    err = capsys.readouterr().err
+    if ours:
+        assert (code, err, cleaned) == (2, "", [True])
+    else:
+        assert code == 2 and "rank 0 failed first (exit code 2" in err and "its traceback is in its output above" in err
+
+
 # ------------------------------------------------------------------------------- `run` helpers
 
 @pytest.mark.parametrize("source, flag", [
