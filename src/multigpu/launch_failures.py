@@ -93,12 +93,13 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     what = _how(first).replace("exit", "exit code")
     on = f" on {node}" if node else ""
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
-    if texts[rank]:
-        lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
-    elif _stderr_logs(log_dir, first.local_rank):
-        lines.append("it wrote no traceback to stderr; see its logs")
-    else:
+    logged = _stderr_logs(log_dir, first.local_rank)
+    if not logged:  # local rank 0 without --tee: its output, the traceback too, is on the console
         lines.append("its traceback is in its output above")
+    elif texts[rank]:
+        lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
+    else:
+        lines.append("it wrote no traceback to stderr; see its logs")
     others = [f"rank {r} ({_how(f)})" for r, f in failures if r != rank]
     if others:
         lines.append("also stopped: " + ", ".join(others))
@@ -129,18 +130,18 @@ def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | 
 
 
 def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:
-    """The error a failed rank left: its error file (@record) or the end of its stderr log."""
+    """The error a failed rank left: its error file (multigpu's workers and @record write one)
+    or the end of its stderr log; from its last traceback on, at most `max_lines` lines."""
     data = getattr(failure, "error_file_data", None) or {}
     msg = data.get("message")
+    text = None
     if isinstance(msg, dict):
-        tb = (msg.get("extraInfo") or {}).get("py_callstack")
-        return str(tb or msg.get("message") or "").rstrip() or None
-    if isinstance(msg, str) and msg and msg != "<NONE>":  # "<NONE>": torchrun's "no error file"
-        return msg.rstrip()
-    logs = _stderr_logs(log_dir, failure.local_rank)
-    if not logs:
-        return None
-    text = logs[-1].read_text(errors="replace").rstrip()
+        text = str((msg.get("extraInfo") or {}).get("py_callstack") or msg.get("message") or "")
+    elif isinstance(msg, str) and msg and msg != "<NONE>":  # "<NONE>": torchrun's "no error file"
+        text = msg
+    elif logs := _stderr_logs(log_dir, failure.local_rank):
+        text = logs[-1].read_text(errors="replace")
+    text = (text or "").rstrip()
     start = text.rfind("Traceback (most recent call last)")
     lines = (text[start:] if start >= 0 else text).splitlines()
     return "\n".join(lines[-max_lines:]) or None

@@ -7,11 +7,11 @@
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
 which the launched workers inherit), so the start-up counts as the user waits for it; a worker
 started some other way counts from the start of its training. The start-up is split where it
-happens: launch (the command until this worker process began: the launcher, the rendezvous),
-imports (the worker's Python until its training began), then the parts the training marks as it
-passes them (process group, data, model, resume). It stops at this line: the processes'
-teardown and exit come after it. A run that stops early (a signal, an error) ends with its own
-message instead. Pure: no torch.
+happens: launch (the command until this worker's own `multigpu` command began, at the CLI's
+first line: the launcher, the rendezvous, Python's start), imports (from there until its training
+began), then the parts the training marks as it passes them (process group, data, model,
+resume). It stops at this line: the processes' teardown and exit come after it. A run that stops
+early (a signal, an error) ends with its own message instead. Pure: no torch.
 """
 from __future__ import annotations
 
@@ -36,17 +36,11 @@ def command_start(env=os.environ) -> float | None:
         return None
 
 
-def process_start() -> float:
-    """time.time() when this process began (its Python's start-up counts as imports)."""
-    import psutil
-
-    return psutil.Process().create_time()
-
-
 @dataclass
 class Timeline:
     """`started`: the command's start (None: now, the start-up then is this process's alone);
-    `process`: this process's start, which splits the time before now into launch and imports."""
+    `process`: this process's command's start, which splits the time before now into launch and
+    imports."""
     started: float | None = field(default_factory=command_start)
     process: float | None = None
     ready: float | None = None                      # time.time() when training could begin

@@ -36,22 +36,24 @@ from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
-from multigpu.timeline import Timeline, process_start
+from multigpu.timeline import Timeline
 from multigpu.training import (Job, build_job, learning_rate, oom_message, strategy_options,
                                resolved_config)
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
-                 accelerator: str = "auto", launch: dict | None = None) -> dict:
-    """`launch`: provenance.launch_facts of the command that started the run (config.json)."""
-    record = _train(cfg, device_ids, accelerator, launch)
+                 accelerator: str = "auto", launch: dict | None = None,
+                 process_started: float | None = None) -> dict:
+    """`launch`: provenance.launch_facts of the command that started the run (config.json);
+    `process_started`: time.time() when this process's `multigpu` command began (timeline.py)."""
+    record = _train(cfg, device_ids, accelerator, launch, process_started)
     destroy_distributed()  # once _train's locals, the DDP model among them, are gone: see there
     return record
 
 
 def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
-           launch: dict | None) -> dict:
-    clock = Timeline(process=process_start())  # from the command's start, else from now
+           launch: dict | None, process_started: float | None) -> dict:
+    clock = Timeline(process=process_started)  # from the command's start, else from now
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,

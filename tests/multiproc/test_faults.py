@@ -232,10 +232,11 @@ def test_kill_9_of_the_launcher_workers_save_and_stop_then_resume_ends_equal(ref
     time.sleep(delay)
     proc.kill()  # the launcher, as the OOM killer or a careless kill -9 would
     proc.wait()
-    began = time.monotonic()
-    _, alive = psutil.wait_procs(workers, timeout=15)
+    # They notice within POLL_SECONDS and agree within control.CHECK_SECONDS, then save; their
+    # exit (rank 0 draws curves.png, torch tears down) takes seconds more on a loaded machine.
+    # Under watchdog.ORPHAN_GRACE_SECONDS (30 s), after which they would be made to exit unsaved.
+    _, alive = psutil.wait_procs(workers, timeout=25)
     assert not alive, "workers went on without their launcher"
-    assert time.monotonic() - began < 10
     log = "".join(p.read_text() for p in out.glob("logs/*/attempt_0/1/stderr.log"))
     assert "the launcher" in log and "is gone" in log and "is complete" in log, log[-2000:]
     resumed = start(out, "--resume", out)
@@ -330,7 +331,7 @@ def test_a_full_disk_under_fsdp_is_one_clear_line_and_the_shards_before_stay_int
     proc = start(out, "--strategy", "fsdp", "--resume", out, "--epochs", "4", preexec_fn=_file_size_limit)
     stdout, stderr = finish(proc)
     assert proc.returncode != 0
-    said = [line for line in stderr.splitlines() if "saving a checkpoint" in line]
+    said = [line for line in stderr.splitlines() if line.startswith("multigpu: error: ")]
     assert said and said[0].startswith(f"multigpu: error: saving a checkpoint to {out / 'checkpoints'} "
                                        "failed: "), stderr[-3000:]
     # torch.save's zip writer loses the errno of a short write (EFBIG here, ENOSPC on a full disk)

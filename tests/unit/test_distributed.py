@@ -79,6 +79,31 @@ def test_a_usage_error_in_the_cli_marks_the_process_failed(fake, capsys, argv, c
     assert "no-such-model" in capsys.readouterr().err
 
 
+def test_a_worker_leaves_its_failure_in_the_launcher_s_error_file(fake, capsys, monkeypatch, tmp_path):
+    """Under the launcher (TORCHELASTIC_ERROR_FILE), what the report reads for a rank whose own
+    output went to the console: the one line of bad input, or the traceback of a crash."""
+    import json
+
+    from multigpu import cli
+    from multigpu.cli import train
+
+    fake()
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    assert cli.main(["train", "--model", "no-such-model"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("multigpu: error: ") and json.loads(path.read_text())["message"] == said
+
+    def crash(args):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(train, "main", crash)
+    with pytest.raises(ValueError):
+        cli.main(["train", "--model", "mlp"])
+    message = json.loads(path.read_text())["message"]
+    assert message.startswith("Traceback (most recent call last):") and message.endswith("ValueError: boom")
+
+
 @pytest.fixture
 def store(monkeypatch):
     """A real key-value store, where the launcher's would be (MASTER_ADDR / MASTER_PORT)."""

@@ -309,6 +309,35 @@ def test_bad_input_said_on_the_console_alone_is_one_line_only_from_multigpu_s_ow
         assert code == 2 and "rank 0 failed first (exit code 2" in err and "its traceback is in its output above" in err
 
 
+def test_the_console_rank_s_error_file_shows_its_failure_was_an_echo(tmp_path, capsys):
+    """Local rank 0 (on the console, no log) lost its peer and exited 1; its error file, which
+    multigpu's workers leave, says so: rank 1's bad input is the one line, and the report of a
+    real crash points at the console instead of printing rank 0's traceback twice."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    d = tmp_path / "run_abc" / "attempt_0" / "1"
+    d.mkdir(parents=True)
+    (d / "stderr.log").write_text("multigpu: error: cannot read image 'x.png'\n")
+    echo = tmp_path / "error0.json"
+    echo.write_text(json.dumps({"message": "Traceback (most recent call last):\n  x\nRuntimeError: "
+                                "[gloo] Connection closed by peer", "timestamp": 1}))
+    failures = {0: ProcessFailure(0, 100, 1, str(echo)),
+                1: ProcessFailure(1, 101, 2, str(tmp_path / "missing.json"))}
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
+                                               on_usage_error=lambda: None)
+    assert (code, capsys.readouterr().err) == (2, "multigpu: error: cannot read image 'x.png'\n")
+    crash = tmp_path / "error1.json"
+    crash.write_text(json.dumps({"message": "Traceback (most recent call last):\nValueError: boom",
+                                 "timestamp": 1}))
+    failures = {0: ProcessFailure(0, 100, 1, str(crash)), 1: ProcessFailure(1, 101, -15, str(echo))}
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 1 and "rank 0 failed first (exit code 1" in err, err
+    assert "its traceback is in its output above" in err and "boom" not in err
+
+
 # ------------------------------------------------------------------------------- `run` helpers
 
 @pytest.mark.parametrize("source, flag", [

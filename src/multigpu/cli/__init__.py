@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import time
+import traceback
 
 from multigpu.errors import Stopped, UsageError
 from multigpu.provenance import PrintVersion
@@ -68,6 +70,20 @@ def unknown_option_message(parser: argparse.ArgumentParser, command: str | None,
     return f"multigpu: error: {prog} has no option {name}; {hint}"
 
 
+def _leave_error_file(text: str) -> None:
+    """Under the launcher, what this worker failed with, for the launcher's report: the elastic
+    agent names an error file per worker (its plain form: a message and a time), which is how the
+    report reads local rank 0, whose own output went to the console."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": text.rstrip(), "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the report then points at the console, as without the file
+
+
 def _mark_failed() -> None:
     """Tell a live process group not to wait for the other ranks at exit (without importing
     torch for commands that never loaded it)."""
@@ -113,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except UsageError as exc:
         _mark_failed()
+        _leave_error_file(f"multigpu: error: {one_line(exc)}")
         if args.debug:
             raise
         print(f"multigpu: error: {one_line(exc)}", file=sys.stderr)
@@ -124,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         _mark_failed()
         print("multigpu: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        _leave_error_file(traceback.format_exc())
+        raise
     if code:
         _mark_failed()
     return code

@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
         from multigpu.trainloop import run_training
 
-        run_training(cfg, launch=provenance.from_env())
+        run_training(cfg, launch=provenance.from_env(), process_started=args.started_at)
         return 0
     timeline.mark_command_start(getattr(args, "started_at", time.time()))  # workers inherit it
 
@@ -131,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
-                     launch=launch_facts)
+                     launch=launch_facts, process_started=args.started_at)
     except UsageError:
         clean_up()
         raise
