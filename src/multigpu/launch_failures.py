@@ -70,20 +70,26 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
         return watchdog.EXIT_HANG
 
     def blame(item) -> tuple[int, int]:
+        """Lowest first: a rank's own error; killed by a signal other than the agent's SIGTERM
+        (the OOM killer's SIGKILL, a segfault); one we cannot read (on the console); a
+        communication error, most often the echo of a crash elsewhere; stopped by the agent."""
         rank, f = item
         text = texts[rank]
-        if f.exitcode < 0:  # killed by a signal: usually stopped by the agent after another died
-            score = 3
-        elif text is None:  # its output is on the console, we cannot read it
+        if f.exitcode == -signal.SIGTERM:
+            score = 4
+        elif f.exitcode < 0:
             score = 1
-        else:  # a communication error in one rank is most often the echo of a crash elsewhere
-            score = 2 if _COLLATERAL.search(text.splitlines()[-1] if text else "") else 0
+        elif text is None:
+            score = 2
+        else:
+            score = 3 if _COLLATERAL.search(text.splitlines()[-1]) else 0
         return score, failures.index(item)
 
     usage = _usage_error(failures, texts, ours=on_usage_error is not None)
     if usage is not None:  # bad input: one line, as in one process (rank 0's is on the console)
         line, said = usage
-        if not said and line:
+        every_rank_shown = bool(_stderr_logs(log_dir, 0))  # --tee: rank 0 logged, all on the console
+        if not said and line and not every_rank_shown:
             print(line, file=sys.stderr, flush=True)
         if on_usage_error is not None:
             on_usage_error()
@@ -118,9 +124,10 @@ def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | 
     lines, console = [], False
     for rank, f in failures:
         text = (texts[rank] or "").strip()
-        if f.exitcode == -signal.SIGTERM or (text and _COLLATERAL.search(text.splitlines()[-1])):
-            continue
-        if f.exitcode != 2 or "\n" in text or (text and not text.startswith("multigpu: error: ")):
+        one_line = f.exitcode == 2 and "\n" not in text and (not text or text.startswith("multigpu: error: "))
+        if not one_line:
+            if f.exitcode == -signal.SIGTERM or (text and _COLLATERAL.search(text.splitlines()[-1])):
+                continue  # an echo (checked only here: a usage error may name a timeout)
             return None
         console = console or f.local_rank == 0
         lines += [text] if text else []
@@ -142,6 +149,8 @@ def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:
     elif logs := _stderr_logs(log_dir, failure.local_rank):
         text = logs[-1].read_text(errors="replace")
     text = (text or "").rstrip()
+    if text.startswith(watchdog.HANG_HEADER):  # the watchdog's summary: a line per rank, whole
+        return text
     start = text.rfind("Traceback (most recent call last)")
     lines = (text[start:] if start >= 0 else text).splitlines()
     return "\n".join(lines[-max_lines:]) or None

@@ -40,9 +40,11 @@ def command_start(env=os.environ) -> float | None:
 class Timeline:
     """`started`: the command's start (None: now, the start-up then is this process's alone);
     `process`: this process's command's start, which splits the time before now into launch and
-    imports."""
+    imports (the command's own process: imports only); `restarts`: attempts of the launch before
+    this one (torchrun's restart count), whose time is in the launch."""
     started: float | None = field(default_factory=command_start)
     process: float | None = None
+    restarts: int = 0                               # earlier attempts of the launch (in "launch")
     ready: float | None = None                      # time.time() when training could begin
     seconds: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     starting: dict = field(default_factory=dict)    # the start-up's parts, in the order marked
@@ -51,9 +53,13 @@ class Timeline:
         now = time.time()
         if self.started is None:
             self.started = now
+        elif self.process is not None and self.process <= self.started:  # one process: no launch
+            self.starting = {"imports": now - self.started}
         elif self.process is not None:
-            launch = min(max(0.0, self.process - self.started), now - self.started)
-            self.starting = {"launch": launch, "imports": now - self.started - launch}
+            launch = min(self.process - self.started, now - self.started)
+            n = self.restarts
+            name = f"launch and {n} earlier attempt{'s' if n > 1 else ''}" if n else "launch"
+            self.starting = {name: launch, "imports": now - self.started - launch}
         else:
             self.starting = {"launch, imports": now - self.started}
         self._last = now

@@ -53,7 +53,8 @@ def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
 
 def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
            launch: dict | None, process_started: float | None) -> dict:
-    clock = Timeline(process=process_started)  # from the command's start, else from now
+    clock = Timeline(process=process_started,  # from the command's start, else from now
+                     restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,

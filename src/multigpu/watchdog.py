@@ -210,7 +210,7 @@ class Watchdog:
         if self.log_dir is not None:  # the launcher prints it; each rank keeps it with its stack
             with open(self.log_dir / f"hang-rank{self.rank}.txt", "a") as f:
                 f.write("\n" + summary + "\n")
-        _write_error_file(summary)
+        write_error_file(summary)
         os._exit(EXIT_HANG)
 
     def _dump_stacks(self) -> None:
@@ -345,9 +345,10 @@ def dump_flight_recorder(path: Path) -> bool:
         return False
 
 
-def _write_error_file(message: str) -> None:
-    """The message torchrun's agent hands the launcher. Atomic: the agent stops the other ranks
-    as soon as one exits, maybe in the middle of this write."""
+def write_error_file(message: str) -> None:
+    """Under the launcher, the message torchrun's agent hands it for this rank (its per-worker
+    error file, in its plain form: a message and a time). Atomic: the agent stops the other ranks
+    as soon as one exits, maybe in the middle of this write, and a cut-off file breaks its report."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:

@@ -1,6 +1,5 @@
 """`multigpu train` end to end, through the real launcher (torch.distributed.run) on CPU/gloo."""
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as torch_dist
 
 from multigpu import distributed
+from multigpu.errors import UsageError
 
 
 class FakeDist:
@@ -93,6 +94,11 @@ def test_a_worker_leaves_its_failure_in_the_launcher_s_error_file(fake, capsys, 
     assert cli.main(["train", "--model", "no-such-model"]) == 2
     said = capsys.readouterr().err.strip()
     assert said.startswith("multigpu: error: ") and json.loads(path.read_text())["message"] == said
+    monkeypatch.setenv("MULTIGPU_DEBUG", "")  # --debug sets it: undone after the test
+    with pytest.raises(UsageError):  # --debug: the traceback, as on the console
+        cli.main(["--debug", "train", "--model", "no-such-model"])
+    message = json.loads(path.read_text())["message"]
+    assert message.startswith("Traceback (most recent call last):") and "no-such-model" in message
 
     def crash(args):
         raise ValueError("boom")

@@ -273,12 +273,16 @@ def test_bad_input_is_one_line_when_the_other_ranks_only_echo_it(
     lost its peer: one line. Killed otherwise (-9) or failing on its own: the full report."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    for rank, text in ((1, "multigpu: error: column 'b' holds 'x'"), (0, rank_0_said)):
-        d = tmp_path / "run_abc" / "attempt_0" / str(rank)
-        d.mkdir(parents=True)
-        (d / "stderr.log").write_text(text + "\n")
-    none = str(tmp_path / "missing.json")
-    failures = {1: ProcessFailure(1, 101, 2, none), 0: ProcessFailure(0, 100, rank_0_ended, none)}
+    import json
+
+    d = tmp_path / "run_abc" / "attempt_0" / "1"
+    d.mkdir(parents=True)
+    (d / "stderr.log").write_text("multigpu: error: column 'b' holds 'x'\n")
+    error_file = tmp_path / "error0.json"  # rank 0's output is on the console: its error file
+    if rank_0_said:
+        error_file.write_text(json.dumps({"message": rank_0_said, "timestamp": 1}))
+    failures = {1: ProcessFailure(1, 101, 2, str(tmp_path / "missing.json")),
+                0: ProcessFailure(0, 100, rank_0_ended, str(error_file))}
     cleaned = []
     code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
                                                on_usage_error=lambda: cleaned.append(True))
@@ -287,6 +291,28 @@ def test_bad_input_is_one_line_when_the_other_ranks_only_echo_it(
         assert (code, err, cleaned) == (2, "multigpu: error: column 'b' holds 'x'\n", [True])
     else:
         assert cleaned == [] and "failed first" in err and f"logs of every rank: {tmp_path}" in err
+
+
+def test_a_usage_error_naming_a_timeout_is_one_line_and_said_once_with_tee(tmp_path, capsys):
+    """Every rank said the same line (which names a timeout: not an echo for that); with --tee
+    every rank's output, rank 0's too, is on the console already: nothing more is printed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    line = "multigpu: error: saving a checkpoint to /nfs/run failed: Connection timed out (x)"
+    for rank in (0, 1):
+        d = tmp_path / "run_abc" / "attempt_0" / str(rank)
+        d.mkdir(parents=True)
+        (d / "stderr.log").write_text(line + "\n")
+    none = str(tmp_path / "missing.json")
+    failures = {0: ProcessFailure(0, 100, 2, none), 1: ProcessFailure(1, 101, 2, none)}
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
+                                               on_usage_error=lambda: None)
+    assert (code, capsys.readouterr().err) == (2, "")
+    failures = {1: ProcessFailure(1, 101, 2, none), 0: ProcessFailure(0, 100, -15, none)}
+    (tmp_path / "run_abc" / "attempt_0" / "0" / "stderr.log").write_text("[warning]\n")
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
+                                               on_usage_error=lambda: None)
+    assert (code, capsys.readouterr().err) == (2, "")  # rank 1's line is on the console (tee)
 
 
 @pytest.mark.parametrize("ours", [True, False])

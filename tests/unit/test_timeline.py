@@ -36,8 +36,10 @@ def test_the_start_up_splits_into_launch_imports_and_the_parts_marked_in_order(c
         "(metrics, plot)")
 
 
-def test_a_process_older_than_the_command_counts_no_launch_and_one_without_a_command_starts_now(clock):
-    assert Timeline(started=999.0, process=998.9).starting == {"launch": 0.0, "imports": 1.0}
+def test_the_command_s_own_process_counts_no_launch_and_one_without_a_command_starts_now(clock):
+    assert Timeline(started=999.0, process=999.0).starting == {"imports": 1.0}
+    assert Timeline(started=990.0, process=998.0, restarts=2).starting == {
+        "launch and 2 earlier attempts": 8.0, "imports": 2.0}
     env = {}
     assert command_start(env) is None
     mark_command_start(123.5, env)

@@ -79,7 +79,7 @@ def test_a_variable_the_script_changes_is_named_once_with_multigpus_value(monkey
 
 def test_the_error_file_holds_the_summary_for_the_launcher(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
-    watchdog._write_error_file("hang: no rank made progress")
+    watchdog.write_error_file("hang: no rank made progress")
     data = json.loads((tmp_path / "error.json").read_text())
     assert data["message"] == "hang: no rank made progress" and data["timestamp"] <= time.time()
 

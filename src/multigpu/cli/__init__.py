@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import time
@@ -71,17 +70,11 @@ def unknown_option_message(parser: argparse.ArgumentParser, command: str | None,
 
 
 def _leave_error_file(text: str) -> None:
-    """Under the launcher, what this worker failed with, for the launcher's report: the elastic
-    agent names an error file per worker (its plain form: a message and a time), which is how the
-    report reads local rank 0, whose own output went to the console."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": text.rstrip(), "timestamp": int(time.time())}, f)
-    except OSError:
-        pass  # the report then points at the console, as without the file
+    """Under the launcher, what this worker failed with, for the launcher's report, which reads
+    local rank 0 (its own output went to the console) only from there."""
+    from multigpu.watchdog import write_error_file
+
+    write_error_file(text.rstrip())
 
 
 def _mark_failed() -> None:
@@ -129,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except UsageError as exc:
         _mark_failed()
-        _leave_error_file(f"multigpu: error: {one_line(exc)}")
-        if args.debug:
+        if args.debug:  # the report shows the traceback, as the console does
+            _leave_error_file(traceback.format_exc())
             raise
+        _leave_error_file(f"multigpu: error: {one_line(exc)}")
         print(f"multigpu: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except Stopped as exc:
@@ -141,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         _mark_failed()
         print("multigpu: interrupted", file=sys.stderr)
         return 130
-    except Exception:
+    except BaseException:  # an Exception, or one of torch's BaseExceptions (CheckpointException)
         _leave_error_file(traceback.format_exc())
         raise
     if code:
