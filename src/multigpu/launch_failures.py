@@ -82,7 +82,7 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
         elif text is None:
             score = 2
         else:
-            score = 3 if _COLLATERAL.search(text.splitlines()[-1]) else 0
+            score = 3 if _echo(f, text) else 0
         return score, failures.index(item)
 
     usage = _usage_error(failures, texts, ours=on_usage_error is not None)
@@ -126,14 +126,21 @@ def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | 
         text = (texts[rank] or "").strip()
         one_line = f.exitcode == 2 and "\n" not in text and (not text or text.startswith("multigpu: error: "))
         if not one_line:
-            if f.exitcode == -signal.SIGTERM or (text and _COLLATERAL.search(text.splitlines()[-1])):
-                continue  # an echo (checked only here: a usage error may name a timeout)
+            if _echo(f, text):
+                continue  # checked only here: a usage error may name a timeout
             return None
         console = console or f.local_rank == 0
         lines += [text] if text else []
     if not lines and not (ours and console):  # nothing said it: the full report, pointing at the console
         return None
     return (lines[0] if lines else None), console
+
+
+def _echo(failure, text: str | None) -> bool:
+    """A rank that only echoes a failure elsewhere: stopped by the agent's SIGTERM, or ended on a
+    communication error (a lost peer)."""
+    return failure.exitcode == -signal.SIGTERM or bool(
+        text and _COLLATERAL.search(text.strip().splitlines()[-1]))
 
 
 def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:

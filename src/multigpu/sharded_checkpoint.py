@@ -216,7 +216,7 @@ def export(state: dict, beside: Path, scratch: Path) -> dict:
         dcp_to_torch_save(folder, whole)
         parts = torch.load(whole, map_location="cpu", weights_only=True)
     except (_checkpoint_exception(), OSError) as exc:  # its shards went while they were read
-        why = str(exc) if isinstance(exc, OSError) else _first_failure(exc, Path(folder))
+        why = str(exc) if isinstance(exc, OSError) else _first_failure(exc, folder)
         raise checkpoint.CheckpointError(f"the shards in {folder} could not be read ({why})"
                                          ) from None
     finally:

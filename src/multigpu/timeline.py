@@ -70,7 +70,8 @@ class Timeline:
         self.starting[part] = self.starting.get(part, 0.0) + now - self._last
         self._last = now
 
-    def mark_ready(self, part: str = "resume") -> None:
+    def mark_ready(self, part: str) -> None:
+        """The start-up's last `part` ended now: training can begin."""
         self.mark(part)
         self.ready = self._last
 
