@@ -97,8 +97,11 @@ export -f facts
 BENCH=("$PY" -m multigpu bench --precision bf16 --devices "$DEVICES" --min-free-memory 0)
 
 stage facts 30 bash -c facts
-SIG=INT stage pytest-gpu 240 "$PY" -m pytest -m gpu -o addopts="" tests/gpu -v -p no:cacheprovider \
-    -k "not exceeds_the_gpu" --junitxml="$OUT/pytest-gpu.xml"
+# GPU_TESTS: which tests (pytest node ids or files, space-separated; default the whole tier, which
+# takes about 15 minutes on 2 GPUs: more than one device call).
+read -r -a GPU_TESTS <<< "${GPU_TESTS:-tests/gpu}"
+SIG=INT stage pytest-gpu "${PYTEST_BOX:-240}" "$PY" -m pytest -m gpu -o addopts="" "${GPU_TESTS[@]}" -v \
+    -p no:cacheprovider -k "not exceeds_the_gpu" --durations 0 --junitxml="$OUT/pytest-gpu.xml"
 # DataParallel: 5 warm-up steps (cuDNN tunes on the first) + 3 trials x 5 steps.
 stage bench-main 210 "${BENCH[@]}" --model resnet50 --batch-size 128 --gpus "$SCALE" \
     --steps 30 --warmup 10 --trials 3 --dp-steps 5 --out "$OUT/bench-main.json"
