@@ -36,7 +36,7 @@ from multigpu import ports, sysinfo, watchdog
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
-from multigpu.launch_failures import (err, rendezvous_failed_message, rendezvous_timeout_message,
+from multigpu.launch_failures import (REPORTS_ENV, err, rendezvous_failed_message, rendezvous_timeout_message,
                                       report_child_failed)
 
 @dataclass
@@ -309,6 +309,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     with child_environment(plan, opts, log_dir), _restore_signal_handlers(), _quiet_torchelastic(), \
             _SecondSignalKills() as signals:
         args = torchrun.get_args_parser().parse_args(argv)
+        if on_usage_error is not None:  # multigpu's own workers: leave their echoes to the report
+            os.environ[REPORTS_ENV] = "1"
         try:
             torchrun.run(args)
             return 0

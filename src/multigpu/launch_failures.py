@@ -2,6 +2,7 @@
 a rendezvous that did not complete. Pure text from torchrun's failure objects and the logs."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -52,6 +53,68 @@ def rendezvous_failed_message(exc: BaseException, opts: LaunchOptions, rdzv: Ren
 
 _COLLATERAL = re.compile(r"gloo|nccl|DistBackendError|DistNetworkError|Connection (reset|closed)|"
                          r"Broken pipe|ProcessGroup|timed out|SIGTERM", re.IGNORECASE)
+# Set by the launcher in its workers' environment: it reports their failures, so a multigpu worker
+# whose error only echoes another rank's (is_echo) leaves its traceback to the error file and to
+# the report, instead of printing it above the report (cli.main).
+REPORTS_ENV = "MULTIGPU_LAUNCHER_REPORTS"
+
+
+def is_echo(text: str | None) -> bool:
+    """Whether an error's text ends on a communication error: most often the echo of a failure
+    on another rank (a peer gone, a collective that timed out)."""
+    lines = (text or "").strip().splitlines()
+    return bool(lines and _COLLATERAL.search(lines[-1]))
+
+
+def restart_note(env=os.environ) -> str | None:
+    """What rank 0 of a restarted `multigpu train` (--max-restarts) says first: which restart this
+    is, what the failed attempt's first error of its own was, and where that attempt's output is.
+    The full report comes only when no restart is left, and a worker's echo of another rank's
+    failure stays off the console (REPORTS_ENV)."""
+    try:
+        count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if count <= 0:
+            return None
+        note = (f"restart {count} of {env.get('TORCHELASTIC_MAX_RESTARTS', '?')} (--max-restarts): "
+                "the previous attempt failed")
+        # <run dir>/attempt_<n>/<local rank>/error.json: this node's folder of the attempt before
+        here = env.get("TORCHELASTIC_ERROR_FILE")
+        folder = Path(here).parents[1].with_name(f"attempt_{count - 1}") if here else None
+        if folder is None or not folder.is_dir():
+            return note
+        cause = _first_error(folder)
+        return (note + (f" ({cause})" if cause else "")
+                + f"; the output and errors of this node's ranks in it: {folder}")
+    except (OSError, ValueError, IndexError):  # a note must never stop the training
+        return None
+
+
+def _first_error(attempt: Path) -> str | None:
+    """'local rank K: <its error's last line>' for the first rank of an attempt folder whose error
+    file holds an error of its own (not an echo), by the files' times; None without one."""
+    found = []
+    for path in attempt.glob("*/error.json"):
+        try:
+            text = _error_text(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+        if text and text.strip() and not is_echo(text):
+            found.append((path.stat().st_mtime, path.parent.name, text.strip().splitlines()[-1]))
+    if not found:
+        return None
+    _, rank, line = min(found)
+    return f"local rank {rank}: {line[:200]}"
+
+
+def _error_text(data: dict) -> str | None:
+    """The error in a torchelastic error file's data: multigpu's plain message, or @record's
+    traceback; None for none ("<NONE>": torchrun's placeholder)."""
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        return str((msg.get("extraInfo") or {}).get("py_callstack") or msg.get("message") or "")
+    if isinstance(msg, str) and msg and msg != "<NONE>":
+        return msg
+    return None
 
 
 def report_child_failed(exc, log_dir: str, node: str | None = None,
@@ -100,7 +163,10 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     on = f" on {node}" if node else ""
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
     logged = _stderr_logs(log_dir, first.local_rank)
-    if not logged:  # local rank 0 without --tee: its output, the traceback too, is on the console
+    # Local rank 0 without --tee writes to the console; a multigpu worker's echo stayed off it.
+    shown = not logged and not (on_usage_error is not None and is_echo(texts[rank])
+                                and not os.environ.get("MULTIGPU_DEBUG"))
+    if shown:
         lines.append("its traceback is in its output above")
     elif texts[rank]:
         lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
@@ -139,21 +205,14 @@ def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | 
 def _echo(failure, text: str | None) -> bool:
     """A rank that only echoes a failure elsewhere: stopped by the agent's SIGTERM, or ended on a
     communication error (a lost peer)."""
-    return failure.exitcode == -signal.SIGTERM or bool(
-        text and _COLLATERAL.search(text.strip().splitlines()[-1]))
+    return failure.exitcode == -signal.SIGTERM or is_echo(text)
 
 
 def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:
     """The error a failed rank left: its error file (multigpu's workers and @record write one)
     or the end of its stderr log; from its last traceback on, at most `max_lines` lines."""
-    data = getattr(failure, "error_file_data", None) or {}
-    msg = data.get("message")
-    text = None
-    if isinstance(msg, dict):
-        text = str((msg.get("extraInfo") or {}).get("py_callstack") or msg.get("message") or "")
-    elif isinstance(msg, str) and msg and msg != "<NONE>":  # "<NONE>": torchrun's "no error file"
-        text = msg
-    elif logs := _stderr_logs(log_dir, failure.local_rank):
+    text = _error_text(getattr(failure, "error_file_data", None) or {})
+    if text is None and (logs := _stderr_logs(log_dir, failure.local_rank)):
         text = logs[-1].read_text(errors="replace")
     text = (text or "").rstrip()
     if text.startswith(watchdog.HANG_HEADER):  # the watchdog's summary: a line per rank, whole

@@ -32,6 +32,7 @@ from multigpu.engine import evaluate, train_epoch
 from multigpu.errors import Stopped, UsageError
 from multigpu.guards import TrainGuards, global_batch_note
 from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
+from multigpu.launch_failures import restart_note
 from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
 from multigpu.runstate import ResumePoint, RunState, resume_point
@@ -60,6 +61,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
                seed=cfg.seed, accumulate=cfg.accumulate, options=strategy_options(cfg))
     console.configure(rt.is_main)
+    if note := restart_note():
+        console.warn(note)
     clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels

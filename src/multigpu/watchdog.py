@@ -345,17 +345,19 @@ def dump_flight_recorder(path: Path) -> bool:
         return False
 
 
-def write_error_file(message: str) -> None:
+def write_error_file(message: str) -> bool:
     """Under the launcher, the message torchrun's agent hands it for this rank (its per-worker
-    error file, in its plain form: a message and a time). Atomic: the agent stops the other ranks
-    as soon as one exits, maybe in the middle of this write, and a cut-off file breaks its report."""
+    error file, in its plain form: a message and a time); whether it was written. Atomic: the
+    agent stops the other ranks as soon as one exits, maybe in the middle of this write, and a
+    cut-off file breaks its report."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        try:
-            fileio.atomic_write_text(path, json.dumps({"message": message,
-                                                       "timestamp": int(time.time())}))
-        except OSError:
-            pass
+    if not path:
+        return False
+    try:
+        fileio.atomic_write_text(path, json.dumps({"message": message, "timestamp": int(time.time())}))
+    except OSError:
+        return False
+    return True
 
 
 def _say(message: str) -> None:

@@ -203,6 +203,11 @@ def test_kill_9_of_a_worker_at_random_moments_restarts_and_ends_equal(reference,
     stdout, stderr = finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert stdout.count("resumed from") == 2, (kills, stdout[-2000:])
+    for k in (1, 2):  # each restart says so, and where the failed attempt's output is
+        said = [line for line in stderr.splitlines() if line.startswith(f"multigpu: warning: restart {k} of 3 ")]
+        assert said and "the previous attempt failed" in said[0] and said[0].endswith(
+            f"the output and errors of this node's ranks in it: "
+            f"{next((out / 'logs').glob(f'*/attempt_{k - 1}'))}"), stderr[-3000:]
     check_epochs(out)
     assert_same_weights(reference, out, f"kills {kills}")
 
@@ -221,6 +226,7 @@ def test_a_crash_without_restarts_names_the_rank_and_keeps_the_logs_it_points_at
     assert blamed and "(signal SIGKILL" in blamed[0] and f"pid {victim.pid})" in blamed[0], stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("multigpu: logs of every rank: ")]
     assert said and list(Path(said[0].split(": ", 2)[2]).glob("*/attempt_0/*/stderr.log")), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr  # rank 0's echo of the lost peer: in its error file only
 
 
 def test_kill_9_of_the_launcher_workers_save_and_stop_then_resume_ends_equal(reference, tmp_path):

@@ -110,6 +110,43 @@ def test_a_worker_leaves_its_failure_in_the_launcher_s_error_file(fake, capsys, 
     assert message.startswith("Traceback (most recent call last):") and message.endswith("ValueError: boom")
 
 
+def test_an_echo_under_multigpu_s_launcher_is_left_to_its_report(fake, capsys, monkeypatch, tmp_path):
+    """A lost peer under multigpu's launcher: the traceback goes to the error file only, exit 1,
+    and the process is marked failed (else a gloo rank waits 30 s at exit for peers that are
+    gone, and the agent's SIGKILL makes it look like the culprit). With MULTIGPU_DEBUG (--debug),
+    without the launcher's report, or where no error file could be written: raised, as before."""
+    import json
+
+    from multigpu import cli
+    from multigpu.cli import train
+
+    def lost_peer(args):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+
+    monkeypatch.setattr(train, "main", lost_peer)
+    monkeypatch.delenv("MULTIGPU_DEBUG", raising=False)
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    for reports, debug in (("", ""), ("1", "1")):
+        fake()
+        monkeypatch.setenv("MULTIGPU_LAUNCHER_REPORTS", reports)
+        monkeypatch.setenv("MULTIGPU_DEBUG", debug)
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            cli.main(["train", "--model", "mlp"])
+    monkeypatch.delenv("MULTIGPU_DEBUG")
+    fake()
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "a-file" / "error.json"))
+    with pytest.raises(RuntimeError, match="Connection closed"):  # nowhere else to keep it
+        cli.main(["train", "--model", "mlp"])
+    fake()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    capsys.readouterr()
+    assert cli.main(["train", "--model", "mlp"]) == 1
+    assert capsys.readouterr().err == "" and distributed._failed is True
+    assert json.loads(path.read_text())["message"].endswith("Connection closed by peer [127.0.0.1]:1")
+
+
 @pytest.fixture
 def store(monkeypatch):
     """A real key-value store, where the launcher's would be (MASTER_ADDR / MASTER_PORT)."""

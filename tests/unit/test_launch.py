@@ -364,6 +364,59 @@ def test_the_console_rank_s_error_file_shows_its_failure_was_an_echo(tmp_path, c
     assert "its traceback is in its output above" in err and "boom" not in err
 
 
+@pytest.mark.parametrize("ours", [True, False])
+def test_an_echo_kept_off_the_console_is_shown_when_its_rank_is_to_blame(tmp_path, capsys, monkeypatch, ours):
+    """multigpu's workers leave a communication error (an echo) to the report instead of the
+    console: when that rank is the one blamed, the report shows its traceback; a user's script
+    (`multigpu run`, not ours) printed its own, and with --debug ours did too."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    monkeypatch.delenv("MULTIGPU_DEBUG", raising=False)
+    echo = tmp_path / "error0.json"
+    echo.write_text(json.dumps({"message": "Traceback (most recent call last):\n  File x\n"
+                                "torch.distributed.DistBackendError: NCCL error: unhandled system error",
+                                "timestamp": 1}))
+    failures = {0: ProcessFailure(0, 100, 1, str(echo)), 1: ProcessFailure(1, 101, -15, str(tmp_path / "no.json"))}
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
+                                               on_usage_error=(lambda: None) if ours else None)
+    err = capsys.readouterr().err
+    assert code == 1 and "rank 0 failed first (exit code 1" in err, err
+    if ours:
+        assert "---- rank 0 traceback ----" in err and "NCCL error: unhandled system error" in err, err
+        monkeypatch.setenv("MULTIGPU_DEBUG", "1")
+        launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path), on_usage_error=lambda: None)
+        err = capsys.readouterr().err
+    assert "its traceback is in its output above" in err and "NCCL error" not in err, err
+
+
+def test_a_restarted_attempt_says_which_restart_what_failed_and_where(tmp_path):
+    """The attempt folder is this worker's own run's (from its error file's path: another launch
+    or node in the same logs folder is not it); the error named is the first of its own."""
+    import json
+
+    run = tmp_path / "logs" / "multigpu-1_ab"
+    for rank, message in (("0", "Traceback ...\nRuntimeError: [gloo] Connection closed by peer"),
+                          ("1", "Traceback (most recent call last):\n  File x\nValueError: boom")):
+        (run / "attempt_0" / rank).mkdir(parents=True)
+        (run / "attempt_0" / rank / "error.json").write_text(json.dumps({"message": message, "timestamp": 1}))
+    (tmp_path / "logs" / "multigpu-1_zz" / "attempt_0").mkdir(parents=True)  # another launch's, newer
+    env = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3",
+           "TORCHELASTIC_ERROR_FILE": str(run / "attempt_1" / "0" / "error.json")}
+    assert launch_failures.restart_note(env) == (
+        "restart 1 of 3 (--max-restarts): the previous attempt failed (local rank 1: ValueError: "
+        f"boom); the output and errors of this node's ranks in it: {run / 'attempt_0'}")
+    (run / "attempt_0" / "1" / "error.json").unlink()  # killed by a signal: no error of its own
+    assert launch_failures.restart_note(env) == (
+        "restart 1 of 3 (--max-restarts): the previous attempt failed; the output and errors of "
+        f"this node's ranks in it: {run / 'attempt_0'}")
+    assert launch_failures.restart_note({**env, "TORCHELASTIC_ERROR_FILE": ""}) == (
+        "restart 1 of 3 (--max-restarts): the previous attempt failed")
+    assert launch_failures.restart_note({**env, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    assert launch_failures.restart_note({}) is None
+
+
 # ------------------------------------------------------------------------------- `run` helpers
 
 @pytest.mark.parametrize("source, flag", [

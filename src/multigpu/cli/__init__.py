@@ -69,12 +69,24 @@ def unknown_option_message(parser: argparse.ArgumentParser, command: str | None,
     return f"multigpu: error: {prog} has no option {name}; {hint}"
 
 
-def _leave_error_file(text: str) -> None:
+def _leave_error_file(text: str) -> bool:
     """Under the launcher, what this worker failed with, for the launcher's report, which reads
-    local rank 0 (its own output went to the console) only from there."""
+    local rank 0 (its own output went to the console) only from there; whether it was written."""
     from multigpu.watchdog import write_error_file
 
-    write_error_file(text.rstrip())
+    return write_error_file(text.rstrip())
+
+
+def _left_to_the_report(text: str) -> bool:
+    """Under multigpu's launcher, an error that only echoes another rank's failure (a peer gone:
+    "Connection closed by peer") is not printed (except with --debug, which sets MULTIGPU_DEBUG,
+    the launcher's test too): its traceback is in the error file, and the launcher's report names
+    the rank that failed first and shows this one's if it is to blame. Rank 0's console otherwise
+    shows 40 lines of it above a bad input's one-line error."""
+    from multigpu.launch_failures import REPORTS_ENV, is_echo
+
+    return (os.environ.get(REPORTS_ENV) == "1" and not os.environ.get("MULTIGPU_DEBUG")
+            and is_echo(text))
 
 
 def _mark_failed() -> None:
@@ -136,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print("multigpu: interrupted", file=sys.stderr)
         return 130
     except BaseException:  # an Exception, or one of torch's BaseExceptions (CheckpointException)
-        _leave_error_file(traceback.format_exc())
+        text = traceback.format_exc()
+        if _leave_error_file(text) and _left_to_the_report(text):
+            _mark_failed()  # its peers are gone: do not wait for them at exit
+            return 1
         raise
     if code:
         _mark_failed()
