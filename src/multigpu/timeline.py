@@ -1,17 +1,18 @@
 """Where a `multigpu train` job's wall time went, said once at its end on rank 0, e.g.
 
     time: 4.7 s since the command: 3.8 s starting (launch 1.2, imports 1.4, process group 0.3,
-    data 0.1, model 0.6, resume 0.2), 0.2 s training, 0.1 s evaluating, 0.0 s held up by
-    checkpoints, 0.7 s other (metrics, plot)
+    data 0.1, model 0.0, prepare 0.1, optimizer 0.5, resume 0.2), 0.2 s training, 0.1 s
+    evaluating, 0.0 s held up by checkpoints, 0.7 s other (metrics, plot)
 
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
 which the launched workers inherit), so the start-up counts as the user waits for it; a worker
 started some other way counts from the start of its training. The start-up is split where it
 happens: launch (the command until this worker's own `multigpu` command began, at the CLI's
 first line: the launcher, the rendezvous, Python's start), imports (from there until its training
-began), then the parts the training marks as it passes them (process group, data, model,
-resume). It stops at this line: the processes' teardown and exit come after it. A run that stops
-early (a signal, an error) ends with its own message instead. Pure: no torch.
+began), then the parts the training marks as it passes them (process group, decoder, data,
+model, prepare, optimizer, config, resume, logs: training.build_job and trainloop say which). It
+stops at this line: the processes' teardown and exit come after it. A run that stops early (a
+signal, an error) ends with its own message instead. Pure: no torch.
 """
 from __future__ import annotations
 

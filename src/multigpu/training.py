@@ -147,7 +147,13 @@ def uses_channels_last(rt: Runtime, model: str) -> bool:
 
 def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
-    `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark)."""
+    `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark): decoder
+    (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
+    strategy's wrapping, under DDP its first broadcast; the loaders), optimizer (torch imports its
+    compiler with the first one)."""
+    if cfg.data.startswith("folder:"):
+        imagefolder.default_decoder()  # imported once: the datasets below ask again
+        mark("decoder")
     data = load_run_data(cfg)
     mark("data")
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
@@ -163,11 +169,13 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     per_step = cfg.batch_size * rt.world_size * rt.strategy.devices_per_process
     val_batches = -(-len(data.val) // per_step)  # a rank's, at most
     val_loader = make_loader(data.val, cfg.batch_size, False, min(workers, val_batches))
+    mark("model")
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
     model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.accumulate)
+    mark("prepare")
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
     scheduler = make_scheduler(cfg, optimizer)
-    mark("model")
+    mark("optimizer")
     return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings)
 
 
