@@ -1,8 +1,10 @@
 """Where a `multigpu train` job's wall time went, said once at its end on rank 0, e.g.
 
-    time: 4.7 s since the command: 3.8 s starting (launch 1.2, imports 1.4, process group 0.3,
-    data 0.1, model 0.0, prepare 0.1, optimizer 0.5, resume 0.2), 0.2 s training, 0.1 s
-    evaluating, 0.0 s held up by checkpoints, 0.7 s other (metrics, plot)
+    time: 3.8 s since the command: 2.9 s starting (launch 1.1, imports 1.0, process group 0.0,
+    data 0.0, model 0.0, prepare 0.8, optimizer 0.0, config 0.0, resume 0.0, logs 0.0), 0.2 s
+    training, 0.1 s evaluating, 0.0 s held up by checkpoints, 0.6 s other (metrics, plot)
+
+(`--model linear --data synthetic:256 --epochs 2 --devices cpu:2` on a 2-core CPU.)
 
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
 which the launched workers inherit), so the start-up counts as the user waits for it; a worker

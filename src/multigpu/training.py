@@ -149,8 +149,8 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
     `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark): decoder
     (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
-    strategy's wrapping, under DDP its first broadcast; the loaders), optimizer (torch imports its
-    compiler with the first one)."""
+    strategy's wrapping: DDP's constructor imports torch's compiler and broadcasts the weights;
+    the loaders), optimizer (torch imports its compiler with the first one, where DDP did not)."""
     if cfg.data.startswith("folder:"):
         imagefolder.default_decoder()  # imported once: the datasets below ask again
         mark("decoder")
