@@ -66,6 +66,13 @@ def is_echo(text: str | None) -> bool:
     return bool(lines and _COLLATERAL.search(lines[-1]))
 
 
+def left_to_the_report(text: str | None, ours: bool) -> bool:
+    """Whether a worker's error stays off its console, for the report to show: an echo (is_echo)
+    in one of multigpu's own workers (`ours`: REPORTS_ENV in the worker, `on_usage_error` given
+    in the launcher), unless --debug (MULTIGPU_DEBUG, set in both) wants every traceback."""
+    return ours and not os.environ.get("MULTIGPU_DEBUG") and is_echo(text)
+
+
 def restart_note(env=os.environ) -> str | None:
     """What rank 0 of a restarted `multigpu train` (--max-restarts) says first: which restart this
     is, what the failed attempt's first error of its own was, and where that attempt's output is.
@@ -163,10 +170,8 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     on = f" on {node}" if node else ""
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
     logged = _stderr_logs(log_dir, first.local_rank)
-    # Local rank 0 without --tee writes to the console; a multigpu worker's echo stayed off it.
-    shown = not logged and not (on_usage_error is not None and is_echo(texts[rank])
-                                and not os.environ.get("MULTIGPU_DEBUG"))
-    if shown:
+    # Local rank 0 without --tee writes to the console, unless its error was left to this report.
+    if not logged and not left_to_the_report(texts[rank], ours=on_usage_error is not None):
         lines.append("its traceback is in its output above")
     elif texts[rank]:
         lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")

@@ -79,14 +79,12 @@ def _leave_error_file(text: str) -> bool:
 
 def _left_to_the_report(text: str) -> bool:
     """Under multigpu's launcher, an error that only echoes another rank's failure (a peer gone:
-    "Connection closed by peer") is not printed (except with --debug, which sets MULTIGPU_DEBUG,
-    the launcher's test too): its traceback is in the error file, and the launcher's report names
-    the rank that failed first and shows this one's if it is to blame. Rank 0's console otherwise
-    shows 40 lines of it above a bad input's one-line error."""
-    from multigpu.launch_failures import REPORTS_ENV, is_echo
+    "Connection closed by peer") is not printed: its traceback is in the error file, and the
+    launcher's report names the rank that failed first and shows this one's if it is to blame.
+    Rank 0's console otherwise shows 40 lines of it above a bad input's one-line error."""
+    from multigpu.launch_failures import REPORTS_ENV, left_to_the_report
 
-    return (os.environ.get(REPORTS_ENV) == "1" and not os.environ.get("MULTIGPU_DEBUG")
-            and is_echo(text))
+    return left_to_the_report(text, ours=os.environ.get(REPORTS_ENV) == "1")
 
 
 def _mark_failed() -> None:
