@@ -24,6 +24,7 @@ With `--bad-images fail` the first one stops the run, naming the file.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -176,8 +177,10 @@ class ImageFolderDataset(Dataset):
                   file=sys.stderr, flush=True)
 
 
+@functools.cache
 def default_decoder() -> str:
-    """"torchvision" where it imports (the faster path, module docstring), else "pil"."""
+    """"torchvision" where it imports (the faster path, module docstring), else "pil". Asked once
+    a process: a failed import is not cached by Python and would be tried again for each split."""
     try:
         import torchvision.io  # noqa: F401
         import torchvision.transforms.v2  # noqa: F401

@@ -152,7 +152,7 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     strategy's wrapping: DDP's constructor imports torch's compiler and broadcasts the weights;
     the loaders), optimizer (torch imports its compiler with the first one, where DDP did not)."""
     if cfg.data.startswith("folder:"):
-        imagefolder.default_decoder()  # imported once: the datasets below ask again
+        imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
         mark("decoder")
     data = load_run_data(cfg)
     mark("data")
