@@ -11,14 +11,7 @@ EPOCHS=${EPOCHS:-5}; BATCH=${BATCH:-64}; ROWS=${ROWS:-40000}
 RUNS=${RUNS:-$OUT}  # multigpu's run folders (checkpoints: many files); the logs stay in $OUT
 mkdir -p "$OUT" "$RUNS"; : > "$OUT/walls.txt"
 CSV=$OUT/series.csv
-"$PY" - "$CSV" "$ROWS" <<'PY'
-import sys, numpy as np
-path, rows = sys.argv[1], int(sys.argv[2])
-t = np.arange(rows, dtype=np.float64)
-rng = np.random.default_rng(0)
-cols = [np.sin(t / p) * a + rng.normal(0, 0.1, rows) for p, a in ((24, 1.0), (168, 0.5), (9, 0.3), (700, 2.0))]
-np.savetxt(path, np.stack(cols, 1), delimiter=",", fmt="%.5f", header="a,b,c,d", comments="")
-PY
+"$PY" benchmarks/post002_series.py "$CSV" "$ROWS"
 timed() {  # timed NAME command...
   local name=$1; shift; local start; start=$("$PY" -c "import time; print(time.time())")
   "$@" > "$OUT/$name.log" 2>&1; local rc=$?

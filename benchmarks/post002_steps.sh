@@ -11,12 +11,7 @@ export PYTHONPATH=$PWD/benchmarks/step_probe:$PWD/src MPLBACKEND=Agg
 OUT=${OUT:?set OUT}; PY=${PY:-python3}; GPUS=${GPUS:-2}; TURNS=${TURNS:-2}; DEVICES=${DEVICES:-$GPUS}
 LOG=$OUT/steps.log; WORK=$(mktemp -d /tmp/post002-steps.XXXXXX); CSV=$WORK/series.csv
 mkdir -p "$OUT"
-"$PY" - "$CSV" <<'PY'
-import sys, numpy as np
-t = np.arange(40000, dtype=np.float64); rng = np.random.default_rng(0)
-cols = [np.sin(t / p) * a + rng.normal(0, 0.1, t.size) for p, a in ((24, 1.0), (168, 0.5), (9, 0.3), (700, 2.0))]
-np.savetxt(sys.argv[1], np.stack(cols, 1), delimiter=",", fmt="%.5f", header="a,b,c,d", comments="")
-PY
+"$PY" benchmarks/post002_series.py "$CSV"
 run() {  # run NAME [ENV=...] -- VARIANT ARGS: one job, its step times appended to the log
   local name=$1 variant=$2; shift 2
   local start=$SECONDS

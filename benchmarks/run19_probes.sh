@@ -72,12 +72,7 @@ fi
 if [[ " $PARTS " == *" C "* ]]; then
   say "== C: post 002, 2 GPUs, 3 epochs: hand, multigpu, multigpu OMP_NUM_THREADS=1, in turns"
   CSV=$RUNS/series.csv
-  "$PY" - "$CSV" <<'PY'
-import sys, numpy as np
-t = np.arange(40000, dtype=np.float64); rng = np.random.default_rng(0)
-cols = [np.sin(t / p) * a + rng.normal(0, 0.1, t.size) for p, a in ((24, 1.0), (168, 0.5), (9, 0.3), (700, 2.0))]
-np.savetxt(sys.argv[1], np.stack(cols, 1), delimiter=",", fmt="%.5f", header="a,b,c,d", comments="")
-PY
+  "$PY" benchmarks/post002_series.py "$CSV"
   for turn in 1 2; do
     for v in hand multigpu multigpu-omp1; do
       t0=$(now); name=c-$v-$turn
