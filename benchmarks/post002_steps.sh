@@ -4,7 +4,8 @@
 # no change to either), a torch.profiler table of each, then variants of multigpu in turns.
 #   OUT=/tmp/s [GPUS=2] [TURNS=2] [DEVICES=2|cpu:2] [PROFILE=0] [WATCH=0] bash benchmarks/post002_steps.sh
 # -> $OUT/steps.log. PROFILE=0: no profiled runs; WATCH=0: no turns of multigpu without its hang
-# watchdog and NCCL flight recorder.
+# watchdog and NCCL flight recorder. VARIANTS="NAME=ARGS;NAME=ARGS": more multigpu runs in each turn,
+# e.g. VARIANTS="bf16=--precision bf16;tst=--model tst" (a later --model overrides lstm).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD/benchmarks/step_probe:$PWD/src MPLBACKEND=Agg
@@ -35,5 +36,9 @@ for turn in $(seq "$TURNS"); do
   EXTRA="" run "hand-$turn" hand
   EXTRA="" run "multigpu-$turn" multigpu
   [[ ${WATCH:-1} != 0 ]] && EXTRA="--hang-timeout 0" run "multigpu-nowatch-nofr-$turn" multigpu TORCH_FR_BUFFER_SIZE=0
+  IFS=';' read -r -a variants <<< "${VARIANTS:-}"
+  for v in "${variants[@]}"; do
+    EXTRA="${v#*=}" run "multigpu-${v%%=*}-$turn" multigpu
+  done
 done
 grep -h "^time: " "$WORK"/multigpu-*.log >> "$LOG"

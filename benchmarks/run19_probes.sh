@@ -7,7 +7,8 @@
 #      process's stacks (faulthandler on SIGUSR2, through a sitecustomize on PYTHONPATH)
 #   C  post 002's LSTM on 2 GPUs: hand-written DDP, multigpu, multigpu with OMP_NUM_THREADS=1, in turns
 #   D  whole 3-epoch ResNet-50 jobs on the JPEG folder: the default, --decode gpu, --workers 8
-#      (auto's hybrid), in one invocation
+#      (auto's hybrid), in one invocation; D_VARIANTS (also decode-cpu, lightning: the peer script)
+#      in D_TURNS turns (default 1)
 #   OUT=/tmp/p bash benchmarks/run19_probes.sh [A B C D]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -93,13 +94,23 @@ if [[ " $PARTS " == *" C "* ]]; then
 fi
 
 if [[ " $PARTS " == *" D "* ]]; then
-  say "== D: whole 3-epoch jobs: default, --decode gpu, --workers 8 (hybrid)"
-  for v in default decode-gpu workers8; do
-    extra=(); [[ $v == decode-gpu ]] && extra=(--decode gpu); [[ $v == workers8 ]] && extra=(--workers 8)
-    t0=$(now)
-    timeout 150 "$PY" "${TTT[@]}" --epochs 3 "${extra[@]}" --out "$RUNS/d-$v" > "$RUNS/d-$v.log" 2>&1
-    say "d-$v: rc $? whole $("$PY" -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 1))" "$t0") s"
-    grep -E "^(epoch|time:|multigpu train:|.*decode)" "$RUNS/d-$v.log" | cut -c1-400 >> "$LOG"
+  VARIANTS=${D_VARIANTS:-default decode-gpu workers8}
+  say "== D: whole 3-epoch jobs: $VARIANTS; ${D_TURNS:-1} turn(s)"
+  for turn in $(seq "${D_TURNS:-1}"); do
+    for v in $VARIANTS; do
+      job=(timeout 150 "$PY" "${TTT[@]}" --epochs 3 --out "$RUNS/d-$turn-$v")
+      case $v in
+        decode-gpu) job+=(--decode gpu) ;;
+        decode-cpu) job+=(--decode cpu) ;;
+        workers8) job+=(--workers 8) ;;
+        lightning) job=(timeout 150 "$PY" benchmarks/peers/lightning_imagefolder.py "$FOLDER" --epochs 3
+                        --batch-size 128 --workers 15 --gpus 2) ;;
+      esac
+      t0=$(now)
+      "${job[@]}" > "$RUNS/d-$turn-$v.log" 2>&1
+      say "d-$turn-$v: rc $? whole $("$PY" -c "import sys, time; print(round(time.time() - float(sys.argv[1]), 1))" "$t0") s"
+      grep -E "^(epoch|time:|multigpu train:|.*decode|RESULT)" "$RUNS/d-$turn-$v.log" | cut -c1-400 >> "$LOG"
+    done
   done
 fi
 say "== probes done"
