@@ -41,7 +41,7 @@ class TrainConfig:
     step_size: int = _f(5, "--scheduler step: epochs between decays (post 001 used 5)")
     gamma: float = _f(0.9, "--scheduler step: decay factor (post 001 used 0.9)")
     precision: str = _f("auto", "fp32 | bf16 | fp16 (with loss scaling) | auto (bf16 on GPUs that "
-                                "support it, else fp32)", choices=("auto", "fp32", "bf16", "fp16"))
+                                "support it, else fp32; fp32 for lstm and tst)", choices=("auto", "fp32", "bf16", "fp16"))
     strategy: str = _f("auto", STRATEGY_HELP, choices=STRATEGY_NAMES)
     devices: str = _f("auto", "auto (all free GPUs, or 1 CPU process) | N (N free GPUs) | 0,3 "
                               "(those GPU ids) | cpu:N (N CPU processes on gloo)")

@@ -71,13 +71,26 @@ class EpochCursor:
     local_samples: int   # this rank's samples in this call
     start: float         # perf_counter() when this call began
     begin: int = 0       # the position this call began at
+    waited: float = 0.0  # seconds this rank's loop waited for its next batch in this call
 
-    def totals(self, env) -> tuple[float, int]:
-        """(loss sum, samples) of this call over all ranks. A collective and a sync point."""
+    def totals(self, env) -> tuple[float, int, float]:
+        """(loss sum, samples, seconds waited for input) of this call over all ranks. A
+        collective and a sync point."""
         sums = Sums(env)
-        sums.add(loss_sum=self.loss_sum, samples=self.local_samples)
+        sums.add(loss_sum=self.loss_sum, samples=self.local_samples, waited=self.waited)
         t = sums.reduce()
-        return t["loss_sum"], int(t["samples"])
+        return t["loss_sum"], int(t["samples"]), t["waited"]
+
+
+def _timed(loader, cursor: EpochCursor):
+    """The loader's batches; the host's time spent getting each one (starting the iterator
+    included) is added to cursor.waited. The step runs ahead of the GPU, so the host waits here
+    only where the input, not the GPU, sets the pace (a host-side gather counts too)."""
+    began = time.perf_counter()
+    for batch in loader:
+        cursor.waited += time.perf_counter() - began
+        yield batch
+        began = time.perf_counter()
 
 
 def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loader,
@@ -94,7 +107,7 @@ def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loade
     cursor = EpochCursor(start, 0, torch.zeros((), dtype=torch.float64, device=rt.device), 0,
                          time.perf_counter(), begin=start)
     try:
-        for batch in loader:
+        for batch in _timed(loader, cursor):
             loss = train_step(rt, model, optimizer, loss_fn, batch, settings)
             if nonfinite is not None:
                 nonfinite.observe(loss, cursor.steps)  # on the device: no sync
@@ -109,14 +122,16 @@ def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loade
                 after_step(cursor)
     finally:
         progress.close()
-    loss_sum, samples = cursor.totals(rt.env)  # a sync point: the time includes all GPU work
-    loss_sum, samples = loss_sum + carried[0], samples + carried[1]
-    seconds = time.perf_counter() - cursor.start + carried[2]
+    loss_sum, samples, waited = cursor.totals(rt.env)  # a sync point: the time includes all GPU work
+    this_call = time.perf_counter() - cursor.start
+    loss_sum, samples, seconds = loss_sum + carried[0], samples + carried[1], this_call + carried[2]
     return {
         "train_loss": loss_sum / max(samples, 1),
         "train_samples": samples,
         "epoch_seconds": seconds,
         "samples_per_second": samples / max(seconds, 1e-9),
+        # the ranks' mean share of this call's time spent waiting for the next batch
+        "input_wait": round(min(waited / rt.world_size / max(this_call, 1e-9), 1.0), 4),
     }
 
 

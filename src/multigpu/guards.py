@@ -330,3 +330,26 @@ def global_batch_note(batch_size: int, devices: int, accumulate: int, lr: float,
             f"scaled, so an epoch makes {n}x fewer optimizer steps than at batch {batch_size} on "
             f"one device; if accuracy lags the one-device run, try --lr {lr * n:g} (linear "
             f"scaling: --lr x {n}) or more --epochs")
+
+
+INPUT_BOUND = 0.3      # share of an epoch spent waiting for batches that earns a warning,
+INPUT_BOUND_SECONDS = 1.0  # once the waiting adds up to this much (not for a job of seconds)
+
+
+def input_bound(share: float, epoch_seconds: float) -> bool:
+    """Whether an epoch that waited for its input `share` of its `epoch_seconds` (engine's
+    input_wait) was held up by its input enough to say so."""
+    return share >= INPUT_BOUND and share * epoch_seconds >= INPUT_BOUND_SECONDS
+
+
+def input_bound_note(epoch: int, share: float, workers: int, *, one_gather: bool,
+                     gpu_decode_left: bool) -> str:
+    """What to try for an input-bound epoch (input_bound): the loader, not the training step, set
+    the pace. `one_gather`: each batch is one gather in the training process (timeseries: data
+    without workers), which a larger batch makes cheaper per sample; `gpu_decode_left`: folder:
+    JPEGs the loader workers decode where --decode gpu works."""
+    fixes = ["--decode gpu (JPEGs decoded on the GPUs)"] if gpu_decode_left else []
+    fixes.append("a larger --batch-size (each batch is one gather in the training process)" if one_gather
+                 else f"more --workers than {workers} per process where cores are free")
+    return (f"epoch {epoch} waited {share:.0%} of its time for the next batch: the input, not the "
+            f"training step, sets the pace; try {' or '.join(fixes)}")

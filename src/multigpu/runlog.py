@@ -9,7 +9,8 @@
 Per step (TensorBoard tags, steps.csv columns): train/loss (rank 0's mean over the steps since
 the last point; reading it waits for the GPU once per point), train/lr, train/samples_per_second
 (all ranks), epoch. Per epoch: the record's numbers as train/epoch_loss, val/loss, val/accuracy,
-val/mae, val/rmse, perf/samples_per_second, perf/epoch_seconds, perf/max_memory_gib.
+val/mae, val/rmse, perf/samples_per_second, perf/epoch_seconds, perf/input_wait (the share of the
+epoch spent waiting for batches), perf/max_memory_gib.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from multigpu.extras import MissingExtra
 EPOCH_TAGS = {"train_loss": "train/epoch_loss", "val_loss": "val/loss", "val_accuracy": "val/accuracy",
               "val_mae": "val/mae", "val_rmse": "val/rmse", "samples_per_second": "perf/samples_per_second",
               "epoch_seconds": "perf/epoch_seconds", "max_memory_gib": "perf/max_memory_gib",
-              "bad_images": "data/bad_images"}
+              "bad_images": "data/bad_images", "input_wait": "perf/input_wait"}
 
 
 class RunLog:

@@ -21,25 +21,26 @@ from pathlib import Path
 
 import torch
 
-from multigpu import batchfit, console, runfolder, sharded_checkpoint, watchdog
+from multigpu import batchfit, console, gpu_images, runfolder, sharded_checkpoint, watchdog
 from multigpu.runlog import RunLog
-from multigpu.checkpoint_store import CheckpointStore, step_file_name
-from multigpu.checkpoint_writer import BackgroundWriter
+from multigpu.checkpoint_store import CheckpointStore
+from multigpu.checkpointer import Checkpointer
 from multigpu.config import TrainConfig
 from multigpu.control import Cadence, Control
 from multigpu.distributed import destroy_distributed, mark_failed
 from multigpu.engine import evaluate, train_epoch
 from multigpu.errors import Stopped, UsageError
-from multigpu.guards import TrainGuards, global_batch_note
+from multigpu.guards import TrainGuards, global_batch_note, input_bound, input_bound_note
 from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.launch_failures import restart_note
 from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
+from multigpu.precision import for_model
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
 from multigpu.timeline import Timeline
-from multigpu.training import (Job, build_job, learning_rate, oom_message, strategy_options,
-                               resolved_config)
+from multigpu.training import (Job, build_job, learning_rate, loader_workers, oom_message,
+                               strategy_options, resolved_config)
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -58,8 +59,9 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
                      restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     if cfg.deterministic:
         make_deterministic()
-    rt = setup(cfg.strategy, cfg.precision, devices=device_ids, accelerator=accelerator,
-               seed=cfg.seed, accumulate=cfg.accumulate, options=strategy_options(cfg))
+    rt = setup(cfg.strategy, for_model(cfg.precision, cfg.model), devices=device_ids,
+               accelerator=accelerator, seed=cfg.seed, accumulate=cfg.accumulate,
+               options=strategy_options(cfg))
     console.configure(rt.is_main)
     if note := restart_note():
         console.warn(note)
@@ -160,8 +162,9 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
 
 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
-            saver: "Checkpointer", out: Path, last: dict | None, log: RunLog, clock: Timeline) -> dict:
+            saver: Checkpointer, out: Path, last: dict | None, log: RunLog, clock: Timeline) -> dict:
     record, bad_before = {}, 0
+    first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
                          clip_grad_norm=cfg.clip_grad_norm)
     for epoch in range(run.epoch, cfg.epochs + 1):
@@ -179,7 +182,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
             if decision is None:
                 return
             _stop_if_diverged(guards, saver, cursor.steps, job.model)
-            loss, _ = cursor.totals(rt.env)
+            loss, _, _ = cursor.totals(rt.env)
             at = RunState(epoch, cursor.position, step, begun.loss_sum + loss,
                           begun.seconds + time.perf_counter() - cursor.start, begun.best)
             _save_or_stop(rt, saver, control, at, last, decision.stop, out)
@@ -208,6 +211,9 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         clock.add("checkpoints", saver.pause)
         control.saved(run.global_step)
         _report(rt, out, record, job.classification)
+        if rt.is_main and epoch > first and not warned_input and (note := _input_note(cfg, rt, job, record)):
+            console.warn(note)
+            warned_input = True  # once a run
         log.epoch(run.global_step, record)
         last = record
         if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
@@ -238,7 +244,7 @@ def _batches_per_epoch(loader) -> int:
     return len(loader.sampler.full_plan)  # len(loader) is what is left of a resumed epoch
 
 
-def _stop_if_diverged(guards: TrainGuards, saver: "Checkpointer", batches_done: int, model) -> None:
+def _stop_if_diverged(guards: TrainGuards, saver: Checkpointer, batches_done: int, model) -> None:
     """Before a checkpoint (collective, a sync point): end the run if the loss or the weights
     became NaN/inf since the last look, once the last good checkpoint is complete on disk."""
     error = guards.check(batches_done, model, saver.last_path)
@@ -295,6 +301,18 @@ def _count_bad_images(rt: Runtime, job: Job, record: dict, before: int) -> int:
     return total
 
 
+def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | None:
+    """The warning for an epoch held up by its input (guards.input_bound), or None."""
+    share = record["input_wait"]
+    if not input_bound(share, record["epoch_seconds"]):
+        return None
+    workers = loader_workers(cfg, rt)
+    gpu_decode_left = (cfg.data.startswith("folder:") and not getattr(job.data.train, "on_gpu", False)
+                       and gpu_images.gpu_decode_problem(rt.device) is None)
+    return input_bound_note(record["epoch"], share, workers, gpu_decode_left=gpu_decode_left,
+                            one_gather=cfg.data.startswith("timeseries:") and workers == 0)
+
+
 def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
     if not rt.is_main:
         return
@@ -305,7 +323,12 @@ def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
     console.info(f"epoch {record['epoch']}  train_loss {record['train_loss']:.4f}  "
                  f"val_loss {record['val_loss']:.4f}{acc}  "
                  f"({record['train_samples']} train / {record['val_samples']} val samples)  "
-                 f"{record['epoch_seconds']:.1f} s  {record['samples_per_second']:,.0f} samples/s")
+                 f"{record['epoch_seconds']:.1f} s  {record['samples_per_second']:,.0f} samples/s"
+                 f"{_wait_text(record['input_wait'])}")
+
+
+def _wait_text(share: float) -> str:
+    return f"  {share:.0%} waiting for input" if share >= 0.01 else ""
 
 
 def _on_rank0(rt: Runtime, work):
@@ -320,80 +343,3 @@ def _on_rank0(rt: Runtime, work):
     if isinstance(result, UsageError):
         raise result
     return result
-
-
-class Checkpointer:
-    """Writes a run's checkpoints: a snapshot on the training thread, the file in the background
-    (checkpoint_writer), complete in the store (checkpoint_store). Every method is collective."""
-
-    def __init__(self, rt: Runtime, job: Job, store: CheckpointStore, config: dict):
-        self.rt, self.job, self.store, self.config = rt, job, store, config
-        self.writer = BackgroundWriter() if rt.is_main else None
-        self.last_path: Path | None = None
-        self.pause = 0.0  # seconds the last save held training up (rank 0)
-
-    def save(self, run: RunState, *, metrics: dict | None, best: bool, wait: bool = False) -> Path:
-        job = self.job
-        path = self.store.folder / step_file_name(run.global_step)
-        began = time.perf_counter()
-        shards = self._save_shards(path) if self.rt.strategy.sharded_state else {}
-        state = self.rt.checkpoint_state(job.model, job.optimizer, job.scheduler,
-                                         weights=not shards, **shards, **run.to_checkpoint(),
-                                         metrics=metrics, config=self.config)
-        error = None
-        if self.writer is not None:
-            try:
-                self.writer.save(state, lambda s: self.store.write(
-                    s, global_step=run.global_step, run=run.summary(), best=best))
-                if wait:
-                    self.writer.wait()
-            except Exception as exc:
-                error = self._failure(exc)
-            self.pause = time.perf_counter() - began
-        self._raise_everywhere(error)
-        self.last_path = path
-        return path
-
-    def _save_shards(self, path: Path) -> dict:
-        """Every rank writes its part of the model and optimizer state beside the step file
-        (sharded_checkpoint.py); {"shards": what the step file records} for the step file."""
-        error, shards = None, None
-        try:
-            shards = sharded_checkpoint.save(self.rt.env, path.parent, path.stem, self.job.model,
-                                             self.job.optimizer)
-        except Exception as exc:  # DCP raises on every rank when one rank's write failed
-            error = self._failure(exc)
-        self._raise_everywhere(error)
-        return {"shards": shards}
-
-    @property
-    def failed(self) -> bool:
-        return self.writer is not None and self.writer.failed
-
-    def finish(self) -> None:
-        """Wait for the last write; every rank raises if it failed."""
-        error = None
-        if self.writer is not None:
-            try:
-                self.writer.wait()
-            except Exception as exc:
-                error = self._failure(exc)
-        self._raise_everywhere(error)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-    def _failure(self, exc: BaseException) -> str:
-        entries = self.store.entries()
-        kept = (f"the last complete checkpoint, {self.store.folder / entries[-1].file}, is intact"
-                if entries else "no earlier checkpoint exists")
-        why = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return (f"saving a checkpoint to {self.store.folder} failed: {why}; {kept}. Free space "
-                f"(df -h {self.store.folder}) or fix the folder, then run the same command with "
-                f"--resume {self.store.folder.parent}")
-
-    def _raise_everywhere(self, error: str | None) -> None:
-        error = self.rt.env.broadcast_object(error)
-        if error:
-            raise UsageError(error)

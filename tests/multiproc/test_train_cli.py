@@ -231,6 +231,37 @@ def test_an_unreadable_image_is_skipped_counted_and_the_run_finishes(tmp_path):
         assert f"multigpu: warning: epoch {epoch}: 1 unreadable image skipped" in proc.stderr
 
 
+def test_a_run_that_waits_for_its_input_is_told_so_with_the_fix(tmp_path):
+    """Large noisy JPEGs (about 12 ms each to decode here) decoded in the training process
+    (--workers 0) for a linear model on 8x8 crops: the step waits for the input most of the time,
+    over a second an epoch."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (1024, 1024, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(encoded, format="JPEG", quality=90)
+    for split, n in (("train", 100), ("val", 2)):
+        for cls in ("a", "b"):
+            (tmp_path / "imgs" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                (tmp_path / "imgs" / split / cls / f"{i}.jpg").write_bytes(encoded.getvalue())
+    proc = multigpu("train", "--model", "linear", "--data", f"folder:{tmp_path / 'imgs'}", "--image-size", "8",
+                    "--epochs", "2", "--batch-size", "8", "--workers", "0", "--devices", "cpu:1",
+                    "--out", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "run")
+    assert len(records) == 2 and all(r["input_wait"] > 0.5 for r in records), records
+    said = [line for line in proc.stderr.splitlines() if "for the next batch" in line]
+    assert len(said) == 1, said  # not for the first epoch (the workers' start)
+    assert said[0].startswith("multigpu: warning: epoch 2 waited ")
+    assert said[0].endswith("the input, not the training step, sets the pace; try more --workers "
+                            "than 0 per process where cores are free")
+    assert "% waiting for input" in proc.stdout + proc.stderr
+
+
 def test_a_config_file_reaches_every_worker_and_config_json_keeps_the_typed_command(tmp_path):
     """Workers are relaunched with the merged flags (not the file); config.json keeps the
     command the user typed, not the workers'."""

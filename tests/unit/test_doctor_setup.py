@@ -134,6 +134,10 @@ def test_bf16_on_a_gpu_without_bf16_units_fails_with_the_fix(monkeypatch):
     assert precision_findings("auto", plan)[0].message == "--precision auto is fp32 (no bf16 units) on Tesla V100-SXM2-32GB"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))  # Hopper
     assert [f.level for f in precision_findings("bf16", plan)] == ["ok"]
+    assert precision_findings("auto", plan, "resnet50")[0].message == "--precision auto is bf16 on Tesla V100-SXM2-32GB"
+    [f] = precision_findings("auto", plan, "lstm")
+    assert (f.level, f.message) == ("ok", "--precision auto is fp32 for lstm: its small steps are "
+                                          "faster without bf16 autocast")
 
 
 def test_a_whole_launch_set_without_torchrun_is_another_launchers_and_only_noted():

@@ -142,3 +142,52 @@ def test_the_compile_cache_goes_to_a_per_user_folder_unless_one_is_set(tmp_path)
     mine = {"TORCHINDUCTOR_CACHE_DIR": "/data/cache", "XDG_CACHE_HOME": str(tmp_path)}
     compiling.use_persistent_cache(mine)
     assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/data/cache"
+
+
+class _SlowDataset(torch.utils.data.Dataset):
+    """24 samples, each read `delay` seconds after it is asked for (input that cannot keep up)."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.x, self.y = torch.randn(24, 3), torch.randn(24, 1)
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(self.delay)
+        return self.x[i], self.y[i]
+
+
+class _SlowStep(torch.nn.Module):
+    """A linear layer whose forward takes `delay` seconds more (a step the input keeps up with)."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.delay, self.linear = delay, torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.delay)
+        return self.linear(x)
+
+
+def test_an_epoch_says_which_share_of_its_time_went_to_waiting_for_batches():
+    import multigpu
+    from multigpu.engine import train_epoch
+
+    rt = multigpu.setup("single", "fp32", accelerator="cpu")
+    shares = {}
+    for slow_input, slow_step in ((0.0125, 0.0), (0.0, 0.05)):  # 0.05 s a batch of 4, either side
+        loader = torch.utils.data.DataLoader(_SlowDataset(slow_input), batch_size=4)
+        model, loader = rt.prepare(_SlowStep(slow_step), loader)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        record = train_epoch(rt, model, optimizer, torch.nn.functional.mse_loss, loader, StepSettings())
+        assert record["train_samples"] == 24
+        shares["input" if slow_input else "step"] = record["input_wait"]
+        if slow_input:  # 0.3 s of sleeping in the loader, all of it counted
+            assert record["input_wait"] * record["epoch_seconds"] >= 0.3 * 0.99
+    assert shares["input"] > 0.7 and shares["step"] < 0.3, shares

@@ -271,3 +271,24 @@ def test_the_global_batch_note():
     assert "try --lr 0.004 (linear scaling: --lr x 4)" in note
     assert global_batch_note(64, 1, 1, 0.05, lr_given=True) is None
 
+
+
+def test_an_input_bound_epoch_is_one_that_waited_a_large_share_and_at_least_a_second():
+    from multigpu.guards import input_bound
+
+    assert input_bound(0.41, 10.0) and input_bound(0.3, 3.4)
+    assert not input_bound(0.29, 100.0)  # a share the step can live with
+    assert not input_bound(0.89, 0.1)    # a job of seconds: nothing worth a warning
+
+
+def test_an_input_bound_epoch_is_named_with_fixes_that_fit_its_data():
+    from multigpu.guards import input_bound_note
+
+    assert input_bound_note(2, 0.41, 15, one_gather=False, gpu_decode_left=True) == (
+        "epoch 2 waited 41% of its time for the next batch: the input, not the training step, sets "
+        "the pace; try --decode gpu (JPEGs decoded on the GPUs) or more --workers than 15 per "
+        "process where cores are free")
+    assert input_bound_note(3, 0.5, 0, one_gather=False, gpu_decode_left=False).endswith(
+        "try more --workers than 0 per process where cores are free")
+    assert input_bound_note(3, 0.5, 0, one_gather=True, gpu_decode_left=False).endswith(
+        "try a larger --batch-size (each batch is one gather in the training process)")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from multigpu.bench.measure import Prepared, describe_optimizer, synthetic_batch
 from multigpu.bench.spec import Task
 from multigpu.models import build_model, is_convnet
-from multigpu.precision import resolve_precision
+from multigpu.precision import for_model, resolve_precision
 
 SEED = 0  # same initial weights as multigpu's setup(seed=0)
 
@@ -48,7 +48,7 @@ def build_ddp(task: Task, accelerator: str) -> Prepared:
     cuda = device.type == "cuda"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    kind = resolve_precision(task.precision, device)
+    kind = resolve_precision(for_model(task.precision, task.model), device)
     channels_last = cuda and is_convnet(task.model)
     model = torch.nn.parallel.DistributedDataParallel(
         _model(task, channels_last).to(device), device_ids=[device.index] if cuda else None)
@@ -81,7 +81,7 @@ def build_accelerate(task: Task, accelerator: str) -> Prepared:
     from accelerate import Accelerator
 
     device = _local_device(accelerator)
-    kind = resolve_precision(task.precision, device)
+    kind = resolve_precision(for_model(task.precision, task.model), device)
     acc = Accelerator(mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(kind, "no"))
     channels_last = acc.device.type == "cuda" and is_convnet(task.model)
     model = _model(task, channels_last)
@@ -101,7 +101,7 @@ def build_fabric(task: Task, accelerator: str) -> Prepared:
         from lightning_fabric import Fabric
 
     device = _local_device(accelerator)
-    kind = resolve_precision(task.precision, device)
+    kind = resolve_precision(for_model(task.precision, task.model), device)
     precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(kind, "32-true")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fabric = Fabric(accelerator="cuda", devices=local_world, strategy="ddp", precision=precision)

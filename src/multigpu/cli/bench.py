@@ -46,7 +46,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     a("--batch-size", default="128", metavar="B[,B...]",
       help="samples per GPU per step, one or several (default 128)")
     a("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
-      help="auto = bf16 on GPUs that have it, else fp32 (default auto)")
+      help="auto = bf16 on GPUs that have it, else fp32; fp32 for lstm and tst (default auto)")
     a("--gpus", default="auto", metavar="N[,N...]",
       help="GPU counts to measure (CPU processes with --devices cpu:N); default 1,2,4,... up to all")
     variants = ", ".join(f"{name} ({v.about})" for name, v in DDP_VARIANTS.items())

@@ -125,7 +125,7 @@ def _train_checks(args):
         findings.append(Finding("ok", "batch size", f"--batch-size auto: the checks below use "
                                                     f"{AUTO_PROBE_BATCH} per GPU; 'batch fit' is the size "
                                                     "auto picks on this GPU", trap=2))
-    findings += setup_checks.precision_findings(cfg.precision, plan)
+    findings += setup_checks.precision_findings(cfg.precision, plan, cfg.model)
     findings += _plan_checks(cfg, plan)
     if not args.no_step and not any(f.level == "fail" for f in findings):
         from multigpu.doctor.probe import probe_findings

@@ -90,8 +90,9 @@ def device_findings(spec: str, *, one_process: bool, min_free_memory_gb: float):
     return found, plan
 
 
-def precision_findings(kind: str, plan) -> list[Finding]:
-    """bf16 where the GPUs compute it natively; fp16 with its scaler; fp32 on CPUs."""
+def precision_findings(kind: str, plan, model: str = "") -> list[Finding]:
+    """bf16 where the GPUs compute it natively; fp16 with its scaler; fp32 on CPUs and for the
+    small sequence models (precision.for_model)."""
     if plan is None:
         return []
     if plan.accelerator == "cpu":
@@ -102,6 +103,11 @@ def precision_findings(kind: str, plan) -> list[Finding]:
         return [Finding("ok", "precision", "fp32 on CPU processes")]
     import torch
 
+    from multigpu.precision import for_model
+
+    if kind == "auto" and for_model(kind, model) == "fp32":
+        return [Finding("ok", "precision", f"--precision auto is fp32 for {model}: its small steps "
+                                           "are faster without bf16 autocast")]
     names = set(plan.gpu_names) or {"the GPU"}
     old = [i for i in plan.gpu_ids if torch.cuda.get_device_capability(i) < (8, 0)]
     if kind == "bf16" and old:
