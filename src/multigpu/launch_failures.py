@@ -125,14 +125,16 @@ def _error_text(data: dict) -> str | None:
 
 
 def report_child_failed(exc, log_dir: str, node: str | None = None,
-                        on_usage_error: Callable[[], None] | None = None) -> int:
+                        on_usage_error: Callable[[], None] | None = None, since: float | None = None) -> int:
     """Print which rank failed first and its traceback; return the exit code to use. The ranks
-    are global ranks; `node` names this node in a launch of several ('node 1 (host)'). When the
+    are global ranks; `node` names this node in a launch of several ('node 1 (host)'); `since`:
+    when the launch began (time.time()), to tell its logs from earlier launches'. When the
     failure is bad input said in one line (see _usage_error), only that line is printed and
     `on_usage_error` is called: the logs then hold nothing more than that line. Pass it only for
     workers that are multigpu's own commands (exit 2: they said a `multigpu: error:` line)."""
     failures = list(exc.failures.items())  # in the order the agent saw them fail
-    texts = {rank: _failure_text(f, log_dir) for rank, f in failures}
+    launch = _launch_folders(log_dir, [f for _, f in failures], since)
+    texts = {rank: _failure_text(f, launch) for rank, f in failures}
     hang = next((texts[r] for r, f in failures if f.exitcode == watchdog.EXIT_HANG and texts[r]
                  and texts[r].startswith(watchdog.HANG_HEADER)), None)
     if hang is not None:
@@ -158,7 +160,7 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     usage = _usage_error(failures, texts, ours=on_usage_error is not None)
     if usage is not None:  # bad input: one line, as in one process (rank 0's is on the console)
         line, said = usage
-        every_rank_shown = bool(_stderr_logs(log_dir, 0))  # --tee: rank 0 logged, all on the console
+        every_rank_shown = bool(_stderr_logs(launch, 0))  # --tee: rank 0 logged, all on the console
         if not said and line and not every_rank_shown:
             print(line, file=sys.stderr, flush=True)
         if on_usage_error is not None:
@@ -169,7 +171,7 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     what = _how(first).replace("exit", "exit code")
     on = f" on {node}" if node else ""
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
-    logged = _stderr_logs(log_dir, first.local_rank)
+    logged = _stderr_logs(launch, first.local_rank)
     # Local rank 0 without --tee writes to the console, unless its error was left to this report.
     if not logged and not left_to_the_report(texts[rank], ours=on_usage_error is not None):
         lines.append("its traceback is in its output above")
@@ -213,11 +215,11 @@ def _echo(failure, text: str | None) -> bool:
     return failure.exitcode == -signal.SIGTERM or is_echo(text)
 
 
-def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:
+def _failure_text(failure, launch: list[Path], max_lines: int = 60) -> str | None:
     """The error a failed rank left: its error file (multigpu's workers and @record write one)
     or the end of its stderr log; from its last traceback on, at most `max_lines` lines."""
     text = _error_text(getattr(failure, "error_file_data", None) or {})
-    if text is None and (logs := _stderr_logs(log_dir, failure.local_rank)):
+    if text is None and (logs := _stderr_logs(launch, failure.local_rank)):
         text = logs[-1].read_text(errors="replace")
     text = (text or "").rstrip()
     if text.startswith(watchdog.HANG_HEADER):  # the watchdog's summary: a line per rank, whole
@@ -227,9 +229,26 @@ def _failure_text(failure, log_dir: str, max_lines: int = 60) -> str | None:
     return "\n".join(lines[-max_lines:]) or None
 
 
-def _stderr_logs(log_dir: str, local_rank: int) -> list[Path]:
-    """stderr.log files of a local rank, oldest attempt first (none: it wrote to the console)."""
-    return sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"),
+def _launch_folders(log_dir: str, failures: list, since: float | None) -> list[Path]:
+    """The folders of this launch's logs under log_dir (torchrun's <run id>_<suffix>/, holding
+    attempt_<n>/<local rank>/). Where a failed rank left an error file, its path names the folder
+    (torch keeps the path only where the file exists); else the folders made or written to since
+    the launch began at `since` (time.time()); else every one. A run resumed in its folder has the
+    earlier launches' logs beside this one's: another launch's --tee must not count."""
+    named = {Path(f.error_file).parents[2] for f in failures
+             if Path(str(getattr(f, "error_file", ""))).name == "error.json"
+             and Path(f.error_file).parent.parent.name.startswith("attempt_")}
+    if named:
+        return sorted(named)
+    folders = sorted(p for p in Path(log_dir).glob("*") if p.is_dir())
+    ours = [p for p in folders if since is not None and p.stat().st_mtime >= since - 1]
+    return ours or folders
+
+
+def _stderr_logs(launch: list[Path], local_rank: int) -> list[Path]:
+    """stderr.log files of a local rank in this launch's folders, oldest attempt first (none: it
+    wrote to the console)."""
+    return sorted((p for folder in launch for p in folder.glob(f"attempt_*/{local_rank}/stderr.log")),
                   key=lambda p: p.stat().st_mtime)
 
 

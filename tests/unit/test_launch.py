@@ -293,6 +293,40 @@ def test_bad_input_is_one_line_when_the_other_ranks_only_echo_it(
         assert cleaned == [] and "failed first" in err and f"logs of every rank: {tmp_path}" in err
 
 
+def test_an_earlier_launch_s_tee_logs_in_the_same_folder_do_not_hide_this_launch_s_error(tmp_path, capsys):
+    """A run resumed in its folder: the first launch used --tee (rank 0's output logged too);
+    this one did not, and rank 1 met bad input while rank 0 was stopped by the agent. Rank 1's
+    line is not on the console: the report must print it."""
+    import os
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    earlier = tmp_path / "multigpu-1_aa" / "attempt_0"
+    for rank in (0, 1):
+        (earlier / str(rank)).mkdir(parents=True)
+        (earlier / str(rank) / "stderr.log").write_text("epoch 1 ...\n")
+    hour_ago = time.time() - 3600
+    os.utime(tmp_path / "multigpu-1_aa", (hour_ago, hour_ago))
+    began = time.time()
+    now = tmp_path / "multigpu-2_bb" / "attempt_0"
+    (now / "1").mkdir(parents=True)
+    (now / "1" / "stderr.log").write_text("multigpu: error: cannot read image 'x.png'\n")
+    failures = {1: ProcessFailure(1, 101, 2, str(now / "1" / "error.json")),
+                0: ProcessFailure(0, 100, -15, str(now / "0" / "error.json"))}
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
+                                               on_usage_error=lambda: None, since=began)
+    assert (code, capsys.readouterr().err) == (2, "multigpu: error: cannot read image 'x.png'\n")
+    # Rank 1's error file (multigpu's workers write one) names this launch's folder: no clock needed.
+    (now / "1" / "error.json").write_text('{"message": "multigpu: error: cannot read image \'x.png\'"}')
+    os.utime(tmp_path / "multigpu-2_bb", (hour_ago, hour_ago))
+    failures = {1: ProcessFailure(1, 101, 2, str(now / "1" / "error.json")),
+                0: ProcessFailure(0, 100, -15, str(now / "0" / "error.json"))}
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path),
+                                               on_usage_error=lambda: None)
+    assert (code, capsys.readouterr().err) == (2, "multigpu: error: cannot read image 'x.png'\n")
+
+
 def test_a_usage_error_naming_a_timeout_is_one_line_and_said_once_with_tee(tmp_path, capsys):
     """Every rank said the same line (which names a timeout: not an echo for that); with --tee
     every rank's output, rank 0's too, is on the console already: nothing more is printed."""
