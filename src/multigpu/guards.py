@@ -342,14 +342,21 @@ def input_bound(share: float, epoch_seconds: float) -> bool:
     return share >= INPUT_BOUND and share * epoch_seconds >= INPUT_BOUND_SECONDS
 
 
-def input_bound_note(epoch: int, share: float, workers: int, *, one_gather: bool,
+def input_bound_note(epoch: int, share: float, workers: int, *, cores: int, one_gather: bool,
                      gpu_decode_left: bool) -> str:
     """What to try for an input-bound epoch (input_bound): the loader, not the training step, set
-    the pace. `one_gather`: each batch is one gather in the training process (timeseries: data
-    without workers), which a larger batch makes cheaper per sample; `gpu_decode_left`: folder:
-    JPEGs the loader workers decode where --decode gpu works."""
+    the pace. `cores`: the CPU cores of one training process; `one_gather`: each batch is one
+    gather in the training process (timeseries: data without workers), which a larger batch makes
+    cheaper per sample; `gpu_decode_left`: folder: JPEGs the loader workers decode where --decode
+    gpu works."""
     fixes = ["--decode gpu (JPEGs decoded on the GPUs)"] if gpu_decode_left else []
-    fixes.append("a larger --batch-size (each batch is one gather in the training process)" if one_gather
-                 else f"more --workers than {workers} per process where cores are free")
+    if one_gather:
+        fixes.append("a larger --batch-size (each batch is one gather in the training process)")
+    elif workers + 1 < cores:
+        fixes.append(f"more --workers than {workers} per process ({cores} cores each)")
+    else:
+        fixes.append(f"files that cost less to read and decode (smaller images), or more CPU cores: "
+                     f"the training process and its {workers} loader workers use the "
+                     f"{cores} core{'s' if cores > 1 else ''} of each process already")
     return (f"epoch {epoch} waited {share:.0%} of its time for the next batch: the input, not the "
             f"training step, sets the pace; try {' or '.join(fixes)}")

@@ -77,7 +77,8 @@ def add_launch_arguments(parser) -> None:
     g.add_argument("--tee", action="store_true",
                    help="show every rank's output, prefixed with [rankN] (default: rank 0 only)")
     g.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="where per-rank logs go (default runs/logs/<time>-<pid>)")
+                   help="where per-rank logs go (default: the run folder's logs/ for multigpu "
+                        "train, runs/logs/<time>-<pid> for multigpu run)")
     g.add_argument("--hang-timeout", type=float, default=watchdog.DEFAULT_HANG_TIMEOUT,
                    metavar="SECONDS",
                    help="when no rank has made progress for this long, write every rank's stack, "
@@ -311,12 +312,13 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
         args = torchrun.get_args_parser().parse_args(argv)
         if on_usage_error is not None:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
+        began = time.time()
         try:
             torchrun.run(args)
             return 0
         except ChildFailedError as exc:
             return report_child_failed(exc, log_dir, node=_node_name(opts),
-                                       on_usage_error=on_usage_error)
+                                       on_usage_error=on_usage_error, since=began)
         except SignalException as exc:
             at_once = _kill_workers_left() or signals.signals > 1
             err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"

@@ -129,6 +129,22 @@ def nothing_trained(path: Path, logs: bool = False) -> bool:
     return True
 
 
+def finished_checkpoint(path: Path, epochs: int) -> tuple[Path, int] | None:
+    """(the newest complete checkpoint, the epochs it trained) of a run that trained all its
+    `epochs` (the checkpoint records the run past its last epoch); None while any epoch is left,
+    or when the folder's checkpoints cannot be read."""
+    from multigpu.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(path / "checkpoints")
+    try:
+        entries = store.entries() if store.folder.is_dir() else []
+    except UsageError:  # a damaged manifest (CheckpointError): not known to be finished
+        return None
+    if entries and int(entries[-1].run.get("epoch", 0)) > epochs:
+        return store.folder / entries[-1].file, int(entries[-1].run["epoch"]) - 1
+    return None
+
+
 def remove_untrained(path: Path, up_to: Path, keep: bool = False) -> None:
     """Remove a folder for which nothing_trained() holds, and the empty folders above it that
     this run made (up to `up_to`, the outermost one); `keep`: only what the run wrote in it (a

@@ -91,13 +91,18 @@ def make_scheduler(cfg: TrainConfig, optimizer):
     return None
 
 
+def cores_per_process(rt: Runtime) -> int:
+    """The CPU cores this process may use, shared out among the node's training processes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(rt.env.local_world_size, 1))
+
+
 def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
     if cfg.workers is not None:
         return cfg.workers
     if cfg.data.startswith(IN_MEMORY_DATA):
         return 0  # tensors already in memory: worker processes would only add IPC
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS, cores // max(rt.env.local_world_size, 1) - 1))
+    return max(1, min(MAX_WORKERS, cores_per_process(rt) - 1))
 
 
 def make_loader(dataset, batch_size: int, shuffle: bool, workers: int,

@@ -39,8 +39,8 @@ from multigpu.precision import for_model
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
 from multigpu.timeline import Timeline
-from multigpu.training import (Job, build_job, learning_rate, loader_workers, oom_message,
-                               strategy_options, resolved_config)
+from multigpu.training import (Job, build_job, cores_per_process, learning_rate, loader_workers,
+                               oom_message, strategy_options, resolved_config)
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -158,6 +158,9 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
              if run.position else f"after epoch {run.completed_epochs}")
     console.info(f"resumed from {point.path} ({where}, step {run.global_step}; saved by "
                  f"{point.state.get('world_size')} x {point.state.get('strategy')})")
+    if run.completed_epochs >= cfg.epochs:
+        console.info(f"the run is complete ({run.completed_epochs} of {cfg.epochs} epochs): nothing "
+                     f"left to train; a larger --epochs trains on from here")
     return run
 
 
@@ -268,7 +271,9 @@ def _save_or_stop(rt, saver, control, at: RunState, last, stop: str | None, out:
         if stop == "launcher gone":
             mark_failed()  # its rendezvous store is gone too: do not meet there before exiting
         why = f"by {stop}" if stop.startswith("SIG") else f"({stop})"
-        raise Stopped(f"stopped {why} at epoch {at.epoch}, step {at.global_step}: checkpoint "
+        where = (f"in epoch {at.epoch}, {at.position} samples in" if at.position
+                 else f"after epoch {at.completed_epochs}")  # as a resume says it
+        raise Stopped(f"stopped {why} {where}, step {at.global_step}: checkpoint "
                       f"{path} is complete; run the same command with --resume {out} to go on",
                       exit_code=_exit_code(stop))
 
@@ -309,7 +314,8 @@ def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | 
     workers = loader_workers(cfg, rt)
     gpu_decode_left = (cfg.data.startswith("folder:") and not getattr(job.data.train, "on_gpu", False)
                        and gpu_images.gpu_decode_problem(rt.device) is None)
-    return input_bound_note(record["epoch"], share, workers, gpu_decode_left=gpu_decode_left,
+    return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt),
+                            gpu_decode_left=gpu_decode_left,
                             one_gather=cfg.data.startswith("timeseries:") and workers == 0)
 
 
@@ -328,7 +334,7 @@ def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
 
 
 def _wait_text(share: float) -> str:
-    return f"  {share:.0%} waiting for input" if share >= 0.01 else ""
+    return f"  {share:.0%} waiting for data" if share >= 0.01 else ""
 
 
 def _on_rank0(rt: Runtime, work):

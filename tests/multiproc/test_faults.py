@@ -8,6 +8,7 @@ The random moments come from a seeded generator; its draws are in the assertion 
 import csv
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -158,7 +159,8 @@ def stopped(tmp_path_factory, reference) -> tuple[Path, str]:
 def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal(stopped, reference, tmp_path):
     folder, output = stopped
     assert "SIGTERM: finishing this step, then saving a checkpoint" in output
-    assert "stopped by SIGTERM at epoch" in output and "is complete; run the same command with --resume" in output
+    assert re.search(r"stopped by SIGTERM (in epoch \d+, \d+ samples in|after epoch \d+), step \d+: checkpoint ",
+                     output) and "is complete; run the same command with --resume" in output
     assert "Received 15 death signal" not in output
     out = tmp_path / "run"
     shutil.copytree(folder, out)
@@ -210,6 +212,33 @@ def test_kill_9_of_a_worker_at_random_moments_restarts_and_ends_equal(reference,
             f"{next((out / 'logs').glob(f'*/attempt_{k - 1}'))}"), stderr[-3000:]
     check_epochs(out)
     assert_same_weights(reference, out, f"kills {kills}")
+
+
+@pytest.mark.parametrize("who, sig", [("launcher", signal.SIGINT), ("rank 0", signal.SIGKILL)])
+def test_a_signal_while_the_finished_ranks_exit_is_a_finished_run_but_a_rank_s_death_is_not(
+        tmp_path, who, sig):
+    """A signal as soon as rank 0 printed its time: line (every epoch and the last checkpoint
+    done; the ranks only exiting). Ctrl-C to the launcher: exit 0 and the run's end said, not
+    "stopped". A rank killed then (the OOM killer's SIGKILL) still fails the launch: 137."""
+    out = tmp_path / "run"
+    proc = start(out, "--epochs", "1")
+    for line in proc.stdout:
+        if line.startswith("time: "):
+            target = psutil.Process(proc.pid) if who == "launcher" else next(
+                w for w in workers_of(proc) if w.environ().get("RANK") == "0")
+            target.send_signal(sig)
+            break
+    else:
+        pytest.fail("no time: line")
+    stdout, stderr = finish(proc)
+    said = ("multigpu train: the run had finished before the signal (1 epochs trained, "
+            f"{out / 'checkpoints' / 'step-000000188.pt'} complete): exit 0")
+    if who == "launcher":
+        assert proc.returncode == 0 and said in stdout, stdout + stderr
+    else:
+        assert proc.returncode == 128 + signal.SIGKILL and said not in stdout, stdout + stderr
+        assert "rank 0 failed first (signal SIGKILL" in stderr
+    assert [m["epoch"] for m in read_metrics(out)] == [1]
 
 
 def test_a_crash_without_restarts_names_the_rank_and_keeps_the_logs_it_points_at(tmp_path):

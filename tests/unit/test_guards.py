@@ -284,11 +284,12 @@ def test_an_input_bound_epoch_is_one_that_waited_a_large_share_and_at_least_a_se
 def test_an_input_bound_epoch_is_named_with_fixes_that_fit_its_data():
     from multigpu.guards import input_bound_note
 
-    assert input_bound_note(2, 0.41, 15, one_gather=False, gpu_decode_left=True) == (
+    assert input_bound_note(2, 0.41, 14, cores=16, one_gather=False, gpu_decode_left=True) == (
         "epoch 2 waited 41% of its time for the next batch: the input, not the training step, sets "
-        "the pace; try --decode gpu (JPEGs decoded on the GPUs) or more --workers than 15 per "
-        "process where cores are free")
-    assert input_bound_note(3, 0.5, 0, one_gather=False, gpu_decode_left=False).endswith(
-        "try more --workers than 0 per process where cores are free")
-    assert input_bound_note(3, 0.5, 0, one_gather=True, gpu_decode_left=False).endswith(
+        "the pace; try --decode gpu (JPEGs decoded on the GPUs) or more --workers than 14 per "
+        "process (16 cores each)")
+    assert input_bound_note(3, 0.5, 1, cores=2, one_gather=False, gpu_decode_left=False).endswith(
+        "try files that cost less to read and decode (smaller images), or more CPU cores: the "
+        "training process and its 1 loader workers use the 2 cores of each process already")
+    assert input_bound_note(3, 0.5, 0, cores=2, one_gather=True, gpu_decode_left=False).endswith(
         "try a larger --batch-size (each batch is one gather in the training process)")

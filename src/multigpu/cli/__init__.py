@@ -32,8 +32,19 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes (a value not among the choices, a missing or malformed
+    argument) are one line and exit 2, like every other bad input, not the usage block."""
+
+    def error(self, message: str):
+        where = "" if self.prog == "multigpu" else f"{self.prog}: "
+        print(f"multigpu: error: {where}{message}; {self.prog} --help lists the options",
+              file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="multigpu",
         description="Train PyTorch models on one GPU, all GPUs of a machine, or several machines.",
     )
@@ -116,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         before = command in argv and unknown[0] in argv and argv.index(unknown[0]) < argv.index(command)
         print(unknown_option_message(parser, None if before else command, unknown[0]), file=sys.stderr)
         return 2
-    if unknown:  # a stray positional: argparse's own message, with the usage
-        parser.parse_args(argv)
+    if unknown:  # a stray positional (or -x): named with the command it was given to
+        prog = f"multigpu {args.command}" if getattr(args, "command", None) else "multigpu"
+        print(f"multigpu: error: {prog}: unexpected argument {unknown[0]!r}; {prog} --help lists "
+              "the options", file=sys.stderr)
+        return 2
     args.started_at = started
     if not getattr(args, "_main", None):
         parser.print_help()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -87,6 +88,23 @@ _EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 
              "min_free_memory": 2, "workers": 4, "batch_size": 64, "image_size": 224}
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+
+def _finished_before_the_signal(code: int, out, epochs: int) -> int:
+    """A launch stopped by a stop signal (exit 128 + N: Ctrl-C, a scheduler's SIGTERM) while its
+    ranks were only exiting, every epoch and the last checkpoint complete, finished: exit 0,
+    saying so. A rank's own death by a signal (SIGKILL, SIGSEGV, SIGABRT) keeps its code."""
+    from multigpu import runfolder
+
+    if code - 128 not in STOP_SIGNALS or (done := runfolder.finished_checkpoint(out, epochs)) is None:
+        return code
+    last, trained = done
+    console.info(f"multigpu train: the run had finished before the signal ({trained} epochs "
+                 f"trained, {last} complete): exit 0")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     from multigpu.doctor.setup_checks import refuse_stale_worker_env
     from multigpu.launch import in_worker, launch, options_from_args, python_command
@@ -121,10 +139,11 @@ def main(args: argparse.Namespace) -> int:
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
         try:  # bad input the workers found is said in one line (on_usage_error), and so is ours
-            return launch(argv, plan, opts, python=False, on_usage_error=clean_up)
+            code = launch(argv, plan, opts, python=False, on_usage_error=clean_up)
         except UsageError:
             clean_up()
             raise
+        return _finished_before_the_signal(code, out, cfg.epochs)
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
     from multigpu.trainloop import run_training
