@@ -3,7 +3,8 @@
 
     log = RunLog.open(cfg, rt, out, config, resume_step)   # a no-op on the other ranks
     log.step(step, epoch, cursor, optimizer)    # after each optimizer step: cheap unless due
-    log.epoch(step, record)                     # after metrics.jsonl got the epoch's line
+    log.epoch(step, record)                     # the epoch's record, before its checkpoint
+    log.metrics_written()                       # after metrics.jsonl got the epoch's line
     log.close()                                 # also when the run stops or fails
 
 Per step (TensorBoard tags, steps.csv columns): train/loss (rank 0's mean over the steps since
@@ -71,12 +72,16 @@ class RunLog:
         self._window = (cursor, loss_sum, cursor.local_samples, cursor.position, now)
 
     def epoch(self, step: int, record: dict) -> None:
+        """The epoch's record to the loggers, flushed (before its checkpoint is saved)."""
         if self.logs is None:
             return
         self.logs.log(step, {tag: record[k] for k, tag in EPOCH_TAGS.items() if k in record},
                       per_epoch=True)
         self.logs.flush()
-        if "csv" in self.names:
+
+    def metrics_written(self) -> None:
+        """metrics.csv again from metrics.jsonl, once the epoch's line is there."""
+        if self.out is not None and "csv" in self.names:
             runfolder.write_metrics_csv(self.out)
 
     def close(self, *, draw: bool = True) -> None:

@@ -210,14 +210,18 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         score = record["val_accuracy"] if job.classification else -record["val_loss"]
         improved = run.best is None or score > run.best
         run = RunState(epoch + 1, 0, base + steps, best=score if improved else run.best)
+        # The loggers get the epoch before its checkpoint: a kill once the checkpoint is complete
+        # cannot lose them (a resume from it keeps every point up to its step), one before it
+        # resumes earlier and drops them (purge) to log them again.
+        log.epoch(run.global_step, record)
         saver.save(run, metrics=record, best=improved)
         clock.add("checkpoints", saver.pause)
         control.saved(run.global_step)
         _report(rt, out, record, job.classification)
+        log.metrics_written()
         if rt.is_main and epoch > first and not warned_input and (note := _input_note(cfg, rt, job, record)):
             console.warn(note)
             warned_input = True  # once a run
-        log.epoch(run.global_step, record)
         last = record
         if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
             _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)

@@ -241,6 +241,20 @@ def test_a_signal_while_the_finished_ranks_exit_is_a_finished_run_but_a_rank_s_d
     assert [m["epoch"] for m in read_metrics(out)] == [1]
 
 
+def test_kill_9_the_moment_an_epoch_s_checkpoint_is_complete_loses_none_of_its_logs(reference, tmp_path):
+    """The end of epoch 1's checkpoint (step 188) complete, rank 0 killed at once: the restart
+    resumes from it, and the epoch's scalars were logged before it (TensorBoard keeps every point
+    up to the step it resumes from), so every epoch's val/loss is there once."""
+    out = tmp_path / "killed"
+    proc = start(out, "--max-restarts", "1", "--checkpoint-every", "0")  # epoch ends only
+    assert wait_for_checkpoint(out, proc) == 188
+    next(w for w in workers_of(proc) if w.environ().get("RANK") == "0").kill()
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout and "(after epoch 1, step 188;" in stdout, stdout[-2000:]
+    check_epochs(out)
+
+
 def test_a_crash_without_restarts_names_the_rank_and_keeps_the_logs_it_points_at(tmp_path):
     # Killed mid-training, as by the OOM killer: the other rank then fails on the lost
     # connection (the echo); the report blames the killed one.
