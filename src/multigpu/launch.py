@@ -165,6 +165,13 @@ def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: R
 STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
+def stopped_by_signal(code: int) -> bool:
+    """Whether launch()'s exit code says one of the stop signals it handles stopped it (128 + N),
+    not a rank's own death by a signal (SIGKILL, SIGSEGV, SIGABRT)."""
+    names = {s.value: s.name for s in signal.Signals}
+    return code > 128 and names.get(code - 128) in STOP_SIGNALS.split(",")
+
+
 def _torchrun_has(option: str) -> bool:
     import torch.distributed.run as torchrun
 

@@ -235,9 +235,9 @@ def _launch_folders(log_dir: str, failures: list, since: float | None) -> list[P
     (torch keeps the path only where the file exists); else the folders made or written to since
     the launch began at `since` (time.time()); else every one. A run resumed in its folder has the
     earlier launches' logs beside this one's: another launch's --tee must not count."""
-    named = {Path(f.error_file).parents[2] for f in failures
-             if Path(str(getattr(f, "error_file", ""))).name == "error.json"
-             and Path(f.error_file).parent.parent.name.startswith("attempt_")}
+    files = [Path(str(getattr(f, "error_file", ""))) for f in failures]
+    named = {p.parent.parent.parent for p in files
+             if p.name == "error.json" and p.parent.parent.name.startswith("attempt_")}
     if named:
         return sorted(named)
     folders = sorted(p for p in Path(log_dir).glob("*") if p.is_dir())

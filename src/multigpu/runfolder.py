@@ -134,14 +134,16 @@ def finished_checkpoint(path: Path, epochs: int) -> tuple[Path, int] | None:
     `epochs` (the checkpoint records the run past its last epoch); None while any epoch is left,
     or when the folder's checkpoints cannot be read."""
     from multigpu.checkpoint_store import CheckpointStore
+    from multigpu.runstate import RunState
 
     store = CheckpointStore(path / "checkpoints")
     try:
         entries = store.entries() if store.folder.is_dir() else []
     except UsageError:  # a damaged manifest (CheckpointError): not known to be finished
         return None
-    if entries and int(entries[-1].run.get("epoch", 0)) > epochs:
-        return store.folder / entries[-1].file, int(entries[-1].run["epoch"]) - 1
+    run = RunState(**entries[-1].run) if entries else None
+    if run is not None and run.completed_epochs >= epochs:
+        return store.folder / entries[-1].file, run.completed_epochs
     return None
 
 

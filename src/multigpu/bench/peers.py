@@ -43,12 +43,17 @@ def _local_device(accelerator: str) -> torch.device:
     return device
 
 
+def _precision(task: Task, device: torch.device) -> str:
+    """The precision a peer runs `task` in: as multigpu's methods resolve it."""
+    return resolve_precision(for_model(task.precision, task.model), device)
+
+
 def build_ddp(task: Task, accelerator: str) -> Prepared:
     device = _local_device(accelerator)
     cuda = device.type == "cuda"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    kind = resolve_precision(for_model(task.precision, task.model), device)
+    kind = _precision(task, device)
     channels_last = cuda and is_convnet(task.model)
     model = torch.nn.parallel.DistributedDataParallel(
         _model(task, channels_last).to(device), device_ids=[device.index] if cuda else None)
@@ -81,7 +86,7 @@ def build_accelerate(task: Task, accelerator: str) -> Prepared:
     from accelerate import Accelerator
 
     device = _local_device(accelerator)
-    kind = resolve_precision(for_model(task.precision, task.model), device)
+    kind = _precision(task, device)
     acc = Accelerator(mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(kind, "no"))
     channels_last = acc.device.type == "cuda" and is_convnet(task.model)
     model = _model(task, channels_last)
@@ -101,7 +106,7 @@ def build_fabric(task: Task, accelerator: str) -> Prepared:
         from lightning_fabric import Fabric
 
     device = _local_device(accelerator)
-    kind = resolve_precision(for_model(task.precision, task.model), device)
+    kind = _precision(task, device)
     precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(kind, "32-true")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fabric = Fabric(accelerator="cuda", devices=local_world, strategy="ddp", precision=precision)

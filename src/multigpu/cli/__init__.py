@@ -32,14 +32,18 @@ COMMANDS = {
 }
 
 
+def _parse_error(prog: str, message: str) -> str:
+    """The one line for a command line argparse cannot take, naming the command it was given to."""
+    where = "" if prog == "multigpu" else f"{prog}: "
+    return f"multigpu: error: {where}{message}; {prog} --help lists the options"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose mistakes (a value not among the choices, a missing or malformed
     argument) are one line and exit 2, like every other bad input, not the usage block."""
 
     def error(self, message: str):
-        where = "" if self.prog == "multigpu" else f"{self.prog}: "
-        print(f"multigpu: error: {where}{message}; {self.prog} --help lists the options",
-              file=sys.stderr)
+        print(_parse_error(self.prog, message), file=sys.stderr)
         sys.exit(2)
 
 
@@ -129,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if unknown:  # a stray positional (or -x): named with the command it was given to
         prog = f"multigpu {args.command}" if getattr(args, "command", None) else "multigpu"
-        print(f"multigpu: error: {prog}: unexpected argument {unknown[0]!r}; {prog} --help lists "
-              "the options", file=sys.stderr)
+        print(_parse_error(prog, f"unexpected argument {unknown[0]!r}"), file=sys.stderr)
         return 2
     args.started_at = started
     if not getattr(args, "_main", None):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -88,16 +87,14 @@ _EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 
              "min_free_memory": 2, "workers": 4, "batch_size": 64, "image_size": 224}
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
-
-
 def _finished_before_the_signal(code: int, out, epochs: int) -> int:
-    """A launch stopped by a stop signal (exit 128 + N: Ctrl-C, a scheduler's SIGTERM) while its
-    ranks were only exiting, every epoch and the last checkpoint complete, finished: exit 0,
-    saying so. A rank's own death by a signal (SIGKILL, SIGSEGV, SIGABRT) keeps its code."""
+    """A launch stopped by a stop signal (launch.stopped_by_signal: Ctrl-C, a scheduler's
+    SIGTERM) while its ranks were only exiting, every epoch and the last checkpoint complete,
+    finished: exit 0, saying so. A rank's own death by a signal keeps its code."""
     from multigpu import runfolder
+    from multigpu.launch import stopped_by_signal
 
-    if code - 128 not in STOP_SIGNALS or (done := runfolder.finished_checkpoint(out, epochs)) is None:
+    if not stopped_by_signal(code) or (done := runfolder.finished_checkpoint(out, epochs)) is None:
         return code
     last, trained = done
     console.info(f"multigpu train: the run had finished before the signal ({trained} epochs "
