@@ -5,7 +5,8 @@
 The script runs as `python script.py ARGS` would run it: `__name__ == "__main__"`, `sys.argv`,
 the script's folder first on sys.path (the current folder for -m), its exceptions and exit status;
 a UsageError of multigpu's (a mistake the library names, with its fix) is one line and exit 2,
-its traceback only with MULTIGPU_DEBUG=1 (`multigpu --debug run ...`).
+its traceback only with MULTIGPU_DEBUG=1 (`multigpu --debug run ...`). Under `multigpu doctor`
+the script runs as a trial (trial.py): stopped after its first optimizer step(s).
 `-P` keeps the current folder off sys.path while multigpu itself is imported, so a file named
 multigpu.py beside the user's script (pytorch/examples has one) cannot shadow this package.
 """
@@ -16,19 +17,20 @@ import os
 import runpy
 import sys
 
-from multigpu import watchdog
+from multigpu import trial, watchdog
 from multigpu.errors import UsageError
 
 
 def main(argv: list[str]) -> None:
     watchdog.start_from_env()
+    on_trial = trial.start_from_env()
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
     ended = {"clean": False}
     # At exit, after the script's own atexit handlers (last registered, first run) and after
     # Python has joined its non-daemon threads, which may still use the group.
     atexit.register(_finish_group, ended, *store)
     try:
-        _run(argv)
+        _run_watched(argv, on_trial)
     except SystemExit as exc:
         ended["clean"] = exc.code in (None, 0)
         raise
@@ -58,6 +60,19 @@ def _finish_group(ended: dict, addr: str | None, port: str | None) -> None:
         destroy_distributed(wait_for_peers=ended["clean"], store=(addr, port))
     except Exception as exc:  # noqa: BLE001 - a teardown problem must not fail a finished rank
         print(f"multigpu: note: tearing down the script's process group: {exc}", file=sys.stderr)
+
+
+def _run_watched(argv: list[str], on_trial) -> None:
+    """The script; under a doctor's trial, its end (or error) before the trial's last step is
+    written for the doctor."""
+    if on_trial is None:
+        return _run(argv)
+    try:
+        _run(argv)
+    except BaseException as exc:
+        on_trial.ended(exc)
+        raise
+    on_trial.ended(None)
 
 
 def _run(argv: list[str]) -> None:

@@ -136,3 +136,120 @@ def test_a_module_is_read_like_a_script_and_a_missing_resume_fails_as_train_says
     assert resume.returncode == 1
     [line] = [line for line in resume.stdout.splitlines() if line.startswith("fail")]
     assert line.startswith("fail  options") and "nope" in line
+
+
+def checks(stdout: str) -> dict[str, str]:
+    """check name -> its line (the last one of that name), from the columns doctor prints."""
+    return {line[6:20].strip(): line for line in stdout.splitlines()
+            if line[:4].strip() in ("ok", "warn", "fail")}
+
+
+DDP_SCRIPT = """\
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+        self.body = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.body(self.head(x))
+
+
+dist.init_process_group("gloo")
+open(f"started-{dist.get_rank()}.txt", "w").write(str(os.getpid()))
+ds = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+sampler = DistributedSampler(ds)
+loader = DataLoader(ds, batch_size=4, sampler=sampler)
+model = DDP(Net())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(3):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+open("finished.txt", "w").write("done")
+dist.destroy_process_group()
+"""
+
+
+def doctor_script(tmp_path, source: str, *args):
+    """`multigpu doctor --devices cpu:2 ARGS -- train.py` on `source`, with a TMPDIR of its own."""
+    (tmp_path / "train.py").write_text(source)
+    (tmp_path / "tmp").mkdir()
+    return run_with({"TMPDIR": str(tmp_path / "tmp")}, "doctor", "--devices", "cpu:2", *args,
+                    "--", "train.py", cwd=tmp_path)
+
+
+def test_a_script_is_run_up_to_its_steps_on_two_ranks_then_stopped_with_nothing_left(tmp_path):
+    import psutil
+
+    proc = doctor_script(tmp_path, DDP_SCRIPT, "--steps", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = checks(proc.stdout)
+    assert found["script run"].startswith("ok    script run     ran on 2 ranks up to optimizer step 3 (")
+    assert found["script run"].endswith(" s), then stopped it: nothing after that step ran")
+    assert found["unused params"] == ("ok    unused params  every trainable parameter of the optimizer "
+                                      "got a gradient in its first step (trap 6)")
+    assert found["sampler"] == ("ok    sampler        train.py:28: the DataLoader is sharded "
+                                "(DistributedSampler): 8 batches per rank")
+    assert found["batch"] == ("ok    batch          4 samples per rank in the model's first forward; "
+                              "8 over the 2 ranks")
+    assert found["side effects"] == (f"ok    side effects   files the script wrote under {tmp_path} before it "
+                             "was stopped (new: started-0.txt, started-1.txt) are left as they are")
+    assert proc.stdout.splitlines()[-1] == "9 checks: 0 failed, 0 warnings"
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "finished.txt").exists(), "the script ran past its third step"
+    pids = [int((tmp_path / f"started-{r}.txt").read_text()) for r in (0, 1)]
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "a rank is still running"
+    assert not list((tmp_path / "tmp").glob("multigpu-doctor-*")), "the trial folder was left behind"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_module_unused_in_forward_is_named_from_the_first_step_and_fails(tmp_path):
+    proc = doctor_script(tmp_path, DDP_SCRIPT.replace("self.body(self.head(x))", "self.body(x)"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert checks(proc.stdout)["unused params"] == (
+        "fail  unused params  2 parameter(s) got no gradient in the first step: head.weight, "
+        "head.bias (module head); DDP stops at the next forward: remove the unused module, freeze "
+        "it (requires_grad_(False)), or DistributedDataParallel(model, find_unused_parameters=True) "
+        "(slower) (trap 6)")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "finished.txt").exists()
+
+
+def test_a_training_loader_without_a_distributed_sampler_is_named(tmp_path):
+    source = (DDP_SCRIPT.replace("sampler = DistributedSampler(ds)\n", "")
+              .replace("sampler=sampler)", "shuffle=True)").replace("    sampler.set_epoch(epoch)\n", ""))
+    proc = doctor_script(tmp_path, source)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert checks(proc.stdout)["sampler"] == (
+        "warn  sampler        train.py:26: the DataLoader has no DistributedSampler (RandomSampler): "
+        "each of the 2 ranks goes through all 64 samples (16 batches), repeating the others' work; "
+        "fix: DataLoader(ds, sampler=DistributedSampler(ds)) and sampler.set_epoch(epoch) each "
+        "epoch, or multigpu's rt.prepare(loader)")
+
+
+def test_a_library_script_refused_at_its_first_backward_is_a_failed_run(tmp_path):
+    from .test_library_scripts import SCRIPTS
+
+    proc = doctor_script(tmp_path, (SCRIPTS / "unused_parameter.py").read_text())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = checks(proc.stdout)
+    assert found["script run"] == (
+        "fail  script run     train.py:34: ranks 0, 1 failed before optimizer step 1: 2 parameter(s) "
+        "got no gradient in the first backward: initial.weight, initial.bias. DDP needs every "
+        "trainable parameter to take part in the loss: remove the unused module, freeze it "
+        "(requires_grad_(False)), or pass ddp=DDPOptions(find_unused_parameters=True) to setup() "
+        "(--find-unused-parameters)")
+    assert "unused params" not in found, "no step ran to judge it"
+    assert found["sampler"].startswith("ok    sampler        train.py:30: the DataLoader is sharded "
+                                       "(ShardedBatchSampler)")

@@ -2,13 +2,18 @@
 
     multigpu doctor --model resnet50 --data folder:./imgs --batch-size 256 --devices 4
     multigpu doctor --config run.yaml                 the checks of that `multigpu train` run
-    multigpu doctor --devices 2 -- train.py --lr 0.1  a script for `multigpu run`, read, not run
+    multigpu doctor --devices 2 -- train.py --lr 0.1  a script for `multigpu run`: read, then run
+                                                      up to its first optimizer step
     multigpu doctor --devices 2 -- -m pkg.train       the same for a module
 
 With train options it checks the launch environment, the devices, the precision, what the last
 step of each epoch will be, the validation set's sharding, and runs one real training and
 evaluation step on the first device: parameters without a gradient, peak memory, and the largest
-per-GPU batch that fits. With a script it reads the script's source for the traps a source shows.
+per-GPU batch that fits. With a script it reads the script's source for the traps a source shows,
+then runs it as `multigpu run` would, in the current folder, and stops every rank right after its
+first optimizer step (--steps N: the N-th): the parameters without a gradient, the training
+DataLoaders that are not sharded, the batch per rank and the peak memory, as the ranks saw them.
+What the script writes before that step stays (listed); nothing after it runs. --no-step: read only.
 Each line is ok, warn or fail, with the cause and the fix; the exit status is 1 when one failed.
 """
 from __future__ import annotations
@@ -36,7 +41,11 @@ def register(subparsers) -> argparse.ArgumentParser:
             action.required = False
     p.add_argument("--config", metavar="FILE", help="read the train settings from a YAML or JSON file")
     p.add_argument("--no-step", action="store_true",
-                   help="skip the real training step (memory, unused parameters, the batch that fits)")
+                   help="skip the real training step (memory, unused parameters, the batch that "
+                        "fits); with a script: read it, do not run it")
+    p.add_argument("--steps", type=int, default=1, metavar="N",
+                   help="with a script: run it up to its N-th optimizer step, then stop it "
+                        "(default 1)")
     p.add_argument("--no-batch-search", action="store_true",
                    help="skip the search for the largest batch that fits (GPUs only)")
     p.add_argument("--scaling", action="store_true",
@@ -56,6 +65,9 @@ def main(args: argparse.Namespace) -> int:
         script = script[1:]
     if script and args.model:
         raise UsageError("give either train options (--model ...) or a script after --, not both")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: give the optimizer steps to run a script for, 1 or "
+                         "more, e.g. --steps 1 (--no-step: read the script, do not run it)")
     if not script and not args.model:
         raise UsageError("--model is required to check a multigpu train run (e.g. --model "
                          "resnet18 --data ...); for a script: multigpu doctor -- train.py ARGS")
@@ -69,6 +81,7 @@ def _script_checks(args, script: list[str]):
     from multigpu.doctor.shell_checks import file_crlf_finding
     from multigpu.doctor.setup_checks import device_findings, launch_env_findings
 
+    given = script  # what the trial starts: a module stays a module (its relative imports)
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
         from multigpu.cli.run import module_source
 
@@ -95,7 +108,33 @@ def _script_checks(args, script: list[str]):
     for arg in script[1:]:  # a config or shell file handed to the script (trap 9)
         if os.path.isfile(arg) and (f := file_crlf_finding(Path(arg))) is not None:
             findings.append(f)
+    if not args.no_step and plan is not None:
+        findings += _script_trial(args, given, path, plan, failed=any(f.level == "fail" for f in findings))
     return findings
+
+
+def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
+    """The script run up to its --steps-th optimizer step on every device, as multigpu run
+    starts it; not when a check above failed (it would hang or crash) or for a shell script."""
+    from multigpu import devices, launch
+    from multigpu.cli.run import local_rank_args, script_command
+    from multigpu.doctor.findings import Finding
+    from multigpu.doctor.script_trial import trial_findings
+
+    if failed:
+        return [Finding("warn", "script run", "not run: a check above failed; fix it, then doctor "
+                                              "runs the script up to its first optimizer step")]
+    if script[0] == "-m":
+        cmd, rest = script[:2], script[2:]
+    else:
+        rest = script[1:]
+        cmd, python = script_command(path)
+        if not python:
+            return [Finding("ok", "script run", "not run: a shell script; doctor runs a Python "
+                                                "script or module given after --")]
+    cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args("auto", path))
+    devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
+    return trial_findings(cmd + rest, plan, args.steps)
 
 
 def _train_checks(args):
