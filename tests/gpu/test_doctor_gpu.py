@@ -68,3 +68,37 @@ def test_an_out_of_memory_run_ends_with_the_gpu_its_memory_and_the_fixes(tmp_pat
                     r"other processes [\d.]+ GiB\) with --batch-size 4096 per GPU", last), last
     assert "--batch-size auto" in last and "--batch-size 2048" in last
     assert "Traceback" not in proc.stderr
+
+
+GPU_SCRIPT = """\
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+held = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 0.25 GiB on each rank's GPU
+model = DDP(nn.Linear(64, 8).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(100):
+    model(torch.randn(32, 64, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+open("finished.txt", "w").write("done")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_doctor_runs_a_script_on_two_gpus_and_names_each_ranks_peak_memory(tmp_path):
+    (tmp_path / "train.py").write_text(GPU_SCRIPT)
+    proc = cli("doctor", "--devices", "2", "--min-free-memory", "0", "--", "train.py", cwd=tmp_path)
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    memory = next(line for line in proc.stdout.splitlines() if line.startswith("ok    memory"))
+    peaks = re.findall(r"rank (\d) ([\d.]+) of \d+ GiB on GPU (\d)", memory)
+    assert [(r, g) for r, _, g in peaks] == [("0", "0"), ("1", "1")], memory
+    assert all(float(p) >= 0.25 for _, p, _ in peaks), memory
+    assert "ran on 2 ranks up to optimizer step 1" in proc.stdout
+    assert not (tmp_path / "finished.txt").exists()
