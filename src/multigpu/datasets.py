@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from multigpu.data_specs import SPEC_FORMS, unknown_spec  # noqa: F401 (SPEC_FORMS: read from here too)
 from multigpu.errors import UsageError
 from multigpu.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
 
-SPEC_FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
 # Series shipped in multigpu/series/ (SOURCE.md there): `timeseries:NAME` reads them, not a file NAME.
 EMBEDDED_SERIES = ("co2", "macro")
 
@@ -100,7 +100,7 @@ def load_data(
     if sep and kind == "timeseries" and arg:
         seq = _positive(seq_length, "--seq-length")
         return _timeseries(arg, seq, _positive(future_length, "--future-length"))
-    raise UsageError(f"unknown data spec {spec!r}: use one of {SPEC_FORMS}")
+    raise unknown_spec(spec)
 
 
 def _positive(value: int, flag: str) -> int:

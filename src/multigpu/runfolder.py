@@ -33,7 +33,15 @@ _CLAIM = b'{"status": "starting"}\n'
 
 
 def default_out(model: str, data: str) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model.replace(':', '-')}-{data.split(':', 1)[0]}"
+    """runs/<time>-<model>-<data kind>: one folder right under runs/, whatever the names hold (a
+    path given as the data spec, a hub model's org/name): characters other than letters, digits,
+    `_`, `.` and `-` become `-`, and a part left empty or of dots only (`.`, `..`) is `data`."""
+    import re
+
+    def part(text: str, empty: str) -> str:
+        text = re.sub(r"[^\w.-]", "-", text).strip(".-")
+        return text or empty
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{part(model, 'model')}-{part(data.split(':', 1)[0], 'data')}"
 
 
 def out_for(cfg: "TrainConfig") -> str | None:

@@ -70,17 +70,41 @@ def image_size(cfg: TrainConfig) -> int | None:
     return (cfg.image_size or default_image_size(cfg.model)) if made else cfg.image_size
 
 
+# The optimizers --optimizer offers. Their fused CUDA kernels do one launch for all parameters
+# instead of several per tensor; torch's DTensor (fsdp's sharded parameters) has sharding rules for
+# the fused Adam and AdamW ops (torch/distributed/tensor/_ops/_pointwise_ops.py, torch 2.11 and
+# 2.13) but none for fused SGD's: `aten._fused_sgd_.default does not have a sharding strategy
+# registered`. The foreach kernels (a few launches per group of tensors) have rules for all three.
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+FUSED_ON_DTENSORS = frozenset({"adam", "adamw"})
+
+
+def kernel_options(optimizer: str, device_type: str, dtensors: bool) -> dict:
+    """The implementation `optimizer` steps with: fused on CUDA where the parameters' tensor type
+    can dispatch its fused op, foreach elsewhere. Where the parameters are decides, not the run's
+    device: fsdp's CPU offload keeps them on the CPU."""
+    if device_type == "cuda" and (not dtensors or optimizer in FUSED_ON_DTENSORS):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def holds_dtensors(params: list[torch.Tensor]) -> bool:
+    """Whether any parameter is a DTensor (fsdp shards them so); without torch's DTensor module
+    loaded there can be none, and importing it would cost a plain run about 0.4 s."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(p, module.DTensor) for p in params)
+
+
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     lr = learning_rate(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    # Fused kernels for parameters on GPUs: one launch for all of them instead of several per
-    # tensor. Where they are decides, not the run's device: fsdp's CPU offload keeps them on the CPU.
-    on_gpu = bool(params) and params[0].device.type == "cuda"
-    fast = {"fused": True} if on_gpu else {"foreach": True}
+    kernel = kernel_options(cfg.optimizer, params[0].device.type if params else "cpu",
+                            holds_dtensors(params))
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay, **fast)
-    cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=lr, weight_decay=cfg.weight_decay, **fast)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay, **kernel)
+    return OPTIMIZERS[cfg.optimizer](params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
 
 
 def make_scheduler(cfg: TrainConfig, optimizer):

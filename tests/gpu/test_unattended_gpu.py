@@ -7,6 +7,7 @@ kernel choice makes weights differ in the last bits, so these tests check comple
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -49,12 +50,12 @@ def _no_process_left_behind():
     STARTED.clear()
 
 
-def start(out: Path, *extra) -> subprocess.Popen:
+def start(out: Path, *extra, args=ARGS) -> subprocess.Popen:
     """The launcher, its output in files beside the run (kept when a test times out)."""
     env = gpu_env()
     out.parent.mkdir(parents=True, exist_ok=True)
     n = len(list(out.parent.glob(f"{out.name}-launch*.out")))
-    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--out", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "train", *args, "--out", str(out),
                              "--hang-timeout", "60", *extra], env=env, text=True,
                             stdout=open(out.parent / f"{out.name}-launch{n}.out", "w"),
                             stderr=open(out.parent / f"{out.name}-launch{n}.err", "w"))
@@ -97,20 +98,35 @@ def test_kill_9_of_one_gpu_worker_restarts_and_resumes(tmp_path):
     assert [(r["epoch"], r["train_samples"]) for r in records(out)] == [(1, N), (2, N)]
 
 
+# One long epoch: 1500 steps a rank. SIGTERM goes as soon as the first checkpoint (step 300) is
+# complete; a stop waits for the ranks' next exchange (about 1 s, control.CHECK_SECONDS), while the
+# 1200 steps left take several seconds even at 5 ms a step. (2 epochs of 16 steps once finished
+# inside the 1 s the test slept, on H100s.)
+LONG_N = 64 * 2 * 1500
+LONG_ARGS = ["--model", "resnet50", "--data", f"synthetic:{LONG_N}", "--image-size", "64",
+             "--epochs", "1", "--batch-size", "64", "--workers", "2", "--checkpoint-every", "300",
+             "--devices", "2"]
+
+
 def test_sigterm_on_gpus_saves_and_resume_finishes(tmp_path):
     out = tmp_path / "stopped"
-    proc = start(out)
-    wait_for_checkpoint(out, proc)
-    time.sleep(1.0)
+    proc = start(out, args=LONG_ARGS)
+    first = wait_for_checkpoint(out, proc)  # training steps are running: signal at once
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = output(out, proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "stopped by SIGTERM" in stdout + stderr and "is complete" in stdout + stderr
-    resumed = start(out, "--resume", str(out))
+    stop = re.search(r"stopped by SIGTERM in epoch 1, (\d+) samples in, step (\d+): checkpoint .* "
+                     r"is complete", stdout + stderr)
+    assert stop, (stdout + stderr)[-3000:]
+    position, step = int(stop[1]), int(stop[2])
+    assert 0 < position < LONG_N and step >= first, (first, position, step)
+    saved = CheckpointStore(out / "checkpoints").entries()[-1]
+    assert (saved.global_step, saved.run["position"]) == (step, position)
+    resumed = start(out, "--resume", str(out), args=LONG_ARGS)
     stdout, stderr = output(out, resumed)
     assert resumed.returncode == 0, stderr[-3000:]
-    assert "resumed from" in stdout
-    assert [(r["epoch"], r["train_samples"]) for r in records(out)] == [(1, N), (2, N)]
+    assert f"{position} of {LONG_N} samples in" in stdout
+    assert [(r["epoch"], r["train_samples"]) for r in records(out)] == [(1, LONG_N)]
 
 
 def test_a_hang_on_nccl_is_named_and_the_flight_recorder_dumped(tmp_path):

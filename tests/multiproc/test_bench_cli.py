@@ -87,6 +87,7 @@ def test_real_and_synthetic_data_are_measured_in_the_same_launches(tmp_path):
     assert data["settings"]["data"] == ["synthetic", "real"]
     assert any(s["method"] == "ddp" and "--data real" in s["reason"] for s in data["skipped"])
     assert "of synth." in proc.stdout, proc.stdout[-3000:]
+    assert "real data: timed in the input pipeline's steady state" in " ".join(proc.stdout.split())
     assert list((tmp_path / "images").glob("jpeg-*/train/class_00/*.jpg"))
 
 

@@ -507,6 +507,7 @@ def test_plot_writes_a_png_and_the_table_prints(tmp_path, capsys):
     report.print_table(rep)
     out = capsys.readouterr().out
     assert "multigpu-ddp" in out and "2xH200" in out
+    assert "steady state" not in out  # synthetic rows only
 
 
 def test_a_batch_sweep_at_one_gpu_count_is_plotted_against_the_batch(tmp_path):
@@ -554,6 +555,7 @@ def test_table_and_plot_keep_the_data_kinds_apart_and_mark_compiled_rows(tmp_pat
     out = capsys.readouterr().out
     assert "synthetic and real data" in out and "of synth." in out and " 50%" in out
     assert "multigpu-ddp +compile" in out and "│ real" in out
+    assert report.STEADY_STATE_NOTE in " ".join(out.split())  # rich wraps it
     assert set(report._series(rep["rows"])) == {"multigpu-single", "multigpu-ddp",
                                                  "multigpu-ddp real"}
     assert report.plot(rep, tmp_path / "r.png").exists()

@@ -75,3 +75,30 @@ def test_an_unknown_option_is_named_with_the_nearest_real_one(argv, said, capsys
 
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == f"multigpu: error: {said}\n"
+
+
+FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("./imgs", "unknown data spec './imgs': it is a folder; for images in its train/<class>/ and "
+               f"val/<class>/ use --data folder:./imgs (the forms: {FORMS})"),
+    ("series.csv", "unknown data spec 'series.csv': it is a file; for a numeric CSV (a time series) "
+                   f"use --data timeseries:series.csv (the forms: {FORMS})"),
+    ("/no/such/", "unknown data spec '/no/such/': no file or folder is there, and it is not one of "
+                  f"the forms: {FORMS}"),
+    ("mnist", f"unknown data spec 'mnist': use one of {FORMS}"),
+])
+def test_a_data_spec_of_no_form_is_one_line_before_any_launch(tmp_path, spec, said):
+    """Refused in the launching process, before torch, a run folder or a worker: with cpu:2 the
+    workers once found it, 4 s later, leaving runs/<time>-mlp-. behind."""
+    (tmp_path / "imgs" / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "series.csv").write_text("a\n1\n2\n")
+    before = sorted(tmp_path.rglob("*"))
+    done = subprocess.run([sys.executable, "-c", PROBE, "train", "--model", "mlp", "--data", spec,
+                           "--devices", "cpu:2"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"code": 2, "loaded": []}, done.stderr
+    assert done.stderr == f"multigpu: error: {said}\n"
+    assert sorted(tmp_path.rglob("*")) == before, "no run folder"

@@ -25,6 +25,18 @@ def _race(n, work):
     return results
 
 
+@pytest.mark.parametrize("model, data, name", [
+    ("mlp", "digits", "mlp-digits"), ("resnet18", "folder:/data/imgs", "resnet18-folder"),
+    ("mlp", "./imgs", "mlp-imgs"), ("mlp", "/no/such/", "mlp-no-such"), ("mlp", ".", "mlp-data"),
+    ("mlp", "..", "mlp-data"), ("timm:org/vit", "synthetic:100", "timm-org-vit-synthetic"),
+    ("mlp", "a\\b c", "mlp-a-b-c"),
+])
+def test_a_default_run_folder_is_one_safe_name_under_runs(monkeypatch, model, data, name):
+    monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261123-120000")
+    out = runfolder.default_out(model, data)
+    assert out.parent.name == "runs" and out.name == f"20261123-120000-{name}"
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261123-120000")

@@ -30,8 +30,10 @@ class Prepared:
     devices: list[torch.device]
     info: dict = field(default_factory=dict)  # recorded in the row (precision, optimizer, ...)
     close: Callable[[], None] | None = None  # e.g. stop DataLoader workers
-    # Steps added to the warm-up: a DataLoader fills its prefetch queue (workers x prefetch_factor
-    # batches) while the GPU warms up; timing from a full queue would overstate the pipeline.
+    # Real data (realdata.loader_prepared): takes the batches queued during the build and warm-up
+    # off unused, so that timing starts from an empty input queue, then `extra_warmup` more steps
+    # let the pipeline settle from there (see realdata.py: the steady state, not a prefetch burst).
+    drain: Callable[[], None] | None = None
     extra_warmup: int = 0
 
 
@@ -100,9 +102,14 @@ class Run:
 
 
 def warm_up(run: Run) -> None:
-    """The warm-up steps, right after the build; the synchronisation keeps their tail out of the
-    next task's build time (its first copy to the device would wait for them)."""
-    for _ in range(run.warmup):
+    """The warm-up steps, right after the build (real data: then its queue drained, and the steps
+    after it); the synchronisation keeps their tail out of the next task's build time (its first
+    copy to the device would wait for them)."""
+    for _ in range(run.warmup - run.prep.extra_warmup):
+        run.prep.step()
+    if run.prep.drain:
+        run.prep.drain()
+    for _ in range(run.prep.extra_warmup):
         run.prep.step()
     synchronize(run.prep.devices)
     run.note_peak()  # the counters were reset before the build

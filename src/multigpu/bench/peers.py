@@ -11,7 +11,8 @@ They run in processes started by our launcher (torchrun), after multigpu-ddp in 
 the hand-written recipe reuses the default process group when one exists, Accelerate's
 PartialState and Fabric's _init_dist_connection do the same by themselves.
 Every recipe uses torch's default SGD (lr 0.1, momentum 0.9), as the recipes do; multigpu uses
-its own optimizer factory (fused SGD on GPUs), which each row records.
+its own optimizer factory (fused SGD on GPUs, foreach under fsdp: training.kernel_options),
+which each row records.
 """
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ from multigpu.bench import stats, telemetry
 from multigpu.bench.spec import REAL_DECODE, Task, base_method
 
 SCHEMA = "multigpu-bench/1"
+STEADY_STATE_NOTE = ("real data: timed in the input pipeline's steady state: the batches the loader "
+                     "queued during the warm-up were taken off unused, and as many steps run again, "
+                     "before the first timed step (realdata.loader_prepared)")
 GIB = 1024**3
 ROW_KEYS = (
     "method", "variant", "model", "batch_size", "gpus", "processes", "global_batch", "image_size",
@@ -167,6 +170,8 @@ def print_table(report: dict) -> None:
         console.print("trials interleaved: methods with the same model, batch, data and GPU count "
                       "took turns, trial by trial; their peak GiB includes what the others held",
                       markup=False)
+    if any(r["data"] in REAL_DECODE for r in report["rows"]):
+        console.print(STEADY_STATE_NOTE, markup=False)
     for s in report["skipped"]:
         console.print(f"skipped {s['method']}: {s['reason']}", markup=False)
     for note in report["notes"] + report.get("gpu_notes", []):

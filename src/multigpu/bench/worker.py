@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from multigpu import console
-from multigpu.bench import measure, telemetry
+from multigpu.bench import measure, realdata, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
 from multigpu.bench.spec import OURS, OURS_PREFIX, Task, base_method, strategy_of, variant_of
 from multigpu.strategies import STRATEGIES
@@ -51,11 +51,6 @@ def _config(task: Task, strategy: str):
                        image_size=task.image_size, compile=task.compile, decode=task.decode)
 
 
-def _endless(loader):
-    while True:  # a new epoch only if the data runs out (the bench sizes it so it does not)
-        yield from loader
-
-
 def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     from multigpu.engine import StepSettings, train_step
     from multigpu.models import build_model
@@ -68,14 +63,11 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
                accelerator=accelerator, seed=0, ddp=ddp_options(task))
     if task.data.startswith("folder:"):  # the whole input pipeline, as `multigpu train` builds it
         job = build_job(cfg, rt)
-        model, optimizer, loader, settings = job.model, job.optimizer, job.train_loader, job.settings
-        batches = _endless(loader)
-        queue = loader.loader.num_workers * (loader.loader.prefetch_factor or 0)
+        model, optimizer, settings = job.model, job.optimizer, job.settings
 
-        def step() -> int:
-            train_step(rt, model, optimizer, F.cross_entropy, next(batches), settings)
+        def train_one(batch) -> int:
+            train_step(rt, model, optimizer, F.cross_entropy, batch, settings)
             return rt.step_info.global_count
-        close = batches.close
         train = job.data.train
         decode = ("cpu" if not getattr(train, "on_gpu", False) else
                   f"gpu, workers {train.cpu_share:.0%}" if train.cpu_share else "gpu")
@@ -93,14 +85,16 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
         def step() -> int:
             train_step(rt, model, optimizer, F.cross_entropy, batch, settings)
             return global_batch
-        close, queue, decode = None, 0, None
+        decode = None
     devices = rt.strategy.devices
     wrapped = getattr(model, "_orig_mod", model)  # the strategy's wrapper, not torch.compile's
     add_comm_hook(task, wrapped)
     info = {"precision": rt.precision.kind, "strategy": rt.strategy.describe(),
             "optimizer": measure.describe_optimizer(optimizer), "wrapper": type(wrapped).__name__,
             "world_size": rt.world_size, "decode": decode}
-    return Prepared(step, devices, info, close, extra_warmup=queue)
+    if task.data.startswith("folder:"):  # timed in the pipeline's steady state: see realdata.py
+        return realdata.loader_prepared(job.train_loader, train_one, devices, info)
+    return Prepared(step, devices, info)
 
 
 def ddp_options(task: Task):

@@ -27,6 +27,8 @@ examples:
 
 img/s is global (all GPUs); scaling = img/s / (GPUs x multigpu-single img/s) of the same run;
 of synth. = real-data img/s / synthetic img/s of the same method, model, batch and GPUs;
+real data is timed in its steady state: the batches its loader queued during the warm-up
+are taken off unused first, so a trial never runs on a prefetch burst;
 MFU = FLOPs of one GPU's forward+backward / step time / the GPU's dense bf16 peak.
 Methods with the same model, batch, data and GPUs take turns trial by trial, so a drifting
 machine (up to 27 % within minutes on 4x H200) does not favour one; compare figures within one run.

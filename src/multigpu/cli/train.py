@@ -61,6 +61,7 @@ def validate(cfg: TrainConfig) -> None:
     """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
     from multigpu import loggers
     from multigpu.control import Cadence
+    from multigpu.data_specs import check_spec
     from multigpu.strategies import registry
     from multigpu.folder_layout import check_root
     from multigpu.model_names import check_input_kind, model_input_kind
@@ -77,7 +78,9 @@ def validate(cfg: TrainConfig) -> None:
     Cadence.parse(cfg.checkpoint_every)
     loggers.parse(cfg.logger)
     registry.check_flags(cfg.strategy, {f for f in vars(cfg) if getattr(cfg, f) is True})
-    check_input_kind(cfg.data, model_input_kind(cfg.model))  # also raises on an unknown model
+    input_kind = model_input_kind(cfg.model)  # raises on an unknown model
+    check_spec(cfg.data)  # `--data ./imgs`: one line naming folder:./imgs, before any launch
+    check_input_kind(cfg.data, input_kind)
     kind, _, path = cfg.data.partition(":")
     if kind == "folder" and path:
         check_root(path)  # a mistyped path: one line now, not one per worker after the launch
