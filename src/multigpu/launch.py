@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from multigpu import ports, sysinfo, watchdog
+from multigpu import orphans, ports, sysinfo, watchdog
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
@@ -220,6 +220,7 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None
     """The environment the agent copies into every worker; ours is restored afterwards."""
     saved = dict(os.environ)
     try:
+        os.environ[orphans.LAUNCHER_PID_ENV] = str(os.getpid())  # workers watch it (orphans.py)
         os.environ[watchdog.HANG_TIMEOUT_ENV] = f"{opts.hang_timeout:g}"
         if log_dir:
             os.environ[watchdog.LOG_DIR_ENV] = str(Path(log_dir).resolve())

@@ -16,12 +16,16 @@ import os
 import runpy
 import sys
 
-from multigpu import watchdog
-from multigpu.errors import UsageError
+from multigpu import orphans
+
+orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
+
+from multigpu import watchdog  # noqa: E402
+from multigpu.errors import UsageError  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    watchdog.start_from_env()
+    watchdog.start_from_env(on_orphan=orphans.terminate_self)  # the script may catch SIGTERM
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
     ended = {"clean": False}
     # At exit, after the script's own atexit handlers (last registered, first run) and after
