@@ -1,5 +1,13 @@
 import sys
 
-from multigpu.cli import main
+from multigpu import folder_users, orphans
+
+# A worker of multigpu's launcher (`multigpu train` on several devices) watches its launcher from
+# here, before the CLI and torch are imported: one killed during start-up ends it too. It holds
+# the run folder while it lives (folder_users.py).
+if orphans.watch_from_env() is not None:
+    folder_users.hold_from_env()
+
+from multigpu.cli import main  # noqa: E402
 
 sys.exit(main())

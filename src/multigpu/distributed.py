@@ -278,7 +278,9 @@ def _meet_before_teardown(world_size: int, addr: str | None = None, port: str | 
 
 def launcher_gone() -> bool:
     """Whether the launcher that started this worker has died (the worker was re-parented)."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
+    from multigpu import orphans
+
+    return orphans.gone() or (_launcher_pid is not None and os.getppid() != _launcher_pid)
 
 
 def launcher_store(addr: str | None, port: str | int | None, timeout: float):

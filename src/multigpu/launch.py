@@ -1,7 +1,8 @@
 """Start one process per device, on one machine or several, through torchrun's elastic agent.
 
 Every launch goes through `torch.distributed.run`: we build a torchrun command line, parse it with
-torchrun's own parser and call `torch.distributed.run.run(args)` in this process. In-process rather
+torchrun's own parser, turn it into torchrun's LaunchConfig (`config_from_args`) and run that with
+`elastic_launch` in this process, as `torch.distributed.run.run(args)` does. In-process rather
 than `python -m torch.distributed.run` so that failures reach us as objects, not text to parse:
 ChildFailedError (which rank failed first, its exit code, its error file) and the rendezvous errors
 (timeout, connection) become our own messages. The agent installs its SIGINT/SIGTERM handlers here,
@@ -17,7 +18,9 @@ Rendezvous, always torchrun's c10d backend (ports.py plans it):
     joined and what to check.
 
 Logs: local rank 0 writes to this console only; the other ranks' stdout/stderr go to
-<log-dir>/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log. With --tee every rank is shown
+<log-dir>/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log. That split is given to torch's
+DefaultLogsSpecs as a mapping of local ranks, not as torchrun's `--redirects 1:3,2:3,...`, whose
+parser takes one digit per rank (ranks 10 and up cannot be named there). With --tee every rank is shown
 with a "[rankN]:" prefix (and still logged). When a rank fails we print which rank failed first
 and the end of its traceback.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from multigpu import ports, sysinfo, watchdog
+from multigpu import orphans, ports, sysinfo, watchdog
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
@@ -150,8 +153,7 @@ def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: R
         argv += ["--signals-to-handle", STOP_SIGNALS]
     if opts.tee:
         argv += ["--tee", "3"]
-    elif plan.nproc > 1:  # local rank 0 keeps the console (a tty: colours, progress bars)
-        argv += ["--redirects", ",".join(f"{r}:3" for r in range(1, plan.nproc))]
+    # else: local rank 0 keeps the console, the others write files (logs_specs, not --redirects)
     if not python:
         argv.append("--no-python")
     elif cmd[0] == "-m":
@@ -160,6 +162,28 @@ def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: R
         argv.append("--module")
         cmd = cmd[1:]
     return argv + list(cmd)
+
+
+def launch_config(argv: list[str], plan: DevicePlan, opts: LaunchOptions, log_dir: str):
+    """torchrun's (LaunchConfig, entrypoint, its args) for `argv` (torchrun_argv), with the logs
+    split of the top (logs_specs)."""
+    import torch.distributed.run as torchrun
+
+    args = torchrun.get_args_parser().parse_args(argv)
+    if args.master_port is None:  # as torchrun.run does (only its static rendezvous reads it)
+        args.master_port = 29500
+    config, entrypoint, entry_args = torchrun.config_from_args(args)
+    if not opts.tee and plan.nproc > 1:
+        config.logs_specs = logs_specs(log_dir, plan.nproc)
+    return config, entrypoint, entry_args
+
+
+def logs_specs(log_dir: str, nproc: int):
+    """Local rank 0 on this console (a tty: colours, progress bars), every other rank's stdout and
+    stderr in files under `log_dir`; for any number of local ranks."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    return DefaultLogsSpecs(log_dir=log_dir, redirects={r: Std.ALL for r in range(1, nproc)})
 
 
 STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -196,6 +220,7 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None
     """The environment the agent copies into every worker; ours is restored afterwards."""
     saved = dict(os.environ)
     try:
+        os.environ[orphans.LAUNCHER_PID_ENV] = str(os.getpid())  # workers watch it (orphans.py)
         os.environ[watchdog.HANG_TIMEOUT_ENV] = f"{opts.hang_timeout:g}"
         if log_dir:
             os.environ[watchdog.LOG_DIR_ENV] = str(Path(log_dir).resolve())
@@ -307,21 +332,21 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     print(f"multigpu: {header(plan, opts, rdzv, log_dir)}", file=sys.stderr, flush=True)
 
     # torch is imported here, after the checks, so that user mistakes are reported at once.
-    import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
+    from torch.distributed.launcher.api import elastic_launch
 
     ports.register_rendezvous_backend()
     ports.OBSERVER.reset()
     with child_environment(plan, opts, log_dir), _restore_signal_handlers(), _quiet_torchelastic(), \
             _SecondSignalKills() as signals:
-        args = torchrun.get_args_parser().parse_args(argv)
+        config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
         if on_usage_error is not None:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
         began = time.time()
         try:
-            torchrun.run(args)
+            elastic_launch(config, entrypoint)(*entry_args)
             return 0
         except ChildFailedError as exc:
             return report_child_failed(exc, log_dir, node=_node_name(opts),

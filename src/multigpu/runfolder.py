@@ -10,7 +10,10 @@
         checkpoints/     see checkpoint_store
         logs/            each rank's output, with several processes
 
-A folder that holds anything is only ever used again to continue the run in it (--resume).
+A folder that holds anything is only ever used again to continue the run in it (--resume), with
+one exception: a folder in which nothing was trained (nothing_trained: a launch killed or stopped
+during start-up) and which no live process uses (folder_users) is taken again by the next run; the
+earlier launch's logs stay in it (each launch logs into a folder of its own under logs/).
 """
 from __future__ import annotations
 
@@ -21,14 +24,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from multigpu import fileio
+from multigpu import console, fileio, folder_users, orphans
 from multigpu.errors import UsageError
+from multigpu.folder_users import OUT_RESERVED_ENV
 
 if TYPE_CHECKING:
     from multigpu.config import TrainConfig
 
 CONFIG, METRICS, METRICS_CSV, LOGS = "config.json", "metrics.jsonl", "metrics.csv", "logs"
-OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
+OUT_RESERVED_ENV = OUT_RESERVED_ENV  # set by the CLI for the workers it launches
 _CLAIM = b'{"status": "starting"}\n'
 
 
@@ -82,20 +86,67 @@ def reserve(out: str | None, *, model: str, data: str, continuing: bool, nodes_l
         for n in range(1, 1000):  # runs started in the same second get -2, -3, ...
             candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
             if _claim(candidate, fresh_only=True):
+                folder_users.hold(candidate)
                 return candidate
         raise UsageError(f"could not claim a new folder next to {base}; pass --out")
     path = Path(out)
     if os.environ.get(OUT_RESERVED_ENV) == str(path.resolve()):
         return path  # a worker of a launch whose parent claimed it
-    if continuing and is_run_folder(path):
-        return path
-    if path.exists() and not path.is_dir():
+    continuing = continuing and is_run_folder(path)
+    if not continuing and path.exists() and not path.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder for the run")
-    if not _claim(path, fresh_only=False, allowed={LOGS} if nodes_log else set()):
-        raise UsageError(f"--out {out} already exists and is not empty; multigpu never overwrites "
-                         "a run: choose another --out, or leave it out for a new timestamped folder "
-                         "(to continue that run, add --resume)")
-    return path
+    for attempt in (1, 2):
+        with folder_users.claiming(path):
+            if (folder_users.in_use(path) is not True if continuing else
+                    _claim(path, fresh_only=False, allowed={LOGS} if nodes_log else set()) or _take(path)):
+                folder_users.hold(path)  # inside the claim: the next claimer sees it in use
+                return path
+        if attempt == 2 or not (continuing or _untrained_run_folder(path)):
+            break
+        _wait_for_stopping_workers(path, out)  # or a one-line refusal
+    if continuing:
+        raise UsageError(f"--out {out} is used by another run; choose another --out, or stop that "
+                         "run first")
+    raise UsageError(f"--out {out} already exists and is not empty; multigpu never overwrites "
+                     "a run: choose another --out, or leave it out for a new timestamped folder "
+                     "(to continue that run, add --resume)")
+
+
+def _untrained_run_folder(path: Path) -> bool:
+    return (path / CONFIG).is_file() and nothing_trained(path, logs=True)
+
+
+def _take(path: Path) -> bool:
+    """Take again a folder in which nothing was trained (a launch killed or stopped during
+    start-up) when no live process uses it; whether it was taken. Its claim is written anew; the
+    earlier launch's logs stay (under logs/, in a folder of that launch's own)."""
+    if not _untrained_run_folder(path) or folder_users.in_use(path) is not False:
+        return False
+    fileio.atomic_write_text(path / CONFIG, _CLAIM.decode())
+    return True
+
+
+def _wait_for_stopping_workers(path: Path, out: str) -> None:
+    """Return once no process holds `path`, when only workers whose launcher died hold it
+    (orphans.py: they stop within orphans.GRACE_SECONDS), saying so; else a one-line refusal."""
+    pids = folder_users.holders(path)
+    named = ", ".join(map(str, pids))
+    if not folder_users.orphaned_workers(pids):
+        if folder_users.in_use(path) is not True:
+            return  # gone meanwhile (or not known: the caller refuses)
+        raise UsageError(f"--out {out} is used by a run starting or running now"
+                         + (f" (pid {named})" if pids else "") + "; choose another --out, or stop "
+                         "that run first")
+    wait = orphans.GRACE_SECONDS + 5
+    console.info(f"multigpu train: --out {out} is still held by the stopping workers of an earlier "
+                 f"launch whose launcher is gone (pid {named}); waiting up to {wait:.0f} s for them")
+    deadline = time.monotonic() + wait
+    while folder_users.in_use(path) is True:
+        if time.monotonic() > deadline:
+            raise UsageError(f"--out {out}: the workers of an earlier launch (pid {named}) still "
+                             f"hold it after {wait:.0f} s; end them (kill {named.replace(',', '')}) "
+                             "or choose another --out")
+        time.sleep(0.1)
 
 
 def is_run_folder(path: Path) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from multigpu import batchfit, console, gpu_images, runfolder, sharded_checkpoint, watchdog
+from multigpu import batchfit, console, gpu_images, orphans, runfolder, sharded_checkpoint, watchdog
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore
 from multigpu.checkpointer import Checkpointer
@@ -69,8 +69,9 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
     control = Control(rt.env, Cadence.parse(cfg.checkpoint_every))
-    # Under the launcher: hangs named, and a dead launcher makes every rank save and stop.
-    watchdog.start_from_env(on_orphan=lambda: control.request_stop("launcher gone"))
+    # Under the launcher: hangs named; a dead launcher ends a rank at once until training begins
+    # (orphans.py), then makes every rank save and stop (below).
+    watchdog.start_from_env()
     out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
     if cfg.batch_size == batchfit.AUTO:  # before the loaders are built with it
         cfg.batch_size = batchfit.auto_batch_size(
@@ -97,6 +98,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
         clock.mark_ready("logs")
+        _stop_gracefully_once_trained(control)
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get("metrics") if point else None, log, clock)
@@ -114,6 +116,18 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # exception", seen once in 4-process runs here).
     rt.env.barrier()
     return record
+
+
+def _stop_gracefully_once_trained(control: Control) -> None:
+    """Until this launch's first optimizer step, a dead launcher ends the rank at once (orphans:
+    nothing to save); from then on every rank saves and stops."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def first_step(*_) -> None:
+        handle.remove()
+        orphans.on_orphan(lambda: control.request_stop("launcher gone"))
+
+    handle = register_optimizer_step_post_hook(first_step)
 
 
 def _announce_global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:

@@ -1,12 +1,12 @@
 """The in-worker watchdog: names the ranks of a hung job, and ends workers whose launcher is gone.
 
 Started in every worker of a multigpu launch (`multigpu train`, and scripts under `multigpu run`
-through multigpu.worker), it runs two daemon threads: one checks 1 and 2 every POLL_SECONDS, the
-other 3 every second or so (a store call that blocks never delays the launcher check):
+through multigpu.worker), it runs two daemon threads: one checks 2 every POLL_SECONDS, the
+other 3 every second or so (a store call that blocks never delays the others):
 
-1. **Orphans.** When the launcher has died (kill -9: the worker's parent changes), it calls
-   `on_orphan()` (the training loop then saves and stops) or, for a user's script, sends itself
-   SIGTERM; a worker still alive ORPHAN_GRACE_SECONDS later is ended with os._exit.
+1. **Orphans.** orphans.py watches the launcher from the worker's first line; the watchdog hands
+   it `on_orphan` (a user's script: SIGTERM to itself; the training loop hands its own once
+   training has begun) and stops looking at the store once the launcher, its host, is gone.
 2. **Changed variables.** A script that sets MASTER_PORT, MASTER_ADDR, WORLD_SIZE, RANK or
    LOCAL_RANK itself (post 002 does) is named at once, with the value multigpu had set.
 3. **Hangs** (several ranks, `--hang-timeout` > 0). A rank is *stalled* when neither its progress
@@ -33,21 +33,20 @@ import datetime
 import faulthandler
 import json
 import os
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import fileio
+from multigpu import fileio, orphans
 
 HANG_TIMEOUT_ENV = "MULTIGPU_HANG_TIMEOUT"
 LOG_DIR_ENV = "MULTIGPU_LOG_DIR"
 DEFAULT_HANG_TIMEOUT = 300.0
 EXIT_HANG = 124
-ORPHAN_GRACE_SECONDS = 30.0
-POLL_SECONDS = 0.2  # how soon a dead launcher or a changed variable is seen
+ORPHAN_GRACE_SECONDS = orphans.GRACE_SECONDS
+POLL_SECONDS = 0.2  # how soon a changed variable is seen
 REPORT_WAIT_SECONDS = 5.0
 HANG_HEADER = "hang: "
 WATCHED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
@@ -59,7 +58,9 @@ class StoreNotThere(ConnectionError):
 
 
 def start_from_env(*, on_orphan: Callable[[], None] | None = None) -> "Watchdog | None":
-    """In a worker started by multigpu's launcher, start the watchdog; None elsewhere."""
+    """In a worker started by multigpu's launcher, start the watchdog; None elsewhere.
+    `on_orphan`: what a dead launcher makes this worker do (orphans.on_orphan); None: leave that
+    as it is (a worker still starting up exits at once)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or HANG_TIMEOUT_ENV not in os.environ:
         return None
     dog = Watchdog(timeout=float(os.environ[HANG_TIMEOUT_ENV]), on_orphan=on_orphan)
@@ -78,7 +79,6 @@ class Watchdog:
         self.changed: dict[str, tuple[str | None, str | None]] = {}
         self.prefix = (f"multigpu/watchdog/{env.get('TORCHELASTIC_RUN_ID', '')}/"
                        f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-        self.parent = os.getppid()
         self._main = threading.main_thread().ident
         self._main_native = threading.main_thread().native_id
         self._cpu: tuple[float, float | None] | None = None
@@ -87,22 +87,24 @@ class Watchdog:
         self._since = time.monotonic()  # when that was
         self._store = None
         self._stop = threading.Event()
-        self._orphaned_at: float | None = None
         self._threads: list[threading.Thread] = []
 
     def beat(self) -> None:
         self._beats += 1
 
     def start(self) -> None:
+        orphans.watch_from_env()  # already watching when started from the worker's first line
+        if self.on_orphan is not None:
+            orphans.on_orphan(self.on_orphan)
         watching = self.timeout > 0 and self.world_size > 1
         if watching:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             register_optimizer_step_post_hook(lambda *_: self.beat())
             atexit.register(self._post, "finished")
-        # Two threads: the launcher check must never wait behind the store, whose calls can
+        # Two threads: the variables' check must never wait behind the store, whose calls can
         # block for seconds when the launcher (its host) has just died.
-        self._threads = [threading.Thread(target=self._watch_launcher, name="multigpu-watchdog",
+        self._threads = [threading.Thread(target=self._watch_env, name="multigpu-watchdog",
                                           daemon=True)]
         if watching:
             self._threads.append(threading.Thread(target=self._watch_hangs, daemon=True,
@@ -125,12 +127,11 @@ class Watchdog:
                 thread.join(timeout=1.0 if self._launcher_gone() else 2 * REPORT_WAIT_SECONDS + 5)
 
     def _launcher_gone(self) -> bool:
-        return self._orphaned_at is not None or os.getppid() != self.parent
+        return orphans.gone()
 
     # --- the loops --------------------------------------------------------------------------------
-    def _watch_launcher(self) -> None:
+    def _watch_env(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
-            self._check_orphan()
             self._check_env()
 
     def _watch_hangs(self) -> None:
@@ -141,18 +142,6 @@ class Watchdog:
                 continue           # once its script has made the group), or gone with the launcher
             except Exception:  # the store is gone (its host died): the launcher acts now
                 return
-
-    def _check_orphan(self) -> None:
-        if self._orphaned_at is None and os.getppid() != self.parent:
-            self._orphaned_at = time.monotonic()
-            _say(f"rank {self.rank}: the launcher (pid {self.parent}) is gone; stopping this "
-                 f"worker (pid {os.getpid()})")
-            if self.on_orphan is not None:
-                self.on_orphan()
-            else:
-                os.kill(os.getpid(), signal.SIGTERM)
-        elif self._orphaned_at and time.monotonic() - self._orphaned_at > ORPHAN_GRACE_SECONDS:
-            os._exit(1)
 
     def _check_env(self) -> None:
         for key, ours in self.ours.items():

@@ -17,12 +17,16 @@ import os
 import runpy
 import sys
 
-from multigpu import trial, watchdog
-from multigpu.errors import UsageError
+from multigpu import orphans
+
+orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
+
+from multigpu import trial, watchdog  # noqa: E402
+from multigpu.errors import UsageError  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    watchdog.start_from_env()
+    watchdog.start_from_env(on_orphan=orphans.terminate_self)  # the script may catch SIGTERM
     on_trial = trial.start_from_env()
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
     ended = {"clean": False}

@@ -332,3 +332,15 @@ def test_a_bad_file_met_by_one_rank_mid_epoch_is_one_line_and_a_user_s_empty_out
                     "--out", tmp_path / "mine")
     assert proc.returncode == 2 and "has one class folder" in proc.stderr, proc.stderr[-3000:]
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+
+
+def test_eleven_processes_start_train_and_log_every_rank_but_0_in_files(tmp_path):
+    """torchrun's --redirects names ranks 0-9 only: 11 CPU processes (a 16-GPU node the same)
+    must still start, train and keep each other rank's output in its own file."""
+    out = tmp_path / "eleven"
+    proc = multigpu("train", "--model", "mlp", "--data", "synthetic:60", "--epochs", "1",
+                    "--batch-size", "4", "--workers", "0", "--devices", "cpu:11", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["epoch"] for m in read_metrics(out)] == [1]
+    ranks = sorted(int(p.parent.name) for p in out.glob("logs/*/attempt_0/*/stderr.log"))
+    assert ranks == list(range(1, 11)), ranks

@@ -75,7 +75,7 @@ def test_single_node_argv_uses_c10d_on_port_zero():
     assert flag_value(argv, "--rdzv-endpoint") == "127.0.0.1:0"
     conf = dict(kv.split("=") for kv in flag_value(argv, "--rdzv-conf").split(","))
     assert conf["join_timeout"] == "300" and conf["is_host"] == "1"
-    assert flag_value(argv, "--redirects") == "1:3"  # rank 0 keeps the console
+    assert "--redirects" not in argv  # launch_config splits the logs (test below)
     assert flag_value(argv, "--log-dir") == "/logs"
     assert argv[-3:] == ["train.py", "--lr", "0.1"] and "--module" not in argv
     assert rdzv.named_port is None
@@ -84,6 +84,23 @@ def test_single_node_argv_uses_c10d_on_port_zero():
 
     args = torchrun.get_args_parser().parse_args(argv)
     assert args.training_script == "train.py" and args.training_script_args == ["--lr", "0.1"]
+
+
+@pytest.mark.parametrize("nproc", [2, 11, 16])
+def test_any_process_count_gives_a_launch_config_with_rank_0_on_the_console(nproc, tmp_path, monkeypatch):
+    """torchrun's parser takes one digit per rank in --redirects ("1:3,...,10:3" is refused): the
+    argv of 11 or 16 processes must still become a config, ranks 1.. logged in files."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # else torchrun sets it here, and warns
+    plan, opts = DevicePlan("cpu", (), nproc), LaunchOptions()
+    argv = torchrun_argv(["-m", "multigpu", "train"], plan, opts, plan_rendezvous(opts), str(tmp_path))
+    config, entrypoint, args = launch.launch_config(argv, plan, opts, str(tmp_path))
+    assert (config.nproc_per_node, list(args[-2:])) == (nproc, ["multigpu", "train"])
+    envs = {r: {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"} for r in range(nproc)}
+    dest = config.logs_specs.reify(envs)
+    assert dest.stdouts[0] == dest.stderrs[0] == ""  # the console
+    assert [os.path.basename(os.path.dirname(dest.stderrs[r])) for r in range(1, nproc)] == \
+        [str(r) for r in range(1, nproc)]
+    assert all(dest.stdouts[r].endswith("stdout.log") for r in range(1, nproc))
 
 
 def test_module_tee_and_no_python():

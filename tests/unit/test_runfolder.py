@@ -1,5 +1,6 @@
 """Run folders: claimed without races, never someone else's, metrics consistent after a resume."""
 import json
+import os
 import threading
 
 import pytest
@@ -51,7 +52,10 @@ def test_two_runs_racing_for_one_out_folder_one_wins(tmp_path):
     out = tmp_path / "run"
     results = _race(4, lambda: runfolder.reserve(str(out), model="m", data="d", continuing=False))
     assert sum(not isinstance(r, UsageError) for r in results) == 1
-    assert all("already exists and is not empty" in str(r) for r in results if isinstance(r, UsageError))
+    # the winner (this process) holds it while it runs: the others are told so, not to --resume
+    assert all(str(r) == f"--out {out} is used by a run starting or running now (pid {os.getpid()}); "
+               "choose another --out, or stop that run first"
+               for r in results if isinstance(r, UsageError))
 
 
 def test_an_empty_folder_is_taken_one_with_anything_in_it_is_not(tmp_path):

@@ -107,7 +107,7 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.doctor.setup_checks import refuse_stale_worker_env
-    from multigpu.launch import in_worker, launch, options_from_args, python_command
+    from multigpu.launch import in_worker, launch, options_from_args, python_command, stopped_by_signal
     from multigpu import runfolder
     from multigpu.runfolder import OUT_RESERVED_ENV
 
@@ -140,9 +140,11 @@ def main(args: argparse.Namespace) -> int:
                               *config_to_argv(cfg))
         try:  # bad input the workers found is said in one line (on_usage_error), and so is ours
             code = launch(argv, plan, opts, python=False, on_usage_error=clean_up)
-        except UsageError:
+        except (UsageError, KeyboardInterrupt):
             clean_up()
             raise
+        if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
+            clean_up()  # (nothing trained: only then) a start-up stopped, or failed unheard
         return _finished_before_the_signal(code, out, cfg.epochs)
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
@@ -151,15 +153,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
                      launch=launch_facts, process_started=args.started_at)
-    except UsageError:
+    except (UsageError, KeyboardInterrupt):
         clean_up()
         raise
     return 0
 
 
 def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:
-    """The run folder, claimed, and what removes it again when the run stops on bad input before
-    its first epoch: the outermost folder of --out that is new, or the new folder under runs/
+    """The run folder, claimed, and what removes it again when the run stops on bad input, or
+    is stopped by a signal, before its first epoch: the outermost folder of --out that is new, or the new folder under runs/
     (runs/ may be there already); of an empty folder the user made, only what the run wrote in
     it. Never a run that trained, nor on several nodes (node 0 owns the shared folder)."""
     from multigpu import runfolder
@@ -182,6 +184,11 @@ def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:
     return out, clean_up
 
 
+def _any_output(logs: Path) -> bool:
+    """Whether any rank wrote a line into the launch's logs (a failure report points at them)."""
+    return logs.is_dir() and any(p.is_file() and p.stat().st_size for p in logs.rglob("*"))
+
+
 def _first_missing(path: Path) -> Path | None:
     """The outermost folder of `path` (itself included) that does not exist yet, or None."""
     missing = None
@@ -201,6 +208,8 @@ def check_resume(cfg: TrainConfig) -> None:
 
     if not cfg.resume:
         return
+    if _nothing_trained_in(cfg):
+        return
     if cfg.out and CheckpointStore(Path(cfg.out) / "checkpoints").has_checkpoints():
         # the run goes on from --out's own checkpoints, whose model its config.json names
         path = Path(cfg.out)
@@ -212,6 +221,21 @@ def check_resume(cfg: TrainConfig) -> None:
         raise UsageError(f"--resume {path}: its checkpoints are of --model {saved}, and this run "
                          f"asks for --model {cfg.model}; give --model {saved}, or another "
                          "checkpoint")
+
+
+def _nothing_trained_in(cfg: TrainConfig) -> bool:
+    """--resume of a run folder in which nothing was trained (a launch killed or stopped during
+    start-up): the run starts from scratch in it, said in one line; whether that is the case."""
+    from multigpu import runfolder
+
+    source = Path(cfg.resume)
+    if not (source.is_dir() and runfolder.nothing_trained(source, logs=True)
+            and (not cfg.out or Path(cfg.out).resolve() == source.resolve())):
+        return False
+    console.info(f"multigpu train: --resume {cfg.resume}: nothing was trained there yet (no "
+                 "checkpoint); starting from scratch in it")
+    cfg.out, cfg.resume = cfg.out or cfg.resume, None
+    return True
 
 
 def _json_field(path: Path, key: str):
