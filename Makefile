@@ -26,7 +26,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# Every CPU test, the extended variants too (about 3 minutes more than `make test`).
+# Every CPU test, the extended ones too (about 4 minutes more than `make test` on 2 cores): what
+# CI runs (.ci/run).
 test-all: $(STAMP)
 	$(PY) -m pytest -m 'not gpu'
 

@@ -136,9 +136,11 @@ def test_a_ddp_checkpoint_loads_under_fsdp_and_an_fsdp_one_into_a_bare_module(tr
 
 @pytest.mark.extended
 def test_activation_checkpointing_recomputes_the_blocks_to_the_same_weights(trained, tmp_path):
-    _, _, fsdp, _ = trained
+    _, _, fsdp, stored = trained
     recomputed, info = train(tmp_path, "cpu:2", "fsdp", 2, "recompute", "--recompute")
     assert info["strategy"] == "fsdp (2 processes, gloo, 4 shard units, activation checkpointing)"
+    # 3 blocks, 12 steps on rank 0: each block runs once in the forward, once more in the backward
+    assert (stored["block_forwards"], info["block_forwards"]) == (36, 72)
     assert_close(fsdp, recomputed, exact=True)
 
 

@@ -15,6 +15,7 @@ class FakeNvml:
         self.clocks, self.reasons, self.power, self.temps = clocks, reasons, power_mw, temps
         self.calls = {h: 0 for h in clocks}
         self.lock = threading.Lock()
+        self.fifth_sample = threading.Event()  # set once a handle's clock was read 5 times
 
     def _next(self, seq, h):
         return seq[min(self.calls[h], len(seq) - 1)]
@@ -24,6 +25,8 @@ class FakeNvml:
         with self.lock:
             value = self._next(self.clocks[h], h)
             self.calls[h] += 1
+            if self.calls[h] >= 5:
+                self.fifth_sample.set()
             return value
 
     def nvmlDeviceGetPowerUsage(self, h):
@@ -52,9 +55,10 @@ def test_the_thread_samples_while_the_trial_runs():
     nv = FakeNvml(clocks={"a": [1980]}, reasons={"a": [0]})
     sampler = telemetry.Sampler(nv, ["a"], interval=0.001)
     sampler.start()
-    while nv.calls["a"] < 5:
-        pass
-    assert sampler.stop()["samples"] >= 5
+    sampled = nv.fifth_sample.wait(timeout=30)
+    summary = sampler.stop()
+    assert sampled, f"5 samples at an interval of 1 ms did not come in 30 s: {nv.calls['a']}"
+    assert summary["samples"] >= 5
     assert not any(t.name == "multigpu-telemetry" for t in threading.enumerate())
 
 

@@ -62,10 +62,14 @@ saved = torch.load(buffer, weights_only=True)
 again, again_optimizer = prepared()
 rt.load(saved, model=again, optimizer=again_optimizer)
 reloaded = rt.checkpoint_state(again, again_optimizer)
-same_weights = all(torch.equal(saved["model"][k], reloaded["model"][k].cpu()) for k in saved["model"])
-same_optimizer = all(
-    torch.equal(value, reloaded["optimizer"]["state"][i][key].cpu())
-    for i, state in saved["optimizer"]["state"].items() for key, value in state.items())
+# all() of nothing is True: the states compared must be there, the same keys on both sides
+same_weights = bool(saved["model"]) and saved["model"].keys() == reloaded["model"].keys() and all(
+    torch.equal(saved["model"][k], reloaded["model"][k].cpu()) for k in saved["model"])
+saved_states, reloaded_states = saved["optimizer"]["state"], reloaded["optimizer"]["state"]
+same_optimizer = bool(saved_states) and saved_states.keys() == reloaded_states.keys() and all(
+    state and state.keys() == reloaded_states[i].keys() and all(
+        torch.equal(value, reloaded_states[i][key].cpu()) for key, value in state.items())
+    for i, state in saved_states.items())
 
 
 def eval_loss(net) -> float:  # eval mode: no dropout or stochastic depth drawing from the RNG
@@ -78,7 +82,8 @@ next_loss, next_again = eval_loss(model), eval_loss(again)
 print(json.dumps({
     "strategy": rt.strategy.describe(), "units": len(rt.strategy.units),
     "param_dtype": str(rt.strategy.param_dtype), "optimizer_fused": optimizer.defaults.get("fused"),
-    "parameters_on": parameters_on,
+    "parameters_on": parameters_on, "parameters": len(list(model.parameters())),
+    "optimizer_states": len(saved_states),
     "first_loss": losses[0], "last_loss": losses[-1], "skipped": rt.precision.skipped_steps,
     "same_weights_after_load": same_weights, "same_optimizer_after_load": same_optimizer,
     "eval_loss": next_loss, "eval_loss_reloaded": next_again,
