@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
-_HELD: list[int] = []  # descriptors held until this process exits
+_HELD: dict[str, int] = {}  # folder -> descriptor, held until this process exits or release()
 
 
 def hold(path: Path) -> bool:
     """Hold `path` as one of its users until this process exits; whether that worked."""
+    release(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -33,7 +34,7 @@ def hold(path: Path) -> bool:
     for _ in range(100):  # a claimer looks (LOCK_EX) for an instant
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            _HELD.append(fd)
+            _HELD[_key(path)] = fd
             return True
         except BlockingIOError:
             time.sleep(0.01)
@@ -41,6 +42,18 @@ def hold(path: Path) -> bool:
             break
     os.close(fd)
     return False
+
+
+def release(path: Path) -> None:
+    """Stop holding `path` in this process. A process that claims a folder it holds already
+    (a library caller continuing its own run) must not count as another user of it."""
+    fd = _HELD.pop(_key(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _key(path: Path) -> str:
+    return str(Path(path).resolve())
 
 
 def hold_from_env() -> None:

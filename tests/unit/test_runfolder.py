@@ -76,8 +76,10 @@ def test_a_run_folder_is_taken_again_only_to_continue_it(tmp_path):
     run = runfolder.reserve(str(tmp_path / "run"), model="m", data="d", continuing=False)
     runfolder.write_config(run, {"model": "m"})
     assert runfolder.reserve(str(run), model="m", data="d", continuing=True) == run
-    with pytest.raises(UsageError):
+    runfolder.append_metrics(run, {"epoch": 1})  # an epoch trained: the folder is a run's now
+    with pytest.raises(UsageError, match="already exists and is not empty"):
         runfolder.reserve(str(run), model="m", data="d", continuing=False)
+    assert json.loads((run / "config.json").read_text()) == {"model": "m"}  # left as it was
 
 
 def _lines(out):
