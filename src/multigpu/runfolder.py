@@ -95,7 +95,6 @@ def reserve(out: str | None, *, model: str, data: str, continuing: bool, nodes_l
     continuing = continuing and is_run_folder(path)
     if not continuing and path.exists() and not path.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder for the run")
-    folder_users.release(path)  # this process's own earlier run there is no other user
     for attempt in (1, 2):
         with folder_users.claiming(path):
             if (folder_users.in_use(path) is not True if continuing else

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from multigpu import batchfit, console, gpu_images, orphans, runfolder, sharded_checkpoint, watchdog
+from multigpu import (batchfit, console, folder_users, gpu_images, orphans, runfolder, sharded_checkpoint,
+                      watchdog)
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore
 from multigpu.checkpointer import Checkpointer
@@ -108,6 +109,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     finally:
         saver.close()
         store.release()
+        folder_users.release(out)  # a caller that trains on here in this process is no other user
         if log is not None:
             log.close()  # curves.png: also of a run that stopped or failed
     console.info(clock.summary())

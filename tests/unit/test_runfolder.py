@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from multigpu import runfolder
+from multigpu import folder_users, runfolder
 from multigpu.errors import UsageError
 
 
@@ -75,6 +75,7 @@ def test_an_empty_folder_is_taken_one_with_anything_in_it_is_not(tmp_path):
 def test_a_run_folder_is_taken_again_only_to_continue_it(tmp_path):
     run = runfolder.reserve(str(tmp_path / "run"), model="m", data="d", continuing=False)
     runfolder.write_config(run, {"model": "m"})
+    folder_users.release(run)  # as a run's end does: this process trains on there next
     assert runfolder.reserve(str(run), model="m", data="d", continuing=True) == run
     runfolder.append_metrics(run, {"epoch": 1})  # an epoch trained: the folder is a run's now
     with pytest.raises(UsageError, match="already exists and is not empty"):
