@@ -317,7 +317,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     with child_environment(plan, opts, log_dir), _restore_signal_handlers(), _quiet_torchelastic(), \
             _SecondSignalKills() as signals:
         args = torchrun.get_args_parser().parse_args(argv)
-        if on_usage_error is not None:  # multigpu's own workers: leave their echoes to the report
+        ours = on_usage_error is not None or _runs_our_worker(cmd)
+        if ours:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
         began = time.time()
         try:
@@ -325,7 +326,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             return 0
         except ChildFailedError as exc:
             return report_child_failed(exc, log_dir, node=_node_name(opts),
-                                       on_usage_error=on_usage_error, since=began)
+                                       on_usage_error=on_usage_error, since=began, ours=ours)
         except SignalException as exc:
             at_once = _kill_workers_left() or signals.signals > 1
             err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"
@@ -344,6 +345,11 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
                  f"logs of every rank: {log_dir}")
             _kill_workers_left()
             return 1
+
+
+def _runs_our_worker(cmd: list[str]) -> bool:
+    """Whether `cmd` is `multigpu run`'s python_command("multigpu.worker", ...)."""
+    return cmd[3:5] == ["-m", "multigpu.worker"]
 
 
 def _kill_workers_left() -> int:

@@ -125,13 +125,17 @@ def _error_text(data: dict) -> str | None:
 
 
 def report_child_failed(exc, log_dir: str, node: str | None = None,
-                        on_usage_error: Callable[[], None] | None = None, since: float | None = None) -> int:
+                        on_usage_error: Callable[[], None] | None = None, since: float | None = None,
+                        ours: bool | None = None) -> int:
     """Print which rank failed first and its traceback; return the exit code to use. The ranks
     are global ranks; `node` names this node in a launch of several ('node 1 (host)'); `since`:
     when the launch began (time.time()), to tell its logs from earlier launches'. When the
     failure is bad input said in one line (see _usage_error), only that line is printed and
     `on_usage_error` is called: the logs then hold nothing more than that line. Pass it only for
-    workers that are multigpu's own commands (exit 2: they said a `multigpu: error:` line)."""
+    workers that are multigpu's own commands (exit 2: they said a `multigpu: error:` line).
+    `ours`: the workers leave an echo of another rank's failure to this report (REPORTS_ENV);
+    by default, where `on_usage_error` is given."""
+    ours = on_usage_error is not None if ours is None else ours
     failures = list(exc.failures.items())  # in the order the agent saw them fail
     launch = _launch_folders(log_dir, [f for _, f in failures], since)
     texts = {rank: _failure_text(f, launch) for rank, f in failures}
@@ -173,7 +177,7 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
     logged = _stderr_logs(launch, first.local_rank)
     # Local rank 0 without --tee writes to the console, unless its error was left to this report.
-    if not logged and not left_to_the_report(texts[rank], ours=on_usage_error is not None):
+    if not logged and not left_to_the_report(texts[rank], ours=ours):
         lines.append("its traceback is in its output above")
     elif texts[rank]:
         lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
@@ -197,7 +201,10 @@ def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | 
     lines, console = [], False
     for rank, f in failures:
         text = (texts[rank] or "").strip()
-        one_line = f.exitcode == 2 and "\n" not in text and (not text or text.startswith("multigpu: error: "))
+        said = "\n" not in text and text.startswith("multigpu: error: ")
+        # A rank the agent stopped while it was exiting on its own line (after printing it, it
+        # still tears down) said that line: it is counted, so local rank 0's is not said twice.
+        one_line = (f.exitcode == 2 and (not text or said)) or (f.exitcode == -signal.SIGTERM and said)
         if not one_line:
             if _echo(f, text):
                 continue  # checked only here: a usage error may name a timeout
