@@ -96,6 +96,54 @@ def restart_note(env=os.environ) -> str | None:
         return None
 
 
+def say_next_step(next_step: Callable[[], str | None] | None) -> None:
+    """The launch's `next_step` line, if it has one (launch.launch)."""
+    line = next_step() if next_step is not None else None
+    if line:
+        err(line)
+
+
+class RestartsSaid:
+    """With --max-restarts, one warning line from the launcher each time the agent restarts the
+    workers: which rank failed first and how ("rank 1 (pid N) was killed by SIGKILL"). The agent
+    says nothing of it itself (its logs are off, _quiet_torchelastic), so its check of the
+    workers is wrapped for the launch (private torch API; without it, no line: the restarted
+    rank 0's restart_note still says which attempt this is)."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+
+    def __enter__(self):
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        self._cls, self._original = LocalElasticAgent, LocalElasticAgent.__dict__.get("_monitor_workers")
+        if self.max_restarts > 0 and self._original is not None:
+            said, original = self, self._original
+
+            def monitor(agent, worker_group):
+                result = original(agent, worker_group)
+                left = getattr(agent, "_remaining_restarts", 0)
+                if result.is_failed() and left > 0 and result.failures:
+                    err(f"warning: {restart_line(result.failures, said.max_restarts - left + 1, said.max_restarts)}")
+                return result
+            LocalElasticAgent._monitor_workers = monitor
+        return self
+
+    def __exit__(self, *exc):
+        if self._original is not None:
+            self._cls._monitor_workers = self._original
+
+
+def restart_line(failures: dict, restart: int, total: int) -> str:
+    """'rank R (pid N) was killed by SIGKILL; restarting all workers (restart 1 of 2)', for the
+    rank that failed first of its own (not stopped by the agent's SIGTERM)."""
+    own = [(r, f) for r, f in failures.items() if f.exitcode != -signal.SIGTERM] or list(failures.items())
+    rank, first = min(own, key=lambda item: getattr(item[1], "timestamp", 0))
+    how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    return f"rank {rank} (pid {first.pid}) {how}; restarting all workers (restart {restart} of {total})"
+
+
 def _first_error(attempt: Path) -> str | None:
     """'local rank K: <its error's last line>' for the first rank of an attempt folder whose error
     file holds an error of its own (not an echo), by the files' times; None without one."""
