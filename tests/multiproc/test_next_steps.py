@@ -37,11 +37,13 @@ def after_the_first_checkpoint(tmp_path: Path, launcher: subprocess.Popen) -> di
     return {int(p.environ()["RANK"]): p.pid for p in psutil.Process(launcher.pid).children()}
 
 
-def signal_pending(pid: int) -> bool:
-    """Whether a signal waits for the (suspended) process `pid` (Linux: /proc/PID/status)."""
+def stop_pending(pid: int) -> bool:
+    """Whether a SIGINT or SIGTERM waits for the (suspended) process `pid` (Linux:
+    /proc/PID/status): the launcher has handled the first Ctrl-C and passed a stop on."""
     fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                   if ":\t" in line)
-    return any(int(fields.get(k, "0"), 16) for k in ("ShdPnd", "SigPnd"))
+    bit = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    return any(int(fields.get(k, "0"), 16) & bit for k in ("ShdPnd", "SigPnd"))
 
 
 def resume_line(tmp_path: Path, epochs: str) -> str:
@@ -72,7 +74,7 @@ def test_a_second_ctrl_c_ends_with_the_command_that_resumes(tmp_path):
             psutil.Process(pid).suspend()
         launcher.send_signal(signal.SIGINT)  # asks for a stop: the launcher passes it on
         deadline = time.monotonic() + 60
-        while not any(signal_pending(pid) for pid in workers.values()):
+        while not any(stop_pending(pid) for pid in workers.values()):
             assert time.monotonic() < deadline and launcher.poll() is None
             time.sleep(0.05)
         launcher.send_signal(signal.SIGINT)  # the second: stop at once
