@@ -14,6 +14,7 @@ import io
 import os
 import random
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Mapping
@@ -123,18 +124,36 @@ class CheckpointError(UsageError):
 
 def load(path: str | os.PathLike) -> dict:
     """Read a checkpoint safely (weights_only: no pickled code is ever run) onto the CPU; any file
-    that is not a readable checkpoint raises CheckpointError with one line saying why."""
+    that is not a readable checkpoint raises CheckpointError with one line saying why. torch's
+    warnings (a legacy file's TypedStorage deprecation) stay off the console: the file is read or
+    refused in our one line."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # every way a file can fail to be a checkpoint: one line, no traceback
         raise CheckpointError(f"{path}: {_why_unreadable(path, exc)}") from None
+
+
+# torch.save's legacy format (_use_new_zipfile_serialization=False, torch < 1.6) begins with its
+# magic number, pickled as a 10-byte long after the protocol opcode.
+_LEGACY_MAGIC = b"\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def _is_legacy(path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2 + len(_LEGACY_MAGIC))[2:] == _LEGACY_MAGIC
+    except OSError:
+        return False
 
 
 def _why_unreadable(path, exc: Exception) -> str:
     text = str(exc)
     if isinstance(exc, OSError):
         return f"cannot be read ({exc.strerror or text})"
-    if "Weights only load failed" in text and zipfile.is_zipfile(path):
+    legacy = _is_legacy(path)
+    if "Weights only load failed" in text and (legacy or zipfile.is_zipfile(path)):
         found = re.search(r"GLOBAL ([\w.]+)", text)
         what = found.group(1) if found else "objects other than tensors and plain values"
         return (f"refused: it holds {what}, which unpickling could run as code; multigpu reads "
@@ -143,12 +162,76 @@ def _why_unreadable(path, exc: Exception) -> str:
     size = os.path.getsize(path)
     if size == 0:
         return "the file is empty (a write that never finished?); use an earlier checkpoint"
+    if legacy:
+        first = (text.strip().splitlines() or [type(exc).__name__])[0]
+        return (f"truncated or corrupt ({size} bytes): a file of torch.save's legacy format "
+                f"that torch cannot read to its end ({first})")
     if not zipfile.is_zipfile(path):
         if "zip archive" in text:
             return f"truncated or corrupt ({size} bytes): torch cannot find the end of its archive"
         return "not a checkpoint: torch.save writes a zip archive and this file is none"
     first = (text.strip().splitlines() or [type(exc).__name__])[0]
     return f"torch cannot read it ({first})"
+
+
+# --- a model's bare state dict as --resume: its weights, nothing else ------------------------------
+
+FROM_STATE_DICT = "from_state_dict"  # key of the checkpoint as_checkpoint makes of a state dict
+STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")  # where scripts often keep one
+
+
+def as_checkpoint(state, where: str) -> dict:
+    """A multigpu checkpoint as it is. A model's state dict (`torch.save(model.state_dict())`,
+    prefixes of DataParallel/DDP and torch.compile peeled), or a dict holding one under a common
+    key, as a checkpoint of weights alone: {"model": ..., FROM_STATE_DICT: where it was found}.
+    Anything else: CheckpointError, saying what the file holds."""
+    if isinstance(state, dict) and "format" in state and ("model" in state or "shards" in state):
+        return state
+    if _is_state_dict(state):
+        return {"model": clean_state_dict(state), FROM_STATE_DICT: "a state dict"}
+    if isinstance(state, dict):
+        for key in STATE_DICT_KEYS:
+            if _is_state_dict(state.get(key)):
+                return {"model": clean_state_dict(state[key]),
+                        FROM_STATE_DICT: f"a state dict under its key {key!r}"}
+    keys = list(state)[:5] if isinstance(state, dict) else []
+    held = (f"a dict of {len(state)} entries ({', '.join(map(str, keys))}"
+            f"{', ...' if len(state) > len(keys) else ''})" if isinstance(state, dict)
+            else f"a {type(state).__name__}")
+    raise CheckpointError(f"{where}: holds {held}, neither a multigpu checkpoint nor a model's "
+                          "state dict; save model.state_dict() with torch.save, or give a run "
+                          "folder of multigpu")
+
+
+def _is_state_dict(obj) -> bool:
+    """A mapping of parameter names to tensors (a module's `_extra_state` may be anything)."""
+    return (isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj)
+            and all(isinstance(v, torch.Tensor) for k, v in obj.items()
+                    if not k.endswith("_extra_state")))
+
+
+def weights_mismatch(model: nn.Module, state: Mapping[str, torch.Tensor], few: int = 3) -> str | None:
+    """What keeps `state` from loading into `model` (wrapped or not): missing and unexpected
+    keys and shapes that differ, a few of each; None when it fits."""
+    from multigpu.strategies.base import unwrap_model  # strategies import us indirectly
+    expected = unwrap_model(model).state_dict()
+    state = match_keys(expected.keys(), state)
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:few]) + (f" and {len(names) - few} more" if len(names) > few else "")
+
+    def dims(t) -> str:
+        return "x".join(map(str, t.shape)) or "scalar"
+
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} ({dims(state[k])} in the file, {dims(expected[k])} in the model)"
+              for k in expected if k in state and isinstance(state[k], torch.Tensor)
+              and tuple(state[k].shape) != tuple(expected[k].shape)]
+    parts = ([f"missing {some(missing)}"] if missing else []) + (
+        [f"unexpected {some(unexpected)}"] if unexpected else []) + (
+        [f"other shapes: {some(shapes)}"] if shapes else [])
+    return "; ".join(parts) or None
 
 
 # --- RNG state: plain tensors and ints only, so weights_only loading accepts it -------------------

@@ -81,6 +81,14 @@ class CheckpointStore:
         best = (self._read_manifest() or {}).get("best")
         return Entry(**best) if best else None
 
+    def newest_intact(self) -> Path | None:
+        """The newest complete checkpoint whose bytes are those the manifest lists (size and
+        SHA-256; not loaded), or None."""
+        for entry in reversed(self.entries()):
+            if _matches(self.folder / entry.file, entry):
+                return self.folder / entry.file
+        return None
+
     def has_checkpoints(self) -> bool:
         return bool(self._candidates())
 

@@ -39,7 +39,7 @@ from multigpu import orphans, ports, sysinfo, watchdog
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
-from multigpu.launch_failures import (REPORTS_ENV, err, rendezvous_failed_message, rendezvous_timeout_message,
+from multigpu.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
                                       report_child_failed)
 
 @dataclass
@@ -319,11 +319,14 @@ def _quiet_torchelastic():
 # --------------------------------------------------------------------------- launching
 
 def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True,
-           on_usage_error: Callable[[], None] | None = None) -> int:
+           on_usage_error: Callable[[], None] | None = None,
+           next_step: Callable[[], str | None] | None = None) -> int:
     """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`, through
     torch.distributed.run; returns the exit code (non-zero when any rank failed).
     `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2);
-    only for a `cmd` that is one of multigpu's own commands (launch_failures.report_child_failed)."""
+    only for a `cmd` that is one of multigpu's own commands (launch_failures.report_child_failed).
+    `next_step`: the line (if any) that says how to go on after a failure the ranks could not
+    say themselves (a rank killed, a second signal that killed them at once)."""
     rdzv = plan_rendezvous(opts)
     if rdzv.named_port:
         ports.check_named_port(*rdzv.named_port)
@@ -340,21 +343,27 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     ports.register_rendezvous_backend()
     ports.OBSERVER.reset()
     with child_environment(plan, opts, log_dir), _restore_signal_handlers(), _quiet_torchelastic(), \
-            _SecondSignalKills() as signals:
+            _SecondSignalKills() as signals, RestartsSaid(opts.max_restarts):
         config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
-        if on_usage_error is not None:  # multigpu's own workers: leave their echoes to the report
+        ours = on_usage_error is not None or _runs_our_worker(cmd)
+        if ours:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
         began = time.time()
         try:
             elastic_launch(config, entrypoint)(*entry_args)
             return 0
         except ChildFailedError as exc:
-            return report_child_failed(exc, log_dir, node=_node_name(opts),
-                                       on_usage_error=on_usage_error, since=began)
+            code = report_child_failed(exc, log_dir, node=_node_name(opts),
+                                       on_usage_error=on_usage_error, since=began, ours=ours)
+            if code != 2:  # 2: bad input, said in one line; nothing to go on from
+                say_next_step(next_step)
+            return code
         except SignalException as exc:
             at_once = _kill_workers_left() or signals.signals > 1
             err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"
                  + (" (a second signal: killed at once)" if at_once else ""))
+            if at_once:  # else the ranks stopped after a checkpoint and said how to go on
+                say_next_step(next_step)
             return 128 + int(exc.sigval)
         except RendezvousTimeoutError:
             err(f"error: {rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())}")
@@ -369,6 +378,11 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
                  f"logs of every rank: {log_dir}")
             _kill_workers_left()
             return 1
+
+
+def _runs_our_worker(cmd: list[str]) -> bool:
+    """Whether `cmd` is `multigpu run`'s python_command("multigpu.worker", ...)."""
+    return cmd[3:5] == ["-m", "multigpu.worker"]
 
 
 def _kill_workers_left() -> int:

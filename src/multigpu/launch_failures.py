@@ -96,6 +96,54 @@ def restart_note(env=os.environ) -> str | None:
         return None
 
 
+def say_next_step(next_step: Callable[[], str | None] | None) -> None:
+    """The launch's `next_step` line, if it has one (launch.launch)."""
+    line = next_step() if next_step is not None else None
+    if line:
+        err(line)
+
+
+class RestartsSaid:
+    """With --max-restarts, one warning line from the launcher each time the agent restarts the
+    workers: which rank failed first and how ("rank 1 (pid N) was killed by SIGKILL"). The agent
+    says nothing of it itself (its logs are off, _quiet_torchelastic), so its check of the
+    workers is wrapped for the launch (private torch API; without it, no line: the restarted
+    rank 0's restart_note still says which attempt this is)."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+
+    def __enter__(self):
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        self._cls, self._original = LocalElasticAgent, LocalElasticAgent.__dict__.get("_monitor_workers")
+        if self.max_restarts > 0 and self._original is not None:
+            said, original = self, self._original
+
+            def monitor(agent, worker_group):
+                result = original(agent, worker_group)
+                left = getattr(agent, "_remaining_restarts", 0)
+                if result.is_failed() and left > 0 and result.failures:
+                    err(f"warning: {restart_line(result.failures, said.max_restarts - left + 1, said.max_restarts)}")
+                return result
+            LocalElasticAgent._monitor_workers = monitor
+        return self
+
+    def __exit__(self, *exc):
+        if self._original is not None:
+            self._cls._monitor_workers = self._original
+
+
+def restart_line(failures: dict, restart: int, total: int) -> str:
+    """'rank R (pid N) was killed by SIGKILL; restarting all workers (restart 1 of 2)', for the
+    rank that failed first of its own (not stopped by the agent's SIGTERM)."""
+    own = [(r, f) for r, f in failures.items() if f.exitcode != -signal.SIGTERM] or list(failures.items())
+    rank, first = min(own, key=lambda item: getattr(item[1], "timestamp", 0))
+    how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    return f"rank {rank} (pid {first.pid}) {how}; restarting all workers (restart {restart} of {total})"
+
+
 def _first_error(attempt: Path) -> str | None:
     """'local rank K: <its error's last line>' for the first rank of an attempt folder whose error
     file holds an error of its own (not an echo), by the files' times; None without one."""
@@ -125,13 +173,17 @@ def _error_text(data: dict) -> str | None:
 
 
 def report_child_failed(exc, log_dir: str, node: str | None = None,
-                        on_usage_error: Callable[[], None] | None = None, since: float | None = None) -> int:
+                        on_usage_error: Callable[[], None] | None = None, since: float | None = None,
+                        ours: bool | None = None) -> int:
     """Print which rank failed first and its traceback; return the exit code to use. The ranks
     are global ranks; `node` names this node in a launch of several ('node 1 (host)'); `since`:
     when the launch began (time.time()), to tell its logs from earlier launches'. When the
     failure is bad input said in one line (see _usage_error), only that line is printed and
     `on_usage_error` is called: the logs then hold nothing more than that line. Pass it only for
-    workers that are multigpu's own commands (exit 2: they said a `multigpu: error:` line)."""
+    workers that are multigpu's own commands (exit 2: they said a `multigpu: error:` line).
+    `ours`: the workers leave an echo of another rank's failure to this report (REPORTS_ENV);
+    by default, where `on_usage_error` is given."""
+    ours = on_usage_error is not None if ours is None else ours
     failures = list(exc.failures.items())  # in the order the agent saw them fail
     launch = _launch_folders(log_dir, [f for _, f in failures], since)
     texts = {rank: _failure_text(f, launch) for rank, f in failures}
@@ -173,7 +225,7 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
     logged = _stderr_logs(launch, first.local_rank)
     # Local rank 0 without --tee writes to the console, unless its error was left to this report.
-    if not logged and not left_to_the_report(texts[rank], ours=on_usage_error is not None):
+    if not logged and not left_to_the_report(texts[rank], ours=ours):
         lines.append("its traceback is in its output above")
     elif texts[rank]:
         lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
@@ -197,7 +249,10 @@ def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | 
     lines, console = [], False
     for rank, f in failures:
         text = (texts[rank] or "").strip()
-        one_line = f.exitcode == 2 and "\n" not in text and (not text or text.startswith("multigpu: error: "))
+        said = "\n" not in text and text.startswith("multigpu: error: ")
+        # A rank the agent stopped while it was exiting on its own line (after printing it, it
+        # still tears down) said that line: it is counted, so local rank 0's is not said twice.
+        one_line = (f.exitcode == 2 and (not text or said)) or (f.exitcode == -signal.SIGTERM and said)
         if not one_line:
             if _echo(f, text):
                 continue  # checked only here: a usage error may name a timeout

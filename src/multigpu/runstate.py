@@ -50,6 +50,8 @@ class RunState:
     def from_checkpoint(cls, state: dict) -> "RunState":
         if "run" in state:
             return cls(**state["run"], rng=list(state.get("rng") or []))
+        if checkpoint.FROM_STATE_DICT in state:  # weights alone: the run starts at its beginning
+            return cls()
         # format 1: saved at the end of an epoch only
         return cls(epoch=int(state["epoch"]) + 1, global_step=int(state.get("step", 0)),
                    best=state.get("best"), rng=list(state.get("rng") or []))
@@ -64,6 +66,12 @@ class ResumePoint:
     @property
     def run(self) -> RunState:
         return RunState.from_checkpoint(self.state)
+
+    @property
+    def weights_only(self) -> str | None:
+        """What the file held when it is a model's bare state dict (checkpoint.as_checkpoint):
+        the run trains from its weights, from epoch 1, with a fresh optimizer."""
+        return self.state.get(checkpoint.FROM_STATE_DICT)
 
 
 def resume_point(env: DistEnv, out: Path, resume: str | None, keep: int) -> ResumePoint | None:
@@ -97,7 +105,8 @@ def _find(out: Path, resume: str | None, keep: int,
 def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
                 flag: str = "--resume") -> tuple[dict, Path]:
     """The checkpoint --resume names (a file, or a run folder's newest readable one), loaded; a
-    one-line UsageError when there is none. The CLI calls it before it makes a run folder.
+    one-line UsageError when there is none. A file may also be a model's bare state dict
+    (checkpoint.as_checkpoint). The CLI calls it before it makes a run folder.
     `flag`: how the messages name the argument."""
     path = Path(resume)
     if path.is_dir():
@@ -111,7 +120,8 @@ def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
         raise missing_resume(resume, flag)
     listed = {e.file: e for e in CheckpointStore(path.parent).entries()}
     try:
-        return verify_and_load(path, listed.get(path.name)), path
+        state = verify_and_load(path, listed.get(path.name))
+        return checkpoint.as_checkpoint(state, str(path)), path
     except checkpoint.CheckpointError as exc:
         raise checkpoint.CheckpointError(f"{flag} {exc}") from None
 

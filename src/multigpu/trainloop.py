@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from multigpu import (batchfit, console, folder_users, gpu_images, orphans, runfolder, sharded_checkpoint,
-                      watchdog)
+from multigpu import (batchfit, checkpoint, console, folder_users, gpu_images, orphans, runfolder,
+                      sharded_checkpoint, watchdog)
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore
 from multigpu.checkpointer import Checkpointer
@@ -94,7 +94,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         _announce_last_step(cfg, rt, len(job.data.train))
         point = resume_point(rt.env, out, cfg.resume, cfg.keep)
         run = restore(cfg, rt, job, point, out) if point else RunState()
-        saver.last_path = Path(point.path) if point else None  # the last good one, until a save
+        # the last good checkpoint, until a save (a bare state dict is none to go back to)
+        saver.last_path = Path(point.path) if point and not point.weights_only else None
         clock.mark("resume")
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
@@ -163,6 +164,8 @@ def make_deterministic() -> None:
 
 
 def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Path) -> RunState:
+    if point.weights_only:
+        return _start_from_weights(cfg, rt, job, point)
     run = point.run
     rt.load(point.state, model=job.model, optimizer=job.optimizer, scheduler=job.scheduler,
             shards_dir=sharded_checkpoint.folder_of(point.state, Path(point.path).parent))
@@ -178,6 +181,21 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
         console.info(f"the run is complete ({run.completed_epochs} of {cfg.epochs} epochs): nothing "
                      f"left to train; a larger --epochs trains on from here")
     return run
+
+
+def _start_from_weights(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint) -> RunState:
+    """--resume of a model's bare state dict: its weights, a fresh optimizer, epoch 1. Checked on
+    every rank (each holds the same state), so a misfit is one line from every rank, not a
+    load_state_dict traceback."""
+    misfit = checkpoint.weights_mismatch(job.model, point.state["model"])
+    if misfit:
+        raise UsageError(f"--resume {point.path}: its weights do not fit --model {cfg.model} on "
+                         f"{job.data.name} ({misfit}); give the --model (and --data) they were "
+                         "saved from, or another file")
+    rt.load(point.state, model=job.model)
+    console.info(f"--resume {point.path} holds weights only ({point.weights_only}): training "
+                 "starts from them at epoch 1 with a fresh optimizer")
+    return RunState()
 
 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,

@@ -16,6 +16,7 @@ import atexit
 import os
 import runpy
 import sys
+import traceback
 
 from multigpu import orphans
 
@@ -45,8 +46,26 @@ def main(argv: list[str]) -> None:
 
         mark_failed()
         print(f"multigpu: error: {exc}", file=sys.stderr, flush=True)
+        watchdog.write_error_file(f"multigpu: error: {exc}")  # the report: said on the console
         sys.exit(2)
+    except BaseException:
+        _leave_an_echo_to_the_report(traceback.format_exc())
+        raise
     ended["clean"] = True
+
+
+def _leave_an_echo_to_the_report(text: str) -> None:
+    """A script's error that only echoes another rank's failure (a peer gone in a collective)
+    goes to this rank's error file, not the console: the launcher's report shows the rank that
+    failed first, and this one's traceback only if it is to blame (launch_failures)."""
+    from multigpu.launch_failures import REPORTS_ENV, left_to_the_report
+
+    if left_to_the_report(text, ours=os.environ.get(REPORTS_ENV) == "1") and \
+            watchdog.write_error_file(text.rstrip()):
+        from multigpu.distributed import mark_failed
+
+        mark_failed()  # its peers are gone: do not wait for them at exit
+        sys.exit(1)  # as the exception would end it, without its traceback on the console
 
 
 def _finish_group(ended: dict, addr: str | None, port: str | None) -> None:

@@ -152,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:  # the report shows the traceback, as the console does
             _leave_error_file(traceback.format_exc())
             raise
+        # said first, then left for the report: a rank stopped between the two is shown twice
+        # at worst, never not at all (the report takes the file's line as said on the console)
+        print(f"multigpu: error: {one_line(exc)}", file=sys.stderr, flush=True)
         _leave_error_file(f"multigpu: error: {one_line(exc)}")
-        print(f"multigpu: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except Stopped as exc:
         print(f"multigpu: {exc}", file=sys.stderr, flush=True)

@@ -139,7 +139,8 @@ def main(args: argparse.Namespace) -> int:
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
         try:  # bad input the workers found is said in one line (on_usage_error), and so is ours
-            code = launch(argv, plan, opts, python=False, on_usage_error=clean_up)
+            code = launch(argv, plan, opts, python=False, on_usage_error=clean_up,
+                          next_step=lambda: _resume_line(out, typed))
         except (UsageError, KeyboardInterrupt):
             clean_up()
             raise
@@ -157,6 +158,29 @@ def main(args: argparse.Namespace) -> int:
         clean_up()
         raise
     return 0
+
+
+def _resume_line(out: Path, typed: list[str]) -> str | None:
+    """After a launch the ranks could not end themselves (a rank killed, a second Ctrl-C): the
+    command that goes on from the newest intact checkpoint, when there is one."""
+    import shlex
+
+    from multigpu.checkpoint_store import CheckpointStore
+
+    try:
+        intact = CheckpointStore(out / "checkpoints").newest_intact()
+    except UsageError:  # a manifest that cannot be read: nothing to promise
+        return None
+    if intact is None:
+        return None
+    argv, skip = [], False
+    for arg in typed:  # the command as typed, its --resume (if any) replaced
+        if skip or arg == "--resume" or arg.startswith("--resume="):
+            skip = arg == "--resume"
+            continue
+        argv.append(arg)
+    return (f"checkpoint {intact} is complete; to go on from it, run: "
+            f"{shlex.join([*argv, '--resume', str(out)])}")
 
 
 def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:

@@ -1,0 +1,45 @@
+"""What the console shows when ranks fail, through the real launcher (2 CPU processes, gloo): a
+rank's own error is said once, however the agent stopped the other ranks, and the rank that
+failed first comes first, without the lost-peer traceback of the rank that only echoed it."""
+from pathlib import Path
+
+import pytest
+
+from .conftest import multigpu
+from .test_guards_cli import DIVERGES
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+
+
+def test_a_nan_loss_is_said_once(tmp_path):
+    done = multigpu("train", *DIVERGES, "--devices", "cpu:2", "--out", tmp_path / "run")
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert said.count("multigpu: error: the loss became nan at step ") == 1, said[-3000:]
+    assert said.count("error:") == 1 and "failed first" not in said
+
+
+def test_an_unused_parameter_is_said_once(tmp_path):
+    done = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs",
+                    HERE / "lib_scripts" / "unused_parameter.py")
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert said.count("multigpu: error: 2 parameter(s) got no gradient in the first backward: "
+                      "initial.weight, initial.bias.") == 1, said[-3000:]
+    assert said.count("error:") == 1 and "Traceback" not in said
+
+
+def test_the_rank_that_failed_first_comes_first_without_the_lost_peer_noise(tmp_path):
+    done = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs",
+                    HERE / "scripts" / "fail_rank1_in_collective.py")
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("multigpu: 2 CPU processes (gloo)")
+    assert lines[1].startswith("multigpu: rank 1 failed first (exit code 1, local rank 1"), lines[:5]
+    assert done.stderr.count("ValueError: boom-rank-1") == 1
+    assert done.stderr.count("Traceback") == 1  # rank 1's; rank 0's echo is in its error file
+    assert "Connection closed" not in done.stderr and "gloo" not in done.stderr.replace(
+        "(gloo)", "")
+    assert lines[-2].startswith("multigpu: also stopped: rank 0 (")
+    assert lines[-1] == f"multigpu: logs of every rank: {tmp_path / 'logs'}"
