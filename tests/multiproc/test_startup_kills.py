@@ -145,6 +145,15 @@ def test_kill_9_of_the_launcher_during_start_up_ends_its_workers_and_the_same_co
     kill_9(run)
     assert_workers_end(out, workers)
     assert json.loads((out / "config.json").read_text()) is not None  # left behind: taken again
+    if list(out.glob("checkpoints/step-*.pt")):
+        # Rank 0's line came and went before the kill landed, and the first step with it: from
+        # then on an orphan saves and stops (a loaded machine can be that slow to read a line).
+        # The folder is the run's now: the plain command names --resume, which goes on.
+        refused = Launch(out)
+        said = refused.finish()
+        assert refused.proc.returncode == 2 and "(to continue that run, add --resume)" in said, said
+        assert_same_command_trains(out, "--resume", str(out))
+        return
     if moment != "workers started":
         assert "already exists" not in assert_same_command_trains(out)
         return
