@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
-from multigpu.data_specs import SPEC_FORMS, unknown_spec  # noqa: F401 (SPEC_FORMS: read from here too)
+from multigpu.data_specs import unknown_spec
 from multigpu.errors import UsageError
 from multigpu.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
 

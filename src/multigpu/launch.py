@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 from multigpu import orphans, ports, sysinfo, watchdog
+from multigpu.agent_hooks import (SecondSignalKills, kill_workers_left, quiet_torchelastic,
+                                  restore_signal_handlers)
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
@@ -256,66 +258,6 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None
         os.environ.update(saved)
 
 
-@contextlib.contextmanager
-def _restore_signal_handlers():
-    """The agent replaces SIGINT/SIGTERM/... handlers while workers run; put ours back after."""
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
-    saved = {s: signal.getsignal(s) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, h in saved.items():
-            with contextlib.suppress(ValueError, TypeError):  # not in the main thread
-                signal.signal(s, h)
-
-
-class _SecondSignalKills:
-    """torch's agent answers every stop signal by signalling the workers and waiting up to its
-    shutdown timeout (30 s) for them; a second signal should not wait. Its handler is a module
-    function that PContext.start installs by name, so we put ours there for the launch (private
-    torch API; without it, the agent's wait stands)."""
-
-    def __init__(self):
-        self.signals = 0
-
-    def __enter__(self):
-        from torch.distributed.elastic.multiprocessing import api
-
-        self._api, self._original = api, getattr(api, "_terminate_process_handler", None)
-        if self._original is not None:
-            api._terminate_process_handler = self._handler
-        return self
-
-    def _handler(self, signum, frame):
-        self.signals += 1
-        if self.signals > 1:
-            _kill_workers_left()
-        self._original(signum, frame)
-
-    def __exit__(self, *exc):
-        if self._original is not None:
-            self._api._terminate_process_handler = self._original
-
-
-@contextlib.contextmanager
-def _quiet_torchelastic():
-    """torchrun logs its own banners and failure dumps; we print one summary instead."""
-    import logging
-
-    # torch's elastic modules set a level on their own loggers, so the parent's is not enough.
-    names = ["torch.distributed.elastic"] + [n for n in logging.root.manager.loggerDict
-                                              if n.startswith("torch.distributed.elastic.")]
-    saved = {n: logging.getLogger(n).level for n in names}
-    if not os.environ.get("MULTIGPU_DEBUG"):
-        for n in names:
-            logging.getLogger(n).setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for n, level in saved.items():
-            logging.getLogger(n).setLevel(level)
-
-
 # --------------------------------------------------------------------------- launching
 
 def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True,
@@ -342,8 +284,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
 
     ports.register_rendezvous_backend()
     ports.OBSERVER.reset()
-    with child_environment(plan, opts, log_dir), _restore_signal_handlers(), _quiet_torchelastic(), \
-            _SecondSignalKills() as signals, RestartsSaid(opts.max_restarts):
+    with child_environment(plan, opts, log_dir), restore_signal_handlers(), quiet_torchelastic(), \
+            SecondSignalKills() as signals, RestartsSaid(opts.max_restarts):
         config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
         ours = on_usage_error is not None or _runs_our_worker(cmd)
         if ours:  # multigpu's own workers: leave their echoes to the report
@@ -359,7 +301,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
                 say_next_step(next_step)
             return code
         except SignalException as exc:
-            at_once = _kill_workers_left() or signals.signals > 1
+            at_once = kill_workers_left() or signals.signals > 1
             err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"
                  + (" (a second signal: killed at once)" if at_once else ""))
             if at_once:  # else the ranks stopped after a checkpoint and said how to go on
@@ -376,26 +318,13 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
                 raise
             err(f"error: torchrun's agent failed ({type(exc).__name__}: {exc}); "
                  f"logs of every rank: {log_dir}")
-            _kill_workers_left()
+            kill_workers_left()
             return 1
 
 
 def _runs_our_worker(cmd: list[str]) -> bool:
     """Whether `cmd` is `multigpu run`'s python_command("multigpu.worker", ...)."""
     return cmd[3:5] == ["-m", "multigpu.worker"]
-
-
-def _kill_workers_left() -> int:
-    """SIGKILL to the workers still alive, with their children (they run in sessions of their
-    own, so a Ctrl-C in the terminal does not reach them)."""
-    import psutil
-
-    left = [p for p in psutil.Process().children() if p.is_running()]
-    for p in left:
-        with contextlib.suppress(psutil.Error):
-            for q in [*p.children(recursive=True), p]:
-                q.kill()
-    return len(left)
 
 
 def _node_name(opts: LaunchOptions) -> str | None:

@@ -106,7 +106,7 @@ def say_next_step(next_step: Callable[[], str | None] | None) -> None:
 class RestartsSaid:
     """With --max-restarts, one warning line from the launcher each time the agent restarts the
     workers: which rank failed first and how ("rank 1 (pid N) was killed by SIGKILL"). The agent
-    says nothing of it itself (its logs are off, _quiet_torchelastic), so its check of the
+    says nothing of it itself (its logs are off, agent_hooks.quiet_torchelastic), so its check of the
     workers is wrapped for the launch (private torch API; without it, no line: the restarted
     rank 0's restart_note still says which attempt this is)."""
 

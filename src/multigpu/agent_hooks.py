@@ -1,0 +1,81 @@
+"""The elastic agent tamed for a launch: what torch's agent does to this process while its
+workers run (signal handlers, log output, the wait after a stop signal), set and undone around
+each launch (launch.launch)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+
+@contextlib.contextmanager
+def restore_signal_handlers():
+    """The agent replaces SIGINT/SIGTERM/... handlers while workers run; put ours back after."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+    saved = {s: signal.getsignal(s) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            with contextlib.suppress(ValueError, TypeError):  # not in the main thread
+                signal.signal(s, h)
+
+
+class SecondSignalKills:
+    """torch's agent answers every stop signal by signalling the workers and waiting up to its
+    shutdown timeout (30 s) for them; a second signal should not wait. Its handler is a module
+    function that PContext.start installs by name, so we put ours there for the launch (private
+    torch API; without it, the agent's wait stands)."""
+
+    def __init__(self):
+        self.signals = 0
+
+    def __enter__(self):
+        from torch.distributed.elastic.multiprocessing import api
+
+        self._api, self._original = api, getattr(api, "_terminate_process_handler", None)
+        if self._original is not None:
+            api._terminate_process_handler = self._handler
+        return self
+
+    def _handler(self, signum, frame):
+        self.signals += 1
+        if self.signals > 1:
+            kill_workers_left()
+        self._original(signum, frame)
+
+    def __exit__(self, *exc):
+        if self._original is not None:
+            self._api._terminate_process_handler = self._original
+
+
+@contextlib.contextmanager
+def quiet_torchelastic():
+    """torchrun logs its own banners and failure dumps; we print one summary instead."""
+    import logging
+
+    # torch's elastic modules set a level on their own loggers, so the parent's is not enough.
+    names = ["torch.distributed.elastic"] + [n for n in logging.root.manager.loggerDict
+                                              if n.startswith("torch.distributed.elastic.")]
+    saved = {n: logging.getLogger(n).level for n in names}
+    if not os.environ.get("MULTIGPU_DEBUG"):
+        for n in names:
+            logging.getLogger(n).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
+
+
+def kill_workers_left() -> int:
+    """SIGKILL to the workers still alive, with their children (they run in sessions of their
+    own, so a Ctrl-C in the terminal does not reach them)."""
+    import psutil
+
+    left = [p for p in psutil.Process().children() if p.is_running()]
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            for q in [*p.children(recursive=True), p]:
+                q.kill()
+    return len(left)
