@@ -8,6 +8,10 @@ from multigpu import folder_users, orphans
 if orphans.watch_from_env() is not None:
     folder_users.hold_from_env()
 
-from multigpu.cli import main  # noqa: E402
+try:
+    from multigpu.cli import main  # noqa: E402
+except KeyboardInterrupt:  # Ctrl-C in the first moments: one line, as later
+    print("multigpu: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

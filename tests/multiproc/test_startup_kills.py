@@ -5,6 +5,7 @@ The moments are markers (a line the launcher or rank 0 prints, the workers' pids
 never bare sleeps; each kill is a real kill -9 or SIGINT of the launcher.
 """
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -209,3 +210,31 @@ def test_the_same_command_waits_for_the_stopping_workers_of_a_killed_launcher(tm
     assert again.proc.returncode == 0, said[-3000:]
     assert_workers_end(out, workers)
     assert [m["epoch"] for m in read_metrics(out)] == [1, 2, 3]
+
+
+# Holds the command inside its first imports (the parser's modules): a Ctrl-C lands there.
+_SLOW_IMPORT = '''
+import sys, time
+
+class _Slow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "multigpu.watchdog":
+            print("importing multigpu.watchdog", file=sys.stderr, flush=True)
+            time.sleep(60)
+        return None
+
+sys.meta_path.insert(0, _Slow())
+'''
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_IMPORT)
+    env = cli_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    run = Launch(tmp_path / "run", env=env)
+    run.wait_for(run.line("importing multigpu.watchdog"))
+    run.proc.send_signal(signal.SIGINT)
+    said = run.finish(timeout=60)
+    assert run.proc.returncode == 130, said
+    assert said.splitlines() == ["importing multigpu.watchdog", "multigpu: interrupted"], said
+    assert not (tmp_path / "run").exists()

@@ -123,7 +123,16 @@ def one_line(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()  # a job's clock (timeline.py) starts with the command
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv), started)
+    except KeyboardInterrupt:  # while the parser's modules import, before a command runs
+        if os.environ.get("MULTIGPU_DEBUG"):
+            raise
+        print("multigpu: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str], started: float) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and unknown[0].startswith("--") and unknown[0] != "--":  # (a value may follow)
