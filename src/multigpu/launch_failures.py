@@ -225,8 +225,11 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
     logged = _stderr_logs(launch, first.local_rank)
     # Local rank 0 without --tee writes to the console, unless its error was left to this report.
+    twin = _same_error_shown_above(failures, texts, rank, launch)
     if not logged and not left_to_the_report(texts[rank], ours=ours):
         lines.append("its traceback is in its output above")
+    elif twin is not None:  # two ranks failed the same way: one traceback on the console is enough
+        lines.append(f"its error is the one rank {twin} printed above: {_last_line(texts[rank])}")
     elif texts[rank]:
         lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
     else:
@@ -237,6 +240,24 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     lines.append(f"logs of every rank: {log_dir}")
     err("\nmultigpu: ".join(lines))
     return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
+
+
+def _same_error_shown_above(failures: list, texts: dict, rank: int, launch: list[Path]) -> int | None:
+    """The rank on the console (local rank 0, without --tee) that failed on its own with the
+    error `rank` failed with (the same last line), or None."""
+    line = _last_line(texts[rank])
+    if line is None or _stderr_logs(launch, 0):
+        return None
+    for r, f in failures:
+        if r != rank and f.local_rank == 0 and f.exitcode > 0 and not _echo(f, texts[r]) \
+                and _last_line(texts[r]) == line:
+            return r
+    return None
+
+
+def _last_line(text: str | None) -> str | None:
+    lines = [line for line in (text or "").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else None
 
 
 def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | None:

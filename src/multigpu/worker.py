@@ -49,7 +49,11 @@ def main(argv: list[str]) -> None:
         watchdog.write_error_file(f"multigpu: error: {exc}")  # the report: said on the console
         sys.exit(2)
     except BaseException:
-        _leave_an_echo_to_the_report(traceback.format_exc())
+        text = traceback.format_exc()
+        _leave_an_echo_to_the_report(text)
+        # its own error: on the console (or its log) as Python prints it, and in its error file,
+        # so that the report can tell another rank's same error from a new one
+        watchdog.write_error_file(text.rstrip())
         raise
     ended["clean"] = True
 

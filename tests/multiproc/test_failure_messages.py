@@ -43,3 +43,18 @@ def test_the_rank_that_failed_first_comes_first_without_the_lost_peer_noise(tmp_
         "(gloo)", "")
     assert lines[-2].startswith("multigpu: also stopped: rank 0 (")
     assert lines[-1] == f"multigpu: logs of every rank: {tmp_path / 'logs'}"
+
+
+def test_two_ranks_failing_the_same_way_show_one_traceback(tmp_path):
+    """Both ranks of a user's DDP script with an unused module fail on their own: rank 0's
+    traceback is on the console, and the report names the first rank without repeating it."""
+    done = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs",
+                    HERE / "scripts" / "ddp_unused_module.py")
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert said.count("Traceback (most recent call last)") == 1, said[-4000:]
+    report = [line for line in done.stderr.splitlines() if line.startswith("multigpu: ")]
+    assert report[1].startswith("multigpu: rank ") and " failed first (exit code 1" in report[1], report
+    assert report[2] in ("multigpu: its traceback is in its output above",) or report[2].startswith(
+        "multigpu: its error is the one rank 0 printed above: RuntimeError: Expected to have "
+        "finished reduction"), report
