@@ -1,4 +1,4 @@
-"""The series post 002's comparisons train on (post002_compare.sh, post002_steps.sh): four seeded
+"""The series post 002's comparisons train on (post002_compare.sh): four seeded
 noisy sine columns a-d, periods 24, 168, 9 and 700 rows, as a CSV with a header.
 
     python benchmarks/post002_series.py FILE [ROWS]    (ROWS: 40000)

@@ -3,7 +3,7 @@
 Modes are torch.compile's. "reduce-overhead" (and "max-autotune") also capture the compiled
 graphs as CUDA graphs: a step's hundreds of kernels are then launched by one call, which removes
 the host's launch time that limits small batches (ResNet-50 bf16 at batch 32 on an H200: ~21 ms
-a step eager, ~7 ms with CUDA graphs; benchmarks/NOTES.md, runs 13-15). Three rules come with
+a step eager, ~7 ms with CUDA graphs; docs/performance.md). Three rules come with
 them:
 - every step must start with `begin_step(model)`: a graph's outputs live in memory that its next
   replay overwrites, and this tells torch that the previous step's outputs are no longer used
@@ -30,8 +30,8 @@ TRAIN_MODES = (*MODES, "auto")  # `multigpu train --compile auto`: auto_mode dec
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 # --compile auto turns CUDA graphs on from this many optimizer steps in the run. Measured on one
 # H100, ResNet-50 bf16 batch 128: CUDA graphs save 10.5 ms a step (34.2 -> 23.7 ms, `multigpu
-# bench`, results/2026-11-25-1xH100-decode) and their first epoch took 46 s longer than eager's
-# with an empty compile cache, 5 s longer from the cache (results/2026-11-25-1xH100-compile-auto).
+# bench`) and their first epoch took 46 s longer than eager's with an empty compile cache, 5 s
+# longer from the cache (docs/performance.md).
 # The rule takes the empty cache's cost. Where the input pipeline limits the step (that run's
 # synthetic: data, made on the CPU, did), the graphs save less.
 AUTO_COMPILE_S, AUTO_SAVED_MS = 46.0, 10.5

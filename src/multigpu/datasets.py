@@ -224,7 +224,7 @@ class WindowDataset(Dataset):
         """Windows `indices` stacked, (B, seq, columns) and (B, future * columns), by two gathers
         of rows instead of B slices and a collate. index_select, not advanced indexing: in a
         profile of post 002's LSTM on 2x H200 the advanced-indexing gather took 0.43 ms a call on
-        the host (run 19 in benchmarks/NOTES.md); index_select of the flattened rows was 1.4-11x
+        the host (docs/performance.md); index_select of the flattened rows was 1.4-11x
         faster on CPU at 1 to 16 intra-op threads."""
         t = torch.as_tensor(indices, dtype=torch.int64)
         if len(t) and not (0 <= int(t.min()) and int(t.max()) < self.count):

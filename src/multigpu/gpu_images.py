@@ -30,7 +30,7 @@ from multigpu.crop_resize import crop_resize
 
 _END_OF_IMAGE = b"\xff\xd9"
 # Images a second, 500 x 375 JPEGs to 224 x 224, one H100 machine with 16 cores
-# (benchmarks/decode_check.sh, results/2026-11-25-1xH100-decode): one loader worker (15 fed
+# (docs/performance.md): one loader worker (15 fed
 # ResNet-50 with CUDA graphs at 5338, 99 % of its synthetic speed), and nvJPEG with the crops
 # (about 5000 with nothing else running). See choose_share.
 CPU_WORKER_RATE, GPU_RATE = 350.0, 5000.0

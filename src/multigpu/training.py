@@ -43,7 +43,7 @@ def ddp_options(cfg: TrainConfig) -> DDPOptions:
     from rank 0 at every forward: the training forward of BatchNorm does not read its running
     statistics, and run_training copies rank 0's to every rank before each evaluation instead.
     On 2x H200, ResNet-50 bf16, that made the step 4-15 % faster at batch 32-128 in two runs
-    (benchmarks/NOTES.md, runs 9 and 10)."""
+    (docs/performance.md)."""
     return DDPOptions(find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
 
 

@@ -27,8 +27,7 @@ from multigpu.config import TrainConfig, add_config_arguments, config_from_args
 from multigpu.errors import UsageError
 
 AUTO_PROBE_BATCH = 32
-HEADLINE = ("multigpu doctor: checks before a run (ok / warn / fail), trap numbers as in the README's "
-            "trap table")
+HEADLINE = "multigpu doctor: checks before a run (ok / warn / fail), trap numbers as in docs/traps.md"
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""`multigpu doctor`: the traps of ../shared/PITFALLS.md looked for before a run, one line each.
+"""`multigpu doctor`: the traps of docs/traps.md looked for before a run, one line each.
 
 - findings.py: a Finding (ok / warn / fail, the check, the cause and the fix) and how it is shown;
 - script_checks.py: a user's Python script read (never run) for the traps a source shows, through

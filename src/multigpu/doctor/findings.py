@@ -10,7 +10,7 @@ LEVELS = ("ok", "warn", "fail")
 @dataclass(frozen=True)
 class Finding:
     """One check's result. `message` is one line; for warn and fail it names the cause and the
-    fix. `trap` is the trap's number in PITFALLS.md; `where` a place in the user's files
+    fix. `trap` is the trap's number in docs/traps.md; `where` a place in the user's files
     ("train.py:14"), when the finding comes from one."""
     level: str
     check: str

@@ -14,10 +14,10 @@ from multigpu.strategies.base import Strategy
 
 @dataclass(frozen=True)
 class DDPOptions:
-    """Knobs of torch's DDP engine. The defaults are chosen for speed; see benchmarks/NOTES.md."""
+    """Knobs of torch's DDP engine. The defaults are chosen for speed; see docs/performance.md."""
     # 100 MB, not torch's 25: fewer, larger all-reduces that compete less with the backward's
     # kernels. ResNet-50 bf16 batch 128 on 4x H200: 16,200 img/s against 14,512 and 15,094 for
-    # two runs at 25 MB, in one run (benchmarks/results/logs/2026-11-22-4xH200-variants.txt).
+    # two runs at 25 MB, in one run (docs/performance.md).
     bucket_cap_mb: float = 100.0
     # Gradients live inside the all-reduce buckets: no copy in or out of them, less memory.
     gradient_as_bucket_view: bool = True

@@ -1,6 +1,6 @@
 """torch.nn.DataParallel over chosen GPU ids, kept for fidelity with the posts.
 
-What this module makes impossible or loud (../PITFALLS.md):
+What this module makes impossible or loud (the trap numbers of docs/traps.md):
 - trap 1: the model is moved to the first GPU *before* it is wrapped, always;
 - trap 3: the prepared loader never yields a batch smaller than the number of GPUs;
 - trap 10: calling a custom method (`model.my_forward(x)`) or going through `model.module`
@@ -9,7 +9,7 @@ What this module makes impossible or loud (../PITFALLS.md):
 - trap 5: torch starts new replica threads every step, which loses cuDNN's per-thread tuning
   cache (25x slower with cudnn.benchmark) and the bf16 autocast dtype (replicas ran in fp16):
   replicas run on one long-lived thread per GPU instead (replica_threads.py).
-DataParallel is one process driving several GPUs; DDP is faster (see README, Performance).
+DataParallel is one process driving several GPUs; DDP is faster (see docs/performance.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DataParallel's replica forwards on one long-lived thread per GPU, instead of new threads per step.
 
-Why (benchmarks/NOTES.md): `torch.nn.parallel.parallel_apply` starts a new thread for every replica
+Why (docs/performance.md): `torch.nn.parallel.parallel_apply` starts a new thread for every replica
 on every step, and per-thread state is lost with each thread:
 - cuDNN's autotuning cache (`cudnn.benchmark`) is per thread, so every convolution was re-tuned on
   every step: ResNet-50 ran 25x slower on 4 GPUs than on one (4x H200, 172 img/s);
