@@ -116,8 +116,8 @@ class Control:
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signum)
             return
-        console.warn(f"{name}: finishing this step, then saving a checkpoint and stopping "
-                     f"(send {name} again to stop at once)")
+        console.warn(f"{name}: the ranks stop together at their next exchange (about a second of "
+                     f"steps), then save a checkpoint (send {name} again to stop at once)")
         self.request_stop(name)
 
     # --- the decision, after each optimizer step ---------------------------------------------------

@@ -29,6 +29,11 @@ def check_spec(spec: str) -> None:
 def unknown_spec(spec: str) -> UsageError:
     """The one line for a spec of no known form: for a path, the form that would read it."""
     path = Path(spec).expanduser() if spec else None
+    if path is not None and path.is_dir() and not (path / "train").is_dir():
+        return UsageError(f"unknown data spec {spec!r}: it is a folder, but --data folder:PATH reads "
+                          f"images from PATH/train/<class>/ (and PATH/val/<class>/), and it has no "
+                          f"train/ subfolder: move its class folders under {spec.rstrip('/')}/train/ "
+                          f"(some images of each class under val/), then use --data folder:{spec}")
     if path is not None and path.is_dir():
         return UsageError(f"unknown data spec {spec!r}: it is a folder; for images in its "
                           f"train/<class>/ and val/<class>/ use --data folder:{spec} (the forms: "

@@ -83,6 +83,10 @@ FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder lay
 @pytest.mark.parametrize("spec, said", [
     ("./imgs", "unknown data spec './imgs': it is a folder; for images in its train/<class>/ and "
                f"val/<class>/ use --data folder:./imgs (the forms: {FORMS})"),
+    ("./flat", "unknown data spec './flat': it is a folder, but --data folder:PATH reads images "
+               "from PATH/train/<class>/ (and PATH/val/<class>/), and it has no train/ subfolder: "
+               "move its class folders under ./flat/train/ (some images of each class under val/), "
+               "then use --data folder:./flat"),
     ("series.csv", "unknown data spec 'series.csv': it is a file; for a numeric CSV (a time series) "
                    f"use --data timeseries:series.csv (the forms: {FORMS})"),
     ("/no/such/", "unknown data spec '/no/such/': no file or folder is there, and it is not one of "
@@ -93,6 +97,7 @@ def test_a_data_spec_of_no_form_is_one_line_before_any_launch(tmp_path, spec, sa
     """Refused in the launching process, before torch, a run folder or a worker: with cpu:2 the
     workers once found it, 4 s later, leaving runs/<time>-mlp-. behind."""
     (tmp_path / "imgs" / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "flat" / "cat").mkdir(parents=True)  # class folders with no train/ above them
     (tmp_path / "series.csv").write_text("a\n1\n2\n")
     before = sorted(tmp_path.rglob("*"))
     done = subprocess.run([sys.executable, "-c", PROBE, "train", "--model", "mlp", "--data", spec,
