@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.multiproc.conftest import GPU_MACHINE_ENV
+from tests.multiproc.conftest import GPU_MACHINE_ENV, _no_process_left_behind  # noqa: F401 (autouse here too)
 
 
 def gpu_env() -> dict:

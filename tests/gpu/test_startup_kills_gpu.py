@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.gpu.conftest import gpu_env
-from tests.multiproc.test_startup_kills import (MOMENTS, Launch, _no_process_left_behind,  # noqa: F401
-                                                assert_same_command_trains, assert_workers_end, kill_9)
+from tests.multiproc.test_startup_kills import (MOMENTS, Launch, assert_same_command_trains,
+                                                assert_workers_end, kill_9)
 
 pytestmark = pytest.mark.gpu
 

@@ -20,6 +20,7 @@ import torch
 
 from multigpu.checkpoint_store import CheckpointStore
 from tests.gpu.conftest import gpu_env
+from tests.multiproc.conftest import track
 
 pytestmark = pytest.mark.gpu
 
@@ -34,22 +35,6 @@ def two_gpus():
         pytest.skip("needs 2 GPUs")
 
 
-STARTED: list[psutil.Process] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_process_left_behind():
-    """A test that fails must not leave GPU workers behind for the next ones."""
-    yield
-    for p in STARTED:
-        try:
-            for q in [*p.children(recursive=True), p]:
-                q.kill()
-        except psutil.Error:
-            pass
-    STARTED.clear()
-
-
 def start(out: Path, *extra, args=ARGS) -> subprocess.Popen:
     """The launcher, its output in files beside the run (kept when a test times out)."""
     env = gpu_env()
@@ -59,7 +44,7 @@ def start(out: Path, *extra, args=ARGS) -> subprocess.Popen:
                              "--hang-timeout", "60", *extra], env=env, text=True,
                             stdout=open(out.parent / f"{out.name}-launch{n}.out", "w"),
                             stderr=open(out.parent / f"{out.name}-launch{n}.err", "w"))
-    STARTED.append(psutil.Process(proc.pid))
+    track(proc)
     return proc
 
 

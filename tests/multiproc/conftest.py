@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +31,27 @@ def multigpu(*args, cwd=None, timeout=240) -> subprocess.CompletedProcess:
 
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+_STARTED: list[psutil.Process] = []
+
+
+def track(proc: subprocess.Popen) -> None:
+    """Kill the process `proc` started (a launcher) with every child of it after the test, so a
+    test that fails leaves no workers behind for the next ones (_no_process_left_behind)."""
+    _STARTED.append(psutil.Process(proc.pid))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind():
+    yield
+    for p in _STARTED:
+        try:
+            for q in [p, *p.children(recursive=True)]:
+                q.kill()
+        except psutil.Error:
+            pass
+    _STARTED.clear()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from multigpu.checkpoint_store import CheckpointStore
 from multigpu.fileio import sha256_file
 from tests.unit.test_loggers import scalars
 
-from .conftest import cli_env, multigpu, read_metrics
+from .conftest import cli_env, multigpu, read_metrics, track
 
 pytestmark = pytest.mark.slow
 
@@ -35,27 +35,12 @@ ARGS = ["--model", "mlp", "--data", f"synthetic:{N}", "--epochs", "3", "--batch-
         "--checkpoint-every", "40", "--deterministic"]
 
 
-STARTED: list[psutil.Process] = []  # every launcher and its workers, killed after each test
-
-
-@pytest.fixture(autouse=True)
-def _no_process_left_behind():
-    yield
-    for p in STARTED:
-        try:
-            for q in [p, *p.children(recursive=True)]:
-                q.kill()
-        except psutil.Error:
-            pass
-    STARTED.clear()
-
-
 def start(out: Path, *extra, devices="cpu:2", preexec_fn=None) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "multigpu", "train", *ARGS, "--devices", devices,
                              "--out", str(out), *map(str, extra)], env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=preexec_fn)
-    STARTED.append(psutil.Process(proc.pid))
+    track(proc)
     return proc
 
 

@@ -16,25 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .conftest import cli_env, read_metrics
+from .conftest import cli_env, read_metrics, track
 
 pytestmark = pytest.mark.slow
 
 COMMAND = ["train", "--model", "cnn", "--data", "digits", "--batch-size", "4", "--epochs", "1",
            "--workers", "0"]
-STARTED: list[psutil.Process] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_process_left_behind():
-    yield
-    for p in STARTED:
-        try:
-            for q in [p, *p.children(recursive=True)]:
-                q.kill()
-        except psutil.Error:
-            pass
-    STARTED.clear()
 
 
 class Launch:
@@ -44,7 +31,7 @@ class Launch:
         self.proc = subprocess.Popen([sys.executable, "-m", "multigpu", *COMMAND, "--devices", devices,
                                       "--out", str(out), *extra], env=env or cli_env(),
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        STARTED.append(psutil.Process(self.proc.pid))
+        track(self.proc)
         self.lines: list[str] = []
         self._readers = [threading.Thread(target=self._read, args=(s,), daemon=True)
                          for s in (self.proc.stdout, self.proc.stderr)]
