@@ -28,23 +28,8 @@ from multigpu import fileio
 from multigpu.checkpoint_schema import CheckpointError
 from multigpu.data import map_tensors
 from multigpu.errors import UsageError
+from multigpu.wrappers import clean_state_dict, match_keys, unwrap_model
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def _strip_one_prefix(state: Mapping[str, torch.Tensor]) -> dict | None:
-    """`state` without a wrapper prefix that every key carries, or None when there is none."""
-    prefix = next((p for p in _WRAPPER_PREFIXES if state and all(k.startswith(p) for k in state)), None)
-    return None if prefix is None else {k[len(prefix):]: v for k, v in state.items()}
-
-
-def clean_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) prefixes, as long as
-    every key carries one."""
-    out = dict(state)
-    while (stripped := _strip_one_prefix(out)) is not None:
-        out = stripped
-    return out
 
 
 def to_cpu(obj):
@@ -54,18 +39,8 @@ def to_cpu(obj):
 
 def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a state dict with or without wrapper prefixes into `model`, wrapped or not."""
-    from multigpu.strategies.base import unwrap_model  # strategies import us indirectly
     model = unwrap_model(model)
     return model.load_state_dict(match_keys(model.state_dict().keys(), state), strict=strict)
-
-
-def match_keys(expected, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """`state` with wrapper prefixes peeled, one at a time, until its keys are `expected`: a
-    model with a real child named `module` (an EMA wrapper, say) keeps that part of its keys."""
-    expected = set(expected)
-    while set(state) != expected and (stripped := _strip_one_prefix(state)) is not None:
-        state = stripped
-    return state
 
 
 def atomic_save(obj, path: str | os.PathLike) -> Path:
@@ -209,7 +184,6 @@ def _is_state_dict(obj) -> bool:
 def weights_mismatch(model: nn.Module, state: Mapping[str, torch.Tensor], few: int = 3) -> str | None:
     """What keeps `state` from loading into `model` (wrapped or not): missing and unexpected
     keys and shapes that differ, a few of each; None when it fits."""
-    from multigpu.strategies.base import unwrap_model  # strategies import us indirectly
     expected = unwrap_model(model).state_dict()
     state = match_keys(expected.keys(), state)
 
