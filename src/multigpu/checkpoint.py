@@ -23,27 +23,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from multigpu import checkpoint_schema as schema
 from multigpu import fileio
+from multigpu.checkpoint_schema import CheckpointError
 from multigpu.data import map_tensors
 from multigpu.errors import UsageError
+from multigpu.wrappers import clean_state_dict, match_keys, unwrap_model
 
-FORMAT_VERSION = 1
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def _strip_one_prefix(state: Mapping[str, torch.Tensor]) -> dict | None:
-    """`state` without a wrapper prefix that every key carries, or None when there is none."""
-    prefix = next((p for p in _WRAPPER_PREFIXES if state and all(k.startswith(p) for k in state)), None)
-    return None if prefix is None else {k[len(prefix):]: v for k, v in state.items()}
-
-
-def clean_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) prefixes, as long as
-    every key carries one."""
-    out = dict(state)
-    while (stripped := _strip_one_prefix(out)) is not None:
-        out = stripped
-    return out
 
 
 def to_cpu(obj):
@@ -53,18 +39,8 @@ def to_cpu(obj):
 
 def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a state dict with or without wrapper prefixes into `model`, wrapped or not."""
-    from multigpu.strategies.base import unwrap_model  # strategies import us indirectly
     model = unwrap_model(model)
     return model.load_state_dict(match_keys(model.state_dict().keys(), state), strict=strict)
-
-
-def match_keys(expected, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """`state` with wrapper prefixes peeled, one at a time, until its keys are `expected`: a
-    model with a real child named `module` (an EMA wrapper, say) keeps that part of its keys."""
-    expected = set(expected)
-    while set(state) != expected and (stripped := _strip_one_prefix(state)) is not None:
-        state = stripped
-    return state
 
 
 def atomic_save(obj, path: str | os.PathLike) -> Path:
@@ -118,21 +94,19 @@ def named_optimizer_state(numbered: dict, order: list[str]) -> dict:
             "param_groups": groups}  # new dicts throughout: torch puts shards into them
 
 
-class CheckpointError(UsageError):
-    """A checkpoint that cannot be read: missing, truncated, corrupt, or refused as unsafe."""
-
-
 def load(path: str | os.PathLike) -> dict:
     """Read a checkpoint safely (weights_only: no pickled code is ever run) onto the CPU; any file
     that is not a readable checkpoint raises CheckpointError with one line saying why. torch's
     warnings (a legacy file's TypedStorage deprecation) stay off the console: the file is read or
-    refused in our one line."""
+    refused in our one line. A multigpu checkpoint of any format comes back in the current one
+    (checkpoint_schema.read); anything else as torch.load returns it."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # every way a file can fail to be a checkpoint: one line, no traceback
         raise CheckpointError(f"{path}: {_why_unreadable(path, exc)}") from None
+    return schema.read(state, str(path)) if schema.is_checkpoint(state) else state
 
 
 # torch.save's legacy format (_use_new_zipfile_serialization=False, torch < 1.6) begins with its
@@ -176,24 +150,21 @@ def _why_unreadable(path, exc: Exception) -> str:
 
 # --- a model's bare state dict as --resume: its weights, nothing else ------------------------------
 
-FROM_STATE_DICT = "from_state_dict"  # key of the checkpoint as_checkpoint makes of a state dict
-STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")  # where scripts often keep one
-
-
 def as_checkpoint(state, where: str) -> dict:
-    """A multigpu checkpoint as it is. A model's state dict (`torch.save(model.state_dict())`,
-    prefixes of DataParallel/DDP and torch.compile peeled), or a dict holding one under a common
-    key, as a checkpoint of weights alone: {"model": ..., FROM_STATE_DICT: where it was found}.
-    Anything else: CheckpointError, saying what the file holds."""
-    if isinstance(state, dict) and "format" in state and ("model" in state or "shards" in state):
-        return state
+    """A multigpu checkpoint, in the current format. A model's state dict
+    (`torch.save(model.state_dict())`, prefixes of DataParallel/DDP and torch.compile peeled), or
+    a dict holding one under a common key, as a checkpoint of weights alone: {MODEL: ...,
+    FROM_STATE_DICT: where it was found}. Anything else: CheckpointError, saying what the file
+    holds."""
+    if schema.is_checkpoint(state):
+        return schema.read(state, where)
     if _is_state_dict(state):
-        return {"model": clean_state_dict(state), FROM_STATE_DICT: "a state dict"}
+        return {schema.MODEL: clean_state_dict(state), schema.FROM_STATE_DICT: "a state dict"}
     if isinstance(state, dict):
-        for key in STATE_DICT_KEYS:
+        for key in schema.STATE_DICT_KEYS:
             if _is_state_dict(state.get(key)):
-                return {"model": clean_state_dict(state[key]),
-                        FROM_STATE_DICT: f"a state dict under its key {key!r}"}
+                return {schema.MODEL: clean_state_dict(state[key]),
+                        schema.FROM_STATE_DICT: f"a state dict under its key {key!r}"}
     keys = list(state)[:5] if isinstance(state, dict) else []
     held = (f"a dict of {len(state)} entries ({', '.join(map(str, keys))}"
             f"{', ...' if len(state) > len(keys) else ''})" if isinstance(state, dict)
@@ -213,7 +184,6 @@ def _is_state_dict(obj) -> bool:
 def weights_mismatch(model: nn.Module, state: Mapping[str, torch.Tensor], few: int = 3) -> str | None:
     """What keeps `state` from loading into `model` (wrapped or not): missing and unexpected
     keys and shapes that differ, a few of each; None when it fits."""
-    from multigpu.strategies.base import unwrap_model  # strategies import us indirectly
     expected = unwrap_model(model).state_dict()
     state = match_keys(expected.keys(), state)
 

@@ -28,28 +28,23 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from multigpu import checkpoint, fileio, sharded_checkpoint
+from multigpu import checkpoint_schema as schema
+from multigpu.checkpoint_schema import BEST_FILE, LAST_FILE, MANIFEST_FILE, step_of
+from multigpu.checkpoint_schema import step_file_name as step_file_name  # its users import it here
 from multigpu.errors import UsageError
 from multigpu.sharded_checkpoint import is_shards_name
 
-MANIFEST = "manifest.json"
-LAST, BEST = "last.pt", "best.pt"
 LOCK = ".writer.lock"
-_STEP_FILE = re.compile(r"step-(\d+)\.pt")
 LOCK_WAIT_SECONDS = 60  # a writer of a run that was just stopped may still be finishing its save
-
-
-def step_file_name(global_step: int) -> str:
-    return f"step-{global_step:09d}.pt"
 
 
 @dataclass
@@ -74,12 +69,10 @@ class CheckpointStore:
     # --- reading -----------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
         """Complete checkpoints, oldest first; [] when the folder has no manifest."""
-        manifest = self._read_manifest()
-        return [Entry(**e) for e in manifest.get("checkpoints", [])] if manifest else []
+        return _listed(self._read_manifest())
 
     def best_entry(self) -> Entry | None:
-        best = (self._read_manifest() or {}).get("best")
-        return Entry(**best) if best else None
+        return _best(self._read_manifest())
 
     def newest_intact(self) -> Path | None:
         """The newest complete checkpoint whose bytes are those the manifest lists (size and
@@ -110,6 +103,8 @@ class CheckpointStore:
                     warn(f"checkpoint {path} is not the file the manifest lists ({first}); "
                          f"{second.name} holds that file and is used")
                     path = second
+            except schema.NewerFormatError:
+                raise  # not damaged: an older multigpu must not go on from an older one
             except checkpoint.CheckpointError as exc:
                 problems.append(f"{path.name}: {exc}")
                 warn(f"checkpoint {path} is damaged ({exc}); "
@@ -127,7 +122,7 @@ class CheckpointStore:
         listed one and before the manifest said so; the second name still has the listed file."""
         if entry is None:
             return None
-        for name in (LAST, BEST):
+        for name in (LAST_FILE, BEST_FILE):
             other = self.folder / name
             if other.is_file() and not _same_file(other, path) and _matches(other, entry):
                 return other
@@ -139,22 +134,23 @@ class CheckpointStore:
         if not self.folder.is_dir():
             return []
         listed = self.entries()
-        if listed or (self.folder / MANIFEST).exists():
+        if listed or (self.folder / MANIFEST_FILE).exists():
             return [(self.folder / e.file, e) for e in reversed(listed)]
-        steps = sorted((p for p in self.folder.iterdir() if _STEP_FILE.fullmatch(p.name)),
-                       key=lambda p: int(_STEP_FILE.fullmatch(p.name).group(1)), reverse=True)
-        last = self.folder / LAST
+        steps = sorted((p for p in self.folder.iterdir() if step_of(p.name) is not None),
+                       key=lambda p: step_of(p.name), reverse=True)
+        last = self.folder / LAST_FILE
         return [(p, None) for p in ([last] if last.is_file() else []) + steps]
 
     def _read_manifest(self) -> dict | None:
-        path = self.folder / MANIFEST
+        path = self.folder / MANIFEST_FILE
         try:
-            return json.loads(path.read_text())
+            manifest = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:  # written atomically, so only outside damage does this
             raise checkpoint.CheckpointError(f"{path} cannot be read ({exc}); move it away to fall "
                                              "back to the checkpoint files themselves") from None
+        return schema.read_manifest(manifest, str(path))
 
     # --- writing -----------------------------------------------------------------------------
     def acquire(self) -> None:
@@ -191,31 +187,33 @@ class CheckpointStore:
         name = step_file_name(global_step)
         path, sha256 = fileio.atomic_write_hashed(self.folder / name, lambda f: torch.save(state, f))
         entry = Entry(name, path.stat().st_size, sha256, global_step, run,
-                      round(time.time(), 3), (state.get("shards") or {}).get("dir"))
-        manifest = self._read_manifest() or {}
-        listed = [Entry(**e) for e in manifest.get("checkpoints", []) if e["file"] != name]
-        replaced = [Entry(**e) for e in manifest.get("checkpoints", []) if e["file"] == name]
+                      round(time.time(), 3), (state.get(schema.SHARDS) or {}).get(schema.SHARDS_DIR))
+        manifest = self._read_manifest()
+        listed = [e for e in _listed(manifest) if e.file != name]
+        replaced = [e for e in _listed(manifest) if e.file == name]
         kept = (listed + [entry])[-self.keep:]
-        best_entry = asdict(entry) | {"file": BEST} if best else manifest.get("best")
-        fileio.atomic_write_text(self.folder / MANIFEST, json.dumps(
-            {"format": 1, "checkpoints": [asdict(e) for e in kept], "best": best_entry},
-            indent=1) + "\n")
+        old_best = _best(manifest)
+        best_entry = replace(entry, file=BEST_FILE) if best else old_best
+        fileio.atomic_write_text(self.folder / MANIFEST_FILE, json.dumps({
+            schema.FORMAT: schema.MANIFEST_FORMAT,
+            schema.MANIFEST_CHECKPOINTS: [asdict(e) for e in kept],
+            schema.MANIFEST_BEST: asdict(best_entry) if best_entry else None}, indent=1) + "\n")
         if best:
-            fileio.atomic_link(path, self.folder / BEST)
-        fileio.atomic_link(path, self.folder / LAST)
+            fileio.atomic_link(path, self.folder / BEST_FILE)
+        fileio.atomic_link(path, self.folder / LAST_FILE)
         removed = listed[:len(listed) + 1 - len(kept)]
         for old in removed:
             (self.folder / old.file).unlink(missing_ok=True)
-        self._remove_shards(removed + replaced, kept, best_entry, manifest.get("best"))
+        self._remove_shards(removed + replaced, kept, best_entry, old_best)
         return path
 
-    def _remove_shards(self, dropped: list[Entry], kept: list[Entry], best: dict | None,
-                       old_best: dict | None) -> None:
+    def _remove_shards(self, dropped: list[Entry], kept: list[Entry], best: Entry | None,
+                       old_best: Entry | None) -> None:
         """The shard folders of checkpoints just dropped (beyond --keep, written again at their
         step, or no longer best.pt) that no kept checkpoint and no best.pt names. Only those: the
         next save's folder may be being written beside this one."""
-        needed = {e.shards for e in kept} | {b.get("shards") for b in (best,) if b}
-        gone = {e.shards for e in dropped} | {b.get("shards") for b in (old_best,) if b}
+        needed = {e.shards for e in kept} | {b.shards for b in (best,) if b}
+        gone = {e.shards for e in dropped} | {b.shards for b in (old_best,) if b}
         for name in gone - needed - {None}:
             shutil.rmtree(self.folder / name, ignore_errors=True)
 
@@ -225,7 +223,8 @@ class CheckpointStore:
         when a step saved again was stopped between its file and the manifest, the step file is
         the unlisted new one and last.pt still the listed one, which is put back."""
         entries = self.entries()
-        for name, entry in ((LAST, entries[-1] if entries else None), (BEST, self.best_entry())):
+        for name, entry in ((LAST_FILE, entries[-1] if entries else None),
+                            (BEST_FILE, self.best_entry())):
             if entry is None:
                 continue
             target, link = self.folder / step_file_name(entry.global_step), self.folder / name
@@ -233,24 +232,35 @@ class CheckpointStore:
                 continue
             if target.is_file() and _matches(target, entry):
                 fileio.atomic_link(target, link)
-            elif name == LAST and link.is_file() and _matches(link, entry):
+            elif name == LAST_FILE and link.is_file() and _matches(link, entry):
                 fileio.atomic_link(link, target)
 
     def _remove_leftovers(self) -> None:
         """Temporary files of interrupted writes, and step files the manifest does not list."""
         manifest = self._read_manifest()
-        if manifest is None and any(_STEP_FILE.fullmatch(p.name) for p in self.folder.iterdir()):
+        if manifest is None and any(step_of(p.name) is not None for p in self.folder.iterdir()):
             return  # no manifest to tell complete from incomplete: remove nothing
-        listed = {e["file"] for e in (manifest or {}).get("checkpoints", [])}
-        needed = {e.get("shards") for e in (manifest or {}).get("checkpoints", [])} | {
-            (manifest or {}).get("best", None) and manifest["best"].get("shards")}
+        listed = {e.file for e in _listed(manifest)}
+        needed = {e.shards for e in _listed(manifest) + [_best(manifest)] if e}
         for p in self.folder.iterdir():
             if p.is_dir() and (fileio.is_temp_name(p.name) or (
                     is_shards_name(p.name) and p.name not in needed)):
                 shutil.rmtree(p, ignore_errors=True)
-            elif fileio.is_temp_name(p.name) or (_STEP_FILE.fullmatch(p.name) and p.name not in listed):
+            elif fileio.is_temp_name(p.name) or (step_of(p.name) is not None
+                                                 and p.name not in listed):
                 with contextlib.suppress(OSError):
                     p.unlink()
+
+
+def _listed(manifest: dict | None) -> list[Entry]:
+    """The complete checkpoints a manifest lists, oldest first."""
+    return [Entry(**e) for e in (manifest or {}).get(schema.MANIFEST_CHECKPOINTS, [])]
+
+
+def _best(manifest: dict | None) -> Entry | None:
+    """best.pt's entry in a manifest, if any."""
+    best = (manifest or {}).get(schema.MANIFEST_BEST)
+    return Entry(**best) if best else None
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -284,5 +294,5 @@ def verify_and_load(path: Path, entry: Entry | None) -> dict:
     state = checkpoint.load(path)
     shards = sharded_checkpoint.folder_of(state, path.parent)
     if shards is not None:
-        sharded_checkpoint.verify(shards, state["shards"]["files"], path)
+        sharded_checkpoint.verify(shards, state[schema.SHARDS][schema.SHARDS_FILES], path)
     return state

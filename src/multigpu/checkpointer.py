@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from multigpu import checkpoint_schema as schema
 from multigpu import sharded_checkpoint
-from multigpu.checkpoint_store import CheckpointStore, step_file_name
+from multigpu.checkpoint_store import CheckpointStore
 from multigpu.checkpoint_writer import BackgroundWriter
 from multigpu.errors import UsageError
 from multigpu.runstate import RunState
@@ -28,12 +29,12 @@ class Checkpointer:
 
     def save(self, run: RunState, *, metrics: dict | None, best: bool, wait: bool = False) -> Path:
         job = self.job
-        path = self.store.folder / step_file_name(run.global_step)
+        path = self.store.folder / schema.step_file_name(run.global_step)
         began = time.perf_counter()
         shards = self._save_shards(path) if self.rt.strategy.sharded_state else {}
         state = self.rt.checkpoint_state(job.model, job.optimizer, job.scheduler,
                                          weights=not shards, **shards, **run.to_checkpoint(),
-                                         metrics=metrics, config=self.config)
+                                         **{schema.METRICS: metrics, schema.CONFIG: self.config})
         error = None
         if self.writer is not None:
             try:
@@ -50,7 +51,7 @@ class Checkpointer:
 
     def _save_shards(self, path: Path) -> dict:
         """Every rank writes its part of the model and optimizer state beside the step file
-        (sharded_checkpoint.py); {"shards": what the step file records} for the step file."""
+        (sharded_checkpoint.py); {SHARDS: what the step file records} for the step file."""
         error, shards = None, None
         try:
             shards = sharded_checkpoint.save(self.rt.env, path.parent, path.stem, self.job.model,
@@ -58,7 +59,7 @@ class Checkpointer:
         except Exception as exc:  # DCP raises on every rank when one rank's write failed
             error = self._failure(exc)
         self._raise_everywhere(error)
-        return {"shards": shards}
+        return {schema.SHARDS: shards}
 
     @property
     def failed(self) -> bool:

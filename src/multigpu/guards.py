@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from multigpu import console
+from multigpu.checkpoint_schema import checkpoints_folder
 from multigpu.errors import UsageError
 
 NO_INDEX = 2**40  # "no bad batch": larger than any batch count, small enough to encode below
@@ -132,7 +133,7 @@ def nonfinite_message(found: Found, *, step: int, where: str, last_good: Path | 
     fix = f"Lower --lr ({lr_text(lr, lr_now)}), {clip}, or check the data for NaN"
     if last_good is None:
         return f"{what} at step {step} ({where}); weights after it are not saved: {kept}. {fix}"
-    source = out if Path(last_good).parent == Path(out) / "checkpoints" else last_good
+    source = out if Path(last_good).parent == checkpoints_folder(out) else last_good
     return (f"{what} at step {step} ({where}); weights after it are not saved: {kept}. {fix}; "
             f"resume from it with --resume {source}")
 

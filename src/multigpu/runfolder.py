@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from multigpu import checkpoint_schema as schema
 from multigpu import console, fileio, folder_users, orphans
 from multigpu.errors import UsageError
 from multigpu.folder_users import OUT_RESERVED_ENV
@@ -55,7 +56,7 @@ def out_for(cfg: "TrainConfig") -> str | None:
     if cfg.resume and not out:
         path = Path(cfg.resume)
         if path.is_file():  # a checkpoint inside a run folder goes on there, any other: a new one
-            path = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+            path = schema.run_folder_of(path)
             out = str(path) if is_run_folder(path) else None
         elif path.is_dir():
             out = str(path)
@@ -150,7 +151,7 @@ def _wait_for_stopping_workers(path: Path, out: str) -> None:
 
 
 def is_run_folder(path: Path) -> bool:
-    return (path / CONFIG).is_file() or (path / "checkpoints").is_dir()
+    return (path / CONFIG).is_file() or schema.checkpoints_folder(path).is_dir()
 
 
 def _claim(path: Path, fresh_only: bool, allowed: set[str] = frozenset()) -> bool:
@@ -180,7 +181,7 @@ def nothing_trained(path: Path, logs: bool = False) -> bool:
     if not path.is_dir():
         return False
     for entry in path.iterdir():
-        if entry.name == "checkpoints" and entry.is_dir():
+        if entry.name == schema.CHECKPOINTS and entry.is_dir():
             if any(not p.name.startswith(".") for p in entry.iterdir()):
                 return False
         elif not (entry.name == CONFIG or (logs and entry.name == LOGS and entry.is_dir())):
@@ -193,16 +194,15 @@ def finished_checkpoint(path: Path, epochs: int) -> tuple[Path, int] | None:
     `epochs` (the checkpoint records the run past its last epoch); None while any epoch is left,
     or when the folder's checkpoints cannot be read."""
     from multigpu.checkpoint_store import CheckpointStore
-    from multigpu.runstate import RunState
 
-    store = CheckpointStore(path / "checkpoints")
+    store = CheckpointStore(schema.checkpoints_folder(path))
     try:
         entries = store.entries() if store.folder.is_dir() else []
     except UsageError:  # a damaged manifest (CheckpointError): not known to be finished
         return None
-    run = RunState(**entries[-1].run) if entries else None
-    if run is not None and run.completed_epochs >= epochs:
-        return store.folder / entries[-1].file, run.completed_epochs
+    done = schema.completed_epochs(entries[-1].run) if entries else None
+    if done is not None and done >= epochs:
+        return store.folder / entries[-1].file, done
     return None
 
 
@@ -210,7 +210,7 @@ def remove_untrained(path: Path, up_to: Path, keep: bool = False) -> None:
     """Remove a folder for which nothing_trained() holds, and the empty folders above it that
     this run made (up to `up_to`, the outermost one); `keep`: only what the run wrote in it (a
     folder the user made stays, empty, as it was)."""
-    checkpoints = path / "checkpoints"
+    checkpoints = schema.checkpoints_folder(path)
     if checkpoints.is_dir():
         for p in checkpoints.iterdir():
             p.unlink()
@@ -238,11 +238,10 @@ def trained_batch_size(out: Path, resume: str | None) -> int | None:
     folders = [out]
     if resume:
         source = Path(resume)
-        if source.is_file():
-            source = source.parent  # run/checkpoints/x.pt
-        folders.append(source.parent if source.name == "checkpoints" else source)
+        folders.append(schema.run_folder_of(source) if source.is_file() else schema.run_folder(source))
     for folder in folders:
-        if not (folder / "checkpoints").is_dir() or not any((folder / "checkpoints").glob("*.pt")):
+        checkpoints = schema.checkpoints_folder(folder)
+        if not checkpoints.is_dir() or not any(checkpoints.glob("*.pt")):
             continue
         try:
             size = json.loads((folder / CONFIG).read_text()).get("batch_size")

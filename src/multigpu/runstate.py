@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from multigpu import checkpoint, console
+from multigpu import checkpoint_schema as schema
 from multigpu.checkpoint_store import CheckpointStore, verify_and_load
 from multigpu.distributed import DistEnv
 from multigpu.errors import UsageError
@@ -41,20 +42,17 @@ class RunState:
         return {k: v for k, v in asdict(self).items() if k != "rng"}
 
     def to_checkpoint(self) -> dict:
-        """The checkpoint's keys for this state (the RNG goes in as the checkpoint's "rng").
-        epoch/step/best also as multigpu's first checkpoint format had them, for its readers."""
-        return {"run": self.summary(), "epoch": self.completed_epochs, "step": self.global_step,
-                "best": self.best}
+        """The checkpoint's keys for this state (the RNG goes in as the checkpoint's RNG).
+        EPOCH/STEP/BEST also as format 1 had them, for an older multigpu (checkpoint_schema)."""
+        return {schema.RUN: self.summary(), schema.EPOCH: self.completed_epochs,
+                schema.STEP: self.global_step, schema.BEST: self.best}
 
     @classmethod
     def from_checkpoint(cls, state: dict) -> "RunState":
-        if "run" in state:
-            return cls(**state["run"], rng=list(state.get("rng") or []))
-        if checkpoint.FROM_STATE_DICT in state:  # weights alone: the run starts at its beginning
-            return cls()
-        # format 1: saved at the end of an epoch only
-        return cls(epoch=int(state["epoch"]) + 1, global_step=int(state.get("step", 0)),
-                   best=state.get("best"), rng=list(state.get("rng") or []))
+        """Of a checkpoint in the current format (checkpoint_schema.read: an early multigpu's
+        has its RUN made from its epoch). Without RUN (a model's weights alone, an `rt.save`
+        file) the run starts at its beginning."""
+        return cls(**state.get(schema.RUN, {}), rng=list(state.get(schema.RNG) or []))
 
 
 @dataclass
@@ -71,7 +69,7 @@ class ResumePoint:
     def weights_only(self) -> str | None:
         """What the file held when it is a model's bare state dict (checkpoint.as_checkpoint):
         the run trains from its weights, from epoch 1, with a fresh optimizer."""
-        return self.state.get(checkpoint.FROM_STATE_DICT)
+        return self.state.get(schema.FROM_STATE_DICT)
 
 
 def resume_point(env: DistEnv, out: Path, resume: str | None, keep: int) -> ResumePoint | None:
@@ -90,7 +88,7 @@ def resume_point(env: DistEnv, out: Path, resume: str | None, keep: int) -> Resu
 
 def _find(out: Path, resume: str | None, keep: int,
           warn: Callable[[str], None]) -> ResumePoint | None:
-    own = CheckpointStore(out / "checkpoints", keep)
+    own = CheckpointStore(schema.checkpoints_folder(out), keep)
     if own.has_checkpoints():  # this run's own newest: a restart, or the same command again
         found = own.load_newest(warn)
         if found:
@@ -98,8 +96,7 @@ def _find(out: Path, resume: str | None, keep: int,
     if not resume:
         return None
     state, path = load_source(resume, warn)
-    folder = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    return ResumePoint(state, str(path), in_place=_same(folder, out))
+    return ResumePoint(state, str(path), in_place=_same(schema.run_folder_of(path), out))
 
 
 def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
@@ -110,7 +107,8 @@ def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
     `flag`: how the messages name the argument."""
     path = Path(resume)
     if path.is_dir():
-        store = CheckpointStore(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+        inside = schema.checkpoints_folder(path)
+        store = CheckpointStore(inside if inside.is_dir() else path)
         found = store.load_newest(warn) if store.has_checkpoints() else None
         if not found:
             raise UsageError(f"{flag} {resume}: no checkpoint there (expected a .pt file, or a "

@@ -7,6 +7,7 @@ from pathlib import Path
 from torch import nn
 
 from multigpu import checkpoint, sharded_checkpoint
+from multigpu import checkpoint_schema as schema
 from multigpu.errors import UsageError
 
 
@@ -16,7 +17,7 @@ def save(rt, path: str | Path, *, model: nn.Module, optimizer=None, scheduler=No
     path = Path(path)
     shards = {}
     if sharded:
-        shards["shards"] = sharded_checkpoint.save(rt.env, path.parent, path.stem, model,
+        shards[schema.SHARDS] = sharded_checkpoint.save(rt.env, path.parent, path.stem, model,
                                                    optimizer)
     error = None
     try:  # collective first; then only rank 0 can fail (a value weights_only refuses)
@@ -47,14 +48,14 @@ def checkpoint_state(rt, model: nn.Module, optimizer=None, scheduler=None, *,
         return None
     checkpoint.check_loadable(extra)
     return {
-        "format": checkpoint.FORMAT_VERSION,
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "precision": rt.precision.state_dict(),
-        "rng": rng,
-        "world_size": rt.env.world_size,
-        "strategy": rt.strategy.name,
+        schema.FORMAT: schema.FORMAT_VERSION,
+        schema.MODEL: model_state,
+        schema.OPTIMIZER: optimizer_state,
+        schema.SCHEDULER: scheduler.state_dict() if scheduler is not None else None,
+        schema.PRECISION: rt.precision.state_dict(),
+        schema.RNG: rng,
+        schema.WORLD_SIZE: rt.env.world_size,
+        schema.STRATEGY: rt.strategy.name,
         **extra,
     }
 
@@ -62,27 +63,34 @@ def checkpoint_state(rt, model: nn.Module, optimizer=None, scheduler=None, *,
 def load(rt, path: str | Path | dict, *, model: nn.Module | None = None, optimizer=None,
          scheduler=None, shards_dir: str | Path | None = None) -> dict:
     """Runtime.load."""
-    state = path if isinstance(path, dict) else checkpoint.load(path)
+    state = _read(path) if isinstance(path, dict) else checkpoint.load(path)
     # torch.distributed.checkpoint's loaders step the optimizer once, with no gradients, to
     # create its state: not a user's optimizer.step() around the runtime
     with rt._bypass.stepping():
-        if state.get("shards"):  # written sharded (multigpu train under fsdp)
+        if state.get(schema.SHARDS):  # written sharded (multigpu train under fsdp)
             _load_shards(rt, state, path, shards_dir, model, optimizer)
         else:
             if model is not None:
-                rt.strategy.load_model_state(model, state["model"])
-            if optimizer is not None and state.get("optimizer"):
-                rt.strategy.load_optimizer_state(model, optimizer, state["optimizer"])
+                rt.strategy.load_model_state(model, state[schema.MODEL])
+            if optimizer is not None and state.get(schema.OPTIMIZER):
+                rt.strategy.load_optimizer_state(model, optimizer, state[schema.OPTIMIZER])
     if optimizer is not None:
         checkpoint.match_optimizer_layout(optimizer)
-    if scheduler is not None and state.get("scheduler"):
-        scheduler.load_state_dict(state["scheduler"])
-    if state.get("precision"):
-        rt.precision.load_state_dict(state["precision"])
-    rng = state.get("rng") or []
+    if scheduler is not None and state.get(schema.SCHEDULER):
+        scheduler.load_state_dict(state[schema.SCHEDULER])
+    if state.get(schema.PRECISION):
+        rt.precision.load_state_dict(state[schema.PRECISION])
+    rng = state.get(schema.RNG) or []
     if len(rng) == rt.env.world_size:  # same layout: every rank resumes its own streams
         checkpoint.set_rng_state(rng[rt.env.rank])
     return state
+
+
+def _read(state: dict) -> dict:
+    """A checkpoint dict given to load(): read as a file's would be (any format), or as it is."""
+    if not schema.is_checkpoint(state):
+        return state
+    return schema.read(state, "the checkpoint dict given to load()")
 
 
 def _load_shards(rt, state: dict, path, shards_dir, model, optimizer) -> None:
@@ -94,6 +102,6 @@ def _load_shards(rt, state: dict, path, shards_dir, model, optimizer) -> None:
             raise UsageError("this checkpoint was saved sharded: give load() its file, or "
                              "shards_dir= the folder its shards are in")
         shards_dir = sharded_checkpoint.folder_of(state, Path(path).parent)
-    sharded_checkpoint.load(rt.env, Path(shards_dir), state["shards"]["files"],
+    sharded_checkpoint.load(rt.env, Path(shards_dir), state[schema.SHARDS][schema.SHARDS_FILES],
                             None if isinstance(path, dict) else path,
                             rt.strategy.unwrap(model), optimizer)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from multigpu import checkpoint, fileio
+from multigpu import checkpoint_schema as schema
 from multigpu.distributed import DistEnv
 
 
@@ -49,7 +50,7 @@ def _checkpoint_exception() -> type[BaseException]:
         return _NoCheckpointException
     return CheckpointException
 
-SUFFIX = ".shards"
+SUFFIX = schema.SHARDS_SUFFIX
 NOT_SHARED = ("the ranks see different files in {folder}: the checkpoint folder must be on a "
               "file system every node shares (NFS, Lustre, ...); give --out such a folder")
 
@@ -105,7 +106,7 @@ def _put_in_place(tmp: Path, folder: Path) -> dict | OSError:
         os.replace(tmp, folder)
         fileio.fsync_dir(folder.parent)
         files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
-        return {"dir": folder.name, "files": files}
+        return {schema.SHARDS_DIR: folder.name, schema.SHARDS_FILES: files}
     except OSError as exc:
         return exc
 
@@ -156,8 +157,8 @@ def load(env: DistEnv, folder: Path, files: dict, step_file: Path | str | None,
     with warnings.catch_warnings():  # one process without a group: torch warns that it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer or [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optimizer", {}))
+    set_state_dict(model, optimizer or [], model_state_dict=state[schema.MODEL],
+                   optim_state_dict=state.get(schema.OPTIMIZER, {}))
 
 
 def verify(folder: Path, files: dict, step_file: Path | str | None = None) -> None:
@@ -180,8 +181,8 @@ def verify(folder: Path, files: dict, step_file: Path | str | None = None) -> No
 
 def folder_of(state: dict, beside: Path) -> Path | None:
     """The shards folder of a checkpoint read from a file in `beside`; None for a whole one."""
-    shards = state.get("shards")
-    return beside / shards["dir"] if shards else None
+    shards = state.get(schema.SHARDS)
+    return beside / shards[schema.SHARDS_DIR] if shards else None
 
 
 def folder_named_by(path: Path) -> Path | None:
@@ -203,13 +204,13 @@ def drop_if_unnamed(folder: Path | None) -> None:
 
 
 def export(state: dict, beside: Path, scratch: Path) -> dict:
-    """A checkpoint with shards as the single-file kind: the whole model state under "model" and
+    """A checkpoint with shards as the single-file kind: the whole model state under MODEL and
     the optimizer's numbered as `optimizer.state_dict()` numbers it. One process, no GPU; the
     whole state passes through a temporary file in `scratch` (where the export goes)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder = folder_of(state, beside)
-    verify(folder, state["shards"]["files"])
+    verify(folder, state[schema.SHARDS][schema.SHARDS_FILES])
     fd, whole = tempfile.mkstemp(prefix=".export.", suffix=fileio.TEMP_SUFFIX, dir=scratch)
     os.close(fd)
     try:
@@ -221,10 +222,10 @@ def export(state: dict, beside: Path, scratch: Path) -> dict:
                                          ) from None
     finally:
         os.unlink(whole)
-    optimizer = parts.get("optimizer")
-    out = {k: v for k, v in state.items() if k != "shards"}
-    out["model"] = parts["model"]
-    out["optimizer"] = checkpoint.numbered_optimizer_state(optimizer) if optimizer else None
+    optimizer = parts.get(schema.OPTIMIZER)
+    out = {k: v for k, v in state.items() if k != schema.SHARDS}
+    out[schema.MODEL] = parts[schema.MODEL]
+    out[schema.OPTIMIZER] = checkpoint.numbered_optimizer_state(optimizer) if optimizer else None
     return out
 
 
@@ -233,6 +234,6 @@ def _state(model: nn.Module, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        return {schema.MODEL: get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
+    return {schema.MODEL: model_state, schema.OPTIMIZER: optimizer_state}

@@ -23,6 +23,7 @@ import torch
 
 from multigpu import (batchfit, checkpoint, console, folder_users, gpu_images, orphans, runfolder,
                       sharded_checkpoint, watchdog)
+from multigpu import checkpoint_schema as schema
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore
 from multigpu.checkpointer import Checkpointer
@@ -80,7 +81,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         clock.mark("batch size")
     job = build_job(cfg, rt, mark=clock.mark)
     config = resolved_config(cfg, rt, job, out, launch or {})
-    store = CheckpointStore(out / "checkpoints", cfg.keep)
+    store = CheckpointStore(schema.checkpoints_folder(out), cfg.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
     saver = Checkpointer(rt, job, store, config)
     clock.mark("config")
@@ -103,7 +104,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         _stop_gracefully_once_trained(control)
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
-                             point.state.get("metrics") if point else None, log, clock)
+                             point.state.get(schema.METRICS) if point else None, log, clock)
         began = time.perf_counter()
         saver.finish()
         clock.add("checkpoints", time.perf_counter() - began)
@@ -172,11 +173,11 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
     if len(run.rng) != rt.world_size:  # another layout: fresh streams, not those of step 0 again
         seed_everything(sample_seed(cfg.seed, run.global_step, rt.rank))
     if rt.is_main and point.in_place:
-        runfolder.reconcile_metrics(out, run.completed_epochs, point.state.get("metrics"))
+        runfolder.reconcile_metrics(out, run.completed_epochs, point.state.get(schema.METRICS))
     where = (f"epoch {run.epoch}, {run.position} of {job.train_loader.num_samples} samples in"
              if run.position else f"after epoch {run.completed_epochs}")
     console.info(f"resumed from {point.path} ({where}, step {run.global_step}; saved by "
-                 f"{point.state.get('world_size')} x {point.state.get('strategy')})")
+                 f"{point.state.get(schema.WORLD_SIZE)} x {point.state.get(schema.STRATEGY)})")
     if run.completed_epochs >= cfg.epochs:
         console.info(f"the run is complete ({run.completed_epochs} of {cfg.epochs} epochs): nothing "
                      f"left to train; a larger --epochs trains on from here")
@@ -187,7 +188,7 @@ def _start_from_weights(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePo
     """--resume of a model's bare state dict: its weights, a fresh optimizer, epoch 1. Checked on
     every rank (each holds the same state), so a misfit is one line from every rank, not a
     load_state_dict traceback."""
-    misfit = checkpoint.weights_mismatch(job.model, point.state["model"])
+    misfit = checkpoint.weights_mismatch(job.model, point.state[schema.MODEL])
     if misfit:
         raise UsageError(f"--resume {point.path}: its weights do not fit --model {cfg.model} on "
                          f"{job.data.name} ({misfit}); give the --model (and --data) they were "

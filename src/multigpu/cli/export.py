@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from multigpu import checkpoint_schema as schema
 from multigpu.errors import UsageError
 
 EXAMPLES = """\
@@ -50,8 +51,8 @@ def main(args: argparse.Namespace) -> int:
             if attempt == 2 or not Path(args.source).is_dir():
                 raise
     checkpoint.atomic_save(state, out)
-    params = sum(t.numel() for t in state["model"].values())
-    print(f"{out}: the model ({params:,} values in {len(state['model'])} tensors), the optimizer "
+    params = sum(t.numel() for t in state[schema.MODEL].values())
+    print(f"{out}: the model ({params:,} values in {len(state[schema.MODEL])} tensors), the optimizer "
           f"and the run's state from {path}; torch.load(path, weights_only=True)['model'] is the "
           "model's state dict")
     return 0
@@ -67,7 +68,7 @@ def _newest(source: str):
 def _whole(state: dict, path: Path, scratch: Path) -> dict:
     from multigpu import sharded_checkpoint
 
-    if not state.get("shards"):
+    if not state.get(schema.SHARDS):
         return state
     scratch.mkdir(parents=True, exist_ok=True)
     return sharded_checkpoint.export(state, path.parent, scratch)
@@ -82,5 +83,5 @@ def _check_out(out: Path) -> None:
 
 
 def _default_out(path: Path, state: dict) -> Path:
-    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    return run / "export" / f"step-{int(state.get('step', 0)):09d}.pt"
+    step = int(state.get(schema.STEP, 0))
+    return schema.run_folder_of(path) / "export" / schema.step_file_name(step)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from multigpu import checkpoint_schema as schema
 from multigpu import compiling, configfile, console, devices, provenance, timeline
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.errors import UsageError
@@ -168,7 +169,7 @@ def _resume_line(out: Path, typed: list[str]) -> str | None:
     from multigpu.checkpoint_store import CheckpointStore
 
     try:
-        intact = CheckpointStore(out / "checkpoints").newest_intact()
+        intact = CheckpointStore(schema.checkpoints_folder(out)).newest_intact()
     except UsageError:  # a manifest that cannot be read: nothing to promise
         return None
     if intact is None:
@@ -228,19 +229,20 @@ def check_resume(cfg: TrainConfig) -> None:
     read twice: here and on rank 0). Skipped when --out already has checkpoints of its own: the
     run goes on from those."""
     from multigpu.checkpoint_store import CheckpointStore
+    from multigpu.runfolder import CONFIG
     from multigpu.runstate import load_source
 
     if not cfg.resume:
         return
     if _nothing_trained_in(cfg):
         return
-    if cfg.out and CheckpointStore(Path(cfg.out) / "checkpoints").has_checkpoints():
+    if cfg.out and CheckpointStore(schema.checkpoints_folder(Path(cfg.out))).has_checkpoints():
         # the run goes on from --out's own checkpoints, whose model its config.json names
         path = Path(cfg.out)
-        saved = _json_field(path / "config.json", "model")
+        saved = _json_field(path / CONFIG, "model")
     else:
         state, path = load_source(cfg.resume)
-        saved = (state.get("config") or {}).get("model")
+        saved = (state.get(schema.CONFIG) or {}).get("model")
     if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
         raise UsageError(f"--resume {path}: its checkpoints are of --model {saved}, and this run "
                          f"asks for --model {cfg.model}; give --model {saved}, or another "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from multigpu.distributed import DistEnv
+from multigpu.wrappers import unwrap_model as unwrap_model  # its home until now: still importable here
 
 
 class Strategy(ABC):
@@ -106,14 +107,3 @@ class Strategy(ABC):
 
     def describe(self) -> str:
         return self.name
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Peel DataParallel / DDP / torch.compile wrappers off `model`."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod  # torch.compile's OptimizedModule
-        else:
-            return model

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from multigpu import ports, runfolder
+from multigpu.checkpoint_schema import checkpoints_folder
 from multigpu.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep.pool import Pool, Unit
@@ -186,7 +187,7 @@ class Sweep:
         if specs.subcommand(self.spec.command) != "train":
             out.mkdir(parents=True, exist_ok=True)
             return None
-        if any((out / "checkpoints").glob("*.pt")):
+        if any(checkpoints_folder(out).glob("*.pt")):
             return str(out)
         if out.exists():
             kept = self.folder.root / "attempts" / f"{run.name}-{attempt - 1}"
