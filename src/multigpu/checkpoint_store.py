@@ -25,7 +25,6 @@ each one skipped is reported in one line and the one before it is tried.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -157,19 +156,12 @@ class CheckpointStore:
         """Become this folder's one writer (waits for a stopping writer to finish its save)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
-        deadline = time.monotonic() + LOCK_WAIT_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                    os.close(fd)
-                    raise UsageError(f"another multigpu process (pid {holder}) is still writing "
-                                     f"checkpoints to {self.folder}; wait for it to end or stop it, "
-                                     "then start again") from None
-                time.sleep(0.5)
+        if fileio.lock_within(fd, LOCK_WAIT_SECONDS, poll=0.5) is False:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UsageError(f"another multigpu process (pid {holder}) is still writing "
+                             f"checkpoints to {self.folder}; wait for it to end or stop it, "
+                             "then start again")
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd

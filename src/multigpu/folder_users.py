@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import time
 from pathlib import Path
+
+from multigpu import fileio
 
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
 _HELD: dict[str, int] = {}  # folder -> descriptor, held until this process exits or release()
@@ -31,15 +32,9 @@ def hold(path: Path) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return False
-    for _ in range(100):  # a claimer looks (LOCK_EX) for an instant
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            _HELD[_key(path)] = fd
-            return True
-        except BlockingIOError:
-            time.sleep(0.01)
-        except OSError:
-            break
+    if fileio.lock_within(fd, 1.0, shared=True):  # a claimer looks (LOCK_EX) for an instant
+        _HELD[_key(path)] = fd
+        return True
     os.close(fd)
     return False
 
@@ -129,17 +124,9 @@ def claiming(path: Path, timeout: float = 30.0):
         yield
         return
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    break  # a claim is an instant: a holder this long is stuck; decide anyway
-                time.sleep(0.01)
-            except OSError:  # no flock here
-                break
+        # a claim is an instant: a holder this long is stuck, and where flock is unsupported
+        # there is nothing to wait for; decide anyway
+        fileio.lock_within(fd, timeout)
         yield
     finally:
         os.close(fd)
