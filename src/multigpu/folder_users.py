@@ -39,6 +39,21 @@ def hold(path: Path) -> bool:
     return False
 
 
+def _forget_in_child() -> None:
+    """In a process forked from a holder (a DataLoader worker): its copies of the held
+    descriptors are closed (not unlocked: the lock belongs to the holder), so the lock ends with
+    the holder, not with the last of its children."""
+    for fd in _HELD.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def release(path: Path) -> None:
     """Stop holding `path` in this process. A process that claims a folder it holds already
     (a library caller continuing its own run) must not count as another user of it."""
@@ -97,18 +112,24 @@ def holders(path: Path) -> list[int]:
 
 
 def orphaned_workers(pids: list[int]) -> bool:
-    """Whether every pid is a worker whose launcher has died (it is stopping: orphans.py)."""
+    """Whether every pid is a worker whose launcher has died (it is stopping: orphans.py), or has
+    ended already (a lock named for a pid that is gone ends with what still holds a copy)."""
+    import psutil
+
     from multigpu.orphans import launcher_pid
 
     try:
-        import psutil
-
         for pid in pids:
-            proc = psutil.Process(pid)
-            launcher = launcher_pid(proc.environ())
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                launcher = launcher_pid(proc.environ())
+            except psutil.NoSuchProcess:
+                continue
             if launcher is None or proc.ppid() == launcher:
                 return False
-    except Exception:  # gone meanwhile, or not ours to read: not known to be stopping
+    except psutil.Error:  # not ours to read: not known to be stopping
         return False
     return bool(pids)
 

@@ -102,26 +102,40 @@ def reserve(out: str | None, *, model: str, data: str, continuing: bool, nodes_l
                     _claim(path, fresh_only=False, allowed={LOGS} if nodes_log else set()) or _take(path)):
                 folder_users.hold(path)  # inside the claim: the next claimer sees it in use
                 return path
-        if attempt == 2 or not (continuing or _untrained_run_folder(path)):
+        if attempt == 2 or not (continuing or untrained_run_folder(path)):
             break
         _wait_for_stopping_workers(path, out)  # or a one-line refusal
     if continuing:
         raise UsageError(f"--out {out} is used by another run; choose another --out, or stop that "
                          "run first")
+    if untrained_run_folder(path) and folder_users.in_use(path) is None:
+        raise UsageError(f"--out {out}: nothing was trained in it, but whether a run still uses it "
+                         "cannot be told here (this filesystem has no file locks): if none does, "
+                         "remove it; or choose another --out")
     raise UsageError(f"--out {out} already exists and is not empty; multigpu never overwrites "
                      "a run: choose another --out, or leave it out for a new timestamped folder "
                      "(to continue that run, add --resume)")
 
 
-def _untrained_run_folder(path: Path) -> bool:
-    return (path / CONFIG).is_file() and nothing_trained(path, logs=True)
+def untrained_run_folder(path: Path) -> bool:
+    """A run folder multigpu made in which nothing was trained (nothing_trained): its config.json
+    is the claim or a config multigpu wrote, not a file of the user's own."""
+    return _written_by_us(path / CONFIG) and nothing_trained(path, logs=True)
+
+
+def _written_by_us(config: Path) -> bool:
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and (data == json.loads(_CLAIM) or "provenance" in data and "model" in data)
 
 
 def _take(path: Path) -> bool:
     """Take again a folder in which nothing was trained (a launch killed or stopped during
     start-up) when no live process uses it; whether it was taken. Its claim is written anew; the
     earlier launch's logs stay (under logs/, in a folder of that launch's own)."""
-    if not _untrained_run_folder(path) or folder_users.in_use(path) is not False:
+    if not untrained_run_folder(path) or folder_users.in_use(path) is not False:
         return False
     fileio.atomic_write_text(path / CONFIG, _CLAIM.decode())
     return True
@@ -212,8 +226,8 @@ def remove_untrained(path: Path, up_to: Path, keep: bool = False) -> None:
     folder the user made stays, empty, as it was)."""
     checkpoints = schema.checkpoints_folder(path)
     if checkpoints.is_dir():
-        for p in checkpoints.iterdir():
-            p.unlink()
+        for p in checkpoints.iterdir():  # hidden: a lock, a save's temporary file or shard folder
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         checkpoints.rmdir()
     if (path / LOGS).is_dir():  # nothing_trained(logs=True): the logs of a launch that failed
         shutil.rmtree(path / LOGS)

@@ -85,7 +85,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
     saver = Checkpointer(rt, job, store, config)
     clock.mark("config")
-    log = None
+    log = first_step = None
     try:
         console.info(f"multigpu train: {cfg.model} on {job.data.name} ({len(job.data.train)} train / "
                      f"{len(job.data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
@@ -101,7 +101,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
         clock.mark_ready("logs")
-        _stop_gracefully_once_trained(control)
+        first_step = _stop_gracefully_once_trained(control)
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get(schema.METRICS) if point else None, log, clock)
@@ -109,6 +109,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         saver.finish()
         clock.add("checkpoints", time.perf_counter() - began)
     finally:
+        if first_step is not None:
+            first_step.remove()
         saver.close()
         store.release()
         folder_users.release(out)  # a caller that trains on here in this process is no other user
@@ -122,16 +124,20 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     return record
 
 
-def _stop_gracefully_once_trained(control: Control) -> None:
+def _stop_gracefully_once_trained(control: Control):
     """Until this launch's first optimizer step, a dead launcher ends the rank at once (orphans:
-    nothing to save); from then on every rank saves and stops."""
+    nothing to save); from then on every rank saves and stops. The hook's handle: the run removes
+    it when it ends (not the hook itself: torch is iterating over its hooks when it runs)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    def first_step(*_) -> None:
-        handle.remove()
-        orphans.on_orphan(lambda: control.request_stop("launcher gone"))
+    done = []
 
-    handle = register_optimizer_step_post_hook(first_step)
+    def first_step(*_) -> None:
+        if not done:
+            done.append(True)
+            orphans.on_orphan(lambda: control.request_stop("launcher gone"))
+
+    return register_optimizer_step_post_hook(first_step)
 
 
 def _announce_global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:

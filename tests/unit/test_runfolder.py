@@ -139,3 +139,75 @@ def test_a_continued_run_finds_the_batch_size_it_trained_with(tmp_path):
     assert trained_batch_size(fresh, str(run / "checkpoints" / "step-000000010.pt")) == 192
     (run / "config.json").write_text('{"batch_size": "auto"}')
     assert trained_batch_size(fresh, str(run)) is None
+
+
+def test_a_users_own_config_json_is_never_taken_as_an_untrained_run(tmp_path):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "config.json").write_text('{"lr": 0.1, "note": "my hydra config"}')
+    with pytest.raises(UsageError, match="already exists and is not empty"):
+        runfolder.reserve(str(exp), model="m", data="d", continuing=False)
+    assert (exp / "config.json").read_text() == '{"lr": 0.1, "note": "my hydra config"}'
+    assert not runfolder.untrained_run_folder(exp)
+
+
+def test_an_untrained_run_folder_of_ours_is_taken_again(tmp_path):
+    run = runfolder.reserve(str(tmp_path / "run"), model="m", data="d", continuing=False)
+    folder_users.release(run)  # the earlier launch is gone (a kill -9 during its start-up)
+    (run / "logs" / "launch-1").mkdir(parents=True)
+    assert runfolder.untrained_run_folder(run)
+    assert runfolder.reserve(str(run), model="m", data="d", continuing=False) == run
+    assert (run / "logs" / "launch-1").is_dir()  # the earlier launch's logs stay
+
+
+def test_where_locks_are_unknown_an_untrained_folder_is_refused_saying_why(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    run = runfolder.reserve(str(tmp_path / "run"), model="m", data="d", continuing=False)
+    folder_users.release(run)
+
+    def no_locks(fd, op):  # what flock answers on a filesystem without it (ENOLCK)
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(UsageError, match="cannot be told here \\(this filesystem has no file locks\\)"):
+        runfolder.reserve(str(run), model="m", data="d", continuing=False)
+
+
+def test_removing_an_untrained_folder_removes_a_saves_temporary_shard_folder(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".step-000000001.pt.abcd.tmp" / "shards").mkdir(parents=True)
+    (run / "checkpoints" / ".step-000000001.pt.abcd.tmp" / "shards" / "0.distcp").write_bytes(b"x")
+    (run / "config.json").write_text('{"status": "starting"}\n')
+    assert runfolder.nothing_trained(run)
+    runfolder.remove_untrained(run, up_to=run)
+    assert not run.exists()
+
+
+def test_a_forked_child_of_the_holder_does_not_keep_the_folder_held(tmp_path):
+    """A DataLoader worker forked from a rank: once the rank is gone, the folder is free even while
+    the worker still lives."""
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    r, w = os.pipe()  # the worker lives until the test closes w
+    ready_r, ready_w = os.pipe()  # the worker says it runs (its fork handlers have run)
+    holder = os.fork()
+    if holder == 0:  # the rank: holds the folder, forks a worker that lives on, then dies
+        folder_users.hold(run)
+        if os.fork() == 0:
+            os.close(w)
+            os.write(ready_w, b"1")
+            os.read(r, 1)
+            os._exit(0)
+        os._exit(0)
+    os.close(r)
+    os.close(ready_w)
+    os.waitpid(holder, 0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        assert folder_users.in_use(run) is False, folder_users.holders(run)
+    finally:
+        os.close(w)  # the worker reads EOF and exits
+        os.close(ready_r)

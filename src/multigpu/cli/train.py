@@ -255,7 +255,7 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
     from multigpu import runfolder
 
     source = Path(cfg.resume)
-    if not (source.is_dir() and runfolder.nothing_trained(source, logs=True)
+    if not (source.is_dir() and runfolder.untrained_run_folder(source)
             and (not cfg.out or Path(cfg.out).resolve() == source.resolve())):
         return False
     console.info(f"multigpu train: --resume {cfg.resume}: nothing was trained there yet (no "
