@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -217,8 +217,9 @@ def _resolve_accelerator(accelerator: str) -> bool:
         return False
     available = torch.cuda.is_available()
     if accelerator in ("cuda", "gpu") and not available:
-        raise UsageError("CUDA was requested but no GPU is visible to this process; "
-                         "use --devices cpu:N, or check `multigpu gpus`")
+        raise UsageError(Text("CUDA was requested but no GPU is visible to this process; use {}, "
+                              "or check `multigpu gpus`",
+                              Api("setup.accelerator", "cpu")))
     return available
 
 

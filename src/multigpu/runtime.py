@@ -249,7 +249,8 @@ class Runtime:
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             raise UsageError("prepare() got a model already wrapped in DataParallel/DDP; pass the "
-                             "bare model and let the strategy wrap it (--strategy dp|ddp)")
+                             "bare model and let the strategy wrap it (setup(strategy='dp') or "
+                             "'ddp')")
         before = list(model.parameters())
         wrapped = self.strategy.setup_module(model)
         kept = {id(p) for p in self.strategy.unwrap(wrapped).parameters()}

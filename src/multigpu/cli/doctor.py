@@ -25,6 +25,7 @@ from pathlib import Path
 from multigpu import configfile, console
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args
 from multigpu.errors import UsageError
+from multigpu.flagwords import say
 
 AUTO_PROBE_BATCH = 32
 HEADLINE = ("multigpu doctor: checks before a run (ok / warn / fail), trap numbers as in the README's "
@@ -148,7 +149,7 @@ def _train_checks(args):
         validate(cfg)
         check_resume(cfg)  # the checkpoint that --resume names, read as train reads it
     except UsageError as exc:
-        return [Finding("fail", "options", str(exc))]
+        return [Finding("fail", "options", say(exc))]
     findings = setup_checks.launch_env_findings(os.environ)
     strategy = registry.info(cfg.strategy)
     found, plan = setup_checks.device_findings(cfg.devices, one_process=strategy.one_process,
@@ -188,7 +189,7 @@ def _plan_checks(cfg: TrainConfig, plan):
     try:
         data = load_run_data(cfg)
     except UsageError as exc:
-        return [Finding("fail", "data", str(exc))]
+        return [Finding("fail", "data", say(exc))]
     ranks = plan.nproc
     per_rank = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 else 1
     return [last_step_finding(len(data.train), cfg.batch_size, ranks=ranks,
