@@ -105,8 +105,9 @@ class FSDP(Strategy):
             gpu = self.device.type == "cuda"
             offload = ", or add CPU offload ({}) to train a model larger than the GPU" if gpu else ""
             console.warn(Text("strategy 'fsdp' in one process has nothing to shard the model "
-                              "over: it trains as {} would; launch several processes (--devices "
-                              f"2, or cpu:2) to shard it{offload}", Api("setup.strategy", "single"),
+                              "over: it trains as {} would; launch several processes ({}, or "
+                              f"cpu:2) to shard it{offload}", Api("setup.strategy", "single"),
+                              Api("launch.devices", 2, text="`multigpu run --devices 2`"),
                               *([_OFFLOAD] if gpu else [])))
             return model
         from torch.distributed.device_mesh import init_device_mesh
