@@ -62,7 +62,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         make_deterministic()
     rt = setup(cfg.strategy, precision_for(cfg.precision, cfg.model), devices=device_ids,
                accelerator=accelerator, seed=cfg.seed, accumulate=cfg.accumulate,
-               options=strategy_options(cfg))
+               options=strategy_options(cfg), install_hooks=True)
     console.configure(rt.is_main, say=flagwords.say)
     if note := restart_note():
         console.warn(note)

@@ -202,3 +202,20 @@ def test_an_epoch_says_which_share_of_its_time_went_to_waiting_for_batches():
         if slow_input:  # 0.3 s of sleeping in the loader, all of it counted
             assert record["input_wait"] * record["epoch_seconds"] >= 0.3 * 0.99
     assert shares["input"] > 0.7 and shares["step"] < 0.3, shares
+
+
+def test_compile_model_leaves_the_compile_cache_to_its_caller(tmp_path):
+    # a library call changes no environment variable of multigpu's: the cache folder is set by
+    # `multigpu train` and bench (use_persistent_cache, above), or by the user
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    code = ("import os, torch, multigpu; multigpu.compile_model(torch.nn.Linear(2, 2), 'default'); "
+            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert str(tmp_path) not in out.stdout, out.stdout

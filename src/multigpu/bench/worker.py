@@ -60,7 +60,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     cfg = _config(task, strategy)
     one_process = STRATEGIES[strategy].one_process  # drives its GPUs itself: name them
     rt = setup(strategy, cfg.precision, devices=list(range(task.gpus)) if one_process else None,
-               accelerator=accelerator, seed=0, ddp=ddp_options(task))
+               accelerator=accelerator, seed=0, ddp=ddp_options(task), install_hooks=True)
     if task.data.startswith("folder:"):  # the whole input pipeline, as `multigpu train` builds it
         job = build_job(cfg, rt)
         model, optimizer, settings = job.model, job.optimizer, job.settings
