@@ -3,7 +3,7 @@ import re
 
 import torch
 
-from multigpu.datasets import IMAGENET_MEAN, IMAGENET_STD
+from multigpu.data_bundle import IMAGENET_MEAN, IMAGENET_STD
 from multigpu.engine import StepSettings, prepare_inputs
 
 

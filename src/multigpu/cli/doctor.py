@@ -84,7 +84,7 @@ def _script_checks(args, script: list[str]):
 
     given = script  # what the trial starts: a module stays a module (its relative imports)
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
-        from multigpu.cli.run import module_source
+        from multigpu.scripts import module_source
 
         source = module_source(script[1])
         if source is None:
@@ -118,7 +118,7 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     """The script run up to its --steps-th optimizer step on every device, as multigpu run
     starts it; not when a check above failed (it would hang or crash) or for a shell script."""
     from multigpu import devices, launch
-    from multigpu.cli.run import local_rank_args, script_command
+    from multigpu.scripts import local_rank_args, script_command
     from multigpu.doctor.findings import Finding
     from multigpu.doctor.script_trial import trial_findings
 
