@@ -1,4 +1,5 @@
-"""Shared fixtures: every test leaves the environment and torch.distributed as it found them."""
+"""Shared fixtures: every test leaves the environment, torch.distributed and the console (who
+prints, in whose words: a `multigpu train` run in the test's process sets both) as it found them."""
 import os
 
 import pytest
@@ -6,10 +7,13 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _restore_environment():
-    saved = dict(os.environ)
+    from multigpu import console
+
+    saved, printing = dict(os.environ), (console._enabled, console._say)
     yield
     os.environ.clear()
     os.environ.update(saved)
+    console._enabled, console._say = printing
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -19,69 +19,52 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 from multigpu.strategies import registry
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads MODES and check() without it
     from torch import nn
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-TRAIN_MODES = (*MODES, "auto")  # `multigpu train --compile auto`: auto_mode decides, per run
+TRAIN_MODES = (*MODES, "auto")  # `multigpu train --compile auto`: training.auto_mode decides
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-# --compile auto turns CUDA graphs on from this many optimizer steps in the run. Measured on one
-# H100, ResNet-50 bf16 batch 128: CUDA graphs save 10.5 ms a step (34.2 -> 23.7 ms, `multigpu
-# bench`) and their first epoch took 46 s longer than eager's with an empty compile cache, 5 s
-# longer from the cache (docs/performance.md).
-# The rule takes the empty cache's cost. Where the input pipeline limits the step (that run's
-# synthetic: data, made on the CPU, did), the graphs save less.
-AUTO_COMPILE_S, AUTO_SAVED_MS = 46.0, 10.5
-AUTO_MIN_STEPS = int(AUTO_COMPILE_S * 1000 / AUTO_SAVED_MS)
-
-
-def auto_mode(device_type: str, strategy: str, accumulate: int, steps: int) -> tuple[str | None, str]:
-    """--compile auto: (the mode, the line that says why). CUDA graphs where they can work and the
-    run has at least AUTO_MIN_STEPS optimizer steps to win their compiling back; else no compiling."""
-    off = "--compile auto: not compiled"
-    if device_type != "cuda":
-        return None, f"{off} (CUDA graphs need GPUs)"
-    if not registry.info(strategy).cuda_graphs or accumulate > 1:
-        why = f"--accumulate {accumulate}" if accumulate > 1 else f"--strategy {strategy}"
-        return None, f"{off} (CUDA graphs cannot work with {why})"
-    if steps < AUTO_MIN_STEPS:
-        return None, (f"{off}: {steps:,} steps are too few to win back compiling (about "
-                      f"{AUTO_COMPILE_S:.0f} s; from {AUTO_MIN_STEPS:,} steps CUDA graphs are used)")
-    return "reduce-overhead", (f"--compile auto: CUDA graphs (reduce-overhead) for {steps:,} steps; "
-                               "the first steps compile, the compile cache is kept for the next run")
-
-
 def check(mode: str | None, device_type: str, strategy: str, accumulate: int = 1) -> None:
     """Refuse a mode the run cannot use, with the fix, before anything is compiled. `strategy`:
-    a name of strategies.registry."""
+    a name of strategies.registry. The message names compile_model's and setup()'s arguments
+    (errors.Text; `multigpu train` says them as --compile, --strategy, --accumulate)."""
     if mode is None or mode == "auto":
         return
+    given = Api("compile_model.mode", mode)
     if mode not in MODES:
-        raise UsageError(f"--compile {mode}: choose from {', '.join(MODES)}")
+        raise UsageError(Text(f"{{}}: choose from {', '.join(MODES)}", given))
     if mode not in CUDA_GRAPH_MODES:
         return
-    fix = "--compile default" if mode == "reduce-overhead" else "--compile max-autotune-no-cudagraphs"
+    fix = Api("compile_model.mode",
+              "default" if mode == "reduce-overhead" else "max-autotune-no-cudagraphs")
     if accumulate > 1:  # the first micro-step's .grad would be graph memory the next replay reuses
-        raise UsageError(f"--compile {mode} records CUDA graphs, whose next replay overwrites the "
-                         f"gradients that --accumulate {accumulate} adds up; use --accumulate 1 "
-                         f"with a larger --batch-size, or {fix}")
+        raise UsageError(Text(
+            "{} records CUDA graphs, whose next replay overwrites the gradients that {} adds up; "
+            "use {} with a larger {}, or {}", given, Api("setup.accumulate", accumulate),
+            Api("setup.accumulate", 1), Api("DataLoader.batch_size", text="batch_size"), fix))
     facts = registry.info(strategy)
     if not facts.cuda_graphs:
-        why = ("need one process per GPU; DataParallel drives all GPUs from one process"
-               if facts.one_process else f"--strategy {strategy} cannot use (its collectives "
-               "run outside the graphs)")
-        raise UsageError(f"--compile {mode} records CUDA graphs, which {why}: use --strategy ddp, "
-                         f"or {fix}")
+        ddp = Api("setup.strategy", "ddp")
+        if facts.one_process:
+            raise UsageError(Text("{} records CUDA graphs, which need one process per GPU; "
+                                  "DataParallel drives all GPUs from one process: use {}, or {}",
+                                  given, ddp, fix))
+        raise UsageError(Text("{} records CUDA graphs, which {} cannot use (its collectives run "
+                              "outside the graphs): use {}, or {}", given,
+                              Api("setup.strategy", strategy), ddp, fix))
     if device_type != "cuda":
-        raise UsageError(f"--compile {mode} records CUDA graphs, which need GPUs; on "
-                         f"{device_type} use {fix}")
+        raise UsageError(Text(f"{{}} records CUDA graphs, which need GPUs; on {device_type} use {{}}",
+                              given, fix))
 
 
 def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
-    """`model` compiled in `mode` (None: returned as it is). Compiling happens at the first call."""
+    """`model` compiled in `mode` (None: returned as it is). Compiling happens at the first call.
+    torch's compile cache stays where the process says (TORCHINDUCTOR_CACHE_DIR, else torch's
+    place in /tmp): call use_persistent_cache() first, before torch is imported, for multigpu's."""
     import torch
     from torch import nn
 
@@ -89,7 +72,6 @@ def compile_model(model: nn.Module, mode: str | None) -> nn.Module:
         return model
     if isinstance(model, nn.DataParallel):
         check(mode, "cuda", "dp")
-    use_persistent_cache()
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
@@ -97,8 +79,9 @@ def use_persistent_cache(environ=None) -> None:
     """torch.compile's caches in a per-user folder that outlives /tmp (torch's default place):
     ~/.cache/multigpu/torch-compile, or $XDG_CACHE_HOME's. A second run of the same model then
     compiles from the cache. Left alone where TORCHINDUCTOR_CACHE_DIR is set (a sweep sets its
-    own). `multigpu train` calls it before anything imports torch._dynamo, which sets torch's
-    default place in the variable; compile_model's call serves the library's users."""
+    own). It changes this process's environment, so only a caller that owns the process calls
+    it: `multigpu train` and bench, before anything imports torch._dynamo, which sets torch's
+    default place in the variable, and so before their workers start."""
     import os
 
     env = os.environ if environ is None else environ

@@ -1,7 +1,8 @@
 """Console output: rank 0 speaks, the others stay quiet (trap 14).
 
-The one module-level state in multigpu is here: whether this process may print. It is set once
-from the DistEnv by `configure(env)`.
+The one module-level state in multigpu is here: whether this process may print, and in whose
+words its warnings name the library's API (errors.Text). A program that owns the process sets
+them once with `configure()`: `multigpu train` its rank, and its flags for the API's names.
 """
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 _enabled = True
+_say = str  # a warning's message (an errors.Text, or a str) -> the words printed
 console = Console(stderr=False, highlight=False, soft_wrap=True)
 
 
-def configure(is_main: bool) -> None:
-    global _enabled
+def configure(is_main: bool, say=None) -> None:
+    """Whether this process prints; `say`: how its warnings are said (flagwords.say for a CLI)."""
+    global _enabled, _say
     _enabled = is_main
+    if say is not None:
+        _say = say
 
 
 def info(message: str) -> None:
@@ -27,7 +32,7 @@ def info(message: str) -> None:
 
 def warn(message: str) -> None:
     if _enabled:
-        print(f"multigpu: warning: {message}", file=sys.stderr, flush=True)
+        print(f"multigpu: warning: {_say(message)}", file=sys.stderr, flush=True)
 
 
 class EpochProgress:

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,9 @@ def plan_global_steps(n: int, global_batch: int, min_step: int, drop_last: bool)
         else:  # too few for every device: fold into the previous step rather than pad or starve
             steps[-1] = (steps[-1][0], n)
     if not steps:
-        raise UsageError(f"drop_last leaves no step: the dataset has {n} samples and one step "
-                         f"takes {global_batch}; lower --batch-size or keep the last batch")
+        raise UsageError(Text(f"drop_last leaves no step: the dataset has {n} samples and one "
+                              f"step takes {global_batch}; lower {{}} or keep the last batch",
+                              Api("DataLoader.batch_size", text="the DataLoader's batch_size")))
     return steps
 
 

@@ -36,7 +36,6 @@ import importlib.resources
 import io
 import math
 import os
-from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
@@ -44,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from multigpu.data_bundle import DataBundle
 from multigpu.data_specs import unknown_spec
 from multigpu.errors import UsageError
 from multigpu.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
@@ -53,9 +53,6 @@ EMBEDDED_SERIES = ("co2", "macro")
 
 # Pixel mean and std of the digits set once scaled to [0, 1]; fixed so they never depend on the split.
 DIGITS_MEAN, DIGITS_STD = 0.3053, 0.3760
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"})
 
 SYNTHETIC_CLASSES = 10
 SYNTHETIC_FLAT_FEATURES = 32
@@ -63,23 +60,6 @@ _SYNTHETIC_TEACHER_SEED = 20240601
 _TRAIN_STREAM, _VAL_STREAM = 0, 1
 # torch seeds its CPU generator from the low 32 bits only, so sample seeds are 2 * index + stream.
 _SYNTHETIC_MAX = 2**31
-
-
-@dataclass
-class DataBundle:
-    """Training and validation data plus what a model needs to know about them."""
-
-    train: Dataset
-    val: Dataset
-    task: str  # "classification" (y: int64 scalar) or "regression" (y: float32 vector)
-    input_shape: tuple[int, ...]  # shape of one x
-    num_outputs: int  # classes, or regression output size
-    name: str
-    # folder data: x is uint8 (0-255) and still to be normalised with (mean, std) per channel. The
-    # float conversion is left to the GPU: 4x fewer bytes through workers, pinned memory and PCIe.
-    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    # regression: (mean, std) per output, float32 vectors of num_outputs; original = y * std + mean
-    target_scale: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def load_data(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -128,13 +128,15 @@ def launched_by_torchrun() -> bool:
 
 
 def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
-                     timeout_minutes: float = 30.0) -> DistEnv:
+                     timeout_minutes: float = 30.0, *, install_hooks: bool = False) -> DistEnv:
     """Read torchrun's environment, bind this process to its device, create the process group.
 
     - Under torchrun with WORLD_SIZE > 1: one process per device; NCCL on CUDA, gloo on CPU.
     - Plain `python train.py`: one process, no process group, on `cuda:gpu_index` (default 0) or CPU.
 
     `accelerator` is "auto", "cuda" or "cpu". Calling it again returns the existing group's state.
+    `install_hooks`: also install_exit_hooks() (a program that owns its process asks for them);
+    otherwise nothing process-wide changes but the group and the bound device.
     """
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -176,15 +178,13 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
         # Objects and loop decisions go through gloo on the CPU: with NCCL they would be copied to
         # the GPU and back, and wait behind the step's kernels.
         _CPU_GROUP = dist.new_group(backend="gloo") if backend == "nccl" else None
-        # A process that exits with its group alive can abort in the group's destructor
-        # ("terminate called without an active exception", seen with gloo): tear down first.
-        atexit.register(_destroy_at_exit)
-        _watch_uncaught_exceptions()
         if launched_by_torchrun():
             global _launcher_pid
             _launcher_pid = os.getppid()
     elif dist.get_world_size() != world_size:
         raise RuntimeError("a process group already exists with a different world size")
+    if install_hooks:
+        install_exit_hooks()
     return DistEnv(rank, local_rank, world_size, local_world_size, device,
                    dist.get_backend())
 
@@ -217,8 +217,9 @@ def _resolve_accelerator(accelerator: str) -> bool:
         return False
     available = torch.cuda.is_available()
     if accelerator in ("cuda", "gpu") and not available:
-        raise UsageError("CUDA was requested but no GPU is visible to this process; "
-                         "use --devices cpu:N, or check `multigpu gpus`")
+        raise UsageError(Text("CUDA was requested but no GPU is visible to this process; use {}, "
+                              "or check `multigpu gpus`",
+                              Api("setup.accelerator", "cpu")))
     return available
 
 
@@ -257,6 +258,7 @@ def destroy_distributed(wait_for_peers: bool = False,
 # After an uncaught exception, a UsageError or a non-zero exit of the CLI they do not wait.
 _EXIT_WAIT_SECONDS = 30
 _failed = False
+_hooks_installed = False
 _launcher_pid: int | None = None  # the worker's parent, torchrun's agent, when the group was made
 
 
@@ -303,6 +305,21 @@ def mark_failed() -> None:
     """This process is ending on an error: do not wait for the other ranks at exit."""
     global _failed
     _failed = True
+
+
+def install_exit_hooks() -> None:
+    """For a program that owns its process (`multigpu train`, bench, the self-test; `multigpu
+    run`'s worker does the same for a user's script): at exit, tear the process group down, after
+    the ranks meet unless this process failed, and count an uncaught exception as a failure. A
+    process that exits with its group alive can abort in the group's destructor ("terminate
+    called without an active exception", seen with gloo). They replace sys.excepthook and add an
+    atexit handler, so a library call never installs them unasked. Once per process."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_destroy_at_exit)
+    _watch_uncaught_exceptions()
 
 
 def _watch_uncaught_exceptions() -> None:

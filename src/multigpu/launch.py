@@ -31,7 +31,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -41,23 +40,9 @@ from multigpu.agent_hooks import (SecondSignalKills, kill_workers_left, quiet_to
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
+from multigpu.launch_options import LaunchOptions
 from multigpu.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
                                       report_child_failed)
-
-@dataclass
-class LaunchOptions:
-    nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    start_timeout: float = 300.0  # seconds for the rendezvous to complete
-    max_restarts: int = 0
-    tee: bool = False  # show every rank's output with a rank prefix
-    log_dir: str | None = None  # per-rank logs go here (default: runs/logs/<time>-<pid>)
-    hang_timeout: float = watchdog.DEFAULT_HANG_TIMEOUT  # 0: no hang watchdog
-
 
 def add_launch_arguments(parser) -> None:
     """The launch flags shared by `multigpu train` and `multigpu run`."""

@@ -14,7 +14,7 @@ from multigpu import ports, watchdog
 from multigpu.ports import Rendezvous, parse_nnodes
 
 if TYPE_CHECKING:
-    from multigpu.launch import LaunchOptions
+    from multigpu.launch_options import LaunchOptions
 
 
 def err(msg: str) -> None:

@@ -30,6 +30,19 @@ def _parse(name: str) -> tuple[str | None, str]:
     )
 
 
+def precision_for(kind: str, model: str) -> str:
+    """--precision as `multigpu train` (and bench, doctor) runs the built-in `model`: "auto" is
+    fp32 for the small sequence models (lstm, tst), and otherwise left to
+    precision.resolve_precision.
+
+    Their steps are a few milliseconds of small kernels, bound by the host: bf16 autocast adds a
+    cast of every weight and activation per step, and cuDNN's LSTM runs its half-precision
+    kernels slower at hidden size 64. Post 002's LSTM on 2x H200 (docs/performance.md):
+    3.1-3.2 ms a step in fp32 against 4.0-4.6 ms with bf16 autocast; the transformer (tst)
+    5.9-6.3 ms against 7.1-7.5 ms."""
+    return "fp32" if kind == "auto" and model in SEQUENCE_MODELS else kind
+
+
 def model_input_kind(name: str) -> str:
     """"flat" for models that flatten any input (linear, mlp); "sequence" for models of timeseries
     windows (lstm, tst); "image" for models that need (C, H, W)."""

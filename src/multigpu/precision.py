@@ -13,23 +13,10 @@ import contextlib
 
 import torch
 
-from multigpu.errors import UsageError
-from multigpu.model_names import SEQUENCE_MODELS
+from multigpu.errors import Api, Text, UsageError
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # plus "auto", resolved by resolve_precision()
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def for_model(kind: str, model: str) -> str:
-    """--precision as `multigpu train` (and bench, doctor) runs the built-in `model`: "auto" is
-    fp32 for the small sequence models (lstm, tst), and otherwise left to resolve_precision.
-
-    Their steps are a few milliseconds of small kernels, bound by the host: bf16 autocast adds a
-    cast of every weight and activation per step, and cuDNN's LSTM runs its half-precision
-    kernels slower at hidden size 64. Post 002's LSTM on 2x H200 (docs/performance.md):
-    3.1-3.2 ms a step in fp32 against 4.0-4.6 ms with bf16 autocast; the transformer (tst)
-    5.9-6.3 ms against 7.1-7.5 ms."""
-    return "fp32" if kind == "auto" and model in SEQUENCE_MODELS else kind
 
 
 def resolve_precision(kind: str, device: torch.device) -> str:
@@ -71,8 +58,8 @@ class Precision:
         if kind not in PRECISIONS:
             raise UsageError(f"unknown precision {kind!r}: choose one of {', '.join(PRECISIONS)}")
         if kind == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise UsageError(f"GPU {torch.cuda.get_device_name(device)} has no bf16; "
-                             "use --precision fp16 (or fp32)")
+            raise UsageError(Text(f"GPU {torch.cuda.get_device_name(device)} has no bf16; use {{}} "
+                                  "(or fp32)", Api("setup.precision", "fp16")))
         self.kind = kind
         self.device = device
         self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None

@@ -41,7 +41,8 @@ from multigpu.strategies import DDPOptions, Strategy, make_strategy
 def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int] | None = None,
           accelerator: str = "auto", seed: int = 0, accumulate: int = 1,
           ddp: DDPOptions | None = None, options: object | None = None,
-          log_dir: str | Path | None = None, loggers: str = "tensorboard,csv") -> "Runtime":
+          log_dir: str | Path | None = None, loggers: str = "tensorboard,csv",
+          install_hooks: bool = False) -> "Runtime":
     """Read the launcher's environment, create the process group, return a Runtime.
 
     Call it once, at the start of the script, on every process. Under `multigpu run` (or
@@ -64,6 +65,12 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
                 activation_checkpointing); a tuple of several, each strategy taking its own.
     log_dir:    the folder `rt.log()` writes to (TensorBoard events, metrics.csv), on rank 0.
     loggers:    what `rt.log()` writes: any of "tensorboard", "csv", "mlflow", "wandb".
+    install_hooks: True for a program that owns its process: at exit the process group is torn
+                down (after the ranks meet, unless the process failed), and sys.excepthook
+                marks an uncaught exception as a failure (distributed.install_exit_hooks).
+                Off by default: setup() changes no process-wide state beyond the process group
+                and the bound device. `multigpu run` tears a script's group down itself; under
+                plain torchrun, call multigpu.destroy_distributed() at the end.
 
     Returns the Runtime that prepares, steps and saves. Raises UsageError for a value it cannot
     use (an unknown precision, bf16 on a GPU without it, accumulate=0), naming the fix.
@@ -75,7 +82,7 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
         raise UsageError(f"accumulate={accumulate} must be 1 or more")
     log_names = run_loggers.parse(loggers)
     gpu_index = devices[0] if devices else None  # dp too: its first GPU, never GPU 0 by default
-    env = init_distributed(accelerator, gpu_index=gpu_index)
+    env = init_distributed(accelerator, gpu_index=gpu_index, install_hooks=install_hooks)
     given = options if isinstance(options, (tuple, list)) else (options,)
     strat = make_strategy(strategy, env, device_ids=tuple(devices or ()),
                           options=tuple(o for o in (*given, ddp) if o is not None))
@@ -249,7 +256,8 @@ class Runtime:
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             raise UsageError("prepare() got a model already wrapped in DataParallel/DDP; pass the "
-                             "bare model and let the strategy wrap it (--strategy dp|ddp)")
+                             "bare model and let the strategy wrap it (setup(strategy='dp') or "
+                             "'ddp')")
         before = list(model.parameters())
         wrapped = self.strategy.setup_module(model)
         kept = {id(p) for p in self.strategy.unwrap(wrapped).parameters()}

@@ -314,7 +314,8 @@ def run_all(args) -> list[tuple[str, str, str]]:
     results: list = []
 
     def start():
-        init_distributed(timeout_minutes=args.timeout_minutes)  # a short timeout for a test
+        init_distributed(timeout_minutes=args.timeout_minutes,  # a short timeout for a test
+                         install_hooks=True)
         return "", multigpu.setup("auto", "fp32", seed=0)
 
     rt = run_check(results, "setup", start)

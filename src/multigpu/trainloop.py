@@ -10,7 +10,7 @@
 A stop (SIGTERM, SIGUSR1, Ctrl-C, the launcher gone) finishes the step in progress on every rank,
 writes a checkpoint, waits until it is complete and ends with `Stopped`, naming the checkpoint.
 A loss that became NaN/inf (fp32, bf16) ends the run before the next checkpoint, naming the last
-good one (guards.TrainGuards); fp16 warns about a long run of skipped steps instead.
+good one (train_guards.TrainGuards); fp16 warns about a long run of skipped steps instead.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from multigpu import (batchfit, checkpoint, console, folder_users, gpu_images, orphans, runfolder,
-                      sharded_checkpoint, watchdog)
+from multigpu import (batchfit, checkpoint, console, flagwords, folder_users, gpu_images, orphans,
+                      runfolder, sharded_checkpoint, watchdog)
 from multigpu import checkpoint_schema as schema
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore
@@ -32,12 +32,12 @@ from multigpu.control import Cadence, Control
 from multigpu.distributed import destroy_distributed, mark_failed
 from multigpu.engine import evaluate, train_epoch
 from multigpu.errors import Stopped, UsageError
-from multigpu.guards import TrainGuards, global_batch_note, input_bound, input_bound_note
+from multigpu.train_guards import TrainGuards, global_batch_note, input_bound, input_bound_note
 from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.launch_failures import restart_note
 from multigpu.loaders import sample_seed
 from multigpu.metrics import Sums
-from multigpu.precision import for_model
+from multigpu.model_names import precision_for
 from multigpu.runstate import ResumePoint, RunState, resume_point
 from multigpu.runtime import Runtime, seed_everything, setup
 from multigpu.timeline import Timeline
@@ -61,10 +61,10 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
                      restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     if cfg.deterministic:
         make_deterministic()
-    rt = setup(cfg.strategy, for_model(cfg.precision, cfg.model), devices=device_ids,
+    rt = setup(cfg.strategy, precision_for(cfg.precision, cfg.model), devices=device_ids,
                accelerator=accelerator, seed=cfg.seed, accumulate=cfg.accumulate,
-               options=strategy_options(cfg))
-    console.configure(rt.is_main)
+               options=strategy_options(cfg), install_hooks=True)
+    console.configure(rt.is_main, say=flagwords.say)
     if note := restart_note():
         console.warn(note)
     clock.mark("process group")
@@ -352,7 +352,7 @@ def _count_bad_images(rt: Runtime, job: Job, record: dict, before: int) -> int:
 
 
 def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | None:
-    """The warning for an epoch held up by its input (guards.input_bound), or None."""
+    """The warning for an epoch held up by its input (train_guards.input_bound), or None."""
     share = record["input_wait"]
     if not input_bound(share, record["epoch_seconds"]):
         return None

@@ -248,8 +248,7 @@ def test_a_library_script_refused_at_its_first_backward_is_a_failed_run(tmp_path
         "fail  script run     train.py:34: ranks 0, 1 failed before optimizer step 1: 2 parameter(s) "
         "got no gradient in the first backward: initial.weight, initial.bias. DDP needs every "
         "trainable parameter to take part in the loss: remove the unused module, freeze it "
-        "(requires_grad_(False)), or pass ddp=DDPOptions(find_unused_parameters=True) to setup() "
-        "(--find-unused-parameters)")
+        "(requires_grad_(False)), or pass setup(ddp=DDPOptions(find_unused_parameters=True))")
     assert "unused params" not in found, "no step ran to judge it"
     assert found["sampler"].startswith("ok    sampler        train.py:30: the DataLoader is sharded "
                                        "(ShardedBatchSampler)")

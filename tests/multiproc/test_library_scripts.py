@@ -81,3 +81,17 @@ def test_a_users_loop_resumes_inside_an_epoch_on_another_process_count(tmp_path,
     assert resume.returncode == 0, resume.stderr[-3000:]
     seen = [i for f in sorted(tmp_path.glob("*-rank*.json")) for i in json.loads(f.read_text())]
     assert sorted(seen) == list(range(50)), "every sample of the epoch once"
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_setup_changes_nothing_of_the_process_unless_asked(tmp_path, asked):
+    # a library call: sys.excepthook, the atexit handlers and the environment are left as they
+    # were (multigpu run's worker tears the group down itself); install_hooks=True installs both
+    args = ["--install-hooks"] if asked else []
+    proc = multigpu("run", "--devices", "cpu:2", SCRIPTS / "process_state.py", tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    states = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for state in states:
+        assert (state["excepthook_by"] == "multigpu.distributed") is asked, state
+        assert state["atexit_added"] == (1 if asked else 0) and state["env_changed"] == [], state
+    assert "Traceback" not in proc.stderr

@@ -9,6 +9,7 @@ from multigpu.bench import report, runner, spec, stats
 from multigpu.bench.spec import BenchSettings, Task
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
+from multigpu.flagwords import say
 
 SYNTHETIC = {"synthetic": ("synthetic", 1000)}  # data kind -> (Task.data, num_outputs)
 REAL = {"real": ("folder:/x", 10)}
@@ -253,8 +254,9 @@ def test_cuda_graph_modes_are_refused_with_dataparallel_and_on_cpu():
     graphs = dict(models=("mlp",), compile="reduce-overhead")
     with pytest.raises(UsageError, match="leave multigpu-dp out of --methods"):
         spec.validate(BenchSettings(**graphs))  # the default methods include multigpu-dp
-    with pytest.raises(UsageError, match="need GPUs; on cpu use --compile default"):
+    with pytest.raises(UsageError) as caught:
         spec.validate(BenchSettings(**graphs, methods=("multigpu-ddp",), devices="cpu:2"))
+    assert say(caught.value).endswith("need GPUs; on cpu use --compile default")  # as bench says it
     spec.validate(BenchSettings(**graphs, methods=("multigpu-ddp",)))
     spec.validate(BenchSettings(models=("mlp",), compile="default", devices="cpu:2"))
 
@@ -283,8 +285,9 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     assert prep.step() == 4 and len(compiled) == 1
     assert compiled[0].mode is None  # "default" is torch.compile's default mode
     graphs = dataclasses.replace(task, compile="reduce-overhead")
-    with pytest.raises(UsageError, match="need GPUs; on cpu use --compile default"):
+    with pytest.raises(UsageError) as caught:
         worker.build_multigpu(graphs, "cpu", "single")
+    assert say(caught.value).endswith("need GPUs; on cpu use --compile default")
     assert prep.info["wrapper"] == type(compiled[0]._orig_mod).__name__ != "Compiled"
     plain = dataclasses.replace(task, compile=None)
     assert not worker._config(plain, "single").compile

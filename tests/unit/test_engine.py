@@ -1,7 +1,9 @@
 """The shared training step's input handling."""
+import re
+
 import torch
 
-from multigpu.datasets import IMAGENET_MEAN, IMAGENET_STD
+from multigpu.data_bundle import IMAGENET_MEAN, IMAGENET_STD
 from multigpu.engine import StepSettings, prepare_inputs
 
 
@@ -90,23 +92,32 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run
 
     from multigpu import compiling
     from multigpu.errors import UsageError
+    from multigpu.flagwords import say
+
+    def refused(*args, **kwargs) -> UsageError:
+        with pytest.raises(UsageError) as caught:
+            compiling.check(*args, **kwargs)
+        return caught.value
 
     for mode in (None, "default", "max-autotune-no-cudagraphs"):
         compiling.check(mode, "cpu", "single")  # no CUDA graphs: fine anywhere
     compiling.check("reduce-overhead", "cuda", "ddp")
-    with pytest.raises(UsageError, match="need GPUs; on cpu use --compile default"):
-        compiling.check("reduce-overhead", "cpu", "ddp")
-    with pytest.raises(UsageError, match="one process per GPU.*use --strategy ddp"):
-        compiling.check("max-autotune", "cuda", "dp")
-    with pytest.raises(UsageError, match="--compile fast: choose from default, reduce-overhead"):
-        compiling.check("fast", "cuda", "ddp")
-    with pytest.raises(UsageError, match="overwrites the gradients that --accumulate 4 adds up; "
-                                         "use --accumulate 1 with a larger --batch-size, or "
-                                         "--compile default"):
-        compiling.check("reduce-overhead", "cuda", "ddp", accumulate=4)
-    with pytest.raises(UsageError, match="on cpu use --compile max-autotune-no-cudagraphs"):
-        compiling.check("max-autotune", "cpu", "single")
-    with pytest.raises(UsageError, match="use --strategy ddp"):  # the library's own call
+    # the command line's words (multigpu train says the library's message with its flags)
+    assert say(refused("reduce-overhead", "cpu", "ddp")).endswith("need GPUs; on cpu use --compile default")
+    assert re.search("one process per GPU.*use --strategy ddp", say(refused("max-autotune", "cuda", "dp")))
+    assert say(refused("fast", "cuda", "ddp")).startswith("--compile fast: choose from default, reduce-overhead")
+    assert ("overwrites the gradients that --accumulate 4 adds up; use --accumulate 1 with a larger "
+            "--batch-size, or --compile default") in say(refused("reduce-overhead", "cuda", "ddp", accumulate=4))
+    assert say(refused("max-autotune", "cpu", "single")).endswith(
+        "on cpu use --compile max-autotune-no-cudagraphs")
+    # the library's own words: its arguments, never a flag
+    assert str(refused("reduce-overhead", "cuda", "ddp", accumulate=4)) == (
+        "compile_model(mode='reduce-overhead') records CUDA graphs, whose next replay overwrites the "
+        "gradients that setup(accumulate=4) adds up; use setup(accumulate=1) with a larger "
+        "batch_size, or compile_model(mode='default')")
+    assert str(refused("fast", "cuda", "ddp")).startswith("compile_model(mode='fast'): choose from")
+    with pytest.raises(UsageError, match=r"use setup\(strategy='ddp'\), or compile_model\("
+                                         r"mode='default'\)$"):  # the library's own call
         compiling.compile_model(torch.nn.DataParallel(torch.nn.Linear(2, 2)), "reduce-overhead")
     model = torch.nn.Linear(2, 2)
     assert compiling.compile_model(model, None) is model and not compiling.is_compiled(model)
@@ -115,20 +126,20 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run
 
 
 def test_compile_auto_uses_cuda_graphs_only_where_they_work_and_pay():
-    from multigpu import compiling
+    from multigpu import compiling, training
 
-    long_run = compiling.AUTO_MIN_STEPS
-    assert compiling.auto_mode("cuda", "ddp", 1, long_run) == (
+    long_run = training.AUTO_MIN_STEPS
+    assert training.auto_mode("cuda", "ddp", 1, long_run) == (
         "reduce-overhead", f"--compile auto: CUDA graphs (reduce-overhead) for {long_run:,} steps; the "
         "first steps compile, the compile cache is kept for the next run")
-    mode, why = compiling.auto_mode("cuda", "ddp", 1, long_run - 1)
+    mode, why = training.auto_mode("cuda", "ddp", 1, long_run - 1)
     assert mode is None and why == (
         f"--compile auto: not compiled: {long_run - 1:,} steps are too few to win back compiling "
         f"(about 46 s; from {long_run:,} steps CUDA graphs are used)")
-    assert compiling.auto_mode("cpu", "ddp", 1, 10**6) == (
+    assert training.auto_mode("cpu", "ddp", 1, 10**6) == (
         None, "--compile auto: not compiled (CUDA graphs need GPUs)")
-    assert compiling.auto_mode("cuda", "dp", 1, 10**6)[0] is None
-    assert compiling.auto_mode("cuda", "ddp", 2, 10**6) == (
+    assert training.auto_mode("cuda", "dp", 1, 10**6)[0] is None
+    assert training.auto_mode("cuda", "ddp", 2, 10**6) == (
         None, "--compile auto: not compiled (CUDA graphs cannot work with --accumulate 2)")
     compiling.check("auto", "cpu", "dp", accumulate=4)  # decided per run, never refused up front
 
@@ -191,3 +202,20 @@ def test_an_epoch_says_which_share_of_its_time_went_to_waiting_for_batches():
         if slow_input:  # 0.3 s of sleeping in the loader, all of it counted
             assert record["input_wait"] * record["epoch_seconds"] >= 0.3 * 0.99
     assert shares["input"] > 0.7 and shares["step"] < 0.3, shares
+
+
+def test_compile_model_leaves_the_compile_cache_to_its_caller(tmp_path):
+    # a library call changes no environment variable of multigpu's: the cache folder is set by
+    # `multigpu train` and bench (use_persistent_cache, above), or by the user
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    code = ("import os, torch, multigpu; multigpu.compile_model(torch.nn.Linear(2, 2), 'default'); "
+            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert str(tmp_path) not in out.stdout, out.stdout

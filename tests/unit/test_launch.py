@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from multigpu import launch, launch_failures, ports, sysinfo
-from multigpu.cli import run as run_cli
+from multigpu import scripts
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
 from multigpu.launch import LaunchOptions, plan_rendezvous, torchrun_argv
@@ -476,30 +476,30 @@ def test_a_restarted_attempt_says_which_restart_what_failed_and_where(tmp_path):
     ("os.environ['LOCAL_RANK']", "none"),
 ])
 def test_detect_local_rank_flag(source, flag):
-    assert run_cli.detect_local_rank_flag(source) == flag
+    assert scripts.detect_local_rank_flag(source) == flag
 
 
 def test_script_command(tmp_path):
     py = tmp_path / "train.py"
     py.write_bytes(b"#!/usr/bin/env python\r\nprint(1)\r\n")  # Python copes with CRLF
-    assert run_cli.script_command(py) == ([str(py)], True)
+    assert scripts.script_command(py) == ([str(py)], True)
     sh = tmp_path / "job.sh"
     sh.write_bytes(b"echo hi\n")
-    assert run_cli.script_command(sh) == (["bash", str(sh)], False)
+    assert scripts.script_command(sh) == (["bash", str(sh)], False)
     sh.write_bytes(b"#!/bin/sh\necho hi\n")
-    assert run_cli.script_command(sh) == (["/bin/sh", str(sh)], False)
+    assert scripts.script_command(sh) == (["/bin/sh", str(sh)], False)
 
 
 def test_crlf_shell_script_is_refused(tmp_path):
     sh = tmp_path / "run.sh"
     sh.write_bytes(b"#!/bin/bash\r\necho hi\r\n")
     with pytest.raises(UsageError) as e:
-        run_cli.script_command(sh)
+        scripts.script_command(sh)
     assert "CRLF" in str(e.value) and f"sed -i 's/\\r$//' {sh}" in str(e.value)
     tool = tmp_path / "tool"
     tool.write_bytes(b"#!/usr/bin/env bash\r\necho hi\n")
     with pytest.raises(UsageError, match="shebang"):
-        run_cli.script_command(tool)
+        scripts.script_command(tool)
 
 
 def test_module_source(tmp_path, monkeypatch):
@@ -507,9 +507,9 @@ def test_module_source(tmp_path, monkeypatch):
     (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('must not be imported')")
     (tmp_path / "pkg" / "train.py").write_text("")
     monkeypatch.chdir(tmp_path)
-    assert run_cli.module_source("pkg.train") == tmp_path / "pkg" / "train.py"
+    assert scripts.module_source("pkg.train") == tmp_path / "pkg" / "train.py"
     with pytest.raises(UsageError, match="-m no_such_module_xyz: no module"):
-        run_cli.module_source("no_such_module_xyz")
+        scripts.module_source("no_such_module_xyz")
 
 
 @pytest.mark.parametrize("value", ["-1", "0.5", "inf", "nan"])

@@ -66,11 +66,11 @@ def test_auto_precision_is_fp32_on_cpu_and_unknown_is_an_error():
 
 
 def test_auto_is_fp32_for_the_small_sequence_models_and_an_explicit_choice_stands():
-    from multigpu.precision import for_model
+    from multigpu.model_names import precision_for
 
-    assert [for_model("auto", m) for m in ("lstm", "tst")] == ["fp32", "fp32"]
-    assert [for_model("auto", m) for m in ("resnet50", "mlp", "torchvision:resnet18")] == ["auto"] * 3
-    assert [for_model(k, "lstm") for k in ("bf16", "fp16", "fp32")] == ["bf16", "fp16", "fp32"]
+    assert [precision_for("auto", m) for m in ("lstm", "tst")] == ["fp32", "fp32"]
+    assert [precision_for("auto", m) for m in ("resnet50", "mlp", "torchvision:resnet18")] == ["auto"] * 3
+    assert [precision_for(k, "lstm") for k in ("bf16", "fp16", "fp32")] == ["bf16", "fp16", "fp32"]
 
 
 def test_scaler_state_round_trips():

@@ -1,14 +1,17 @@
 """The strategy registry (the one list of names and what each allows) and fsdp's pure parts:
 which modules become shard units, and the optimizer state's two layouts."""
 import argparse
+import re
 
 import pytest
 import torch
 from torch import nn
 
 from multigpu import compiling
+from multigpu.cli import strategy_checks
 from multigpu.config import add_config_arguments
 from multigpu.errors import UsageError
+from multigpu.flagwords import say
 from multigpu.models import build_model
 from multigpu.strategies import STRATEGIES, registry
 from multigpu.checkpoint import named_optimizer_state, numbered_optimizer_state
@@ -28,19 +31,19 @@ def test_every_registered_strategy_loads_its_class_under_its_name_and_is_offered
 def test_plans_a_strategy_cannot_run_are_refused_with_the_fix():
     with pytest.raises(UsageError, match="--strategy single uses one device, but --devices 0,1 "
                                          "gives 2; pass --devices 1"):
-        registry.check_device_count("single", "0,1", "cuda", 2, 1)
+        strategy_checks.check_device_count("single", "0,1", "cuda", 2, 1)
     with pytest.raises(UsageError, match="--strategy dp .* needs GPUs; on CPU use --strategy ddp"):
-        registry.check_accelerator("dp", "cpu")
+        strategy_checks.check_accelerator("dp", "cpu")
     with pytest.raises(UsageError, match="--batch-size auto measures with real steps of the whole "
                                          "model on one GPU, and --strategy fsdp shares it out over "
                                          "all; give a number"):
-        registry.check_accelerator("fsdp", "cuda", auto_batch=True)
-    registry.check_device_count("fsdp", "cpu:3", "cpu", 0, 3)
-    registry.check_accelerator("fsdp", "cpu")
-    with pytest.raises(UsageError, match="--compile reduce-overhead records CUDA graphs, which "
-                                         "--strategy fsdp cannot use .*: use --strategy ddp, or "
-                                         "--compile default"):
+        strategy_checks.check_accelerator("fsdp", "cuda", auto_batch=True)
+    strategy_checks.check_device_count("fsdp", "cpu:3", "cpu", 0, 3)
+    strategy_checks.check_accelerator("fsdp", "cpu")
+    with pytest.raises(UsageError) as caught:
         compiling.check("reduce-overhead", "cuda", "fsdp")
+    assert re.match("--compile reduce-overhead records CUDA graphs, which --strategy fsdp cannot "
+                    "use .*: use --strategy ddp, or --compile default", say(caught.value))
     with pytest.raises(UsageError, match="unknown strategy 'zero3'"):
         registry.info("zero3")
 
@@ -125,5 +128,6 @@ def test_fsdp_in_one_cpu_process_says_how_to_shard_without_offering_gpu_offload(
     rt.prepare(nn.Linear(3, 2))
     err = capsys.readouterr().err
     assert ("strategy 'fsdp' in one process has nothing to shard the model over: it trains as "
-            "--strategy single would; launch several processes (--devices 2, or cpu:2) to shard it\n") in err
+            "setup(strategy='single') would; launch several processes (`multigpu run --devices 2`, "
+            "or cpu:2) to shard it\n") in err
     assert "--fsdp-cpu-offload" not in err  # refused on CPUs: not a fix there

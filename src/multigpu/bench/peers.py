@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from multigpu.bench.measure import Prepared, describe_optimizer, synthetic_batch
 from multigpu.bench.spec import Task
 from multigpu.models import build_model, is_convnet
-from multigpu.precision import for_model, resolve_precision
+from multigpu.model_names import precision_for
+from multigpu.precision import resolve_precision
 
 SEED = 0  # same initial weights as multigpu's setup(seed=0)
 
@@ -46,7 +47,7 @@ def _local_device(accelerator: str) -> torch.device:
 
 def _precision(task: Task, device: torch.device) -> str:
     """The precision a peer runs `task` in: as multigpu's methods resolve it."""
-    return resolve_precision(for_model(task.precision, task.model), device)
+    return resolve_precision(precision_for(task.precision, task.model), device)
 
 
 def build_ddp(task: Task, accelerator: str) -> Prepared:

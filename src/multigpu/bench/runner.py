@@ -239,6 +239,8 @@ def finish(rep: dict, groups: list[Group], got: Collected, flops: dict, path: Pa
 def run(s: BenchSettings) -> dict:
     plan = resolve_devices(s.devices, one_process=False, min_free_memory_gb=s.min_free_memory)
     compiling.check(s.compile, plan.accelerator, "ddp")  # e.g. reduce-overhead where "auto" found no GPU
+    if s.compile:  # the workers compile from a cache that outlives /tmp, as multigpu train's do
+        compiling.use_persistent_cache()
     if plan.accelerator == "cuda":
         counts = gpu_counts(s.gpus, len(plan.gpu_ids), "GPUs", f"--devices {s.devices}")
     else:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from multigpu import console
+from multigpu import console, flagwords
 from multigpu.bench import measure, realdata, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
 from multigpu.bench.spec import OURS, OURS_PREFIX, Task, base_method, strategy_of, variant_of
@@ -43,11 +43,11 @@ from multigpu.strategies import STRATEGIES
 
 def _config(task: Task, strategy: str):
     from multigpu.config import TrainConfig
-    from multigpu.precision import for_model
+    from multigpu.model_names import precision_for
 
     data = task.data if task.data.startswith("folder:") else "digits"  # synthetic: unused by it
     return TrainConfig(model=task.model, data=data, batch_size=task.batch_size, optimizer="sgd",
-                       lr=0.1, precision=for_model(task.precision, task.model), strategy=strategy,
+                       lr=0.1, precision=precision_for(task.precision, task.model), strategy=strategy,
                        image_size=task.image_size, compile=task.compile, decode=task.decode)
 
 
@@ -60,7 +60,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     cfg = _config(task, strategy)
     one_process = STRATEGIES[strategy].one_process  # drives its GPUs itself: name them
     rt = setup(strategy, cfg.precision, devices=list(range(task.gpus)) if one_process else None,
-               accelerator=accelerator, seed=0, ddp=ddp_options(task))
+               accelerator=accelerator, seed=0, ddp=ddp_options(task), install_hooks=True)
     if task.data.startswith("folder:"):  # the whole input pipeline, as `multigpu train` builds it
         job = build_job(cfg, rt)
         model, optimizer, settings = job.model, job.optimizer, job.settings
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path(argv[0]).read_text())
     accelerator = job["accelerator"]
     rank = int(os.environ.get("RANK", "0"))
-    console.configure(rank == 0)
+    console.configure(rank == 0, say=flagwords.say)
     configure_backends(accelerator)
     out = Path(job["results_dir"]) / f"rank{rank}.jsonl"
     _append(out, environment(accelerator))

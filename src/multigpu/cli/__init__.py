@@ -111,10 +111,12 @@ def _mark_failed() -> None:
 
 
 def one_line(exc: BaseException) -> str:
-    """The message of a UsageError; one raised in a DataLoader worker arrives wrapped in the
-    worker's traceback ("Caught X in DataLoader worker process 0. Original Traceback ..."), whose
-    last line is the message."""
-    text = str(exc)
+    """The message of a UsageError, the library's API names said as flags (flagwords); one raised
+    in a DataLoader worker arrives wrapped in the worker's traceback ("Caught X in DataLoader
+    worker process 0. Original Traceback ..."), whose last line is the message."""
+    from multigpu.flagwords import say
+
+    text = say(exc)
     if "Original Traceback" not in text:
         return text
     last = text.strip().splitlines()[-1]

@@ -25,6 +25,7 @@ from pathlib import Path
 from multigpu import configfile, console
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args
 from multigpu.errors import UsageError
+from multigpu.flagwords import say
 
 AUTO_PROBE_BATCH = 32
 HEADLINE = "multigpu doctor: checks before a run (ok / warn / fail), trap numbers as in docs/traps.md"
@@ -82,7 +83,7 @@ def _script_checks(args, script: list[str]):
 
     given = script  # what the trial starts: a module stays a module (its relative imports)
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
-        from multigpu.cli.run import module_source
+        from multigpu.scripts import module_source
 
         source = module_source(script[1])
         if source is None:
@@ -116,7 +117,7 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     """The script run up to its --steps-th optimizer step on every device, as multigpu run
     starts it; not when a check above failed (it would hang or crash) or for a shell script."""
     from multigpu import devices, launch
-    from multigpu.cli.run import local_rank_args, script_command
+    from multigpu.scripts import local_rank_args, script_command
     from multigpu.doctor.findings import Finding
     from multigpu.doctor.script_trial import trial_findings
 
@@ -147,7 +148,7 @@ def _train_checks(args):
         validate(cfg)
         check_resume(cfg)  # the checkpoint that --resume names, read as train reads it
     except UsageError as exc:
-        return [Finding("fail", "options", str(exc))]
+        return [Finding("fail", "options", say(exc))]
     findings = setup_checks.launch_env_findings(os.environ)
     strategy = registry.info(cfg.strategy)
     found, plan = setup_checks.device_findings(cfg.devices, one_process=strategy.one_process,
@@ -187,7 +188,7 @@ def _plan_checks(cfg: TrainConfig, plan):
     try:
         data = load_run_data(cfg)
     except UsageError as exc:
-        return [Finding("fail", "data", str(exc))]
+        return [Finding("fail", "data", say(exc))]
     ranks = plan.nproc
     per_rank = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 else 1
     return [last_step_finding(len(data.train), cfg.batch_size, ranks=ranks,

@@ -15,6 +15,7 @@ from typing import Callable
 
 from multigpu import checkpoint_schema as schema
 from multigpu import compiling, configfile, console, devices, provenance, timeline
+from multigpu.cli import strategy_checks
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.errors import UsageError
 
@@ -63,7 +64,6 @@ def validate(cfg: TrainConfig) -> None:
     from multigpu import loggers
     from multigpu.control import Cadence
     from multigpu.data_specs import check_spec
-    from multigpu.strategies import registry
     from multigpu.folder_layout import check_root
     from multigpu.model_names import check_input_kind, model_input_kind
 
@@ -78,7 +78,7 @@ def validate(cfg: TrainConfig) -> None:
                              f"{_EXAMPLES.get(name, max(low, 1))}")
     Cadence.parse(cfg.checkpoint_every)
     loggers.parse(cfg.logger)
-    registry.check_flags(cfg.strategy, {f for f in vars(cfg) if getattr(cfg, f) is True})
+    strategy_checks.check_flags(cfg.strategy, {f for f in vars(cfg) if getattr(cfg, f) is True})
     input_kind = model_input_kind(cfg.model)  # raises on an unknown model
     check_spec(cfg.data)  # `--data ./imgs`: one line naming folder:./imgs, before any launch
     check_input_kind(cfg.data, input_kind)
@@ -280,12 +280,13 @@ def _plan_devices(cfg: TrainConfig):
     strategy = registry.info(cfg.strategy)
     plan = resolve_devices(cfg.devices, one_process=strategy.one_process,
                            min_free_memory_gb=cfg.min_free_memory)
-    registry.check_device_count(cfg.strategy, cfg.devices, plan.accelerator, len(plan.gpu_ids),
-                                plan.nproc)
+    strategy_checks.check_device_count(cfg.strategy, cfg.devices, plan.accelerator,
+                                       len(plan.gpu_ids), plan.nproc)
     compiling.check(cfg.compile, plan.accelerator, cfg.strategy, cfg.accumulate)
     if cfg.compile:  # before torch._dynamo is imported (DDP does), which sets torch's own default
         compiling.use_persistent_cache()
-    registry.check_accelerator(cfg.strategy, plan.accelerator, auto_batch=cfg.batch_size == "auto")
+    strategy_checks.check_accelerator(cfg.strategy, plan.accelerator,
+                                      auto_batch=cfg.batch_size == "auto")
     if cfg.fsdp_cpu_offload and plan.accelerator != "cuda":
         from multigpu.strategies.fsdp import OFFLOAD_NEEDS_GPUS
         raise UsageError(OFFLOAD_NEEDS_GPUS)

@@ -23,12 +23,12 @@ GIB = 2**30
 def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
                    find_batch: bool = True) -> list[Finding]:
     """Findings of one step on the plan's first device (a GPU) or the CPU."""
-    from multigpu.precision import for_model
+    from multigpu.model_names import precision_for
     from multigpu.runtime import setup
     from multigpu.training import build_job
 
     cuda = plan.accelerator == "cuda"
-    rt = setup("single", for_model(cfg.precision, cfg.model), devices=[plan.gpu_ids[0]] if cuda else None,
+    rt = setup("single", precision_for(cfg.precision, cfg.model), devices=[plan.gpu_ids[0]] if cuda else None,
                accelerator=plan.accelerator, seed=cfg.seed)
     job = build_job(cfg, rt)
     batch = next(iter(job.train_loader))

@@ -15,6 +15,7 @@ from multigpu.doctor.findings import Finding
 from multigpu.doctor.pysource import Source, code, const, dotted, kw, method
 from multigpu.doctor.setup_checks import LAUNCH_VARS
 from multigpu.doctor.shell_checks import is_python, shell_findings
+from multigpu.scripts import LOCAL_RANK_FLAGS, detect_local_rank_flag
 
 _WRAPPER_NAMES = {"dp": "DataParallel", "ddp": "DDP"}
 _MOVES = ("cuda", "to")
@@ -345,8 +346,6 @@ def _precision(src: Source) -> list[Finding]:
 
 def _local_rank(src: Source) -> list[Finding]:
     """Trap 15: a script written for torch.distributed.launch parses --local_rank."""
-    from multigpu.cli.run import LOCAL_RANK_FLAGS, detect_local_rank_flag  # run.py may import us
-
     mode = detect_local_rank_flag(src.text)
     if mode == "none":
         return []

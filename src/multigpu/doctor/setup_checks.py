@@ -13,6 +13,7 @@ from typing import Mapping
 
 from multigpu.doctor.findings import Finding
 from multigpu.errors import UsageError
+from multigpu.flagwords import say
 
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _AGENT_VAR = "TORCHELASTIC_RUN_ID"  # torchrun's agent sets it in every worker it starts
@@ -92,7 +93,7 @@ def device_findings(spec: str, *, one_process: bool, min_free_memory_gb: float):
 
 def precision_findings(kind: str, plan, model: str = "") -> list[Finding]:
     """bf16 where the GPUs compute it natively; fp16 with its scaler; fp32 on CPUs and for the
-    small sequence models (precision.for_model)."""
+    small sequence models (model_names.precision_for)."""
     if plan is None:
         return []
     if plan.accelerator == "cpu":
@@ -103,9 +104,9 @@ def precision_findings(kind: str, plan, model: str = "") -> list[Finding]:
         return [Finding("ok", "precision", "fp32 on CPU processes")]
     import torch
 
-    from multigpu.precision import for_model
+    from multigpu.model_names import precision_for
 
-    if kind == "auto" and for_model(kind, model) == "fp32":
+    if kind == "auto" and precision_for(kind, model) == "fp32":
         return [Finding("ok", "precision", f"--precision auto is fp32 for {model}: its small steps "
                                            "are faster without bf16 autocast")]
     names = set(plan.gpu_names) or {"the GPU"}
@@ -133,7 +134,7 @@ def last_step_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: 
         plan = ShardedBatchSampler(n, batch_size, num_ranks=ranks, devices_per_rank=devices_per_rank,
                                    drop_last=drop_last).full_plan
     except UsageError as exc:
-        return Finding("fail", "last step", str(exc), trap=3)
+        return Finding("fail", "last step", say(exc), trap=3)
     step = batch_size * devices
     head = (f"{n} training samples, {batch_size} per device x {devices} device"
             f"{'s' if devices != 1 else ''} = {step} per step: {len(plan)} step"

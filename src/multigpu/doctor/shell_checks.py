@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from multigpu.doctor.findings import Finding
+from multigpu.scripts import is_python, shebang  # noqa: F401 (doctor's checks use both)
 
 _SHELL_SUFFIXES = (".sh", ".bash", ".zsh", ".ksh")
 
@@ -20,18 +21,6 @@ def file_crlf_finding(path: Path) -> Finding | None:
     if path.suffix in _SHELL_SUFFIXES or not path.suffix or shebang(data):
         return _crlf_finding(path, data)
     return None
-
-
-def shebang(data: bytes) -> list[str]:
-    """The interpreter and arguments a `#!` first line names; [] without one."""
-    first = data.split(b"\n", 1)[0]
-    return first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
-
-
-def is_python(path: Path, data: bytes) -> bool:
-    """Whether a file runs as Python (`multigpu run` starts it through its worker): .py, or
-    python in the shebang."""
-    return path.suffix == ".py" or any("python" in w for w in shebang(data)[:2])
 
 
 # --- shell scripts ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.distributed import DistEnv, nccl_group_with_max_ctas
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 from multigpu.strategies.base import Strategy
 
 
@@ -83,24 +83,26 @@ class DDP(Strategy):
         if not self.env.is_distributed or o.find_unused_parameters or o.static_graph:
             return
         for model in models:
-            refuse_unused(self.unwrap(model), "DDP", "pass ddp=DDPOptions(find_unused_parameters="
-                          "True) to setup() (--find-unused-parameters)")
+            refuse_unused(self.unwrap(model), "DDP", Api(
+                "DDPOptions.find_unused_parameters", True,
+                text="setup(ddp=DDPOptions(find_unused_parameters=True))"))
 
     def describe(self) -> str:
         return f"ddp ({self.env.world_size} processes, {self.env.backend})"
 
 
-def refuse_unused(model: nn.Module, engine: str, option: str) -> None:
+def refuse_unused(model: nn.Module, engine: str, option: Api) -> None:
     """UsageError naming every trainable parameter of `model` without a gradient after a
-    backward, with the fixes (none when no parameter has one: a model outside this loss)."""
+    backward, with the fixes (none when no parameter has one: a model outside this loss);
+    `option`: the argument that lets `engine` run with them."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     unused = [n for n, p in params if p.grad is None]
     if unused and len(unused) < len(params):
         shown = ", ".join(unused[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
-        raise UsageError(
+        raise UsageError(Text(
             f"{len(unused)} parameter(s) got no gradient in the first backward: {shown}. "
             f"{engine} needs every trainable parameter to take part in the loss: remove the "
-            f"unused module, freeze it (requires_grad_(False)), or {option}")
+            "unused module, freeze it (requires_grad_(False)), or pass {}", option))
 
 
 def _no_forward_buffer_sync(env: DistEnv, model: nn.Module) -> dict:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from multigpu.distributed import DistEnv
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 from multigpu.strategies import replica_threads
 from multigpu.strategies.base import Strategy
 
@@ -30,12 +30,15 @@ class DataParallel(Strategy):
     def __init__(self, env: DistEnv, device_ids: tuple[int, ...]):
         super().__init__(env)
         if env.is_distributed:
-            raise UsageError("strategy 'dp' runs in one process that drives several GPUs, but this "
-                             f"process is one of {env.world_size} launched ones; use --strategy ddp "
-                             "with a launcher, or --strategy dp without one")
+            raise UsageError(Text(
+                "strategy 'dp' runs in one process that drives several GPUs, but this process is "
+                f"one of {env.world_size} launched ones; use {{}} with a launcher, or {{}} without "
+                "one", Api("setup.strategy", "ddp"), Api("setup.strategy", "dp")))
         if not device_ids:
-            raise UsageError("strategy 'dp' needs GPUs; on CPU use --strategy single or ddp "
-                             "with --devices cpu:N")
+            raise UsageError(Text("strategy 'dp' needs GPUs; on CPU use {} or {} with {}",
+                                  Api("setup.strategy", "single"), Api("setup.strategy", "ddp"),
+                                  Api("launch.devices", "cpu:N",
+                                      text="`multigpu run --devices cpu:N`")))
         self.device_ids = tuple(int(i) for i in device_ids)
 
     @classmethod
@@ -64,7 +67,7 @@ class DataParallel(Strategy):
                       "copies the model to every GPU each step and runs the replicas' forwards on "
                       "threads that share the GIL. Measured on 4x H200 (ResNet-50 bf16, batch 128 "
                       "per GPU): 0.86x the speed of ONE GPU on 2 GPUs and 1.31x on 4, against "
-                      "0.85 x 2 and 0.90 x 4 for ddp in the same run. Use --strategy ddp (the "
+                      "0.85 x 2 and 0.90 x 4 for ddp in the same run. Use strategy 'ddp' (the "
                       "default with several GPUs)", stacklevel=3)
         return CheckedDataParallel(model, device_ids=list(self.device_ids))
 

@@ -40,13 +40,13 @@ from torch import nn
 
 from multigpu import checkpoint, console
 from multigpu.distributed import DistEnv
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 from multigpu.strategies.base import Strategy
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-OFFLOAD_NEEDS_GPUS = ("fsdp's CPU offload moves the shards of GPUs to host memory; CPU processes "
-                      "keep everything there already: leave --fsdp-cpu-offload "
-                      "(FSDPOptions(cpu_offload=True)) out")
+_OFFLOAD = Api("FSDPOptions.cpu_offload", True, text="FSDPOptions(cpu_offload=True)")
+OFFLOAD_NEEDS_GPUS = Text("fsdp's CPU offload moves the shards of GPUs to host memory; CPU "
+                          "processes keep everything there already: leave {} out", _OFFLOAD)
 _LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -102,11 +102,13 @@ class FSDP(Strategy):
         else:
             model = model.to(self.device)
         if not dist.is_initialized():  # one process without a group: nothing to shard over
-            offload = (", or add CPU offload (--fsdp-cpu-offload) to train a model larger than "
-                       "the GPU") if self.device.type == "cuda" else ""
-            console.warn("strategy 'fsdp' in one process has nothing to shard the model over: "
-                         "it trains as --strategy single would; launch several processes "
-                         f"(--devices 2, or cpu:2) to shard it{offload}")
+            gpu = self.device.type == "cuda"
+            offload = ", or add CPU offload ({}) to train a model larger than the GPU" if gpu else ""
+            console.warn(Text("strategy 'fsdp' in one process has nothing to shard the model "
+                              "over: it trains as {} would; launch several processes ({}, or "
+                              f"cpu:2) to shard it{offload}", Api("setup.strategy", "single"),
+                              Api("launch.devices", 2, text="`multigpu run --devices 2`"),
+                              *([_OFFLOAD] if gpu else [])))
             return model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,

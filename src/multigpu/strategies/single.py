@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from multigpu.distributed import DistEnv
-from multigpu.errors import UsageError
+from multigpu.errors import Api, Text, UsageError
 from multigpu.strategies.base import Strategy
 
 
@@ -15,8 +15,9 @@ class SingleDevice(Strategy):
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
                options: object | None = None) -> "SingleDevice":
         if env.is_distributed:
-            raise UsageError(f"strategy 'single' was asked for, but {env.world_size} processes "
-                             "were launched; use --strategy ddp (or auto), or launch one process")
+            raise UsageError(Text(f"strategy 'single' was asked for, but {env.world_size} "
+                                  "processes were launched; use {} (or auto), or launch one "
+                                  "process", Api("setup.strategy", "ddp")))
         return cls(env)
 
     def setup_module(self, model: nn.Module) -> nn.Module:
