@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 
 @contextlib.contextmanager
@@ -21,6 +22,10 @@ def restore_signal_handlers():
                 signal.signal(s, h)
 
 
+AGENT_STOP_WAIT = 30  # torch's agent: seconds it waits for the workers after a stop signal
+# (LaunchConfig.shutdown_timeout where torch has it: TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+
+
 class SecondSignalKills:
     """torch's agent answers every stop signal by signalling the workers and waiting up to its
     shutdown timeout (30 s) for them; a second signal should not wait. Its handler is a module
@@ -29,6 +34,12 @@ class SecondSignalKills:
 
     def __init__(self):
         self.signals = 0
+        self.first_at: float | None = None  # time.monotonic() of the first signal
+
+    def waited_out(self, wait: float) -> bool:
+        """Whether the agent's wait after the first signal (`wait` s: its shutdown timeout) ran
+        out: then it killed the ranks that had not stopped, maybe in the middle of a checkpoint."""
+        return self.first_at is not None and time.monotonic() - self.first_at >= 0.97 * wait
 
     def __enter__(self):
         from torch.distributed.elastic.multiprocessing import api
@@ -40,6 +51,8 @@ class SecondSignalKills:
 
     def _handler(self, signum, frame):
         self.signals += 1
+        if self.first_at is None:
+            self.first_at = time.monotonic()
         if self.signals > 1:
             kill_workers_left()
         self._original(signum, frame)

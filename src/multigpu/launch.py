@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Callable
 
 from multigpu import orphans, ports, sysinfo, watchdog
-from multigpu.agent_hooks import (SecondSignalKills, kill_workers_left, quiet_torchelastic,
-                                  restore_signal_handlers)
+from multigpu.agent_hooks import (AGENT_STOP_WAIT, SecondSignalKills, kill_workers_left,
+                                  quiet_torchelastic, restore_signal_handlers)
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
 from multigpu.errors import UsageError
@@ -287,9 +287,12 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             return code
         except SignalException as exc:
             at_once = kill_workers_left() or signals.signals > 1
+            wait = getattr(config, "shutdown_timeout", None) or AGENT_STOP_WAIT
+            waited_out = not at_once and signals.waited_out(wait)
             err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"
-                 + (" (a second signal: killed at once)" if at_once else ""))
-            if at_once:  # else the ranks stopped after a checkpoint and said how to go on
+                + (" (a second signal: killed at once)" if at_once else "")
+                + (f" (killed: they had not stopped {wait} s after the signal)" if waited_out else ""))
+            if at_once or waited_out:  # else the ranks stopped after a checkpoint and said so
                 say_next_step(next_step)
             return 128 + int(exc.sigval)
         except RendezvousTimeoutError:
@@ -309,7 +312,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
 
 def _runs_our_worker(cmd: list[str]) -> bool:
     """Whether `cmd` is `multigpu run`'s python_command("multigpu.worker", ...)."""
-    return cmd[3:5] == ["-m", "multigpu.worker"]
+    return "multigpu.worker" in cmd[:6] and cmd[cmd.index("multigpu.worker") - 1] == "-m"
 
 
 def _node_name(opts: LaunchOptions) -> str | None:

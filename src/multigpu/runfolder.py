@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from multigpu.config import TrainConfig
 
 CONFIG, METRICS, METRICS_CSV, LOGS = "config.json", "metrics.jsonl", "metrics.csv", "logs"
-OUT_RESERVED_ENV = OUT_RESERVED_ENV  # set by the CLI for the workers it launches
 _CLAIM = b'{"status": "starting"}\n'
 
 

@@ -77,3 +77,13 @@ def test_a_legacy_pickle_of_a_whole_module_is_refused_for_what_it_holds(tmp_path
         "weights_only=True and never runs code from one. If you made the file and trust it, "
         "load it yourself and save its state dicts with torch.save")
     assert not (tmp_path / "run").exists()
+
+
+def test_export_of_a_bare_state_dict_says_there_is_nothing_to_export(tmp_path):
+    torch.save(mlp_weights(), tmp_path / "w.pt")
+    done = multigpu("export", tmp_path / "w.pt", "--out", tmp_path / "x.pt")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"multigpu: error: {tmp_path / 'w.pt'} holds weights only (a state dict), "
+                           "not a checkpoint of a run: there is nothing to export; torch.load it as "
+                           "it is, or train from it with multigpu train --resume\n")
+    assert not (tmp_path / "x.pt").exists()

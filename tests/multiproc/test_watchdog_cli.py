@@ -120,3 +120,18 @@ def test_the_rendezvous_listens_on_loopback_only(tmp_path, procs):
            if k.startswith("MASTER_")}
     assert env["MASTER_ADDR"] == "127.0.0.1"
     os.kill(p.pid, signal.SIGTERM)
+
+
+def test_ranks_that_outlast_the_agents_wait_are_said_to_be_killed(tmp_path, procs):
+    """A stop signal the ranks do not end on (a save longer than the agent's wait): the agent kills
+    them when its wait runs out (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default), and the line
+    says so, so that nobody takes the ranks for stopped after a checkpoint."""
+    p = start("--devices", "cpu:2", str(SCRIPTS / "on_signal.py"), str(tmp_path), "ignore", cwd=tmp_path,
+              TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
+    procs.append(p)
+    pids = _worker_pids(tmp_path, p)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert _gone_within(pids, 5)
+    assert "multigpu: stopped by SIGTERM; every rank of this node was stopped (killed: they had not " \
+           "stopped 3 s after the signal)" in err, err

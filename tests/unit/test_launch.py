@@ -538,3 +538,23 @@ def test_the_header_says_where_each_rank_s_output_goes():
     tee = LaunchOptions(tee=True)
     assert launch.header(CPU2, tee, plan_rendezvous(tee), "L").endswith(
         "; every rank shown here and logged in L")
+
+
+def test_a_second_rank_failing_like_the_console_rank_is_not_printed_again(tmp_path):
+    """Rank 1 failed first; rank 0, on the console, failed the same way: the report names rank 1
+    and points at rank 0's traceback above instead of printing the same one again."""
+    from types import SimpleNamespace
+
+    from multigpu import launch_failures
+
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 3\nRuntimeError: Expected to have finished reduction"
+    texts = {1: tb, 0: tb.replace("line 3", "line 4")}
+    one = SimpleNamespace(exitcode=1, local_rank=1)
+    zero = SimpleNamespace(exitcode=1, local_rank=0)
+    failures = [(1, one), (0, zero)]
+    assert launch_failures._same_error_shown_above(failures, texts, 1, [tmp_path]) == 0
+    texts[0] = tb.replace("finished reduction", "something else")  # another error: printed
+    assert launch_failures._same_error_shown_above(failures, texts, 1, [tmp_path]) is None
+    texts[0] = tb
+    zero.exitcode = -15  # stopped by the agent: an echo, not its own failure
+    assert launch_failures._same_error_shown_above(failures, texts, 1, [tmp_path]) is None

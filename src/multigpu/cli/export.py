@@ -42,6 +42,10 @@ def main(args: argparse.Namespace) -> int:
         _check_out(given)
     for attempt in range(3):  # a run still training may drop a checkpoint while it is read
         state, path = _newest(args.source)
+        if state.get(schema.FROM_STATE_DICT):
+            raise UsageError(f"{path} holds weights only ({state[schema.FROM_STATE_DICT]}), not a "
+                             "checkpoint of a run: there is nothing to export; torch.load it as it "
+                             "is, or train from it with multigpu train --resume")
         out = given or _default_out(path, state)
         _check_out(out)
         try:

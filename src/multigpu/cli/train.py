@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
     from multigpu.doctor.setup_checks import refuse_stale_worker_env
     from multigpu.launch import in_worker, launch, options_from_args, python_command, stopped_by_signal
     from multigpu import runfolder
-    from multigpu.runfolder import OUT_RESERVED_ENV
+    from multigpu.folder_users import OUT_RESERVED_ENV
 
     cfg = config_from_args(args)
     refuse_stale_worker_env(os.environ, console.warn)  # trap 8: LOCAL_RANK left by a launch
