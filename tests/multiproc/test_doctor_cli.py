@@ -308,3 +308,29 @@ def test_a_script_without_a_torch_optim_step_is_stopped_at_the_trial_timeout(tmp
     assert not [p for p in pids if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "a rank is still running"
     assert not list((tmp_path / "tmp").glob("multigpu-doctor-*")), "the trial folder was left behind"
+
+
+def test_a_rank_that_cannot_stop_itself_at_the_trial_timeout_is_killed(tmp_path):
+    """A regular expression that backtracks holds the interpreter: the rank's own timer thread
+    never runs, so the doctor kills it a grace period after the limit."""
+    import psutil
+
+    (tmp_path / "train.py").write_text(
+        "import os, re\n"
+        "open('started-0.txt', 'w').write(str(os.getpid()))\n"
+        "re.match(r'(a+)+$', 'a' * 40 + 'b')  # hours, with no other thread let in\n"
+        "open('finished.txt', 'w').write('done')\n")
+    (tmp_path / "tmp").mkdir()
+    began = time.monotonic()
+    proc = run_with({"TMPDIR": str(tmp_path / "tmp")}, "doctor", "--devices", "cpu:1",
+                    "--trial-timeout", "2", "--", "train.py", cwd=tmp_path)
+    took = time.monotonic() - began
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert checks(proc.stdout)["script run"] == (
+        "warn  script run     no rank reached optimizer step 1 within --trial-timeout 2 s; doctor "
+        "killed every rank: a rank could not stop itself: it was in a call that lets no other "
+        "thread run (a C extension, a regular expression backtracking); its logs are named above")
+    assert took < 2 + 15 + 60, f"doctor took {took:.0f} s"  # the limit, the grace, the start-up
+    assert not (tmp_path / "finished.txt").exists()
+    pid = int((tmp_path / "started-0.txt").read_text())
+    assert not (psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)

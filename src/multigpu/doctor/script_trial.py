@@ -42,7 +42,7 @@ def trial_findings(cmd: list[str], plan, steps: int, timeout: float) -> list[Fin
            trial.TRIAL_TIMEOUT_ENV: f"{timeout:g}"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    backstop = Backstop(timeout + trial.PEERS_WAIT_SECONDS + BACKSTOP_GRACE)
+    backstop = Backstop(timeout + (trial.PEERS_WAIT_SECONDS if plan.nproc > 1 else 0) + BACKSTOP_GRACE)
     try:
         with backstop:
             code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
@@ -143,14 +143,19 @@ def _timeout_finding(records: list[dict], timed: list[dict], ranks: int, steps: 
     who = ("no rank reached" if len(late) == ranks else
            f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not reach")
     done = max((r["steps"] for r in records), default=0)
-    how = "killed every rank, not stopping at its own limit" if killed else "stopped every rank there"
-    if done:
-        cause = f"{done} optimizer step(s) ran, slower than that: raise --trial-timeout or lower --steps"
+    if killed:
+        how, cause = "killed every rank", ("a rank could not stop itself: it was in a call that "
+                                           "lets no other thread run (a C extension, a regular "
+                                           "expression backtracking); its logs are named above")
+    elif done:
+        how, cause = "stopped every rank there", (f"{done} optimizer step(s) ran, slower than that: "
+                                                  "raise --trial-timeout or lower --steps")
     else:
-        cause = ("likely causes: the script updates its weights without a torch.optim optimizer "
-                 "(e.g. p.data -= lr * p.grad) or only evaluates, and doctor can only watch "
-                 "torch.optim steps; or its first step is slow (data loading, a download, "
-                 "compilation): raise --trial-timeout")
+        how, cause = "stopped every rank there", (
+            "likely causes: the script updates its weights without a torch.optim optimizer (e.g. "
+            "p.data -= lr * p.grad) or only evaluates, and doctor can only watch torch.optim "
+            "steps; or its first step is slow (data loading, a download, compilation): raise "
+            "--trial-timeout")
     where = next((r["where"] for r in sorted(timed, key=lambda r: r["rank"]) if r.get("where")), None)
     return Finding("warn", "script run", f"{who} optimizer step {steps} within --trial-timeout "
                                          f"{timeout:g} s; doctor {how}: {cause}", where=where)
