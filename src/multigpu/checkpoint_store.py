@@ -20,7 +20,8 @@ temporary file or an unlisted step file, which the next writer removes, or last.
 checkpoint behind the manifest, which the next writer points forward.
 
 Reading: the newest complete checkpoint whose size and checksum match and which torch can load;
-each one skipped is reported in one line and the one before it is tried.
+each one skipped is reported in one line and the one before it is tried. Naming the newest
+complete one (newest_complete) reads sizes only: a launcher on its way out says it in moments.
 """
 from __future__ import annotations
 
@@ -73,11 +74,14 @@ class CheckpointStore:
     def best_entry(self) -> Entry | None:
         return _best(self._read_manifest())
 
-    def newest_intact(self) -> Path | None:
-        """The newest complete checkpoint whose bytes are those the manifest lists (size and
-        SHA-256; not loaded), or None."""
+    def newest_complete(self) -> Path | None:
+        """The newest checkpoint the manifest lists whose files are all there at the sizes they
+        were written with (the step file; for a sharded one, every file of its shards folder as
+        its step file lists them), or None: written whole by the protocol above and not cut
+        short since. Cheap on any size and file system (no byte of a large file is read, no
+        checksum), so a launcher can say it on its way out; load_newest checks the SHA-256."""
         for entry in reversed(self.entries()):
-            if _matches(self.folder / entry.file, entry):
+            if _complete(self.folder / entry.file, entry):
                 return self.folder / entry.file
         return None
 
@@ -268,6 +272,25 @@ def _matches(path: Path, entry: Entry) -> bool:
         return path.stat().st_size == entry.size and fileio.sha256_file(path) == entry.sha256
     except OSError:
         return False
+
+
+def _complete(path: Path, entry: Entry) -> bool:
+    """`path` has the manifest's size and, when the entry has shards, its step file (small:
+    the tensors are in the shards) lists files that are all in the folder at their sizes."""
+    try:
+        if path.stat().st_size != entry.size:
+            return False
+    except OSError:
+        return False
+    if entry.shards is None:
+        return True
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        folder = sharded_checkpoint.folder_of(state, path.parent)
+        sharded_checkpoint.verify(folder, state[schema.SHARDS][schema.SHARDS_FILES])
+    except Exception:  # noqa: BLE001 - unreadable, not ours, or a shard gone: not complete
+        return False
+    return True
 
 
 def verify_and_load(path: Path, entry: Entry | None) -> dict:

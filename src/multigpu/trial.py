@@ -17,7 +17,11 @@ global hooks:
   nothing of the script after that step runs, no checkpoint, no final save, no `finally`, and its
   DataLoader workers are stopped with it.
 
-A script that fails or ends before that has its error or its end written instead (`ended`).
+A script that fails or ends before that has its error or its end written instead (`ended`). One
+that reaches no such step within TRIAL_TIMEOUT_ENV seconds of its start (an update without
+torch.optim, evaluation only, a stuck data loader, a slow first step) is stopped the same way by a
+timer thread (`time_limit`), its record saying so and where the script was: a trial never runs a
+script to its end.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from pathlib import Path
 
 TRIAL_DIR_ENV = "MULTIGPU_DOCTOR_TRIAL"
 TRIAL_STEPS_ENV = "MULTIGPU_DOCTOR_STEPS"
+TRIAL_TIMEOUT_ENV = "MULTIGPU_DOCTOR_TIMEOUT"  # seconds; unset or 0: no limit
 PEERS_WAIT_SECONDS = 30.0  # how long a rank that finished waits for the others' records
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep  # multigpu's own files
 
@@ -41,7 +46,8 @@ def start_from_env() -> Trial | None:
     if not folder:
         return None
     os.dup2(2, 1)  # the script's prints go to stderr: the doctor's stdout holds only its findings
-    trial = Trial(Path(folder), int(os.environ.get(TRIAL_STEPS_ENV, "1") or 1))
+    trial = Trial(Path(folder), int(os.environ.get(TRIAL_STEPS_ENV, "1") or 1),
+                  timeout=float(os.environ.get(TRIAL_TIMEOUT_ENV, "0") or 0))
     trial.install()
     return trial
 
@@ -51,8 +57,8 @@ def record_path(folder: Path, rank: int) -> Path:
 
 
 class Trial:
-    def __init__(self, folder: Path, steps: int):
-        self.folder, self.steps = folder, max(1, steps)
+    def __init__(self, folder: Path, steps: int, timeout: float = 0.0):
+        self.folder, self.steps, self.timeout = folder, max(1, steps), timeout
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.started = time.perf_counter()
         self._depth = 0
@@ -63,6 +69,7 @@ class Trial:
         self.unused_fatal = False  # DDP without find_unused_parameters: the next forward fails
         self._counts: dict[int, int] = {}
         self._first: int | None = None  # the optimizer that stepped first counts the steps
+        self._ending = threading.Lock()  # held by the first of: the last step, the end, the timer
 
     def install(self) -> None:
         import torch
@@ -81,6 +88,9 @@ class Trial:
             return iterate(loader)
 
         DataLoader.__iter__ = __iter__
+        if self.timeout > 0:
+            threading.Thread(target=self.time_limit, name="multigpu-doctor-time-limit",
+                             daemon=True).start()
 
     # --- what the script does -------------------------------------------------------------------
 
@@ -141,7 +151,28 @@ class Trial:
     def finish(self) -> None:
         """Write this rank's record, wait for the other ranks' records, then end the process at
         once: the script does not go on past this step."""
+        self._claim_the_end()
         self._write({"stopped_at": self._counts.get(self._first, 0)})
+        self._stop()
+
+    def time_limit(self) -> None:
+        """The timer thread: after `timeout` seconds without the trial's last step, this rank's
+        record says so (and where the script's main thread is), then the process ends as at that
+        step. Every rank's timer fires: a rank waits for its peers' records, so no rank's exit
+        breaks a collective another one is still in before that one has written its own."""
+        time.sleep(self.timeout)
+        if not self._ending.acquire(blocking=False):
+            return  # the last step or the script's end came first
+        self._write({"timed_out": self.timeout, "where": _main_thread_place()})
+        self._stop()
+
+    def _claim_the_end(self) -> None:
+        """Called from the script's thread: when the timer has claimed the end already, this
+        thread waits for the process to end (the timer ends it) instead of going on."""
+        if not self._ending.acquire(blocking=False):
+            threading.Event().wait()
+
+    def _stop(self) -> None:
         deadline = time.monotonic() + PEERS_WAIT_SECONDS
         while time.monotonic() < deadline and not all(
                 record_path(self.folder, r).exists() for r in range(self.world)):
@@ -150,7 +181,9 @@ class Trial:
 
     def ended(self, exc: BaseException | None) -> None:
         """The script ended before the trial's last step: normally (exc None, or exit 0) or with
-        an error, written with where in the script it was raised."""
+        an error, written with where in the script it was raised. (After the timer has stopped
+        the trial, an error here is only a peer gone first: the timer ends this process.)"""
+        self._claim_the_end()
         done = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
         error = None if done else _error_text(exc)
         self._write({"ended": True, "error": error, "error_where": None if done else _raised_at(exc)})
@@ -220,9 +253,9 @@ def _leading_size(args) -> int | None:
 
 
 def _is_users(filename: str) -> bool:
-    import torch
-
-    lib = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep, _OURS)
+    torch = sys.modules.get("torch")  # not imported here: the timer thread may ask mid-import
+    lib = (os.path.dirname(os.__file__) + os.sep, _OURS) + (
+        (os.path.dirname(torch.__file__) + os.sep,) if getattr(torch, "__file__", None) else ())
     return not filename.startswith(lib) and not filename.startswith("<")
 
 
@@ -234,7 +267,15 @@ def _place(filename: str, line: int) -> str:
 
 def _where() -> str | None:
     """file:line of the innermost frame of the user's code on the stack."""
-    frame = sys._getframe(1)
+    return _users_frame(sys._getframe(1))
+
+
+def _main_thread_place() -> str | None:
+    """file:line of the innermost frame of the user's code where the main thread is now."""
+    return _users_frame(sys._current_frames().get(threading.main_thread().ident))
+
+
+def _users_frame(frame) -> str | None:
     while frame is not None:
         if _is_users(frame.f_code.co_filename):
             return _place(frame.f_code.co_filename, frame.f_lineno)

@@ -1,6 +1,8 @@
 """`multigpu doctor` as a user runs it, and the checks that `train` and `run` fire themselves."""
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,7 +70,8 @@ def test_nothing_to_check_and_both_at_once_are_one_line_errors(tmp_path):
     (tmp_path / "t.py").write_text("print(1)\n")
     for args, words in ((["doctor", "--devices", "cpu:2"], "--model is required"),
                         (["doctor", "--model", "mlp", "--", "t.py"], "not both"),
-                        (["doctor", "--", "missing.py"], "script 'missing.py' not found")):
+                        (["doctor", "--", "missing.py"], "script 'missing.py' not found"),
+                        (["doctor", "--trial-timeout", "0", "--", "t.py"], "--trial-timeout 0: give")):
         proc = multigpu(*args, cwd=tmp_path)
         assert proc.returncode == 2 and words in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -252,3 +255,81 @@ def test_a_library_script_refused_at_its_first_backward_is_a_failed_run(tmp_path
     assert "unused params" not in found, "no step ran to judge it"
     assert found["sampler"].startswith("ok    sampler        train.py:30: the DataLoader is sharded "
                                        "(ShardedBatchSampler)")
+
+
+MANUAL_SGD = """\
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+open(f"started-{dist.get_rank()}.txt", "w").write(str(os.getpid()))
+model = nn.Linear(4, 2)
+x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+for step in range(10**9):  # about forever: only the trial's time limit stops it
+    loss = nn.functional.cross_entropy(model(x), y)
+    model.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.data -= 0.01 * p.grad
+open("finished.txt", "w").write("done")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:1"])
+def test_a_script_without_a_torch_optim_step_is_stopped_at_the_trial_timeout(tmp_path, devices):
+    import psutil
+
+    (tmp_path / "train.py").write_text(MANUAL_SGD)
+    (tmp_path / "tmp").mkdir()
+    began = time.monotonic()
+    proc = run_with({"TMPDIR": str(tmp_path / "tmp")}, "doctor", "--devices", devices,
+                    "--trial-timeout", "5", "--", "train.py", cwd=tmp_path)
+    took = time.monotonic() - began
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = checks(proc.stdout)["script run"]
+    at = re.match(r"warn  script run     train\.py:(\d+): no rank reached optimizer step 1 within "
+                  r"--trial-timeout 5 s; doctor stopped every rank there: likely causes: ", line)
+    assert at and 11 <= int(at.group(1)) <= 16, line  # where rank 0 was: in its loop
+    assert line.endswith("the script updates its weights without a torch.optim optimizer (e.g. "
+                         "p.data -= lr * p.grad) or only evaluates, and doctor can only watch "
+                         "torch.optim steps; or its first step is slow (data loading, a download, "
+                         "compilation): raise --trial-timeout"), line
+    assert "unused params" not in checks(proc.stdout), "no step ran to judge it"
+    assert took < 5 + 90, f"doctor took {took:.0f} s"  # the start-up of two ranks on a loaded CPU
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "finished.txt").exists(), "the script ran to its end"
+    ranks = 2 if devices == "cpu:2" else 1
+    pids = [int((tmp_path / f"started-{r}.txt").read_text()) for r in range(ranks)]
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "a rank is still running"
+    assert not list((tmp_path / "tmp").glob("multigpu-doctor-*")), "the trial folder was left behind"
+
+
+def test_a_rank_that_cannot_stop_itself_at_the_trial_timeout_is_killed(tmp_path):
+    """A regular expression that backtracks holds the interpreter: the rank's own timer thread
+    never runs, so the doctor kills it a grace period after the limit."""
+    import psutil
+
+    (tmp_path / "train.py").write_text(
+        "import os, re\n"
+        "open('started-0.txt', 'w').write(str(os.getpid()))\n"
+        "re.match(r'(a+)+$', 'a' * 40 + 'b')  # hours, with no other thread let in\n"
+        "open('finished.txt', 'w').write('done')\n")
+    (tmp_path / "tmp").mkdir()
+    began = time.monotonic()
+    proc = run_with({"TMPDIR": str(tmp_path / "tmp")}, "doctor", "--devices", "cpu:1",
+                    "--trial-timeout", "2", "--", "train.py", cwd=tmp_path)
+    took = time.monotonic() - began
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert checks(proc.stdout)["script run"] == (
+        "warn  script run     no rank reached optimizer step 1 within --trial-timeout 2 s; doctor "
+        "killed every rank: a rank could not stop itself: it was in a call that lets no other "
+        "thread run (a C extension, a regular expression backtracking); its logs are named above")
+    assert took < 2 + 15 + 60, f"doctor took {took:.0f} s"  # the limit, the grace, the start-up
+    assert not (tmp_path / "finished.txt").exists()
+    pid = int((tmp_path / "started-0.txt").read_text())
+    assert not (psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)

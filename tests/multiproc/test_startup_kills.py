@@ -1,8 +1,9 @@
 """A launch killed or stopped while it starts: its workers end within seconds, and the same
 command (or the same with --resume) runs the run in the same folder, keeping the earlier logs.
 
-The moments are markers (a line the launcher or rank 0 prints, the workers' pids appearing),
-never bare sleeps; each kill is a real kill -9 or SIGINT of the launcher.
+The moments are markers (a line the launcher or rank 0 prints, the workers' pids appearing, a
+worker held at an import by a sitecustomize of the test's, see `held_at`), never bare sleeps;
+each kill is a real kill -9 or SIGINT of the launcher.
 """
 import json
 import os
@@ -114,34 +115,75 @@ def assert_same_command_trains(out: Path, *extra: str, **launch) -> str:
     return said
 
 
+# Put first on a launch's PYTHONPATH: a worker whose rank HOLD_AT names, at the first lookup of
+# its module (after its process group exists, when "grouped"), leaves a marker file in
+# HOLD_MARKERS and then waits there "seconds" (the kernel's death signal still ends it: orphans.py).
+_HOLD = """
+import json, os, sys, time
+
+_AT = json.loads(os.environ.get("HOLD_AT", "{}")) if "LOCAL_RANK" in os.environ else {}
+_DONE = set()
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        at = _AT.get(os.environ.get("RANK"))
+        if at and name == at["module"] and name not in _DONE:
+            dist = sys.modules.get("torch.distributed")
+            if at["grouped"] and not (dist and dist.is_available() and dist.is_initialized()):
+                return None
+            _DONE.add(name)
+            marker = os.path.join(os.environ["HOLD_MARKERS"], f"rank{os.environ['RANK']}-{name}")
+            open(marker, "w").close()
+            time.sleep(at["seconds"])
+        return None
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+def held_at(tmp_path: Path, **ranks) -> tuple[dict, Path]:
+    """The environment of a launch whose workers are held as `ranks` says (rank0=(module,
+    seconds, grouped), ...), and the folder of their markers."""
+    (tmp_path / "hold").mkdir(exist_ok=True)
+    (tmp_path / "hold" / "sitecustomize.py").write_text(_HOLD)
+    markers = tmp_path / "markers"
+    markers.mkdir(exist_ok=True)
+    env = cli_env()
+    env["PYTHONPATH"] = f"{tmp_path / 'hold'}{os.pathsep}{env['PYTHONPATH']}"
+    env["HOLD_AT"] = json.dumps({r.removeprefix("rank"): {"module": m, "seconds": s, "grouped": g}
+                                 for r, (m, s, g) in ranks.items()})
+    env["HOLD_MARKERS"] = str(markers)
+    return env, markers
+
+
+# The moment of a kill: (how the workers are held, or None; what to wait for).
 MOMENTS = {
     # the launcher's header: torch's agent not started yet
-    "header": lambda run: run.wait_for(run.line("multigpu: ", "rank 0 shown here")),
+    "header": (None, lambda run, _: run.wait_for(run.line("multigpu: ", "rank 0 shown here"))),
     # both workers exist: in their first lines, or importing
-    "workers started": lambda run: run.wait_for(run.workers()),
-    # rank 0's first line (after the process group, the data and the model): before the first step
-    "before the first step": lambda run: run.wait_for(run.line("multigpu train: cnn on digits")),
+    "workers started": (None, lambda run, _: run.wait_for(run.workers())),
+    # after rank 0's first line (the process group, the data and the model are there): rank 0
+    # held where it looks up its loggers' module (RunLog.open), before its first step; rank 1
+    # cannot step alone (its first backward waits for rank 0's gradients)
+    "before the first step": (
+        {"rank0": ("tensorboard", 120, True)},
+        lambda run, markers: (run.wait_for(lambda: (markers / "rank0-tensorboard").exists()),
+                              run.wait_for(run.line("multigpu train: cnn on digits")))),
 }
 
 
 @pytest.mark.parametrize("moment", list(MOMENTS))
 def test_kill_9_of_the_launcher_during_start_up_ends_its_workers_and_the_same_command_runs(tmp_path, moment):
     out = tmp_path / "run"
-    run = Launch(out)
-    MOMENTS[moment](run)
+    hold, wait = MOMENTS[moment]
+    env, markers = held_at(tmp_path, **hold) if hold else (None, None)
+    run = Launch(out, env=env)
+    wait(run, markers)
     workers = run.workers(count=0)() or []
     kill_9(run)
     assert_workers_end(out, workers)
     assert json.loads((out / "config.json").read_text()) is not None  # left behind: taken again
-    if list(out.glob("checkpoints/step-*.pt")):
-        # Rank 0's line came and went before the kill landed, and the first step with it: from
-        # then on an orphan saves and stops (a loaded machine can be that slow to read a line).
-        # The folder is the run's now: the plain command names --resume, which goes on.
-        refused = Launch(out)
-        said = refused.finish()
-        assert refused.proc.returncode == 2 and "(to continue that run, add --resume)" in said, said
-        assert_same_command_trains(out, "--resume", str(out))
-        return
+    assert not list(out.glob("checkpoints/*.pt")), "killed after the first step"
     if moment != "workers started":
         assert "already exists" not in assert_same_command_trains(out)
         return
@@ -152,15 +194,18 @@ def test_kill_9_of_the_launcher_during_start_up_ends_its_workers_and_the_same_co
 
 
 def test_kill_9_while_the_workers_set_up_their_process_group(tmp_path):
-    """Between the workers' start and rank 0's first line: importing torch, meeting at the store
-    the launcher hosts. The workers are found first, the kill comes a second later."""
+    """Between the workers' start and rank 0's first line: rank 1 held where it imports
+    multigpu.distributed (before its process group), rank 0 gone past it into its own set-up,
+    where it waits for rank 1 at the launcher's store: no rank can be ready."""
     out = tmp_path / "run"
-    run = Launch(out)
+    env, markers = held_at(tmp_path, rank0=("multigpu.distributed", 0, False),
+                           rank1=("multigpu.distributed", 120, False))
+    run = Launch(out, env=env)
+    run.wait_for(lambda: all((markers / f"rank{r}-multigpu.distributed").exists() for r in (0, 1)))
     workers = run.wait_for(run.workers())
-    time.sleep(1.0)
-    assert not run.line("multigpu train: cnn on digits")(), "rank 0 was ready already"
     kill_9(run)
     assert_workers_end(out, workers)
+    assert not run.line("multigpu train: cnn on digits")(), "rank 0 was ready"
     assert_same_command_trains(out)
 
 

@@ -88,6 +88,55 @@ def test_when_every_checkpoint_is_damaged_the_error_names_them(store):
         store.load_newest(lambda _: None)
 
 
+SHARD_FILES = {".metadata": 40, "__0_0.distcp": 300, "__1_0.distcp": 300}
+
+
+def _write_sharded(store: CheckpointStore, step: int) -> Path:
+    """A checkpoint laid out as a sharding strategy leaves it: a shards folder beside a step file
+    that names it and the size of each of its files (sharded_checkpoint.save)."""
+    name = f"{step_file_name(step)[:-len('.pt')]}.{step:08x}.shards"
+    (store.folder / name).mkdir()
+    for file, size in SHARD_FILES.items():
+        (store.folder / name / file).write_bytes(b"s" * size)
+    return store.write({"model": None, "shards": {"dir": name, "files": dict(SHARD_FILES)},
+                        "step": step}, global_step=step, run={"step": step}, best=False)
+
+
+def test_the_newest_complete_checkpoint_skips_a_truncated_newest_one(store):
+    _write(store, 1)
+    newest = _write(store, 2)
+    assert store.newest_complete() == newest
+    with open(newest, "r+b") as f:
+        f.truncate(newest.stat().st_size // 2)
+    assert store.newest_complete() == store.folder / step_file_name(1)
+
+
+def test_a_sharded_checkpoint_whose_shards_folder_lost_a_file_is_not_complete(store):
+    first, newest = _write_sharded(store, 1), _write_sharded(store, 2)
+    assert store.newest_complete() == newest
+    shards = store.folder / store.entries()[-1].shards
+    (shards / "__1_0.distcp").unlink()
+    assert store.newest_complete() == first
+    with open(store.folder / store.entries()[0].shards / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)  # a shard cut short
+    assert store.newest_complete() is None
+
+
+def test_a_big_checkpoint_is_found_complete_without_being_read(store):
+    """2 GiB that take no disk (a sparse file): reading them for a checksum takes seconds, a
+    check of what was written whole a few stat calls."""
+    newest = _write(store, 1)
+    os.truncate(newest, 2 * 2**30)
+    manifest = json.loads((store.folder / "manifest.json").read_text())
+    manifest["checkpoints"][-1]["size"] = 2 * 2**30  # as if it had been written that big
+    (store.folder / "manifest.json").write_text(json.dumps(manifest))
+    began = time.perf_counter()
+    found = store.newest_complete()
+    took = time.perf_counter() - began
+    assert took < 0.5, f"{took:.2f} s: the check read the file"
+    assert found == newest
+
+
 def test_a_second_writer_is_refused_with_the_holders_pid(store, monkeypatch):
     import multigpu.checkpoint_store as cs
 

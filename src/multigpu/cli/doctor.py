@@ -13,7 +13,8 @@ per-GPU batch that fits. With a script it reads the script's source for the trap
 then runs it as `multigpu run` would, in the current folder, and stops every rank right after its
 first optimizer step (--steps N: the N-th): the parameters without a gradient, the training
 DataLoaders that are not sharded, the batch per rank and the peak memory, as the ranks saw them.
-What the script writes before that step stays (listed); nothing after it runs. --no-step: read only.
+What the script writes before that step stays (listed); nothing after it runs. A script that
+reaches no torch.optim step within --trial-timeout is stopped there. --no-step: read only.
 Each line is ok, warn or fail, with the cause and the fix; the exit status is 1 when one failed.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from multigpu.errors import UsageError
 from multigpu.flagwords import say
 
 AUTO_PROBE_BATCH = 32
+DEFAULT_TRIAL_TIMEOUT = 300.0  # seconds: the start-up and first steps of most scripts, with room
 HEADLINE = "multigpu doctor: checks before a run (ok / warn / fail), trap numbers as in docs/traps.md"
 
 
@@ -46,6 +48,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1, metavar="N",
                    help="with a script: run it up to its N-th optimizer step, then stop it "
                         "(default 1)")
+    p.add_argument("--trial-timeout", type=float, default=DEFAULT_TRIAL_TIMEOUT, metavar="SECONDS",
+                   help="with a script: stop every rank when none reached that step after this "
+                        "long (a weight update without torch.optim, evaluation only, a stuck data "
+                        f"loader; default {DEFAULT_TRIAL_TIMEOUT:g})")
     p.add_argument("--no-batch-search", action="store_true",
                    help="skip the search for the largest batch that fits (GPUs only)")
     p.add_argument("--scaling", action="store_true",
@@ -68,6 +74,9 @@ def main(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: give the optimizer steps to run a script for, 1 or "
                          "more, e.g. --steps 1 (--no-step: read the script, do not run it)")
+    if not 0 < args.trial_timeout < float("inf"):
+        raise UsageError(f"--trial-timeout {args.trial_timeout:g}: give the seconds a script may run "
+                         "before its optimizer step, more than 0, e.g. --trial-timeout 300")
     if not script and not args.model:
         raise UsageError("--model is required to check a multigpu train run (e.g. --model "
                          "resnet18 --data ...); for a script: multigpu doctor -- train.py ARGS")
@@ -134,7 +143,7 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
                                                 "script or module given after --")]
     cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args("auto", path))
     devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
-    return trial_findings(cmd + rest, plan, args.steps)
+    return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout)
 
 
 def _train_checks(args):

@@ -163,16 +163,17 @@ def main(args: argparse.Namespace) -> int:
 
 def _resume_line(out: Path, typed: list[str]) -> str | None:
     """After a launch the ranks could not end themselves (a rank killed, a second Ctrl-C): the
-    command that goes on from the newest intact checkpoint, when there is one."""
+    command that goes on from the newest complete checkpoint (all its files there, whole: no
+    checksum of a large file holds the exit), when there is one."""
     import shlex
 
     from multigpu.checkpoint_store import CheckpointStore
 
     try:
-        intact = CheckpointStore(schema.checkpoints_folder(out)).newest_intact()
+        complete = CheckpointStore(schema.checkpoints_folder(out)).newest_complete()
     except UsageError:  # a manifest that cannot be read: nothing to promise
         return None
-    if intact is None:
+    if complete is None:
         return None
     argv, skip = [], False
     for arg in typed:  # the command as typed, its --resume (if any) replaced
@@ -180,7 +181,7 @@ def _resume_line(out: Path, typed: list[str]) -> str | None:
             skip = arg == "--resume"
             continue
         argv.append(arg)
-    return (f"checkpoint {intact} is complete; to go on from it, run: "
+    return (f"checkpoint {complete} is complete; to go on from it, run: "
             f"{shlex.join([*argv, '--resume', str(out)])}")
 
 

@@ -6,7 +6,9 @@ The script is started as `multigpu run` starts it (multigpu.worker on every devi
 the same working folder, its GPUs leased), with a trial folder of the doctor's own in the
 environment; trial.py in each worker records what it sees and ends the process right after the
 N-th optimizer step, before anything after it runs (checkpoints, the rest of training, `finally`
-blocks). What the script writes before that step (an output folder, a log, a download) is written:
+blocks), or at the trial's time limit when no such step comes (a weight update without torch.optim,
+evaluation only, a stuck data loader): a trial never runs a script to its end. What the script
+writes before then (an output folder, a log, a download) is written:
 the doctor lists what appeared or changed under the working folder. The trial folder (records,
 per-rank logs) is removed, unless a rank failed: then its logs are named.
 """
@@ -16,29 +18,35 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from multigpu import launch, trial
 from multigpu.doctor.findings import Finding
 
 GIB = 2**30
+BACKSTOP_GRACE = 15.0  # seconds past the ranks' own time limit (and their wait for each other)
 SNAPSHOT_LIMIT = 20000  # files under the working folder beyond which side effects are not listed
 _SKIPPED_DIRS = {".git", "__pycache__"}
 _FIX_UNUSED = ("remove the unused module, freeze it (requires_grad_(False)), or "
                "DistributedDataParallel(model, find_unused_parameters=True) (slower)")
 
 
-def trial_findings(cmd: list[str], plan, steps: int) -> list[Finding]:
+def trial_findings(cmd: list[str], plan, steps: int, timeout: float) -> list[Finding]:
     """Run `cmd` (a multigpu.worker command line) on every device of `plan` up to its `steps`-th
-    optimizer step; the findings of what its ranks recorded."""
+    optimizer step, for `timeout` seconds at most; the findings of what its ranks recorded."""
     folder = Path(tempfile.mkdtemp(prefix="multigpu-doctor-"))
     root = Path.cwd()
     before = snapshot(root, skip=folder)
-    saved = {k: os.environ.get(k) for k in (trial.TRIAL_DIR_ENV, trial.TRIAL_STEPS_ENV)}
-    os.environ[trial.TRIAL_DIR_ENV], os.environ[trial.TRIAL_STEPS_ENV] = str(folder), str(steps)
+    env = {trial.TRIAL_DIR_ENV: str(folder), trial.TRIAL_STEPS_ENV: str(steps),
+           trial.TRIAL_TIMEOUT_ENV: f"{timeout:g}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    backstop = Backstop(timeout + (trial.PEERS_WAIT_SECONDS if plan.nproc > 1 else 0) + BACKSTOP_GRACE)
     try:
-        code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
-                             python=False)
+        with backstop:
+            code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
+                                 python=False)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -46,11 +54,40 @@ def trial_findings(cmd: list[str], plan, steps: int) -> list[Finding]:
             else:
                 os.environ[k] = v
     records = _read_records(folder, plan.nproc)
-    findings = record_findings(records, plan.nproc, steps, code, logs=folder / "logs")
+    findings = record_findings(records, plan.nproc, steps, code, logs=folder / "logs",
+                               timeout=timeout, killed=backstop.fired)
     findings.append(side_effect_finding(before, snapshot(root, skip=folder), root))
     if code == 0:
         shutil.rmtree(folder, ignore_errors=True)
     return findings
+
+
+class Backstop:
+    """Kills the processes this one started when they outlive their own time limit: each rank
+    stops itself at the limit (trial.py's timer thread), unless that thread cannot run (a call
+    into C that never lets the interpreter switch threads)."""
+
+    def __init__(self, seconds: float):
+        self.fired = False
+        self._timer = threading.Timer(seconds, self._kill)
+        self._timer.daemon = True
+
+    def __enter__(self):
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+
+    def _kill(self) -> None:
+        import psutil
+
+        self.fired = True
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
 
 
 def _read_records(folder: Path, ranks: int) -> list[dict]:
@@ -63,12 +100,16 @@ def _read_records(folder: Path, ranks: int) -> list[dict]:
     return records
 
 
-def record_findings(records: list[dict], ranks: int, steps: int, code: int, logs: Path) -> list[Finding]:
+def record_findings(records: list[dict], ranks: int, steps: int, code: int, logs: Path,
+                    timeout: float = 0.0, killed: bool = False) -> list[Finding]:
     """The findings of the ranks' records (trial.py): one line per check, as doctor prints them."""
     stopped = [r for r in records if "stopped_at" in r]
     errors = [r for r in records if r.get("error")]
+    timed = [r for r in records if "timed_out" in r]
     if errors:
         found = _error_findings(errors, steps, logs)
+    elif timed or killed:
+        found = [_timeout_finding(records, timed, ranks, steps, timeout, killed)]
     elif len(stopped) < ranks and code != 0:
         found = [Finding("fail", "script run", f"the script failed before its optimizer step {steps} "
                                                f"(exit status {code}); the launcher's report is above, "
@@ -92,6 +133,32 @@ def record_findings(records: list[dict], ranks: int, steps: int, code: int, logs
         found += _loader_findings(records, ranks)
     found += [f for f in (_batch_finding(records, ranks), _memory_finding(records)) if f]
     return found
+
+
+def _timeout_finding(records: list[dict], timed: list[dict], ranks: int, steps: int,
+                     timeout: float, killed: bool) -> Finding:
+    """A warn, not a fail: a script without a torch.optim step, or a slow one, is no bug."""
+    reached = {r["rank"] for r in records if "stopped_at" in r}
+    late = [r for r in range(ranks) if r not in reached]
+    who = ("no rank reached" if len(late) == ranks else
+           f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not reach")
+    done = max((r["steps"] for r in records), default=0)
+    if killed:
+        how, cause = "killed every rank", ("a rank could not stop itself: it was in a call that "
+                                           "lets no other thread run (a C extension, a regular "
+                                           "expression backtracking); its logs are named above")
+    elif done:
+        how, cause = "stopped every rank there", (f"{done} optimizer step(s) ran, slower than that: "
+                                                  "raise --trial-timeout or lower --steps")
+    else:
+        how, cause = "stopped every rank there", (
+            "likely causes: the script updates its weights without a torch.optim optimizer (e.g. "
+            "p.data -= lr * p.grad) or only evaluates, and doctor can only watch torch.optim "
+            "steps; or its first step is slow (data loading, a download, compilation): raise "
+            "--trial-timeout")
+    where = next((r["where"] for r in sorted(timed, key=lambda r: r["rank"]) if r.get("where")), None)
+    return Finding("warn", "script run", f"{who} optimizer step {steps} within --trial-timeout "
+                                         f"{timeout:g} s; doctor {how}: {cause}", where=where)
 
 
 def _error_findings(errors: list[dict], steps: int, logs: Path) -> list[Finding]:
