@@ -226,7 +226,11 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     logged = _stderr_logs(launch, first.local_rank)
     # Local rank 0 without --tee writes to the console, unless its error was left to this report.
     twin = _same_error_shown_above(failures, texts, rank, launch)
-    if not logged and not left_to_the_report(texts[rank], ours=ours):
+    if first.exitcode < 0 and not texts[rank]:  # a signal: Python printed nothing
+        lines.append(f"{first.signal_name()} ended it, so it left no traceback"
+                     + (" (kill -9, or the kernel's out-of-memory killer: `dmesg` says which)"
+                        if first.exitcode == -signal.SIGKILL else ""))
+    elif not logged and not left_to_the_report(texts[rank], ours=ours):
         lines.append("its traceback is in its output above")
     elif twin is not None:  # two ranks failed the same way: one traceback on the console is enough
         lines.append(f"its error is the one rank {twin} printed above: {_last_line(texts[rank])}")

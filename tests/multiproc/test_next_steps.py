@@ -62,6 +62,8 @@ def test_kill_9_of_a_worker_ends_with_the_command_that_resumes(tmp_path):
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGKILL, err
     assert f"rank 1 failed first (signal SIGKILL, local rank 1, pid {workers[1]})" in err
+    assert ("multigpu: SIGKILL ended it, so it left no traceback (kill -9, or the kernel's "
+            "out-of-memory killer: `dmesg` says which)") in err, err
     assert err.splitlines()[-1] == resume_line(tmp_path, "3"), err
     assert err.count("--resume") == 1
 
