@@ -26,7 +26,7 @@ from multigpu.config import TrainConfig
 from multigpu.engine import StepSettings, train_step
 from multigpu.models import build_model, is_convnet
 from multigpu.runstate import RunState
-from multigpu.runtime import setup
+from multigpu.core.runtime import setup
 from multigpu.checkpointer import Checkpointer
 from multigpu.training import make_optimizer
 

@@ -23,7 +23,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from multigpu import imagefolder
-from multigpu.loaders import shard_loader
+from multigpu.core.loaders import shard_loader
 
 
 def _write(args):

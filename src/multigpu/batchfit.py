@@ -87,8 +87,8 @@ def auto_batch_size(cfg, rt, previous: int | None) -> int:
     """--batch-size auto inside `multigpu train`'s workers: the largest per-GPU batch that fits on
     every rank's GPU, or `previous`, the size the run already trains with (rank 0's word: a
     resumed run keeps its batch, so its steps stay those of the run it continues). Collective."""
-    from multigpu import console
-    from multigpu.errors import UsageError
+    from multigpu.core import console
+    from multigpu.core.errors import UsageError
 
     previous = rt.env.broadcast_object(previous)
     if previous:

@@ -35,12 +35,12 @@ from typing import Callable
 
 import torch
 
-from multigpu import checkpoint, fileio, sharded_checkpoint
-from multigpu import checkpoint_schema as schema
-from multigpu.checkpoint_schema import BEST_FILE, LAST_FILE, MANIFEST_FILE, step_of
-from multigpu.checkpoint_schema import step_file_name as step_file_name  # its users import it here
-from multigpu.errors import UsageError
-from multigpu.sharded_checkpoint import is_shards_name
+from multigpu.core import checkpoint, fileio, sharded_checkpoint
+from multigpu.core import checkpoint_schema as schema
+from multigpu.core.checkpoint_schema import BEST_FILE, LAST_FILE, MANIFEST_FILE, step_of
+from multigpu.core.checkpoint_schema import step_file_name as step_file_name  # its users import it here
+from multigpu.core.errors import UsageError
+from multigpu.core.sharded_checkpoint import is_shards_name
 
 LOCK = ".writer.lock"
 LOCK_WAIT_SECONDS = 60  # a writer of a run that was just stopped may still be finishing its save

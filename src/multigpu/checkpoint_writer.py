@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from multigpu.data import map_tensors
+from multigpu.core.data import map_tensors
 
 
 class Snapshot:

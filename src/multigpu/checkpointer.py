@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from multigpu import checkpoint_schema as schema
-from multigpu import sharded_checkpoint
+from multigpu.core import checkpoint_schema as schema
+from multigpu.core import sharded_checkpoint
 from multigpu.checkpoint_store import CheckpointStore
 from multigpu.checkpoint_writer import BackgroundWriter
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.runstate import RunState
-from multigpu.runtime import Runtime
+from multigpu.core.runtime import Runtime
 from multigpu.training import Job
 
 

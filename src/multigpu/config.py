@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-from multigpu.compiling import TRAIN_MODES as COMPILE_MODES
-from multigpu.strategies.registry import HELP as STRATEGY_HELP
-from multigpu.strategies.registry import NAMES as STRATEGY_NAMES
+from multigpu.core.compiling import TRAIN_MODES as COMPILE_MODES
+from multigpu.core.strategies.registry import HELP as STRATEGY_HELP
+from multigpu.core.strategies.registry import NAMES as STRATEGY_NAMES
 
 DECODE_CHOICES = ("auto", "cpu", "gpu")  # --decode (imagefolder.use_decode)
 

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 FLAG = "--config"
 # Keys of a run's config.json that are facts about that run, not flags (training.resolved_config).

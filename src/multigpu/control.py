@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from multigpu import console
-from multigpu.errors import UsageError
+from multigpu.core import console
+from multigpu.core.errors import UsageError
 
 if TYPE_CHECKING:  # `multigpu train` parses --checkpoint-every before torch is imported
-    from multigpu.distributed import DistEnv
+    from multigpu.core.distributed import DistEnv
 
 CHECK_SECONDS = 1.0
 MAX_INTERVAL = 1000

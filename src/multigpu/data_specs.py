@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 SPEC_FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
 

@@ -45,7 +45,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from multigpu.data_bundle import DataBundle
 from multigpu.data_specs import unknown_spec
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
 
 # Series shipped in multigpu/series/ (SOURCE.md there): `timeseries:NAME` reads them, not a file NAME.

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from multigpu import leases
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 GIB = 1024**3
 

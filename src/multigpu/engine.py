@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from multigpu import compiling
-from multigpu.console import EpochProgress
-from multigpu.guards import FirstNonFinite
-from multigpu.metrics import Sums, correct_count
-from multigpu.runtime import Runtime
+from multigpu.core import compiling
+from multigpu.core.console import EpochProgress
+from multigpu.core.guards import FirstNonFinite
+from multigpu.core.metrics import Sums, correct_count
+from multigpu.core.runtime import Runtime
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

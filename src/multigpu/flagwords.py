@@ -7,7 +7,7 @@ a name missing from it is said as the library says it.
 """
 from __future__ import annotations
 
-from multigpu.errors import Api, Text
+from multigpu.core.errors import Api, Text
 
 # Api.name -> the flag; "{}" takes the value to pass, a flag without it is said alone.
 FLAGS = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 LAYOUT = "expected PATH/train/<class>/<image> and PATH/val/<class>/<image>"
 

@@ -19,7 +19,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from multigpu import fileio
+from multigpu.core import fileio
 
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
 _HELD: dict[str, int] = {}  # folder -> descriptor, held until this process exits or release()
@@ -116,7 +116,7 @@ def orphaned_workers(pids: list[int]) -> bool:
     ended already (a lock named for a pid that is gone ends with what still holds a copy)."""
     import psutil
 
-    from multigpu.orphans import launcher_pid
+    from multigpu.core.orphans import launcher_pid
 
     try:
         for pid in pids:

@@ -37,7 +37,7 @@ from torch.utils.data import Dataset, get_worker_info
 from multigpu import gpu_images
 from multigpu.config import DECODE_CHOICES
 from multigpu.data_bundle import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.folder_layout import LAYOUT, check_root
 
 BAD_IMAGE_CHOICES = ("skip", "fail")

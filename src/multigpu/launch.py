@@ -34,12 +34,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import orphans, ports, sysinfo, watchdog
+from multigpu import ports, sysinfo, watchdog
+from multigpu.core import orphans
 from multigpu.agent_hooks import (AGENT_STOP_WAIT, SecondSignalKills, kill_workers_left,
                                   quiet_torchelastic, restore_signal_handlers)
 from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.devices import DevicePlan
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.launch_options import LaunchOptions
 from multigpu.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
                                       report_child_failed)

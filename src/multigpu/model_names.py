@@ -5,7 +5,7 @@ torch import; `multigpu.models` builds the models themselves.
 """
 from __future__ import annotations
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 MODEL_NAMES: tuple[str, ...] = ("linear", "mlp", "cnn", "resnet18", "resnet50", "vgg16", "swin_t", "lstm", "tst")
 

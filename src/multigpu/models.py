@@ -19,7 +19,7 @@ Hazard: a BatchNorm layer in training mode needs more than one value per channel
 inputs of 32x32 or less to 1x1 feature maps, so a training batch of one such sample raises
 ("Expected more than 1 value per channel"); batches of 2 work, and so does anything at 224x224.
 A last partial batch of one sample per rank is the usual way to get there; multigpu's sampler
-(multigpu.data) gives every device at least two samples per step whenever the dataset allows.
+(multigpu.core.data) gives every device at least two samples per step whenever the dataset allows.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 # the names and input kinds live in a torch-free module (the CLI checks --model with them);
 # they are re-exported here for the code that builds models
 from multigpu.model_names import (_FLAT_MODELS, MODEL_NAMES, SEQUENCE_MODELS, _parse,  # noqa: F401

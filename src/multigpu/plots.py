@@ -13,9 +13,9 @@ import csv
 from pathlib import Path
 
 from multigpu import runfolder
-from multigpu.errors import UsageError
-from multigpu.extras import require
-from multigpu.loggers import STEPS_CSV
+from multigpu.core.errors import UsageError
+from multigpu.core.extras import require
+from multigpu.core.loggers import STEPS_CSV
 
 CURVES = "curves.png"
 

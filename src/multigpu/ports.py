@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 if TYPE_CHECKING:
     from multigpu.launch_options import LaunchOptions

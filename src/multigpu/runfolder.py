@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from multigpu import checkpoint_schema as schema
-from multigpu import console, fileio, folder_users, orphans
-from multigpu.errors import UsageError
+from multigpu.core import checkpoint_schema as schema
+from multigpu import folder_users
+from multigpu.core import console, fileio, orphans
+from multigpu.core.errors import UsageError
 from multigpu.folder_users import OUT_RESERVED_ENV
 
 if TYPE_CHECKING:

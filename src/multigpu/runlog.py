@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import console, loggers, plots, runfolder
-from multigpu.extras import MissingExtra
+from multigpu import plots, runfolder
+from multigpu.core import console, loggers
+from multigpu.core.extras import MissingExtra
 
 # metrics.jsonl key -> TensorBoard tag
 EPOCH_TAGS = {"train_loss": "train/epoch_loss", "val_loss": "val/loss", "val_accuracy": "val/accuracy",

@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from multigpu import checkpoint, console
-from multigpu import checkpoint_schema as schema
+from multigpu.core import checkpoint, console
+from multigpu.core import checkpoint_schema as schema
 from multigpu.checkpoint_store import CheckpointStore, verify_and_load
-from multigpu.distributed import DistEnv
-from multigpu.errors import UsageError
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import UsageError
 from multigpu.runfolder import missing_resume
 
 

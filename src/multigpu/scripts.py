@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 LOCAL_RANK_FLAGS = {"underscore": "--local_rank", "dash": "--local-rank"}
 

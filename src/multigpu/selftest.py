@@ -57,7 +57,7 @@ def run_check(results: list, name: str, check, *args):
 def cause(exc: BaseException) -> str:
     """An exception as one line. Our own messages (CheckFailed, rt.save's RuntimeError, a
     UsageError) say everything; others keep their type, which is often the cause (OSError)."""
-    from multigpu.errors import UsageError
+    from multigpu.core.errors import UsageError
 
     text = (str(exc).strip().splitlines() or [""])[0]
     if type(exc) in (CheckFailed, RuntimeError) or isinstance(exc, UsageError):
@@ -250,8 +250,8 @@ def check_autocast(rt, kind: str):
     import torch
     from torch import nn
 
-    from multigpu.errors import UsageError
-    from multigpu.precision import Precision
+    from multigpu.core.errors import UsageError
+    from multigpu.core.precision import Precision
 
     try:
         precision = Precision(kind, rt.device)
@@ -309,7 +309,7 @@ def format_table(rows: list[tuple[str, str, str]]) -> str:
 
 def run_all(args) -> list[tuple[str, str, str]]:
     import multigpu
-    from multigpu.distributed import init_distributed
+    from multigpu.core.distributed import init_distributed
 
     results: list = []
 
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(args)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    from multigpu.fileio import atomic_write_text
+    from multigpu.core.fileio import atomic_write_text
 
     import torch
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.model_names import SEQUENCE_MODELS
 
 

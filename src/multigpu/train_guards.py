@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from multigpu import console
-from multigpu.checkpoint_schema import checkpoints_folder
-from multigpu.errors import UsageError
-from multigpu.guards import FirstNonFinite, Found, SkippedRun, weights_finite
+from multigpu.core import console
+from multigpu.core.checkpoint_schema import checkpoints_folder
+from multigpu.core.errors import UsageError
+from multigpu.core.guards import FirstNonFinite, Found, SkippedRun, weights_finite
 
 
 class NonFiniteLoss(UsageError):

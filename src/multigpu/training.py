@@ -17,13 +17,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import compiling, console, imagefolder, provenance
+from multigpu import imagefolder, provenance
+from multigpu.core import compiling, console
 from multigpu.config import TrainConfig
 from multigpu.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
 from multigpu.engine import StepSettings
 from multigpu.models import build_model, default_image_size, is_convnet, model_input_kind
-from multigpu.runtime import Runtime
-from multigpu.strategies import DDPOptions, FSDPOptions, registry
+from multigpu.core.runtime import Runtime
+from multigpu.core.strategies import DDPOptions, FSDPOptions, registry
 
 IN_MEMORY_DATA = ("digits", "timeseries:")
 MAX_WORKERS = 16      # DataLoader workers per rank, at most

@@ -21,25 +21,25 @@ from pathlib import Path
 
 import torch
 
-from multigpu import (batchfit, checkpoint, console, flagwords, folder_users, gpu_images, orphans,
-                      runfolder, sharded_checkpoint, watchdog)
-from multigpu import checkpoint_schema as schema
+from multigpu import batchfit, flagwords, folder_users, gpu_images, runfolder, watchdog
+from multigpu.core import checkpoint, console, orphans, sharded_checkpoint
+from multigpu.core import checkpoint_schema as schema
 from multigpu.runlog import RunLog
 from multigpu.checkpoint_store import CheckpointStore
 from multigpu.checkpointer import Checkpointer
 from multigpu.config import TrainConfig
 from multigpu.control import Cadence, Control
-from multigpu.distributed import destroy_distributed, mark_failed
+from multigpu.core.distributed import destroy_distributed, mark_failed
 from multigpu.engine import evaluate, train_epoch
-from multigpu.errors import Stopped, UsageError
+from multigpu.core.errors import Stopped, UsageError
 from multigpu.train_guards import TrainGuards, global_batch_note, input_bound, input_bound_note
 from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.launch_failures import restart_note
-from multigpu.loaders import sample_seed
-from multigpu.metrics import Sums
+from multigpu.core.loaders import sample_seed
+from multigpu.core.metrics import Sums
 from multigpu.model_names import precision_for
 from multigpu.runstate import ResumePoint, RunState, resume_point
-from multigpu.runtime import Runtime, seed_everything, setup
+from multigpu.core.runtime import Runtime, seed_everything, setup
 from multigpu.timeline import Timeline
 from multigpu.training import (Job, build_job, cores_per_process, learning_rate, loader_workers,
                                oom_message, strategy_options, resolved_config)

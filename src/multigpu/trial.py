@@ -253,7 +253,7 @@ def _raised_at(exc: BaseException) -> str | None:
 
 
 def _error_text(exc: BaseException) -> str:
-    from multigpu.errors import UsageError
+    from multigpu.core.errors import UsageError
 
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import fileio, orphans
+from multigpu.core import fileio, orphans
 
 HANG_TIMEOUT_ENV = "MULTIGPU_HANG_TIMEOUT"
 LOG_DIR_ENV = "MULTIGPU_LOG_DIR"
@@ -222,7 +222,7 @@ class Watchdog:
 
     def _connect(self):
         if self._store is None:
-            from multigpu.distributed import launcher_store
+            from multigpu.core.distributed import launcher_store
 
             self._store = launcher_store(self.ours["MASTER_ADDR"] or "127.0.0.1",
                                          self.ours["MASTER_PORT"], 5.0)

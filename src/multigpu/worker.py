@@ -18,12 +18,12 @@ import runpy
 import sys
 import traceback
 
-from multigpu import orphans
+from multigpu.core import orphans
 
 orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
 
 from multigpu import trial, watchdog  # noqa: E402
-from multigpu.errors import UsageError  # noqa: E402
+from multigpu.core.errors import UsageError  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     except UsageError as exc:  # multigpu's own one-line message for a mistake: no traceback
         if os.environ.get("MULTIGPU_DEBUG"):
             raise
-        from multigpu.distributed import mark_failed
+        from multigpu.core.distributed import mark_failed
 
         mark_failed()
         print(f"multigpu: error: {exc}", file=sys.stderr, flush=True)
@@ -66,7 +66,7 @@ def _leave_an_echo_to_the_report(text: str) -> None:
 
     if left_to_the_report(text, ours=os.environ.get(REPORTS_ENV) == "1") and \
             watchdog.write_error_file(text.rstrip()):
-        from multigpu.distributed import mark_failed
+        from multigpu.core.distributed import mark_failed
 
         mark_failed()  # its peers are gone: do not wait for them at exit
         sys.exit(1)  # as the exception would end it, without its traceback on the console
@@ -82,7 +82,7 @@ def _finish_group(ended: dict, addr: str | None, port: str | None) -> None:
     try:
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return
-        from multigpu.distributed import destroy_distributed
+        from multigpu.core.distributed import destroy_distributed
 
         destroy_distributed(wait_for_peers=ended["clean"], store=(addr, port))
     except Exception as exc:  # noqa: BLE001 - a teardown problem must not fail a finished rank

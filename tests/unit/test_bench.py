@@ -8,7 +8,7 @@ import pytest
 from multigpu.bench import report, runner, spec, stats
 from multigpu.bench.spec import BenchSettings, Task
 from multigpu.devices import DevicePlan
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.flagwords import say
 
 SYNTHETIC = {"synthetic": ("synthetic", 1000)}  # data kind -> (Task.data, num_outputs)
@@ -182,7 +182,7 @@ def test_nccl_only_variants_are_skipped_on_cpu_with_the_reason():
 
 
 def test_nccl_max_ctas_without_nccl_is_a_usage_error():
-    from multigpu.distributed import nccl_group_with_max_ctas
+    from multigpu.core.distributed import nccl_group_with_max_ctas
 
     with pytest.raises(UsageError, match=r"nccl_max_ctas=8 needs the NCCL backend .* leave it "
                                          r"unset on CPU"):
@@ -303,17 +303,17 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     ("multigpu-ddp:bucket25-ctas8", {"bucket_cap_mb": 25, "nccl_max_ctas": 8}),
 ])
 def test_the_worker_builds_a_ddp_variant_with_its_ddp_options(monkeypatch, method, options):
-    import multigpu.runtime
+    import multigpu.core.runtime
     from multigpu.bench import worker
-    from multigpu.strategies import DDPOptions
+    from multigpu.core.strategies import DDPOptions
 
-    runtimes, setup = [], multigpu.runtime.setup
+    runtimes, setup = [], multigpu.core.runtime.setup
 
     def recording_setup(*args, **kwargs):
         runtimes.append(setup(*args, **kwargs))
         return runtimes[-1]
 
-    monkeypatch.setattr(multigpu.runtime, "setup", recording_setup)
+    monkeypatch.setattr(multigpu.core.runtime, "setup", recording_setup)
     task = Task(method, "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1)
     prep = worker.build(task, "cpu")  # one process: DDP has nothing to wrap, the options still hold
     assert prep.step() == 4
@@ -795,7 +795,7 @@ def test_real_kinds_are_one_folder_decoded_three_ways():
 
 
 def test_nccl_max_ctas_below_one_is_refused_when_the_options_are_made():
-    from multigpu.strategies import DDPOptions
+    from multigpu.core.strategies import DDPOptions
 
     with pytest.raises(UsageError, match=r"DDPOptions\(nccl_max_ctas=0\): give at least 1"):
         DDPOptions(nccl_max_ctas=0)

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import multigpu
-from multigpu import checkpoint, cli, runstate
-from multigpu import checkpoint_schema as schema
+from multigpu import cli, runstate
+from multigpu.core import checkpoint
+from multigpu.core import checkpoint_schema as schema
 from multigpu.checkpoint_store import CheckpointStore
 from multigpu.folder_users import OUT_RESERVED_ENV
 from multigpu.runstate import RunState
@@ -46,11 +47,11 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_the_schema_imports_neither_torch_nor_another_multigpu_module():
-    code = ("import sys, multigpu.checkpoint_schema; print('torch' in sys.modules, "
+    code = ("import sys, multigpu.core.checkpoint_schema; print('torch' in sys.modules, "
             "sorted(m for m in sys.modules if m.startswith('multigpu')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(SRC)}).stdout
-    assert out.strip() == "False ['multigpu', 'multigpu.checkpoint_schema', 'multigpu.errors']"
+    assert out.strip() == "False ['multigpu', 'multigpu.core.checkpoint_schema', 'multigpu.core.errors']"
 
 
 def test_the_run_fields_are_those_runstate_saves():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu import checkpoint, fileio
+from multigpu.core import checkpoint, fileio
 from multigpu.checkpoint_store import CheckpointStore, step_file_name
 
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -6,8 +6,8 @@ import signal
 import pytest
 
 from multigpu.control import Cadence, Control, Decision
-from multigpu.distributed import DistEnv
-from multigpu.errors import UsageError
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import UsageError
 
 
 class Clock:

@@ -11,7 +11,7 @@ import torch
 
 from multigpu import imagefolder
 from multigpu.datasets import load_data
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 # torchvision's path runs where torchvision imports (the GPU machines), PIL's everywhere
 DECODERS_HERE = ["pil"] + (["torchvision"] if imagefolder.default_decoder() == "torchvision" else [])

@@ -9,7 +9,7 @@ import pytest
 
 from multigpu import devices, leases
 from multigpu.devices import GIB, DevicePlan, GpuInfo, resolve_devices
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from tests.unit.test_leases import held_elsewhere
 
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as torch_dist
 
-from multigpu import distributed
-from multigpu.errors import UsageError
+from multigpu.core import distributed
+from multigpu.core.errors import UsageError
 
 
 class FakeDist:

@@ -11,8 +11,8 @@ from multigpu.doctor.probe import _train_step, _unused_finding
 from multigpu.doctor.setup_checks import (eval_coverage_finding, last_step_finding,
                                           launch_env_findings, refuse_stale_worker_env)
 from multigpu.engine import StepSettings
-from multigpu.errors import UsageError
-from multigpu.runtime import setup
+from multigpu.core.errors import UsageError
+from multigpu.core.runtime import setup
 
 
 def test_stale_launch_variables_are_named_with_what_they_break_and_the_unset_line():

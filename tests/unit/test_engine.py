@@ -90,8 +90,8 @@ def test_every_step_of_a_compiled_model_marks_a_new_cuda_graph_step_before_its_f
 def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run():
     import pytest
 
-    from multigpu import compiling
-    from multigpu.errors import UsageError
+    from multigpu.core import compiling
+    from multigpu.core.errors import UsageError
     from multigpu.flagwords import say
 
     def refused(*args, **kwargs) -> UsageError:
@@ -126,7 +126,8 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run
 
 
 def test_compile_auto_uses_cuda_graphs_only_where_they_work_and_pay():
-    from multigpu import compiling, training
+    from multigpu import training
+    from multigpu.core import compiling
 
     long_run = training.AUTO_MIN_STEPS
     assert training.auto_mode("cuda", "ddp", 1, long_run) == (
@@ -145,7 +146,7 @@ def test_compile_auto_uses_cuda_graphs_only_where_they_work_and_pay():
 
 
 def test_the_compile_cache_goes_to_a_per_user_folder_unless_one_is_set(tmp_path):
-    from multigpu import compiling
+    from multigpu.core import compiling
 
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     compiling.use_persistent_cache(env)

@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 
 from multigpu import gpu_images, imagefolder
 from multigpu.datasets import load_data
-from multigpu.errors import UsageError
-from multigpu.loaders import PerSampleSeed, shard_loader
+from multigpu.core.errors import UsageError
+from multigpu.core.loaders import PerSampleSeed, shard_loader
 
 CPU = torch.device("cpu")
 
@@ -215,7 +215,7 @@ def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises
     import contextlib
     import threading
 
-    from multigpu import prefetch_thread
+    from multigpu.core import prefetch_thread
 
     class Stub:
         def __init__(self, *args, **kwargs):

@@ -6,10 +6,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import multigpu
-from multigpu import console
+from multigpu.core import console
 from multigpu.config import TrainConfig
-from multigpu.distributed import DistEnv
-from multigpu.guards import SKIPPED_RUN_STEPS, FirstNonFinite, Found, SkippedRun
+from multigpu.core.distributed import DistEnv
+from multigpu.core.guards import SKIPPED_RUN_STEPS, FirstNonFinite, Found, SkippedRun
 from multigpu.train_guards import TrainGuards, global_batch_note, nonfinite_message
 from multigpu.training import learning_rate
 
@@ -247,7 +247,7 @@ def test_two_optimizers_stepped_from_one_backward_warn_nothing(capsys):
 
 
 def test_only_rank_0_warns(capsys):
-    from multigpu.guards import Bypass
+    from multigpu.core.guards import Bypass
 
     Bypass(is_main=False).warn_once("step", "x")
     assert capsys.readouterr().err == ""

@@ -10,7 +10,7 @@ import pytest
 from multigpu import launch, launch_failures, ports, sysinfo
 from multigpu import scripts
 from multigpu.devices import DevicePlan
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.launch import LaunchOptions, plan_rendezvous, torchrun_argv
 
 CPU2 = DevicePlan("cpu", (), 2)

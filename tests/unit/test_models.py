@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.models import MODEL_NAMES, build_model, default_image_size, is_convnet, model_input_kind
 from multigpu.seqmodels import SEQUENCE_MODELS
 from multigpu.swin import WindowAttention

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import multigpu
-from multigpu.errors import UsageError
-from multigpu.precision import Precision
+from multigpu.core.errors import UsageError
+from multigpu.core.precision import Precision
 
 
 def _one_step(rt, model, opt, inject_inf=False):

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from multigpu import folder_users, runfolder
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 
 def _race(n, work):

@@ -29,7 +29,7 @@ def test_table_aligns_columns():
 
 
 def test_a_cause_is_one_line_with_the_type_only_where_it_tells_something():
-    from multigpu.errors import UsageError
+    from multigpu.core.errors import UsageError
     from multigpu.selftest import CheckFailed, cause
 
     assert cause(RuntimeError("saving x failed on rank 0: disk full\nmore")) == (

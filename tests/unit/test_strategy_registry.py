@@ -7,15 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from multigpu import compiling
+from multigpu.core import compiling
 from multigpu.cli import strategy_checks
 from multigpu.config import add_config_arguments
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.flagwords import say
 from multigpu.models import build_model
-from multigpu.strategies import STRATEGIES, registry
-from multigpu.checkpoint import named_optimizer_state, numbered_optimizer_state
-from multigpu.strategies.fsdp import FSDPOptions, shard_units
+from multigpu.core.strategies import STRATEGIES, registry
+from multigpu.core.checkpoint import named_optimizer_state, numbered_optimizer_state
+from multigpu.core.strategies.fsdp import FSDPOptions, shard_units
 
 
 def test_every_registered_strategy_loads_its_class_under_its_name_and_is_offered_by_train():

@@ -13,7 +13,7 @@ import torch
 import multigpu
 from multigpu.datasets import load_data
 from multigpu.engine import StepSettings, evaluate
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.models import build_model, model_input_kind
 from multigpu.seqmodels import SEQUENCE_MODELS
 

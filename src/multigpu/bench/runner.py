@@ -13,13 +13,13 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from multigpu import compiling, console
+from multigpu.core import compiling, console
 from multigpu.bench import realdata, report, stats, telemetry
 from multigpu.bench.spec import (NUM_CLASSES, REAL_DECODE, BenchSettings, Group, Task, gpu_counts,
                                  plan_groups)
 from multigpu.devices import DevicePlan, resolve_devices
-from multigpu.errors import UsageError
-from multigpu.extras import MissingExtra
+from multigpu.core.errors import UsageError
+from multigpu.core.extras import MissingExtra
 
 MAX_ATTEMPTS = 3  # per group: after a failed task (see blamed()), the rest is started again
 # Exit codes of a launch stopped because *we* got SIGINT/SIGTERM (Ctrl-C, `timeout`): stop there.

@@ -25,10 +25,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field, replace
 
-from multigpu import compiling
-from multigpu.errors import UsageError
-from multigpu.extras import install_hint
-from multigpu.strategies import STRATEGIES
+from multigpu.core import compiling
+from multigpu.core.errors import UsageError
+from multigpu.core.extras import install_hint
+from multigpu.core.strategies import STRATEGIES
 
 OURS_PREFIX = "multigpu-"  # multigpu-<strategy>: `multigpu train`'s step under that strategy
 OURS = tuple(OURS_PREFIX + name for name in STRATEGIES)  # the methods --compile applies to

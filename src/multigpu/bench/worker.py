@@ -34,11 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from multigpu import console, flagwords
+from multigpu import flagwords
+from multigpu.core import console
 from multigpu.bench import measure, realdata, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
 from multigpu.bench.spec import OURS, OURS_PREFIX, Task, base_method, strategy_of, variant_of
-from multigpu.strategies import STRATEGIES
+from multigpu.core.strategies import STRATEGIES
 
 
 def _config(task: Task, strategy: str):
@@ -54,7 +55,7 @@ def _config(task: Task, strategy: str):
 def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     from multigpu.engine import StepSettings, train_step
     from multigpu.models import build_model
-    from multigpu.runtime import setup
+    from multigpu.core.runtime import setup
     from multigpu.training import build_job, compile_prepared, make_optimizer, uses_channels_last
 
     cfg = _config(task, strategy)
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{sum(rec['samples']) / seconds:,.0f} samples/s, "
                          f"{1000 * seconds / (task.steps * task.trials):.1f} ms/step "
                          "(rank 0's clock; the table uses the slowest rank)")
-    from multigpu.distributed import destroy_distributed
+    from multigpu.core.distributed import destroy_distributed
 
     destroy_distributed(wait_for_peers=True)  # a clean end: see distributed.py
     return 0

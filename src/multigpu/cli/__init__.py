@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from multigpu.errors import Stopped, UsageError
+from multigpu.core.errors import Stopped, UsageError
 from multigpu.provenance import PrintVersion
 
 # name -> module under multigpu.cli; the order is the order in --help.
@@ -105,7 +105,7 @@ def _left_to_the_report(text: str) -> bool:
 def _mark_failed() -> None:
     """Tell a live process group not to wait for the other ranks at exit (without importing
     torch for commands that never loaded it)."""
-    distributed = sys.modules.get("multigpu.distributed")
+    distributed = sys.modules.get("multigpu.core.distributed")
     if distributed is not None:
         distributed.mark_failed()
 

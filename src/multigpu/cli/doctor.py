@@ -22,9 +22,10 @@ import argparse
 import os
 from pathlib import Path
 
-from multigpu import configfile, console
+from multigpu import configfile
+from multigpu.core import console
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.flagwords import say
 
 AUTO_PROBE_BATCH = 32
@@ -141,7 +142,7 @@ def _train_checks(args):
     from multigpu.cli.train import check_resume, validate
     from multigpu.doctor import setup_checks
     from multigpu.doctor.findings import Finding
-    from multigpu.strategies import registry
+    from multigpu.core.strategies import registry
 
     cfg: TrainConfig = config_from_args(args)
     try:

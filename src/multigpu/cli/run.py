@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from multigpu import devices, launch
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.scripts import local_rank_args, module_source, script_command
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
 OPTIONS = ("devices", "devices_per_run", "max_parallel", "timeout", "retries", "metric",

@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import checkpoint_schema as schema
-from multigpu import compiling, configfile, console, devices, provenance, timeline
+from multigpu.core import checkpoint_schema as schema
+from multigpu import configfile, devices, provenance, timeline
+from multigpu.core import compiling, console
 from multigpu.cli import strategy_checks
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 EXAMPLES = """\
 examples:
@@ -61,7 +62,7 @@ _LIMITS = {"epochs": (1, True), "batch_size": (1, True), "accumulate": (1, True)
 
 def validate(cfg: TrainConfig) -> None:
     """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
-    from multigpu import loggers
+    from multigpu.core import loggers
     from multigpu.control import Cadence
     from multigpu.data_specs import check_spec
     from multigpu.folder_layout import check_root
@@ -275,7 +276,7 @@ def _json_field(path: Path, key: str):
 
 def _plan_devices(cfg: TrainConfig):
     from multigpu.devices import resolve_devices
-    from multigpu.strategies import registry
+    from multigpu.core.strategies import registry
 
     strategy = registry.info(cfg.strategy)
     plan = resolve_devices(cfg.devices, one_process=strategy.one_process,
@@ -288,7 +289,7 @@ def _plan_devices(cfg: TrainConfig):
     strategy_checks.check_accelerator(cfg.strategy, plan.accelerator,
                                       auto_batch=cfg.batch_size == "auto")
     if cfg.fsdp_cpu_offload and plan.accelerator != "cuda":
-        from multigpu.strategies.fsdp import OFFLOAD_NEEDS_GPUS
+        from multigpu.core.strategies.fsdp import OFFLOAD_NEEDS_GPUS
         raise UsageError(OFFLOAD_NEEDS_GPUS)
     if cfg.decode == "gpu" and plan.accelerator != "cuda" and cfg.data.startswith("folder:"):
         raise UsageError(f"--decode gpu decodes JPEGs on GPUs, and this run is on {plan.accelerator}: "

@@ -24,7 +24,7 @@ def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
                    find_batch: bool = True) -> list[Finding]:
     """Findings of one step on the plan's first device (a GPU) or the CPU."""
     from multigpu.model_names import precision_for
-    from multigpu.runtime import setup
+    from multigpu.core.runtime import setup
     from multigpu.training import build_job
 
     cuda = plan.accelerator == "cuda"

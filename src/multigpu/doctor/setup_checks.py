@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Mapping
 
 from multigpu.doctor.findings import Finding
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 from multigpu.flagwords import say
 
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -127,7 +127,7 @@ def precision_findings(kind: str, plan, model: str = "") -> list[Finding]:
 def last_step_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: int = 1,
                       drop_last: bool = False) -> Finding:
     """Trap 3: what the last step of each epoch is, and what happens to it."""
-    from multigpu.data import ShardedBatchSampler, split_share  # torch: not for a usage error
+    from multigpu.core.data import ShardedBatchSampler, split_share  # torch: not for a usage error
 
     devices = ranks * devices_per_rank
     try:
@@ -164,7 +164,7 @@ def last_step_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: 
 def eval_coverage_finding(n: int, batch_size: int, *, ranks: int, devices_per_rank: int = 1) -> Finding:
     """The self-check of exact evaluation: over every rank's share of the validation set (as
     rt.prepare shards it), each sample is counted exactly once."""
-    from multigpu.data import ShardedBatchSampler
+    from multigpu.core.data import ShardedBatchSampler
 
     seen: Counter = Counter()
     for r in range(ranks):

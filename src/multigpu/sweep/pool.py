@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from multigpu import devices, leases
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 
 @dataclass(frozen=True)

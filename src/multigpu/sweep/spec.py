@@ -26,7 +26,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 BUILTINS = ("out", "name", "port", "devices")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import multigpu
-from multigpu.checkpoint import to_cpu
+from multigpu.core.checkpoint import to_cpu
 from multigpu.config import TrainConfig
 from multigpu.models import build_model
 from multigpu.training import make_optimizer

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from multigpu import checkpoint, fileio
-from multigpu import checkpoint_schema as schema
-from multigpu.distributed import DistEnv
+from multigpu.core import checkpoint, fileio
+from multigpu.core import checkpoint_schema as schema
+from multigpu.core.distributed import DistEnv
 
 
 class _NoCheckpointException(BaseException):

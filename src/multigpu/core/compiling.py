@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from multigpu.errors import Api, Text, UsageError
-from multigpu.strategies import registry
+from multigpu.core.errors import Api, Text, UsageError
+from multigpu.core.strategies import registry
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads MODES and check() without it
     from torch import nn

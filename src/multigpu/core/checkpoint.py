@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from multigpu import checkpoint_schema as schema
-from multigpu import fileio
-from multigpu.checkpoint_schema import CheckpointError
-from multigpu.data import map_tensors
-from multigpu.errors import UsageError
-from multigpu.wrappers import clean_state_dict, match_keys, unwrap_model
+from multigpu.core import checkpoint_schema as schema
+from multigpu.core import fileio
+from multigpu.core.checkpoint_schema import CheckpointError
+from multigpu.core.data import map_tensors
+from multigpu.core.errors import UsageError
+from multigpu.core.wrappers import clean_state_dict, match_keys, unwrap_model
 
 
 

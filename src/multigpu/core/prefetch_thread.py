@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from multigpu.data import map_tensors
+from multigpu.core.data import map_tensors
 
 
 def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2):

@@ -18,10 +18,10 @@ import warnings
 import torch
 from torch import nn
 
-from multigpu.distributed import DistEnv
-from multigpu.errors import Api, Text, UsageError
-from multigpu.strategies import replica_threads
-from multigpu.strategies.base import Strategy
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import Api, Text, UsageError
+from multigpu.core.strategies import replica_threads
+from multigpu.core.strategies.base import Strategy
 
 
 class DataParallel(Strategy):

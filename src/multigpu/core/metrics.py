@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from multigpu.distributed import DistEnv
+from multigpu.core.distributed import DistEnv
 
 
 class Sums:

@@ -21,9 +21,9 @@ import importlib.util
 import os
 from pathlib import Path
 
-from multigpu import fileio
-from multigpu.errors import UsageError
-from multigpu.extras import install_hint
+from multigpu.core import fileio
+from multigpu.core.errors import UsageError
+from multigpu.core.extras import install_hint
 
 NAMES = ("tensorboard", "csv", "mlflow", "wandb")
 DEFAULT = "tensorboard,csv"

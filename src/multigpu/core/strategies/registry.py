@@ -13,10 +13,10 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 if TYPE_CHECKING:
-    from multigpu.strategies.base import Strategy
+    from multigpu.core.strategies.base import Strategy
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,14 @@ class StrategyInfo:
 
 
 STRATEGIES: dict[str, StrategyInfo] = {s.name: s for s in (
-    StrategyInfo("single", "multigpu.strategies.single:SingleDevice", "one device",
+    StrategyInfo("single", "multigpu.core.strategies.single:SingleDevice", "one device",
                  one_process=True, max_devices=1),
-    StrategyInfo("dp", "multigpu.strategies.dp:DataParallel",
+    StrategyInfo("dp", "multigpu.core.strategies.dp:DataParallel",
                  "nn.DataParallel, one process", one_process=True, needs_gpus=True,
                  cuda_graphs=False, auto_batch=False),
-    StrategyInfo("ddp", "multigpu.strategies.ddp:DDP", "one process per device, gradients "
+    StrategyInfo("ddp", "multigpu.core.strategies.ddp:DDP", "one process per device, gradients "
                  "all-reduced", unused_fails=True),
-    StrategyInfo("fsdp", "multigpu.strategies.fsdp:FSDP", "FSDP2: parameters, gradients and "
+    StrategyInfo("fsdp", "multigpu.core.strategies.fsdp:FSDP", "FSDP2: parameters, gradients and "
                  "optimizer state sharded over the processes, for models larger than one GPU",
                  cuda_graphs=False, auto_batch=False, channels_last=False,
                  flags=("fsdp_cpu_offload", "activation_checkpointing")),

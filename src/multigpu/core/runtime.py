@@ -27,15 +27,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import runtime_checkpoints
-from multigpu import loggers as run_loggers
-from multigpu.data import StepInfo
-from multigpu.loaders import shard_loader
-from multigpu.distributed import DistEnv, init_distributed
-from multigpu.errors import UsageError
-from multigpu.guards import Bypass
-from multigpu.precision import Precision, resolve_precision
-from multigpu.strategies import DDPOptions, Strategy, make_strategy
+from multigpu.core import runtime_checkpoints
+from multigpu.core import loggers as run_loggers
+from multigpu.core.data import StepInfo
+from multigpu.core.loaders import shard_loader
+from multigpu.core.distributed import DistEnv, init_distributed
+from multigpu.core.errors import UsageError
+from multigpu.core.guards import Bypass
+from multigpu.core.precision import Precision, resolve_precision
+from multigpu.core.strategies import DDPOptions, Strategy, make_strategy
 
 
 def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int] | None = None,

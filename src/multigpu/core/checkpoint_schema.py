@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 FORMAT_VERSION = 2
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from multigpu import console
+from multigpu.core import console
 
 NO_INDEX = 2**40  # "no bad batch": larger than any batch count, small enough to encode below
 SKIPPED_RUN_STEPS = 20  # fp16: optimizer steps skipped in a row before the run is reported

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from torch import nn
 
-from multigpu import checkpoint, sharded_checkpoint
-from multigpu import checkpoint_schema as schema
-from multigpu.errors import UsageError
+from multigpu.core import checkpoint, sharded_checkpoint
+from multigpu.core import checkpoint_schema as schema
+from multigpu.core.errors import UsageError
 
 
 def save(rt, path: str | Path, *, model: nn.Module, optimizer=None, scheduler=None,

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from multigpu.distributed import DistEnv
-from multigpu.errors import Api, Text, UsageError
-from multigpu.strategies.base import Strategy
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import Api, Text, UsageError
+from multigpu.core.strategies.base import Strategy
 
 
 class SingleDevice(Strategy):

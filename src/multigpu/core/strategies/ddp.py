@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.distributed import DistEnv, nccl_group_with_max_ctas
-from multigpu.errors import Api, Text, UsageError
-from multigpu.strategies.base import Strategy
+from multigpu.core.distributed import DistEnv, nccl_group_with_max_ctas
+from multigpu.core.errors import Api, Text, UsageError
+from multigpu.core.strategies.base import Strategy
 
 
 @dataclass(frozen=True)

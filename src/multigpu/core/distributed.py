@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from multigpu.errors import Api, Text, UsageError
+from multigpu.core.errors import Api, Text, UsageError
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -280,7 +280,7 @@ def _meet_before_teardown(world_size: int, addr: str | None = None, port: str | 
 
 def launcher_gone() -> bool:
     """Whether the launcher that started this worker has died (the worker was re-parented)."""
-    from multigpu import orphans
+    from multigpu.core import orphans
 
     return orphans.gone() or (_launcher_pid is not None and os.getppid() != _launcher_pid)
 

@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu import checkpoint, console
-from multigpu.distributed import DistEnv
-from multigpu.errors import Api, Text, UsageError
-from multigpu.strategies.base import Strategy
+from multigpu.core import checkpoint, console
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import Api, Text, UsageError
+from multigpu.core.strategies.base import Strategy
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _OFFLOAD = Api("FSDPOptions.cpu_offload", True, text="FSDPOptions(cpu_offload=True)")

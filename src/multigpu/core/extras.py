@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 # module -> (pip distribution, the multigpu extra that brings it)
 EXTRAS = {

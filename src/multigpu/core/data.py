@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from multigpu.errors import Api, Text, UsageError
+from multigpu.core.errors import Api, Text, UsageError
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def split_share(start: int, end: int, ranks: int, rank: int) -> tuple[int, int]:
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """Yields this rank's indices for each global step of the epoch (the plan: multigpu.data).
+    """Yields this rank's indices for each global step of the epoch (the plan: multigpu.core.data).
 
     `rt.prepare(loader)` builds one for you; use it directly to shard a DataLoader yourself.
 

@@ -23,8 +23,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from multigpu.distributed import DistEnv
-from multigpu.wrappers import unwrap_model as unwrap_model  # its home until now: still importable here
+from multigpu.core.distributed import DistEnv
+from multigpu.core.wrappers import unwrap_model as unwrap_model  # its home until now: still importable here
 
 
 class Strategy(ABC):
@@ -96,7 +96,7 @@ class Strategy(ABC):
 
     def load_model_state(self, model: nn.Module, state: dict) -> None:
         """Every rank, the whole state of `model_state_dict` (prefixed keys accepted)."""
-        from multigpu.checkpoint import load_model_state
+        from multigpu.core.checkpoint import load_model_state
         load_model_state(model, state)
 
     def load_optimizer_state(self, model: nn.Module | None, optimizer: torch.optim.Optimizer,

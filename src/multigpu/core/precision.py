@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from multigpu.errors import Api, Text, UsageError
+from multigpu.core.errors import Api, Text, UsageError
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # plus "auto", resolved by resolve_precision()
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

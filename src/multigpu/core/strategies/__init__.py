@@ -8,16 +8,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from multigpu.strategies.registry import NAMES as STRATEGY_NAMES
-from multigpu.strategies.registry import STRATEGIES, resolve
+from multigpu.core.strategies.registry import NAMES as STRATEGY_NAMES
+from multigpu.core.strategies.registry import STRATEGIES, resolve
 
 if TYPE_CHECKING:
-    from multigpu.distributed import DistEnv
-    from multigpu.strategies.base import Strategy, unwrap_model
-    from multigpu.strategies.ddp import DDP, DDPOptions
-    from multigpu.strategies.dp import DataParallel
-    from multigpu.strategies.fsdp import FSDP, FSDPOptions
-    from multigpu.strategies.single import SingleDevice
+    from multigpu.core.distributed import DistEnv
+    from multigpu.core.strategies.base import Strategy, unwrap_model
+    from multigpu.core.strategies.ddp import DDP, DDPOptions
+    from multigpu.core.strategies.dp import DataParallel
+    from multigpu.core.strategies.fsdp import FSDP, FSDPOptions
+    from multigpu.core.strategies.single import SingleDevice
 
 _EXPORTS = {"Strategy": "base", "unwrap_model": "base", "DDP": "ddp", "DDPOptions": "ddp",
             "DataParallel": "dp", "FSDP": "fsdp", "FSDPOptions": "fsdp", "SingleDevice": "single"}
@@ -27,8 +27,8 @@ __all__ = [*_EXPORTS, "STRATEGIES", "STRATEGY_NAMES", "make_strategy"]
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"multigpu.strategies.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'multigpu.strategies' has no attribute {name!r}")
+        return getattr(importlib.import_module(f"multigpu.core.strategies.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'multigpu.core.strategies' has no attribute {name!r}")
 
 
 def make_strategy(name: str, env: "DistEnv", *, device_ids: tuple[int, ...] = (),

@@ -1,4 +1,4 @@
-"""Prepared DataLoaders: this rank's exact share of each step (multigpu.data plans it), on the device.
+"""Prepared DataLoaders: this rank's exact share of each step (multigpu.core.data plans it), on the device.
 
 `shard_loader` rebuilds a user's DataLoader around a ShardedBatchSampler, keeping its settings;
 `PreparedLoader` iterates it, tells the runtime each step's real sample counts, copies batches to
@@ -20,9 +20,9 @@ import torch
 from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler, Subset, SubsetRandomSampler)
 
-from multigpu.data import ShardedBatchSampler, StepInfo, map_tensors, move_to_device
-from multigpu.errors import UsageError
-from multigpu.prefetch_thread import finish_in_thread
+from multigpu.core.data import ShardedBatchSampler, StepInfo, map_tensors, move_to_device
+from multigpu.core.errors import UsageError
+from multigpu.core.prefetch_thread import finish_in_thread
 
 
 class PreparedLoader:
