@@ -95,7 +95,7 @@ def from_env() -> dict:
 def run_facts(rt, launch: dict) -> dict:
     """config.json's "provenance": `launch` and the software and machine. Collective: every rank
     tells which GPUs it drives."""
-    from multigpu import sysinfo
+    from multigpu.launcher import sysinfo
 
     torch_facts = sysinfo.torch_facts()
 

@@ -1,6 +1,6 @@
 """What `multigpu test` runs on every device: the checks of the self-test, one process per device.
 
-    python -P -m multigpu.worker -m multigpu.selftest --result FILE [--checkpoint-dir DIR]
+    python -P -m multigpu.launcher.worker -m multigpu.selftest --result FILE [--checkpoint-dir DIR]
 
 Started by the real launcher (`multigpu test` builds the same command as `multigpu run -m`). Every
 rank runs every check and records (check, status, detail); a check that fails records its cause

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from multigpu import batchfit, flagwords, folder_users, gpu_images, runfolder, watchdog
+from multigpu import batchfit, flagwords, folder_users, gpu_images, runfolder
+from multigpu.launcher import watchdog
 from multigpu.core import checkpoint, console, orphans, sharded_checkpoint
 from multigpu.core import checkpoint_schema as schema
 from multigpu.runlog import RunLog
@@ -34,7 +35,7 @@ from multigpu.engine import evaluate, train_epoch
 from multigpu.core.errors import Stopped, UsageError
 from multigpu.train_guards import TrainGuards, global_batch_note, input_bound, input_bound_note
 from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
-from multigpu.launch_failures import restart_note
+from multigpu.launcher.launch_failures import restart_note
 from multigpu.core.loaders import sample_seed
 from multigpu.core.metrics import Sums
 from multigpu.model_names import precision_for

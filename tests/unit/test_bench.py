@@ -7,7 +7,7 @@ import pytest
 
 from multigpu.bench import report, runner, spec, stats
 from multigpu.bench.spec import BenchSettings, Task
-from multigpu.devices import DevicePlan
+from multigpu.launcher.devices import DevicePlan
 from multigpu.core.errors import UsageError
 from multigpu.flagwords import say
 
@@ -613,7 +613,7 @@ def _fake_launch(monkeypatch, outcomes):
     """launch() that, as the worker does, writes a begin record for each of the first `begun` tasks
     of each job (default: `done`, plus the one that failed when `rc` is not 0) and a result for
     each of the first `done`, then returns `rc`. outcomes: (done, rc) or (done, rc, begun)."""
-    import multigpu.launch
+    import multigpu.launcher.launch
 
     calls = []
 
@@ -630,7 +630,7 @@ def _fake_launch(monkeypatch, outcomes):
                     f.write(json.dumps({"kind": "task", "key": key, "rank": 0}) + "\n")
         return rc
 
-    monkeypatch.setattr(multigpu.launch, "launch", launch)
+    monkeypatch.setattr(multigpu.launcher.launch, "launch", launch)
     return calls
 
 
@@ -692,7 +692,7 @@ def test_the_failure_is_blamed_on_the_task_begun_last_without_a_result(tmp_path)
 
 def test_a_failure_in_interleaved_trials_drops_that_set_and_the_next_sets_still_run(
         monkeypatch, tmp_path):
-    import multigpu.launch
+    import multigpu.launcher.launch
 
     t1, t2, t3, t4 = tasks = _group().tasks
     tasks[2:] = [dataclasses.replace(t, batch_size=8) for t in (t3, t4)]  # a second set
@@ -713,7 +713,7 @@ def test_a_failure_in_interleaved_trials_drops_that_set_and_the_next_sets_still_
                 f.write(json.dumps({"kind": "task", "key": k, "rank": 0}) + "\n")
         return 0
 
-    monkeypatch.setattr(multigpu.launch, "launch", launch)
+    monkeypatch.setattr(multigpu.launcher.launch, "launch", launch)
     group = spec.Group(1, 0, tasks)
     rep, got = {"launches": [], "notes": []}, runner.Collected()
     assert runner.run_group(0, group, DevicePlan("cpu", (), 1), tmp_path, rep, got, lambda: None)

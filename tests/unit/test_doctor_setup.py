@@ -124,7 +124,7 @@ def test_the_probe_step_names_every_parameter_without_a_gradient():
 
 
 def test_bf16_on_a_gpu_without_bf16_units_fails_with_the_fix(monkeypatch):
-    from multigpu.devices import DevicePlan
+    from multigpu.launcher.devices import DevicePlan
     from multigpu.doctor.setup_checks import precision_findings
 
     plan = DevicePlan("cuda", (0, 1), 2, gpu_names=("Tesla V100-SXM2-32GB",) * 2)

@@ -41,7 +41,7 @@ def test_a_cause_is_one_line_with_the_type_only_where_it_tells_something():
 
 
 def test_auto_without_a_gpu_is_two_cpu_processes_and_says_why(monkeypatch):
-    from multigpu import devices
+    from multigpu.launcher import devices
     from multigpu.cli.selftest import choose_devices
 
     def no_driver():

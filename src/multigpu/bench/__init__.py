@@ -18,7 +18,7 @@ Methods (one training step each, same model object, same data, same seed):
 
 How it runs (module by module):
     spec.py     flags -> BenchSettings -> Tasks grouped into launches (fewest process starts)
-    runner.py   the parent: starts each group through multigpu.launch, collects, writes reports
+    runner.py   the parent: starts each group through multigpu.launcher.launch, collects, writes reports
     worker.py   inside each launched process: builds and warms up the tasks that differ only in
                 the method, then times their trials in turns (drift hits them alike)
     peers.py    the three peer recipes

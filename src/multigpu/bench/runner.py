@@ -17,7 +17,7 @@ from multigpu.core import compiling, console
 from multigpu.bench import realdata, report, stats, telemetry
 from multigpu.bench.spec import (NUM_CLASSES, REAL_DECODE, BenchSettings, Group, Task, gpu_counts,
                                  plan_groups)
-from multigpu.devices import DevicePlan, resolve_devices
+from multigpu.launcher.devices import DevicePlan, resolve_devices
 from multigpu.core.errors import UsageError
 from multigpu.core.extras import MissingExtra
 
@@ -180,7 +180,7 @@ def run_group(index: int, group: Group, plan: DevicePlan, work: Path, rep: dict,
               got_all: Collected, save) -> bool:
     """Launch the group's tasks; on a failure, note it and start the rest again. False = stop.
     `save()` is called after every launch, so the JSON always holds every finished task."""
-    from multigpu.launch import LaunchOptions, launch
+    from multigpu.launcher.launch import LaunchOptions, launch
 
     remaining = list(group.tasks)
     for attempt in range(MAX_ATTEMPTS):

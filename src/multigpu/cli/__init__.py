@@ -87,7 +87,7 @@ def unknown_option_message(parser: argparse.ArgumentParser, command: str | None,
 def _leave_error_file(text: str) -> bool:
     """Under the launcher, what this worker failed with, for the launcher's report, which reads
     local rank 0 (its own output went to the console) only from there; whether it was written."""
-    from multigpu.watchdog import write_error_file
+    from multigpu.launcher.watchdog import write_error_file
 
     return write_error_file(text.rstrip())
 
@@ -97,7 +97,7 @@ def _left_to_the_report(text: str) -> bool:
     "Connection closed by peer") is not printed: its traceback is in the error file, and the
     launcher's report names the rank that failed first and shows this one's if it is to blame.
     Rank 0's console otherwise shows 40 lines of it above a bad input's one-line error."""
-    from multigpu.launch_failures import REPORTS_ENV, left_to_the_report
+    from multigpu.launcher.launch_failures import REPORTS_ENV, left_to_the_report
 
     return left_to_the_report(text, ours=os.environ.get(REPORTS_ENV) == "1")
 

@@ -84,7 +84,7 @@ def _script_checks(args, script: list[str]):
 
     given = script  # what the trial starts: a module stays a module (its relative imports)
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
-        from multigpu.scripts import module_source
+        from multigpu.launcher.scripts import module_source
 
         source = module_source(script[1])
         if source is None:
@@ -117,8 +117,8 @@ def _script_checks(args, script: list[str]):
 def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     """The script run up to its --steps-th optimizer step on every device, as multigpu run
     starts it; not when a check above failed (it would hang or crash) or for a shell script."""
-    from multigpu import devices, launch
-    from multigpu.scripts import local_rank_args, script_command
+    from multigpu.launcher import devices, launch
+    from multigpu.launcher.scripts import local_rank_args, script_command
     from multigpu.doctor.findings import Finding
     from multigpu.doctor.script_trial import trial_findings
 
@@ -133,7 +133,7 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
         if not python:
             return [Finding("ok", "script run", "not run: a shell script; doctor runs a Python "
                                                 "script or module given after --")]
-    cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args("auto", path))
+    cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args("auto", path))
     devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
     return trial_findings(cmd + rest, plan, args.steps)
 

@@ -201,7 +201,7 @@ def _check_program(program: str) -> None:
 
 
 def _default_per_run() -> str:
-    from multigpu import devices
+    from multigpu.launcher import devices
 
     try:
         return "1" if devices.visible_gpus(devices.query_gpus(), devices.user_cuda_visible()) else "cpu:1"

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 from multigpu.core import checkpoint_schema as schema
-from multigpu import configfile, devices, provenance, timeline
+from multigpu import configfile, provenance, timeline
+from multigpu.launcher import devices
 from multigpu.core import compiling, console
 from multigpu.cli import strategy_checks
 from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
@@ -35,7 +36,7 @@ examples:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from multigpu.launch import add_launch_arguments
+    from multigpu.launcher.launch import add_launch_arguments
 
     p = subparsers.add_parser(
         "train", help="train a built-in model on built-in or folder data",
@@ -97,7 +98,7 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
     SIGTERM) while its ranks were only exiting, every epoch and the last checkpoint complete,
     finished: exit 0, saying so. A rank's own death by a signal keeps its code."""
     from multigpu import runfolder
-    from multigpu.launch import stopped_by_signal
+    from multigpu.launcher.launch import stopped_by_signal
 
     if not stopped_by_signal(code) or (done := runfolder.finished_checkpoint(out, epochs)) is None:
         return code
@@ -109,7 +110,7 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.doctor.setup_checks import refuse_stale_worker_env
-    from multigpu.launch import in_worker, launch, options_from_args, python_command, stopped_by_signal
+    from multigpu.launcher.launch import in_worker, launch, options_from_args, python_command, stopped_by_signal
     from multigpu import runfolder
     from multigpu.folder_users import OUT_RESERVED_ENV
 
@@ -275,7 +276,7 @@ def _json_field(path: Path, key: str):
 
 
 def _plan_devices(cfg: TrainConfig):
-    from multigpu.devices import resolve_devices
+    from multigpu.launcher.devices import resolve_devices
     from multigpu.core.strategies import registry
 
     strategy = registry.info(cfg.strategy)

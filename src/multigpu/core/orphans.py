@@ -2,7 +2,7 @@
 
 The launcher exports its pid (LAUNCHER_PID_ENV, launch.child_environment), and torch's agent starts
 every worker as its direct child. A worker calls `watch_from_env()` before anything heavy
-(`python -m multigpu ...`, multigpu.worker): a launcher that died before that is seen at once
+(`python -m multigpu ...`, multigpu.launcher.worker): a launcher that died before that is seen at once
 (this process is no longer its child), one that dies later within POLL_SECONDS. The pid must come
 from the launcher: a worker that read its parent only once started (after importing torch, a
 second or more) took init, or a subreaper, for its launcher when the launcher had died before,

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from multigpu import launch, trial
+from multigpu.launcher import launch, trial
 from multigpu.doctor.findings import Finding
 
 GIB = 2**30

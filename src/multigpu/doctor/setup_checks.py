@@ -75,7 +75,7 @@ def refuse_stale_worker_env(environ: Mapping[str, str], warn=None) -> None:
 def device_findings(spec: str, *, one_process: bool, min_free_memory_gb: float):
     """Trap 13: (findings, plan or None). The plan is what `multigpu train` would choose now;
     nothing is leased."""
-    from multigpu.devices import resolve_devices
+    from multigpu.launcher.devices import resolve_devices
 
     try:
         plan = resolve_devices(spec, one_process=one_process, min_free_memory_gb=min_free_memory_gb)

@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from multigpu import devices, leases
+from multigpu.launcher import devices, leases
 from multigpu.core.errors import UsageError
 
 

@@ -23,7 +23,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from multigpu import ports, runfolder
+from multigpu import runfolder
+from multigpu.launcher import ports
 from multigpu.core.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs

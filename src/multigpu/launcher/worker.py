@@ -1,6 +1,6 @@
 """What `multigpu run` starts on every device: the watchdog, then the user's script, unchanged.
 
-    python -P -m multigpu.worker script.py ARGS...     (python -P -m multigpu.worker -m pkg.mod ARGS...)
+    python -P -m multigpu.launcher.worker script.py ARGS...     (python -P -m multigpu.launcher.worker -m pkg.mod ARGS...)
 
 The script runs as `python script.py ARGS` would run it: `__name__ == "__main__"`, `sys.argv`,
 the script's folder first on sys.path (the current folder for -m), its exceptions and exit status;
@@ -22,7 +22,7 @@ from multigpu.core import orphans
 
 orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
 
-from multigpu import trial, watchdog  # noqa: E402
+from multigpu.launcher import trial, watchdog  # noqa: E402
 from multigpu.core.errors import UsageError  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def _leave_an_echo_to_the_report(text: str) -> None:
     """A script's error that only echoes another rank's failure (a peer gone in a collective)
     goes to this rank's error file, not the console: the launcher's report shows the rank that
     failed first, and this one's traceback only if it is to blame (launch_failures)."""
-    from multigpu.launch_failures import REPORTS_ENV, left_to_the_report
+    from multigpu.launcher.launch_failures import REPORTS_ENV, left_to_the_report
 
     if left_to_the_report(text, ours=os.environ.get(REPORTS_ENV) == "1") and \
             watchdog.write_error_file(text.rstrip()):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multigpu import watchdog
+from multigpu.launcher import watchdog
 
 
 @dataclass

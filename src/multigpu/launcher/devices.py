@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from multigpu import leases
+from multigpu.launcher import leases
 from multigpu.core.errors import UsageError
 
 GIB = 1024**3

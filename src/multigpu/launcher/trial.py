@@ -1,7 +1,7 @@
 """A trial of a user's script for `multigpu doctor -- script.py`: what each worker sees of the
 script's first optimizer steps, and how the script is stopped there.
 
-The doctor launches the script as `multigpu run` does (multigpu.worker on every device), with
+The doctor launches the script as `multigpu run` does (multigpu.launcher.worker on every device), with
 TRIAL_DIR_ENV naming a folder of its own and TRIAL_STEPS_ENV the steps to run. The worker calls
 `start_from_env()` before the script, which changes nothing in it and watches through torch's
 global hooks:
@@ -32,7 +32,7 @@ from pathlib import Path
 TRIAL_DIR_ENV = "MULTIGPU_DOCTOR_TRIAL"
 TRIAL_STEPS_ENV = "MULTIGPU_DOCTOR_STEPS"
 PEERS_WAIT_SECONDS = 30.0  # how long a rank that finished waits for the others' records
-_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep  # multigpu's own files
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # multigpu's own files
 
 
 def start_from_env() -> Trial | None:

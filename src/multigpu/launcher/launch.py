@@ -34,15 +34,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import ports, sysinfo, watchdog
+from multigpu.launcher import ports, sysinfo, watchdog
 from multigpu.core import orphans
-from multigpu.agent_hooks import (AGENT_STOP_WAIT, SecondSignalKills, kill_workers_left,
+from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, SecondSignalKills, kill_workers_left,
                                   quiet_torchelastic, restore_signal_handlers)
-from multigpu.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
-from multigpu.devices import DevicePlan
+from multigpu.launcher.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
+from multigpu.launcher.devices import DevicePlan
 from multigpu.core.errors import UsageError
-from multigpu.launch_options import LaunchOptions
-from multigpu.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
+from multigpu.launcher.launch_options import LaunchOptions
+from multigpu.launcher.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
                                       report_child_failed)
 
 def add_launch_arguments(parser) -> None:
@@ -312,8 +312,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
 
 
 def _runs_our_worker(cmd: list[str]) -> bool:
-    """Whether `cmd` is `multigpu run`'s python_command("multigpu.worker", ...)."""
-    return "multigpu.worker" in cmd[:6] and cmd[cmd.index("multigpu.worker") - 1] == "-m"
+    """Whether `cmd` is `multigpu run`'s python_command("multigpu.launcher.worker", ...)."""
+    return "multigpu.launcher.worker" in cmd[:6] and cmd[cmd.index("multigpu.launcher.worker") - 1] == "-m"
 
 
 def _node_name(opts: LaunchOptions) -> str | None:

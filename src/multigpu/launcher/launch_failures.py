@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from multigpu import ports, watchdog
-from multigpu.ports import Rendezvous, parse_nnodes
+from multigpu.launcher import ports, watchdog
+from multigpu.launcher.ports import Rendezvous, parse_nnodes
 
 if TYPE_CHECKING:
-    from multigpu.launch_options import LaunchOptions
+    from multigpu.launcher.launch_options import LaunchOptions
 
 
 def err(msg: str) -> None:

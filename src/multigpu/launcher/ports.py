@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from multigpu.core.errors import UsageError
 
 if TYPE_CHECKING:
-    from multigpu.launch_options import LaunchOptions
+    from multigpu.launcher.launch_options import LaunchOptions
 
 DEFAULT_PORT = 29500
 LOOPBACK_ENDPOINT = "127.0.0.1:0"  # one machine: the store on loopback, its port picked by the kernel

@@ -1,7 +1,7 @@
 """The in-worker watchdog: names the ranks of a hung job, and ends workers whose launcher is gone.
 
 Started in every worker of a multigpu launch (`multigpu train`, and scripts under `multigpu run`
-through multigpu.worker), it runs two daemon threads: one checks 2 every POLL_SECONDS, the
+through multigpu.launcher.worker), it runs two daemon threads: one checks 2 every POLL_SECONDS, the
 other 3 every second or so (a store call that blocks never delays the others):
 
 1. **Orphans.** orphans.py watches the launcher from the worker's first line; the watchdog hands
