@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from multigpu import imagefolder
+from multigpu.train import imagefolder
 from multigpu.core.loaders import shard_loader
 
 

@@ -1,6 +1,6 @@
 import sys
 
-from multigpu import folder_users
+from multigpu.train import folder_users
 from multigpu.core import orphans
 
 # A worker of multigpu's launcher (`multigpu train` on several devices) watches its launcher from

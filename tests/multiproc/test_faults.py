@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from multigpu.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoint_store import CheckpointStore
 from multigpu.core.fileio import sha256_file
 from tests.unit.test_loggers import scalars
 

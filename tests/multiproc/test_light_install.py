@@ -80,7 +80,7 @@ def test_the_installed_wheel_trains_digits_importing_no_optional_package(tmp_pat
     wheel = _wheel(tmp_path)
     site, watched = tmp_path / "site", tmp_path / "imports"
     with zipfile.ZipFile(wheel) as zf:  # a pure-Python wheel installs by unpacking
-        assert "multigpu/data_files/digits.npz" in zf.namelist()
+        assert "multigpu/train/data_files/digits.npz" in zf.namelist()
         zf.extractall(site)
     hook = tmp_path / "hook"
     hook.mkdir()

@@ -18,9 +18,9 @@ from torch import nn
 from multigpu.core import console
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import Api, Text, UsageError
-from multigpu.flagwords import FLAGS, say
+from multigpu.train.flagwords import FLAGS, say
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "multigpu"
+SRC = Path(__file__).resolve().parents[2] / "src" / "multigpu" / "core"  # the library
 
 
 def flags_in(text: str) -> list[str]:
@@ -125,7 +125,7 @@ def test_no_message_of_the_library_names_a_flag():
 def test_every_flag_of_the_table_is_one_that_multigpu_train_takes():
     import argparse
 
-    from multigpu.config import add_config_arguments
+    from multigpu.train.config import add_config_arguments
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)

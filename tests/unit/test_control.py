@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from multigpu.control import Cadence, Control, Decision
+from multigpu.train.control import Cadence, Control, Decision
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import UsageError
 

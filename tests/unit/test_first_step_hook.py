@@ -3,7 +3,7 @@ optimizer-step hook that must not disturb torch's loop over the global hooks, no
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from multigpu import trainloop
+from multigpu.train import trainloop
 from multigpu.core import orphans
 
 

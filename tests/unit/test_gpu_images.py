@@ -7,8 +7,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from multigpu import gpu_images, imagefolder
-from multigpu.datasets import load_data
+from multigpu.train import gpu_images, imagefolder
+from multigpu.train.datasets import load_data
 from multigpu.core.errors import UsageError
 from multigpu.core.loaders import PerSampleSeed, shard_loader
 
@@ -192,7 +192,7 @@ def test_auto_decodes_with_the_workers_when_there_are_enough_of_them(tmp_path, m
 def test_crop_resize_in_chunks_upscaling_and_flipped_is_pils(monkeypatch):
     from PIL import Image as PILImage
 
-    from multigpu import crop_resize
+    from multigpu.train import crop_resize
 
     pictures = [scene(400, 300, 1), scene(60, 40, 2), scene(123, 77, 3)]
     boxes = [(10, 20, 300, 250), (5, 3, 20, 30), (0, 0, 123, 77)]  # shrink, enlarge, whole

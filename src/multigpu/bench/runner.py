@@ -69,7 +69,7 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]
     """(folder, classes): --data folder:PATH's, or the cached JPEG folder, generated when missing
     (one image size, so one folder, for all)."""
     if s.folder:
-        from multigpu.imagefolder import load_folder
+        from multigpu.train.imagefolder import load_folder
 
         # Its layout checked here, in one line, not in every worker; the model's head its classes.
         return Path(s.folder).expanduser(), load_folder(s.folder, 224).num_outputs
@@ -86,7 +86,7 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]
 
 
 def _default_size(model: str) -> int:
-    from multigpu.models import default_image_size
+    from multigpu.train.models import default_image_size
 
     return default_image_size(model)
 

@@ -236,7 +236,7 @@ def parse_folder(text: str) -> str | None:
 
 
 def parse_models(text: str) -> tuple[str, ...]:
-    from multigpu.model_names import model_input_kind
+    from multigpu.train.model_names import model_input_kind
 
     models = tuple(dict.fromkeys(m.strip() for m in str(text).split(",") if m.strip()))
     if not models:
@@ -388,6 +388,6 @@ class _TaskMaker:
 
 
 def _default_image_size(model: str) -> int:
-    from multigpu.model_names import default_image_size
+    from multigpu.train.model_names import default_image_size
 
     return default_image_size(model)

@@ -15,7 +15,7 @@ import time
 import traceback
 
 from multigpu.core.errors import Stopped, UsageError
-from multigpu.provenance import PrintVersion
+from multigpu.train.provenance import PrintVersion
 
 # name -> module under multigpu.cli; the order is the order in --help.
 COMMANDS = {
@@ -114,7 +114,7 @@ def one_line(exc: BaseException) -> str:
     """The message of a UsageError, the library's API names said as flags (flagwords); one raised
     in a DataLoader worker arrives wrapped in the worker's traceback ("Caught X in DataLoader
     worker process 0. Original Traceback ..."), whose last line is the message."""
-    from multigpu.flagwords import say
+    from multigpu.train.flagwords import say
 
     text = say(exc)
     if "Original Traceback" not in text:

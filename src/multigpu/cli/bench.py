@@ -13,7 +13,7 @@ import sys
 
 from multigpu.bench.spec import DDP_VARIANTS, DEFAULT_METHODS, METHODS
 from multigpu.core.compiling import MODES as COMPILE_MODES
-from multigpu.model_names import MODEL_NAMES
+from multigpu.train.model_names import MODEL_NAMES
 
 EXAMPLES = """\
 examples:

@@ -22,11 +22,11 @@ import argparse
 import os
 from pathlib import Path
 
-from multigpu import configfile
+from multigpu.train import configfile
 from multigpu.core import console
-from multigpu.config import TrainConfig, add_config_arguments, config_from_args
+from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args
 from multigpu.core.errors import UsageError
-from multigpu.flagwords import say
+from multigpu.train.flagwords import say
 
 AUTO_PROBE_BATCH = 32
 HEADLINE = "multigpu doctor: checks before a run (ok / warn / fail), trap numbers as in docs/traps.md"
@@ -59,7 +59,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.doctor.findings import report
+    from multigpu.train.findings import report
 
     script = list(args.script)
     if script[:1] == ["--"]:
@@ -80,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
 def _script_checks(args, script: list[str]):
     from multigpu.doctor.script_checks import script_findings
     from multigpu.doctor.shell_checks import file_crlf_finding
-    from multigpu.doctor.setup_checks import device_findings, launch_env_findings
+    from multigpu.train.setup_checks import device_findings, launch_env_findings
 
     given = script  # what the trial starts: a module stays a module (its relative imports)
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
@@ -119,7 +119,7 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     starts it; not when a check above failed (it would hang or crash) or for a shell script."""
     from multigpu.launcher import devices, launch
     from multigpu.launcher.scripts import local_rank_args, script_command
-    from multigpu.doctor.findings import Finding
+    from multigpu.train.findings import Finding
     from multigpu.doctor.script_trial import trial_findings
 
     if failed:
@@ -140,8 +140,8 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
 
 def _train_checks(args):
     from multigpu.cli.train import check_resume, validate
-    from multigpu.doctor import setup_checks
-    from multigpu.doctor.findings import Finding
+    from multigpu.train import setup_checks
+    from multigpu.train.findings import Finding
     from multigpu.core.strategies import registry
 
     cfg: TrainConfig = config_from_args(args)
@@ -182,9 +182,9 @@ def _train_checks(args):
 
 def _plan_checks(cfg: TrainConfig, plan):
     """The last step of each epoch and the validation sharding, from the data's real sizes."""
-    from multigpu.doctor.findings import Finding
-    from multigpu.doctor.setup_checks import eval_coverage_finding, last_step_finding
-    from multigpu.training import load_run_data
+    from multigpu.train.findings import Finding
+    from multigpu.train.setup_checks import eval_coverage_finding, last_step_finding
+    from multigpu.train.training import load_run_data
 
     try:
         data = load_run_data(cfg)

@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _newest(source: str):
     from multigpu.core import console
-    from multigpu.runstate import load_source
+    from multigpu.train.runstate import load_source
 
     return load_source(source, console.warn, flag="export")  # shards verified too
 

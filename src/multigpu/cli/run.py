@@ -74,7 +74,7 @@ def main(args) -> int:
 def check_source(source: Path, plan, master_port: int | None) -> None:
     """The traps the script's source shows, said once before any process starts; one that is
     certain to hang until --hang-timeout (it sets MASTER_PORT itself) refuses the launch."""
-    from multigpu.doctor.findings import warn_all
+    from multigpu.train.findings import warn_all
     from multigpu.doctor.script_checks import script_findings
 
     try:

@@ -106,7 +106,7 @@ def _resolve(args):
     file_path, command = _split_rest(args.rest)
     spec, options = specs.SweepSpec([]), {}
     if file_path:
-        from multigpu.configfile import read_mapping
+        from multigpu.train.configfile import read_mapping
 
         spec, options = specs.from_mapping(read_mapping(file_path, "sweep file"), file_path)
         unknown = sorted(set(options) - set(OPTIONS))

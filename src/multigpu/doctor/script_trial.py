@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from multigpu.launcher import launch, trial
-from multigpu.doctor.findings import Finding
+from multigpu.train.findings import Finding
 
 GIB = 2**30
 SNAPSHOT_LIMIT = 20000  # files under the working folder beyond which side effects are not listed

@@ -23,7 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from multigpu import runfolder
+from multigpu.train import runfolder
 from multigpu.launcher import ports
 from multigpu.core.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError

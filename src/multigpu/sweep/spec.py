@@ -232,7 +232,7 @@ def train_flags(command: list[str]) -> set[str] | None:
         return None
     from dataclasses import fields
 
-    from multigpu.config import TrainConfig
+    from multigpu.train.config import TrainConfig
 
     return {f.name for f in fields(TrainConfig)}
 

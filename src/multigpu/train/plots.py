@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from multigpu import runfolder
+from multigpu.train import runfolder
 from multigpu.core.errors import UsageError
 from multigpu.core.extras import require
 from multigpu.core.loggers import STEPS_CSV

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu import imagefolder, provenance
+from multigpu.train import imagefolder, provenance
 from multigpu.core import compiling, console
-from multigpu.config import TrainConfig
-from multigpu.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
-from multigpu.engine import StepSettings
-from multigpu.models import build_model, default_image_size, is_convnet, model_input_kind
+from multigpu.train.config import TrainConfig
+from multigpu.train.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
+from multigpu.train.engine import StepSettings
+from multigpu.train.models import build_model, default_image_size, is_convnet, model_input_kind
 from multigpu.core.runtime import Runtime
 from multigpu.core.strategies import DDPOptions, FSDPOptions, registry
 

@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
-from multigpu.data_bundle import DataBundle
-from multigpu.data_specs import unknown_spec
+from multigpu.train.data_bundle import DataBundle
+from multigpu.train.data_specs import unknown_spec
 from multigpu.core.errors import UsageError
-from multigpu.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
+from multigpu.train.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
 
-# Series shipped in multigpu/series/ (SOURCE.md there): `timeseries:NAME` reads them, not a file NAME.
+# Series shipped in multigpu/train/series/ (SOURCE.md there): `timeseries:NAME` reads them, not a file NAME.
 EMBEDDED_SERIES = ("co2", "macro")
 
 # Pixel mean and std of the digits set once scaled to [0, 1]; fixed so they never depend on the split.
@@ -74,7 +74,7 @@ def load_data(
     if sep and kind == "synthetic":
         return _synthetic(spec, arg, input_kind, _positive(image_size, "--image-size"))
     if sep and kind == "folder" and arg:
-        from multigpu.imagefolder import load_folder
+        from multigpu.train.imagefolder import load_folder
 
         return load_folder(arg, _positive(image_size, "--image-size"), bad_images=bad_images)
     if sep and kind == "timeseries" and arg:
@@ -95,7 +95,7 @@ def _positive(value: int, flag: str) -> int:
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """The 1797 digits as shipped: pixels (1797, 8, 8) uint8 in 0..16, labels (1797,) uint8."""
-    with (resources.files("multigpu") / "data_files" / "digits.npz").open("rb") as fh:
+    with (resources.files("multigpu.train") / "data_files" / "digits.npz").open("rb") as fh:
         with np.load(fh, allow_pickle=False) as npz:
             return npz["images"], npz["labels"]
 
@@ -246,7 +246,8 @@ class BatchedWindows(Dataset):
 
 def _read_numeric_csv(path: str) -> np.ndarray:
     if path in EMBEDDED_SERIES:
-        packed = importlib.resources.files("multigpu").joinpath("series", f"{path}.csv.gz").read_bytes()
+        packed = importlib.resources.files("multigpu.train").joinpath("series", f"{path}.csv.gz")
+        packed = packed.read_bytes()
         handle = io.StringIO(gzip.decompress(packed).decode("ascii"), newline="")
     elif os.path.isfile(path):
         handle = open(path, newline="")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from multigpu.core import checkpoint_schema as schema
 from multigpu.core import sharded_checkpoint
-from multigpu.checkpoint_store import CheckpointStore
-from multigpu.checkpoint_writer import BackgroundWriter
+from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoint_writer import BackgroundWriter
 from multigpu.core.errors import UsageError
-from multigpu.runstate import RunState
+from multigpu.train.runstate import RunState
 from multigpu.core.runtime import Runtime
-from multigpu.training import Job
+from multigpu.train.training import Job
 
 
 class Checkpointer:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from multigpu.crop_resize import crop_resize
+from multigpu.train.crop_resize import crop_resize
 
 _END_OF_IMAGE = b"\xff\xd9"
 # Images a second, 500 x 375 JPEGs to 224 x 224, one H100 machine with 16 cores

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from multigpu.core.errors import UsageError
-from multigpu.model_names import SEQUENCE_MODELS
+from multigpu.train.model_names import SEQUENCE_MODELS
 
 
 def build_sequence_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:

@@ -33,9 +33,9 @@ from torch import nn
 from multigpu.core.errors import UsageError
 # the names and input kinds live in a torch-free module (the CLI checks --model with them);
 # they are re-exported here for the code that builds models
-from multigpu.model_names import (_FLAT_MODELS, MODEL_NAMES, SEQUENCE_MODELS, _parse,  # noqa: F401
+from multigpu.train.model_names import (_FLAT_MODELS, MODEL_NAMES, SEQUENCE_MODELS, _parse,  # noqa: F401
                                   default_image_size, is_convnet, model_input_kind)
-from multigpu.seqmodels import build_sequence_model
+from multigpu.train.seqmodels import build_sequence_model
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> nn.Module:
@@ -74,7 +74,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int) -> nn
         return ResNet(_Bottleneck, (3, 4, 6, 3), channels, num_outputs)
     if inner == "vgg16":
         return VGG16(channels, num_outputs)
-    from multigpu.swin import SwinTransformer  # swin lives in its own module to keep this one short
+    from multigpu.train.swin import SwinTransformer  # swin lives in its own module to keep this one short
 
     return SwinTransformer(channels, num_outputs)
 

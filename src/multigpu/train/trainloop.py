@@ -21,28 +21,28 @@ from pathlib import Path
 
 import torch
 
-from multigpu import batchfit, flagwords, folder_users, gpu_images, runfolder
+from multigpu.train import batchfit, flagwords, folder_users, gpu_images, runfolder
 from multigpu.launcher import watchdog
 from multigpu.core import checkpoint, console, orphans, sharded_checkpoint
 from multigpu.core import checkpoint_schema as schema
-from multigpu.runlog import RunLog
-from multigpu.checkpoint_store import CheckpointStore
-from multigpu.checkpointer import Checkpointer
-from multigpu.config import TrainConfig
-from multigpu.control import Cadence, Control
+from multigpu.train.runlog import RunLog
+from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.checkpointer import Checkpointer
+from multigpu.train.config import TrainConfig
+from multigpu.train.control import Cadence, Control
 from multigpu.core.distributed import destroy_distributed, mark_failed
-from multigpu.engine import evaluate, train_epoch
+from multigpu.train.engine import evaluate, train_epoch
 from multigpu.core.errors import Stopped, UsageError
-from multigpu.train_guards import TrainGuards, global_batch_note, input_bound, input_bound_note
-from multigpu.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
+from multigpu.train.train_guards import TrainGuards, global_batch_note, input_bound, input_bound_note
+from multigpu.train.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.launcher.launch_failures import restart_note
 from multigpu.core.loaders import sample_seed
 from multigpu.core.metrics import Sums
-from multigpu.model_names import precision_for
-from multigpu.runstate import ResumePoint, RunState, resume_point
+from multigpu.train.model_names import precision_for
+from multigpu.train.runstate import ResumePoint, RunState, resume_point
 from multigpu.core.runtime import Runtime, seed_everything, setup
-from multigpu.timeline import Timeline
-from multigpu.training import (Job, build_job, cores_per_process, learning_rate, loader_workers,
+from multigpu.train.timeline import Timeline
+from multigpu.train.training import (Job, build_job, cores_per_process, learning_rate, loader_workers,
                                oom_message, strategy_options, resolved_config)
 
 
@@ -153,7 +153,7 @@ def _announce_global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None
 
 def _announce_last_step(cfg: TrainConfig, rt: Runtime, samples: int) -> None:
     """Trap 3, once on rank 0: what each epoch's last step is, when it is not a full one."""
-    from multigpu.doctor.setup_checks import last_step_finding
+    from multigpu.train.setup_checks import last_step_finding
 
     said = last_step_finding(samples, cfg.batch_size, ranks=rt.world_size, drop_last=cfg.drop_last,
                              devices_per_rank=rt.strategy.devices_per_process).message

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import plots, runfolder
+from multigpu.train import plots, runfolder
 from multigpu.core import console, loggers
 from multigpu.core.extras import MissingExtra
 

@@ -114,9 +114,9 @@ def _search_on_this_gpu(cfg, rt) -> tuple[int, int]:
     """(size, peak bytes) on this rank's GPU, with a bare model: no DDP, no collective, so that
     ranks that stop at different sizes cannot wait for each other. DDP's gradient buckets, about
     the gradients' size, are kept out of the budget."""
-    from multigpu.engine import StepSettings, prepare_inputs
-    from multigpu.models import build_model
-    from multigpu.training import load_run_data, make_optimizer
+    from multigpu.train.engine import StepSettings, prepare_inputs
+    from multigpu.train.models import build_model
+    from multigpu.train.training import load_run_data, make_optimizer
 
     data = load_run_data(cfg)
     model = build_model(cfg.model, data.input_shape, data.num_outputs).to(rt.device)

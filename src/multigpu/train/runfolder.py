@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from multigpu.core import checkpoint_schema as schema
-from multigpu import folder_users
+from multigpu.train import folder_users
 from multigpu.core import console, fileio, orphans
 from multigpu.core.errors import UsageError
-from multigpu.folder_users import OUT_RESERVED_ENV
+from multigpu.train.folder_users import OUT_RESERVED_ENV
 
 if TYPE_CHECKING:
-    from multigpu.config import TrainConfig
+    from multigpu.train.config import TrainConfig
 
 CONFIG, METRICS, METRICS_CSV, LOGS = "config.json", "metrics.jsonl", "metrics.csv", "logs"
 _CLAIM = b'{"status": "starting"}\n'
@@ -207,7 +207,7 @@ def finished_checkpoint(path: Path, epochs: int) -> tuple[Path, int] | None:
     """(the newest complete checkpoint, the epochs it trained) of a run that trained all its
     `epochs` (the checkpoint records the run past its last epoch); None while any epoch is left,
     or when the folder's checkpoints cannot be read."""
-    from multigpu.checkpoint_store import CheckpointStore
+    from multigpu.train.checkpoint_store import CheckpointStore
 
     store = CheckpointStore(schema.checkpoints_folder(path))
     try:

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from multigpu import gpu_images
-from multigpu.config import DECODE_CHOICES
-from multigpu.data_bundle import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
+from multigpu.train import gpu_images
+from multigpu.train.config import DECODE_CHOICES
+from multigpu.train.data_bundle import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
 from multigpu.core.errors import UsageError
-from multigpu.folder_layout import LAYOUT, check_root
+from multigpu.train.folder_layout import LAYOUT, check_root
 
 BAD_IMAGE_CHOICES = ("skip", "fail")
 DECODERS = ("torchvision", "pil")

@@ -11,9 +11,9 @@ import os
 from collections import Counter
 from typing import Mapping
 
-from multigpu.doctor.findings import Finding
+from multigpu.train.findings import Finding
 from multigpu.core.errors import UsageError
-from multigpu.flagwords import say
+from multigpu.train.flagwords import say
 
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _AGENT_VAR = "TORCHELASTIC_RUN_ID"  # torchrun's agent sets it in every worker it starts
@@ -104,7 +104,7 @@ def precision_findings(kind: str, plan, model: str = "") -> list[Finding]:
         return [Finding("ok", "precision", "fp32 on CPU processes")]
     import torch
 
-    from multigpu.model_names import precision_for
+    from multigpu.train.model_names import precision_for
 
     if kind == "auto" and precision_for(kind, model) == "fp32":
         return [Finding("ok", "precision", f"--precision auto is fp32 for {model}: its small steps "

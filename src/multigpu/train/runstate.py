@@ -17,10 +17,10 @@ from typing import Callable
 
 from multigpu.core import checkpoint, console
 from multigpu.core import checkpoint_schema as schema
-from multigpu.checkpoint_store import CheckpointStore, verify_and_load
+from multigpu.train.checkpoint_store import CheckpointStore, verify_and_load
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.runfolder import missing_resume
+from multigpu.train.runfolder import missing_resume
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Names of the built-in models and what input each needs, without importing torch.
 
 The CLI checks `--model` with these before any process starts, so a typo costs one line and no
-torch import; `multigpu.models` builds the models themselves.
+torch import; `multigpu.train.models` builds the models themselves.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ MODEL_NAMES: tuple[str, ...] = ("linear", "mlp", "cnn", "resnet18", "resnet50", 
 
 _EXTERNAL_SOURCES = ("torchvision", "timm")
 _FLAT_MODELS = frozenset({"linear", "mlp"})
-SEQUENCE_MODELS = ("lstm", "tst")  # built by multigpu.seqmodels
+SEQUENCE_MODELS = ("lstm", "tst")  # built by multigpu.train.seqmodels
 _CONVNETS = frozenset({"cnn", "resnet18", "resnet50", "vgg16"})
 _SMALL_IMAGE_MODELS = frozenset({"linear", "mlp", "cnn"})
 
