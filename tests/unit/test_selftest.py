@@ -1,5 +1,5 @@
 """The self-test's report: merging every rank's outcomes into one row per check."""
-from multigpu.selftest import format_table, merge
+from multigpu.doctor.selftest import format_table, merge
 
 
 def test_merge_names_the_failing_rank_and_keeps_rank_0s_detail_otherwise():
@@ -30,7 +30,7 @@ def test_table_aligns_columns():
 
 def test_a_cause_is_one_line_with_the_type_only_where_it_tells_something():
     from multigpu.core.errors import UsageError
-    from multigpu.selftest import CheckFailed, cause
+    from multigpu.doctor.selftest import CheckFailed, cause
 
     assert cause(RuntimeError("saving x failed on rank 0: disk full\nmore")) == (
         "saving x failed on rank 0: disk full")

@@ -62,8 +62,8 @@ def main(args) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="multigpu-test-logs-")
     result = Path(log_dir) / "selftest.json"
     result.unlink(missing_ok=True)
-    # what `multigpu run -m multigpu.selftest` starts: the watchdog, then the module
-    cmd = launch.python_command("multigpu.launcher.worker", "-m", "multigpu.selftest",
+    # what `multigpu run -m multigpu.doctor.selftest` starts: the watchdog, then the module
+    cmd = launch.python_command("multigpu.launcher.worker", "-m", "multigpu.doctor.selftest",
                                 "--result", str(result))
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]

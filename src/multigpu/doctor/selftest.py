@@ -1,6 +1,6 @@
 """What `multigpu test` runs on every device: the checks of the self-test, one process per device.
 
-    python -P -m multigpu.launcher.worker -m multigpu.selftest --result FILE [--checkpoint-dir DIR]
+    python -P -m multigpu.launcher.worker -m multigpu.doctor.selftest --result FILE [--checkpoint-dir DIR]
 
 Started by the real launcher (`multigpu test` builds the same command as `multigpu run -m`). Every
 rank runs every check and records (check, status, detail); a check that fails records its cause
@@ -337,7 +337,7 @@ def run_all(args) -> list[tuple[str, str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="multigpu.selftest")
+    p = argparse.ArgumentParser(prog="multigpu.doctor.selftest")
     p.add_argument("--result", required=True, help="rank 0 writes the verdict here (JSON)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--timeout-minutes", type=float, default=2.0)
