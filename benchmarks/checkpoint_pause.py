@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from multigpu.checkpoint_store import CheckpointStore
-from multigpu.config import TrainConfig
-from multigpu.engine import StepSettings, train_step
-from multigpu.models import build_model, is_convnet
-from multigpu.runstate import RunState
-from multigpu.runtime import setup
-from multigpu.checkpointer import Checkpointer
-from multigpu.training import make_optimizer
+from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.config import TrainConfig
+from multigpu.train.engine import StepSettings, train_step
+from multigpu.train.models import build_model, is_convnet
+from multigpu.train.runstate import RunState
+from multigpu.core.runtime import setup
+from multigpu.train.checkpointer import Checkpointer
+from multigpu.train.training import make_optimizer
 
 
 class _Job:  # the parts of a training.Job that a Checkpointer reads

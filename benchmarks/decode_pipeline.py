@@ -22,8 +22,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from multigpu import imagefolder
-from multigpu.loaders import shard_loader
+from multigpu.train import imagefolder
+from multigpu.core.loaders import shard_loader
 
 
 def _write(args):

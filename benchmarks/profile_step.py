@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 4 benchmarks/profile_step.py --out DIR [--variant NAME]
 
-Runs `multigpu.engine.train_step` (ResNet-50, bf16, channels_last, synthetic data on the GPU),
+Runs `multigpu.train.engine.train_step` (ResNet-50, bf16, channels_last, synthetic data on the GPU),
 profiles a few steps with torch.profiler and reduces each rank's kernel timeline to a handful of
 numbers per step:
 - wall_ms: the step as the host measures it (synchronised);
@@ -23,11 +23,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import multigpu
-from multigpu.engine import StepSettings, train_step
+from multigpu.train.engine import StepSettings, train_step
 from multigpu.bench.spec import DDP_VARIANTS
-from multigpu.models import build_model
-from multigpu.config import TrainConfig
-from multigpu.training import ddp_options
+from multigpu.train.models import build_model
+from multigpu.train.config import TrainConfig
+from multigpu.train.training import ddp_options
 
 # "default" (multigpu train's DDP settings: training.ddp_options) or one of bench's multigpu-ddp:VARIANT settings.
 VARIANTS = ("default", *DDP_VARIANTS)

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _restore_environment():
-    from multigpu import console
+    from multigpu.core import console
 
     saved, printing = dict(os.environ), (console._enabled, console._say)
     yield

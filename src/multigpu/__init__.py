@@ -1,6 +1,6 @@
 """multigpu: PyTorch training from one GPU to every GPU of a machine, without the classic traps.
 
-The library API is `setup()` and the `Runtime` it returns; see `multigpu.runtime` for a full loop.
+The library API is `setup()` and the `Runtime` it returns; see `multigpu.core.runtime` for a full loop.
 """
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it. They are imported on first use (PEP 562), so that
-# `multigpu --help` and the CLI's usage errors answer without importing torch (about 1.5 s).
+# public name -> the module of the library (multigpu.core) that defines it. They are imported on
+# first use (PEP 562), so that `multigpu --help` and the CLI's usage errors answer without
+# importing torch (about 1.5 s).
 _EXPORTS = {
     "clean_state_dict": "checkpoint", "load_model_state": "checkpoint",
     "begin_step": "compiling", "compile_model": "compiling",
@@ -35,7 +36,7 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"multigpu.{module}"), name)
+    value = getattr(importlib.import_module(f"multigpu.core.{module}"), name)
     globals()[name] = value  # the next lookup skips this function
     return value
 
@@ -45,12 +46,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs, which do not run __getattr__
-    from multigpu.checkpoint import clean_state_dict, load_model_state
-    from multigpu.compiling import begin_step, compile_model
-    from multigpu.data import ShardedBatchSampler, StepInfo
-    from multigpu.distributed import DistEnv, destroy_distributed, init_distributed
-    from multigpu.errors import UsageError
-    from multigpu.metrics import Accuracy, MeanMetric, Sums, reduce_tensor
-    from multigpu.precision import Precision
-    from multigpu.runtime import Runtime, setup
-    from multigpu.strategies import DDPOptions, FSDPOptions, unwrap_model
+    from multigpu.core.checkpoint import clean_state_dict, load_model_state
+    from multigpu.core.compiling import begin_step, compile_model
+    from multigpu.core.data import ShardedBatchSampler, StepInfo
+    from multigpu.core.distributed import DistEnv, destroy_distributed, init_distributed
+    from multigpu.core.errors import UsageError
+    from multigpu.core.metrics import Accuracy, MeanMetric, Sums, reduce_tensor
+    from multigpu.core.precision import Precision
+    from multigpu.core.runtime import Runtime, setup
+    from multigpu.core.strategies import DDPOptions, FSDPOptions, unwrap_model

@@ -1,6 +1,7 @@
 import sys
 
-from multigpu import folder_users, orphans
+from multigpu.train import folder_users
+from multigpu.core import orphans
 
 # A worker of multigpu's launcher (`multigpu train` on several devices) watches its launcher from
 # here, before the CLI and torch are imported: one killed during start-up ends it too. It holds

@@ -126,7 +126,7 @@ class Probe(nn.Module):
 def check_replica_threads():
     import threading
 
-    from multigpu.strategies.replica_threads import worker_threads
+    from multigpu.core.strategies.replica_threads import worker_threads
 
     torch.backends.cudnn.benchmark = True  # stays on for dp now: the threads keep their cache
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # exact grads

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from multigpu import devices
+from multigpu.launcher import devices
 from tests.gpu.conftest import gpu_env
 from tests.multiproc.conftest import GPU_MACHINE_ENV
 

@@ -92,6 +92,6 @@ def test_setup_changes_nothing_of_the_process_unless_asked(tmp_path, asked):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     states = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for state in states:
-        assert (state["excepthook_by"] == "multigpu.distributed") is asked, state
+        assert (state["excepthook_by"] == "multigpu.core.distributed") is asked, state
         assert state["atexit_added"] == (1 if asked else 0) and state["env_changed"] == [], state
     assert "Traceback" not in proc.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from multigpu.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoint_store import CheckpointStore
 
 from .conftest import cli_env
 

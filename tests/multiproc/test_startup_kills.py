@@ -250,7 +250,7 @@ import sys, time
 
 class _Slow:
     def find_spec(self, name, path=None, target=None):
-        if name == "multigpu.watchdog":
+        if name == "multigpu.launcher.watchdog":
             print("importing multigpu.watchdog", file=sys.stderr, flush=True)
             time.sleep(60)
         return None

@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from multigpu import console
-from multigpu.distributed import DistEnv
-from multigpu.errors import Api, Text, UsageError
-from multigpu.flagwords import FLAGS, say
+from multigpu.core import console
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import Api, Text, UsageError
+from multigpu.train.flagwords import FLAGS, say
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "multigpu"
+SRC = Path(__file__).resolve().parents[2] / "src" / "multigpu" / "core"  # the library
 
 
 def flags_in(text: str) -> list[str]:
@@ -125,7 +125,7 @@ def test_no_message_of_the_library_names_a_flag():
 def test_every_flag_of_the_table_is_one_that_multigpu_train_takes():
     import argparse
 
-    from multigpu.config import add_config_arguments
+    from multigpu.train.config import add_config_arguments
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
@@ -136,13 +136,13 @@ def test_every_flag_of_the_table_is_one_that_multigpu_train_takes():
 # --- the mistakes -------------------------------------------------------------------------------
 
 def _strategy(name: str):
-    from multigpu.strategies import registry
+    from multigpu.core.strategies import registry
 
     return registry.info(name).load()
 
 
 def _fsdp_offload_on_cpu():
-    from multigpu.strategies import FSDPOptions
+    from multigpu.core.strategies import FSDPOptions
 
     _strategy("fsdp").create(DistEnv(), options=FSDPOptions(cpu_offload=True))
 
@@ -157,7 +157,7 @@ class _HalfUsed(nn.Module):
 
 
 def _half_used_backward():
-    from multigpu.strategies.ddp import DDP
+    from multigpu.core.strategies.ddp import DDP
 
     model = _HalfUsed()
     model(torch.randn(3, 4)).sum().backward()
@@ -167,7 +167,7 @@ def _half_used_backward():
 def _precision_without_bf16():
     from unittest import mock
 
-    from multigpu.precision import Precision
+    from multigpu.core.precision import Precision
 
     with mock.patch("torch.cuda.is_bf16_supported", return_value=False), \
             mock.patch("torch.cuda.get_device_name", return_value="Tesla V100-SXM2-32GB"):
@@ -175,7 +175,7 @@ def _precision_without_bf16():
 
 
 def _cuda_without_gpus():
-    from multigpu.distributed import _resolve_accelerator
+    from multigpu.core.distributed import _resolve_accelerator
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
@@ -183,6 +183,6 @@ def _cuda_without_gpus():
 
 
 def _no_step_left():
-    from multigpu.data import plan_global_steps
+    from multigpu.core.data import plan_global_steps
 
     plan_global_steps(3, 8, 1, drop_last=True)

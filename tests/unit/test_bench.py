@@ -7,9 +7,9 @@ import pytest
 
 from multigpu.bench import report, runner, spec, stats
 from multigpu.bench.spec import BenchSettings, Task
-from multigpu.devices import DevicePlan
-from multigpu.errors import UsageError
-from multigpu.flagwords import say
+from multigpu.launcher.devices import DevicePlan
+from multigpu.core.errors import UsageError
+from multigpu.train.flagwords import say
 
 SYNTHETIC = {"synthetic": ("synthetic", 1000)}  # data kind -> (Task.data, num_outputs)
 REAL = {"real": ("folder:/x", 10)}
@@ -182,7 +182,7 @@ def test_nccl_only_variants_are_skipped_on_cpu_with_the_reason():
 
 
 def test_nccl_max_ctas_without_nccl_is_a_usage_error():
-    from multigpu.distributed import nccl_group_with_max_ctas
+    from multigpu.core.distributed import nccl_group_with_max_ctas
 
     with pytest.raises(UsageError, match=r"nccl_max_ctas=8 needs the NCCL backend .* leave it "
                                          r"unset on CPU"):
@@ -303,17 +303,17 @@ def test_the_worker_compiles_the_prepared_model_as_train_does(monkeypatch):
     ("multigpu-ddp:bucket25-ctas8", {"bucket_cap_mb": 25, "nccl_max_ctas": 8}),
 ])
 def test_the_worker_builds_a_ddp_variant_with_its_ddp_options(monkeypatch, method, options):
-    import multigpu.runtime
+    import multigpu.core.runtime
     from multigpu.bench import worker
-    from multigpu.strategies import DDPOptions
+    from multigpu.core.strategies import DDPOptions
 
-    runtimes, setup = [], multigpu.runtime.setup
+    runtimes, setup = [], multigpu.core.runtime.setup
 
     def recording_setup(*args, **kwargs):
         runtimes.append(setup(*args, **kwargs))
         return runtimes[-1]
 
-    monkeypatch.setattr(multigpu.runtime, "setup", recording_setup)
+    monkeypatch.setattr(multigpu.core.runtime, "setup", recording_setup)
     task = Task(method, "mlp", 4, 1, 8, "fp32", "synthetic", 1000, 1, 1, 1)
     prep = worker.build(task, "cpu")  # one process: DDP has nothing to wrap, the options still hold
     assert prep.step() == 4
@@ -589,7 +589,7 @@ def test_machine_label():
 
 def test_jpeg_folder_is_generated_once_in_imagefolder_layout(tmp_path):
     from multigpu.bench import realdata
-    from multigpu.datasets import load_data
+    from multigpu.train.datasets import load_data
 
     folder = realdata.ensure_image_folder(tmp_path, 30, 16, workers=1)
     again = realdata.ensure_image_folder(tmp_path, 20, 16, workers=1)
@@ -613,7 +613,7 @@ def _fake_launch(monkeypatch, outcomes):
     """launch() that, as the worker does, writes a begin record for each of the first `begun` tasks
     of each job (default: `done`, plus the one that failed when `rc` is not 0) and a result for
     each of the first `done`, then returns `rc`. outcomes: (done, rc) or (done, rc, begun)."""
-    import multigpu.launch
+    import multigpu.launcher.launch
 
     calls = []
 
@@ -630,7 +630,7 @@ def _fake_launch(monkeypatch, outcomes):
                     f.write(json.dumps({"kind": "task", "key": key, "rank": 0}) + "\n")
         return rc
 
-    monkeypatch.setattr(multigpu.launch, "launch", launch)
+    monkeypatch.setattr(multigpu.launcher.launch, "launch", launch)
     return calls
 
 
@@ -692,7 +692,7 @@ def test_the_failure_is_blamed_on_the_task_begun_last_without_a_result(tmp_path)
 
 def test_a_failure_in_interleaved_trials_drops_that_set_and_the_next_sets_still_run(
         monkeypatch, tmp_path):
-    import multigpu.launch
+    import multigpu.launcher.launch
 
     t1, t2, t3, t4 = tasks = _group().tasks
     tasks[2:] = [dataclasses.replace(t, batch_size=8) for t in (t3, t4)]  # a second set
@@ -713,7 +713,7 @@ def test_a_failure_in_interleaved_trials_drops_that_set_and_the_next_sets_still_
                 f.write(json.dumps({"kind": "task", "key": k, "rank": 0}) + "\n")
         return 0
 
-    monkeypatch.setattr(multigpu.launch, "launch", launch)
+    monkeypatch.setattr(multigpu.launcher.launch, "launch", launch)
     group = spec.Group(1, 0, tasks)
     rep, got = {"launches": [], "notes": []}, runner.Collected()
     assert runner.run_group(0, group, DevicePlan("cpu", (), 1), tmp_path, rep, got, lambda: None)
@@ -795,7 +795,7 @@ def test_real_kinds_are_one_folder_decoded_three_ways():
 
 
 def test_nccl_max_ctas_below_one_is_refused_when_the_options_are_made():
-    from multigpu.strategies import DDPOptions
+    from multigpu.core.strategies import DDPOptions
 
     with pytest.raises(UsageError, match=r"DDPOptions\(nccl_max_ctas=0\): give at least 1"):
         DDPOptions(nccl_max_ctas=0)

@@ -57,7 +57,7 @@ def test_usage_errors_import_no_heavy_module(argv, message):
 
 def test_package_exports_load_on_first_use():
     code = ("import sys, multigpu; before = 'torch' in sys.modules; "
-            "from multigpu import setup, Accuracy; import multigpu.runtime as r; "
+            "from multigpu import setup, Accuracy; import multigpu.core.runtime as r; "
             "print(before, setup is r.setup, 'torch' in sys.modules, sorted(multigpu.__all__) "
             "== [n for n in dir(multigpu) if n in multigpu.__all__])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

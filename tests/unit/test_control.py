@@ -5,9 +5,9 @@ import signal
 
 import pytest
 
-from multigpu.control import Cadence, Control, Decision
-from multigpu.distributed import DistEnv
-from multigpu.errors import UsageError
+from multigpu.train.control import Cadence, Control, Decision
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import UsageError
 
 
 class Clock:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from multigpu import imagefolder
-from multigpu.datasets import load_data
-from multigpu.errors import UsageError
+from multigpu.train import imagefolder
+from multigpu.train.datasets import load_data
+from multigpu.core.errors import UsageError
 
 # torchvision's path runs where torchvision imports (the GPU machines), PIL's everywhere
 DECODERS_HERE = ["pil"] + (["torchvision"] if imagefolder.default_decoder() == "torchvision" else [])
@@ -72,7 +72,7 @@ def test_bundled_digits_match_the_fixed_checksums():
 
 def test_bundled_digits_are_scikit_learns():
     import sklearn.datasets as sklearn_datasets  # the dev extra brings it: a failure, not a skip
-    from multigpu.datasets import digits_arrays
+    from multigpu.train.datasets import digits_arrays
 
     reference = sklearn_datasets.load_digits()
     pixels, labels = digits_arrays()
@@ -331,7 +331,7 @@ def test_an_unreadable_image_is_replaced_by_the_next_counted_and_named_once(tmp_
 
 
 def test_with_bad_images_fail_the_first_one_stops_with_its_name(tmp_path, decoder):
-    from multigpu.imagefolder import BadImageError
+    from multigpu.train.imagefolder import BadImageError
 
     _image_folder(tmp_path, bad=["train/b/0.png"])
     data = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8, bad_images="fail")

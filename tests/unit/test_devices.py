@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from multigpu import devices, leases
-from multigpu.devices import GIB, DevicePlan, GpuInfo, resolve_devices
-from multigpu.errors import UsageError
+from multigpu.launcher import devices, leases
+from multigpu.launcher.devices import GIB, DevicePlan, GpuInfo, resolve_devices
+from multigpu.core.errors import UsageError
 from tests.unit.test_leases import held_elsewhere
 
 
@@ -256,7 +256,7 @@ def test_a_gpu_a_sweep_leased_for_us_is_free(fake_gpus, monkeypatch):
 
 
 def _holder_seen_elsewhere(key):
-    code = f"from multigpu import leases; print(leases.holder({key!r}))"
+    code = f"from multigpu.launcher import leases; print(leases.holder({key!r}))"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip()
 

@@ -3,8 +3,8 @@ import re
 
 import torch
 
-from multigpu.data_bundle import IMAGENET_MEAN, IMAGENET_STD
-from multigpu.engine import StepSettings, prepare_inputs
+from multigpu.train.data_bundle import IMAGENET_MEAN, IMAGENET_STD
+from multigpu.train.engine import StepSettings, prepare_inputs
 
 
 def test_uint8_images_are_normalised_on_the_device_like_the_float_pipeline():
@@ -26,8 +26,8 @@ def test_float_inputs_pass_through_untouched():
 def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
     from types import SimpleNamespace
 
-    from multigpu.config import TrainConfig
-    from multigpu.training import oom_message as _oom_message
+    from multigpu.train.config import TrainConfig
+    from multigpu.train.training import oom_message as _oom_message
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -70,7 +70,7 @@ class Wrapper(torch.nn.Module):  # holds its model as `.module`, as DDP and Data
 
 def test_every_step_of_a_compiled_model_marks_a_new_cuda_graph_step_before_its_forward(monkeypatch):
     import multigpu
-    from multigpu.engine import evaluate, train_step
+    from multigpu.train.engine import evaluate, train_step
 
     log = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: log.append("mark"))
@@ -90,9 +90,9 @@ def test_every_step_of_a_compiled_model_marks_a_new_cuda_graph_step_before_its_f
 def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run():
     import pytest
 
-    from multigpu import compiling
-    from multigpu.errors import UsageError
-    from multigpu.flagwords import say
+    from multigpu.core import compiling
+    from multigpu.core.errors import UsageError
+    from multigpu.train.flagwords import say
 
     def refused(*args, **kwargs) -> UsageError:
         with pytest.raises(UsageError) as caught:
@@ -126,7 +126,8 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run
 
 
 def test_compile_auto_uses_cuda_graphs_only_where_they_work_and_pay():
-    from multigpu import compiling, training
+    from multigpu.train import training
+    from multigpu.core import compiling
 
     long_run = training.AUTO_MIN_STEPS
     assert training.auto_mode("cuda", "ddp", 1, long_run) == (
@@ -145,7 +146,7 @@ def test_compile_auto_uses_cuda_graphs_only_where_they_work_and_pay():
 
 
 def test_the_compile_cache_goes_to_a_per_user_folder_unless_one_is_set(tmp_path):
-    from multigpu import compiling
+    from multigpu.core import compiling
 
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     compiling.use_persistent_cache(env)
@@ -188,7 +189,7 @@ class _SlowStep(torch.nn.Module):
 
 def test_an_epoch_says_which_share_of_its_time_went_to_waiting_for_batches():
     import multigpu
-    from multigpu.engine import train_epoch
+    from multigpu.train.engine import train_epoch
 
     rt = multigpu.setup("single", "fp32", accelerator="cpu")
     shares = {}

@@ -3,7 +3,8 @@ optimizer-step hook that must not disturb torch's loop over the global hooks, no
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from multigpu import orphans, trainloop
+from multigpu.train import trainloop
+from multigpu.core import orphans
 
 
 class _Control:

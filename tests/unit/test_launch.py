@@ -7,11 +7,11 @@ import socket
 
 import pytest
 
-from multigpu import launch, launch_failures, ports, sysinfo
-from multigpu import scripts
-from multigpu.devices import DevicePlan
-from multigpu.errors import UsageError
-from multigpu.launch import LaunchOptions, plan_rendezvous, torchrun_argv
+from multigpu.launcher import launch, launch_failures, ports, sysinfo
+from multigpu.launcher import scripts
+from multigpu.launcher.devices import DevicePlan
+from multigpu.core.errors import UsageError
+from multigpu.launcher.launch import LaunchOptions, plan_rendezvous, torchrun_argv
 
 CPU2 = DevicePlan("cpu", (), 2)
 
@@ -545,7 +545,7 @@ def test_a_second_rank_failing_like_the_console_rank_is_not_printed_again(tmp_pa
     and points at rank 0's traceback above instead of printing the same one again."""
     from types import SimpleNamespace
 
-    from multigpu import launch_failures
+    from multigpu.launcher import launch_failures
 
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 3\nRuntimeError: Expected to have finished reduction"
     texts = {1: tb, 0: tb.replace("line 3", "line 4")}

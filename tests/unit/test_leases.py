@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from multigpu import leases
+from multigpu.launcher import leases
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +25,7 @@ def held_elsewhere(*keys, note="multigpu sweep sweeps/ts"):
     """A separate process that leases `keys` (in this $MULTIGPU_LEASE_DIR) and sleeps until killed."""
     code = textwrap.dedent(f"""
         import time
-        from multigpu import leases
+        from multigpu.launcher import leases
         assert leases.try_lease({list(keys)!r}, {note!r}).fds()
         print("ready", flush=True)
         time.sleep(120)
@@ -112,7 +112,7 @@ def test_the_folder_is_shared_by_every_user(lease_dir):
 
 
 def test_keys():
-    from multigpu.devices import GpuInfo
+    from multigpu.launcher.devices import GpuInfo
 
     assert leases.gpu_key(GpuInfo(3, "H200", 0, 1, uuid="GPU-9f")) == "gpu-GPU-9f"
     assert leases.gpu_key(GpuInfo(3, "H200", 0, 1)) == "gpu-3"

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from multigpu import loggers
-from multigpu.errors import UsageError
+from multigpu.core import loggers
+from multigpu.core.errors import UsageError
 
 
 def scalars(folder):

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu import training
-from multigpu.config import TrainConfig
+from multigpu.train import training
+from multigpu.train.config import TrainConfig
 
 FUSED, FOREACH = {"fused": True}, {"foreach": True}
 # strategy -> whether its prepared parameters are DTensors (fsdp shards them; the others keep

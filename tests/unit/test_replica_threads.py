@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from multigpu.strategies import replica_threads
+from multigpu.core.strategies import replica_threads
 
 
 @pytest.fixture(autouse=True)

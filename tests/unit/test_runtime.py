@@ -7,8 +7,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import multigpu
-from multigpu.errors import UsageError
-from multigpu.strategies.dp import CheckedDataParallel
+from multigpu.core.errors import UsageError
+from multigpu.core.strategies.dp import CheckedDataParallel
 
 
 def train(batch_size, accumulate, n=10, epochs=2):

@@ -1,5 +1,5 @@
 """The self-test's report: merging every rank's outcomes into one row per check."""
-from multigpu.selftest import format_table, merge
+from multigpu.doctor.selftest import format_table, merge
 
 
 def test_merge_names_the_failing_rank_and_keeps_rank_0s_detail_otherwise():
@@ -29,8 +29,8 @@ def test_table_aligns_columns():
 
 
 def test_a_cause_is_one_line_with_the_type_only_where_it_tells_something():
-    from multigpu.errors import UsageError
-    from multigpu.selftest import CheckFailed, cause
+    from multigpu.core.errors import UsageError
+    from multigpu.doctor.selftest import CheckFailed, cause
 
     assert cause(RuntimeError("saving x failed on rank 0: disk full\nmore")) == (
         "saving x failed on rank 0: disk full")
@@ -41,7 +41,7 @@ def test_a_cause_is_one_line_with_the_type_only_where_it_tells_something():
 
 
 def test_auto_without_a_gpu_is_two_cpu_processes_and_says_why(monkeypatch):
-    from multigpu import devices
+    from multigpu.launcher import devices
     from multigpu.cli.selftest import choose_devices
 
     def no_driver():

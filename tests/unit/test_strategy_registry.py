@@ -7,15 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from multigpu import compiling
+from multigpu.core import compiling
 from multigpu.cli import strategy_checks
-from multigpu.config import add_config_arguments
-from multigpu.errors import UsageError
-from multigpu.flagwords import say
-from multigpu.models import build_model
-from multigpu.strategies import STRATEGIES, registry
-from multigpu.checkpoint import named_optimizer_state, numbered_optimizer_state
-from multigpu.strategies.fsdp import FSDPOptions, shard_units
+from multigpu.train.config import add_config_arguments
+from multigpu.core.errors import UsageError
+from multigpu.train.flagwords import say
+from multigpu.train.models import build_model
+from multigpu.core.strategies import STRATEGIES, registry
+from multigpu.core.checkpoint import named_optimizer_state, numbered_optimizer_state
+from multigpu.core.strategies.fsdp import FSDPOptions, shard_units
 
 
 def test_every_registered_strategy_loads_its_class_under_its_name_and_is_offered_by_train():
@@ -111,7 +111,7 @@ def test_optimizer_state_by_name_and_by_number_convert_both_ways():
 def test_convnets_train_channels_last_on_gpus_except_under_fsdp():
     from types import SimpleNamespace
 
-    from multigpu.training import uses_channels_last
+    from multigpu.train.training import uses_channels_last
 
     def rt(device, strategy):
         return SimpleNamespace(device=torch.device(device), strategy=SimpleNamespace(name=strategy))

@@ -6,8 +6,8 @@ import textwrap
 import pytest
 
 from multigpu.cli.sweep import _split_rest, parse_duration
-from multigpu.configfile import read_mapping
-from multigpu.errors import UsageError
+from multigpu.train.configfile import read_mapping
+from multigpu.core.errors import UsageError
 from multigpu.sweep import pool as pools
 from multigpu.sweep import spec as specs
 from multigpu.sweep.state import SweepFolder, last_error_line

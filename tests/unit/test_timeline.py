@@ -1,7 +1,7 @@
 import pytest
 
-from multigpu import timeline
-from multigpu.timeline import Timeline, command_start, mark_command_start
+from multigpu.train import timeline
+from multigpu.train.timeline import Timeline, command_start, mark_command_start
 
 
 class Clock:

@@ -7,7 +7,7 @@
     multigpu bench --model mlp --devices cpu:2 --gpus 1,2 --steps 3 --image-size 8   # CPU smoke test
 
 Methods (one training step each, same model object, same data, same seed):
-    multigpu-single   multigpu.engine.train_step on one GPU (strategy single): the reference
+    multigpu-single   multigpu.train.engine.train_step on one GPU (strategy single): the reference
     multigpu-dp       the same step, strategy dp (nn.DataParallel in one process)
     multigpu-ddp      the same step, strategy ddp (one process per GPU)
     multigpu-ddp:V    the same with one DDP setting changed (spec.DDP_VARIANTS), timed in turns
@@ -18,7 +18,7 @@ Methods (one training step each, same model object, same data, same seed):
 
 How it runs (module by module):
     spec.py     flags -> BenchSettings -> Tasks grouped into launches (fewest process starts)
-    runner.py   the parent: starts each group through multigpu.launch, collects, writes reports
+    runner.py   the parent: starts each group through multigpu.launcher.launch, collects, writes reports
     worker.py   inside each launched process: builds and warms up the tasks that differ only in
                 the method, then times their trials in turns (drift hits them alike)
     peers.py    the three peer recipes

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from multigpu.bench.measure import Prepared, describe_optimizer, synthetic_batch
 from multigpu.bench.spec import Task
-from multigpu.models import build_model, is_convnet
-from multigpu.model_names import precision_for
-from multigpu.precision import resolve_precision
+from multigpu.train.models import build_model, is_convnet
+from multigpu.train.model_names import precision_for
+from multigpu.core.precision import resolve_precision
 
 SEED = 0  # same initial weights as multigpu's setup(seed=0)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from multigpu.bench.measure import Prepared
-from multigpu.training import MAX_WORKERS, PREFETCH_FACTOR
+from multigpu.train.training import MAX_WORKERS, PREFETCH_FACTOR
 
 CLASSES = 10
 VAL_PER_CLASS = 8  # unused by the bench, but load_data needs val/ (and one sample per GPU)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from multigpu import fileio
+from multigpu.core import fileio
 from multigpu.bench import stats, telemetry
 from multigpu.bench.spec import REAL_DECODE, Task, base_method
 
@@ -140,7 +140,7 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from multigpu.console import console as shared
+    from multigpu.core.console import console as shared
 
     # Our own console: a log file or pipe gets 140 columns instead of rich's default 80.
     console = Console(highlight=False, width=None if shared.is_terminal else 140)
@@ -247,7 +247,7 @@ def _plot_batch_sweep(rows: list[dict], left, right) -> None:
 def plot(report: dict, path: Path) -> Path:
     """Two panels: throughput (with ideal linear scaling) and efficiency, against the GPU count,
     or against the batch size for a batch sweep at one GPU count."""
-    from multigpu.extras import require
+    from multigpu.core.extras import require
 
     matplotlib = require("matplotlib", "the benchmark plot", extra="bench")
     matplotlib.use("Agg")

@@ -13,13 +13,13 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from multigpu import compiling, console
+from multigpu.core import compiling, console
 from multigpu.bench import realdata, report, stats, telemetry
 from multigpu.bench.spec import (NUM_CLASSES, REAL_DECODE, BenchSettings, Group, Task, gpu_counts,
                                  plan_groups)
-from multigpu.devices import DevicePlan, resolve_devices
-from multigpu.errors import UsageError
-from multigpu.extras import MissingExtra
+from multigpu.launcher.devices import DevicePlan, resolve_devices
+from multigpu.core.errors import UsageError
+from multigpu.core.extras import MissingExtra
 
 MAX_ATTEMPTS = 3  # per group: after a failed task (see blamed()), the rest is started again
 # Exit codes of a launch stopped because *we* got SIGINT/SIGTERM (Ctrl-C, `timeout`): stop there.
@@ -69,7 +69,7 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]
     """(folder, classes): --data folder:PATH's, or the cached JPEG folder, generated when missing
     (one image size, so one folder, for all)."""
     if s.folder:
-        from multigpu.imagefolder import load_folder
+        from multigpu.train.imagefolder import load_folder
 
         # Its layout checked here, in one line, not in every worker; the model's head its classes.
         return Path(s.folder).expanduser(), load_folder(s.folder, 224).num_outputs
@@ -86,7 +86,7 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]
 
 
 def _default_size(model: str) -> int:
-    from multigpu.models import default_image_size
+    from multigpu.train.models import default_image_size
 
     return default_image_size(model)
 
@@ -180,7 +180,7 @@ def run_group(index: int, group: Group, plan: DevicePlan, work: Path, rep: dict,
               got_all: Collected, save) -> bool:
     """Launch the group's tasks; on a failure, note it and start the rest again. False = stop.
     `save()` is called after every launch, so the JSON always holds every finished task."""
-    from multigpu.launch import LaunchOptions, launch
+    from multigpu.launcher.launch import LaunchOptions, launch
 
     remaining = list(group.tasks)
     for attempt in range(MAX_ATTEMPTS):

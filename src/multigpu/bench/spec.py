@@ -25,10 +25,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field, replace
 
-from multigpu import compiling
-from multigpu.errors import UsageError
-from multigpu.extras import install_hint
-from multigpu.strategies import STRATEGIES
+from multigpu.core import compiling
+from multigpu.core.errors import UsageError
+from multigpu.core.extras import install_hint
+from multigpu.core.strategies import STRATEGIES
 
 OURS_PREFIX = "multigpu-"  # multigpu-<strategy>: `multigpu train`'s step under that strategy
 OURS = tuple(OURS_PREFIX + name for name in STRATEGIES)  # the methods --compile applies to
@@ -236,7 +236,7 @@ def parse_folder(text: str) -> str | None:
 
 
 def parse_models(text: str) -> tuple[str, ...]:
-    from multigpu.model_names import model_input_kind
+    from multigpu.train.model_names import model_input_kind
 
     models = tuple(dict.fromkeys(m.strip() for m in str(text).split(",") if m.strip()))
     if not models:
@@ -388,6 +388,6 @@ class _TaskMaker:
 
 
 def _default_image_size(model: str) -> int:
-    from multigpu.model_names import default_image_size
+    from multigpu.train.model_names import default_image_size
 
     return default_image_size(model)

@@ -34,16 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from multigpu import console, flagwords
+from multigpu.train import flagwords
+from multigpu.core import console
 from multigpu.bench import measure, realdata, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
 from multigpu.bench.spec import OURS, OURS_PREFIX, Task, base_method, strategy_of, variant_of
-from multigpu.strategies import STRATEGIES
+from multigpu.core.strategies import STRATEGIES
 
 
 def _config(task: Task, strategy: str):
-    from multigpu.config import TrainConfig
-    from multigpu.model_names import precision_for
+    from multigpu.train.config import TrainConfig
+    from multigpu.train.model_names import precision_for
 
     data = task.data if task.data.startswith("folder:") else "digits"  # synthetic: unused by it
     return TrainConfig(model=task.model, data=data, batch_size=task.batch_size, optimizer="sgd",
@@ -52,10 +53,10 @@ def _config(task: Task, strategy: str):
 
 
 def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
-    from multigpu.engine import StepSettings, train_step
-    from multigpu.models import build_model
-    from multigpu.runtime import setup
-    from multigpu.training import build_job, compile_prepared, make_optimizer, uses_channels_last
+    from multigpu.train.engine import StepSettings, train_step
+    from multigpu.train.models import build_model
+    from multigpu.core.runtime import setup
+    from multigpu.train.training import build_job, compile_prepared, make_optimizer, uses_channels_last
 
     cfg = _config(task, strategy)
     one_process = STRATEGIES[strategy].one_process  # drives its GPUs itself: name them
@@ -99,7 +100,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
 
 def ddp_options(task: Task):
     """The DDPOptions `multigpu train` uses, with a multigpu-ddp variant's changes on top."""
-    from multigpu.training import ddp_options as train_options
+    from multigpu.train.training import ddp_options as train_options
 
     options = train_options(_config(task, "ddp"))
     variant = variant_of(task.method)
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{sum(rec['samples']) / seconds:,.0f} samples/s, "
                          f"{1000 * seconds / (task.steps * task.trials):.1f} ms/step "
                          "(rank 0's clock; the table uses the slowest rank)")
-    from multigpu.distributed import destroy_distributed
+    from multigpu.core.distributed import destroy_distributed
 
     destroy_distributed(wait_for_peers=True)  # a clean end: see distributed.py
     return 0

@@ -14,8 +14,8 @@ import sys
 import time
 import traceback
 
-from multigpu.errors import Stopped, UsageError
-from multigpu.provenance import PrintVersion
+from multigpu.core.errors import Stopped, UsageError
+from multigpu.train.provenance import PrintVersion
 
 # name -> module under multigpu.cli; the order is the order in --help.
 COMMANDS = {
@@ -87,7 +87,7 @@ def unknown_option_message(parser: argparse.ArgumentParser, command: str | None,
 def _leave_error_file(text: str) -> bool:
     """Under the launcher, what this worker failed with, for the launcher's report, which reads
     local rank 0 (its own output went to the console) only from there; whether it was written."""
-    from multigpu.watchdog import write_error_file
+    from multigpu.launcher.watchdog import write_error_file
 
     return write_error_file(text.rstrip())
 
@@ -97,7 +97,7 @@ def _left_to_the_report(text: str) -> bool:
     "Connection closed by peer") is not printed: its traceback is in the error file, and the
     launcher's report names the rank that failed first and shows this one's if it is to blame.
     Rank 0's console otherwise shows 40 lines of it above a bad input's one-line error."""
-    from multigpu.launch_failures import REPORTS_ENV, left_to_the_report
+    from multigpu.launcher.launch_failures import REPORTS_ENV, left_to_the_report
 
     return left_to_the_report(text, ours=os.environ.get(REPORTS_ENV) == "1")
 
@@ -105,7 +105,7 @@ def _left_to_the_report(text: str) -> bool:
 def _mark_failed() -> None:
     """Tell a live process group not to wait for the other ranks at exit (without importing
     torch for commands that never loaded it)."""
-    distributed = sys.modules.get("multigpu.distributed")
+    distributed = sys.modules.get("multigpu.core.distributed")
     if distributed is not None:
         distributed.mark_failed()
 
@@ -114,7 +114,7 @@ def one_line(exc: BaseException) -> str:
     """The message of a UsageError, the library's API names said as flags (flagwords); one raised
     in a DataLoader worker arrives wrapped in the worker's traceback ("Caught X in DataLoader
     worker process 0. Original Traceback ..."), whose last line is the message."""
-    from multigpu.flagwords import say
+    from multigpu.train.flagwords import say
 
     text = say(exc)
     if "Original Traceback" not in text:

@@ -12,8 +12,8 @@ import signal
 import sys
 
 from multigpu.bench.spec import DDP_VARIANTS, DEFAULT_METHODS, METHODS
-from multigpu.compiling import MODES as COMPILE_MODES
-from multigpu.model_names import MODEL_NAMES
+from multigpu.core.compiling import MODES as COMPILE_MODES
+from multigpu.train.model_names import MODEL_NAMES
 
 EXAMPLES = """\
 examples:
@@ -105,7 +105,7 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu import console
+    from multigpu.core import console
 
     settings = settings_from_args(args)
     from multigpu.bench import report, run_bench  # torch: only once the flags are known good

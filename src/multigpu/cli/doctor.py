@@ -23,10 +23,11 @@ import argparse
 import os
 from pathlib import Path
 
-from multigpu import configfile, console
-from multigpu.config import TrainConfig, add_config_arguments, config_from_args
-from multigpu.errors import UsageError
-from multigpu.flagwords import say
+from multigpu.train import configfile
+from multigpu.core import console
+from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args
+from multigpu.core.errors import UsageError
+from multigpu.train.flagwords import say
 
 AUTO_PROBE_BATCH = 32
 DEFAULT_TRIAL_TIMEOUT = 300.0  # seconds: the start-up and first steps of most scripts, with room
@@ -64,7 +65,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.doctor.findings import report
+    from multigpu.train.findings import report
 
     script = list(args.script)
     if script[:1] == ["--"]:
@@ -88,11 +89,11 @@ def main(args: argparse.Namespace) -> int:
 def _script_checks(args, script: list[str]):
     from multigpu.doctor.script_checks import script_findings
     from multigpu.doctor.shell_checks import file_crlf_finding
-    from multigpu.doctor.setup_checks import device_findings, launch_env_findings
+    from multigpu.train.setup_checks import device_findings, launch_env_findings
 
     given = script  # what the trial starts: a module stays a module (its relative imports)
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
-        from multigpu.scripts import module_source
+        from multigpu.launcher.scripts import module_source
 
         source = module_source(script[1])
         if source is None:
@@ -125,9 +126,9 @@ def _script_checks(args, script: list[str]):
 def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     """The script run up to its --steps-th optimizer step on every device, as multigpu run
     starts it; not when a check above failed (it would hang or crash) or for a shell script."""
-    from multigpu import devices, launch
-    from multigpu.scripts import local_rank_args, script_command
-    from multigpu.doctor.findings import Finding
+    from multigpu.launcher import devices, launch
+    from multigpu.launcher.scripts import local_rank_args, script_command
+    from multigpu.train.findings import Finding
     from multigpu.doctor.script_trial import trial_findings
 
     if failed:
@@ -141,16 +142,16 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
         if not python:
             return [Finding("ok", "script run", "not run: a shell script; doctor runs a Python "
                                                 "script or module given after --")]
-    cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args("auto", path))
+    cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args("auto", path))
     devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
     return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout)
 
 
 def _train_checks(args):
     from multigpu.cli.train import check_resume, validate
-    from multigpu.doctor import setup_checks
-    from multigpu.doctor.findings import Finding
-    from multigpu.strategies import registry
+    from multigpu.train import setup_checks
+    from multigpu.train.findings import Finding
+    from multigpu.core.strategies import registry
 
     cfg: TrainConfig = config_from_args(args)
     try:
@@ -190,9 +191,9 @@ def _train_checks(args):
 
 def _plan_checks(cfg: TrainConfig, plan):
     """The last step of each epoch and the validation sharding, from the data's real sizes."""
-    from multigpu.doctor.findings import Finding
-    from multigpu.doctor.setup_checks import eval_coverage_finding, last_step_finding
-    from multigpu.training import load_run_data
+    from multigpu.train.findings import Finding
+    from multigpu.train.setup_checks import eval_coverage_finding, last_step_finding
+    from multigpu.train.training import load_run_data
 
     try:
         data = load_run_data(cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from multigpu import sysinfo
+from multigpu.launcher import sysinfo
 from multigpu.cli.gpus import gpu_rows
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from multigpu import checkpoint_schema as schema
-from multigpu.errors import UsageError
+from multigpu.core import checkpoint_schema as schema
+from multigpu.core.errors import UsageError
 
 EXAMPLES = """\
 examples:
@@ -35,7 +35,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu import checkpoint
+    from multigpu.core import checkpoint
 
     given = Path(args.out) if args.out else None
     if given is not None:
@@ -63,14 +63,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _newest(source: str):
-    from multigpu import console
-    from multigpu.runstate import load_source
+    from multigpu.core import console
+    from multigpu.train.runstate import load_source
 
     return load_source(source, console.warn, flag="export")  # shards verified too
 
 
 def _whole(state: dict, path: Path, scratch: Path) -> dict:
-    from multigpu import sharded_checkpoint
+    from multigpu.core import sharded_checkpoint
 
     if not state.get(schema.SHARDS):
         return state

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from multigpu import devices
+from multigpu.launcher import devices
 
 GIB = devices.GIB
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from multigpu.errors import UsageError
-from multigpu.runfolder import METRICS
+from multigpu.core.errors import UsageError
+from multigpu.train.runfolder import METRICS
 
 EXAMPLES = """\
 examples:
@@ -31,7 +31,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu import plots
+    from multigpu.train import plots
 
     runs = [Path(r) for r in args.runs]
     for run in runs:

@@ -21,9 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-from multigpu import devices, launch
-from multigpu.errors import UsageError
-from multigpu.scripts import local_rank_args, module_source, script_command
+from multigpu.launcher import devices, launch
+from multigpu.core.errors import UsageError
+from multigpu.launcher.scripts import local_rank_args, module_source, script_command
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -61,8 +61,8 @@ def main(args) -> int:
             raise UsageError(f"script {target!r} not found (in {os.getcwd()}); give the path of a "
                              "Python script, or -m package.module to run a module")
         cmd, python = script_command(source)
-    if python:  # through multigpu.worker: the hang watchdog, then the script as python runs it
-        cmd = launch.python_command("multigpu.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
+    if python:  # through multigpu.launcher.worker: the hang watchdog, then the script as python runs it
+        cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
     if source is not None:
         check_source(source, plan, args.master_port)
@@ -74,7 +74,7 @@ def main(args) -> int:
 def check_source(source: Path, plan, master_port: int | None) -> None:
     """The traps the script's source shows, said once before any process starts; one that is
     certain to hang until --hang-timeout (it sets MASTER_PORT itself) refuses the launch."""
-    from multigpu.doctor.findings import warn_all
+    from multigpu.train.findings import warn_all
     from multigpu.doctor.script_checks import script_findings
 
     try:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from multigpu import devices
+from multigpu.launcher import devices
 
 DEFAULT_HANG_TIMEOUT = 60.0  # a check stuck in a collective is named after this long
 
@@ -56,14 +56,14 @@ def choose_devices(spec: str, min_free_memory: float) -> devices.DevicePlan:
 
 
 def main(args) -> int:
-    from multigpu import launch  # imports torch only when a test is run
+    from multigpu.launcher import launch  # imports torch only when a test is run
 
     plan = choose_devices(args.devices, args.min_free_memory)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="multigpu-test-logs-")
     result = Path(log_dir) / "selftest.json"
     result.unlink(missing_ok=True)
-    # what `multigpu run -m multigpu.selftest` starts: the watchdog, then the module
-    cmd = launch.python_command("multigpu.worker", "-m", "multigpu.selftest",
+    # what `multigpu run -m multigpu.doctor.selftest` starts: the watchdog, then the module
+    cmd = launch.python_command("multigpu.launcher.worker", "-m", "multigpu.doctor.selftest",
                                 "--result", str(result))
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]

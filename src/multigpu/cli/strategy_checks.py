@@ -5,8 +5,8 @@ builds the strategy, name setup()'s arguments instead.
 """
 from __future__ import annotations
 
-from multigpu.errors import UsageError
-from multigpu.strategies import registry
+from multigpu.core.errors import UsageError
+from multigpu.core.strategies import registry
 
 
 def check_flags(name: str, given: set[str]) -> None:

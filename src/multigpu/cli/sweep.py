@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
 OPTIONS = ("devices", "devices_per_run", "max_parallel", "timeout", "retries", "metric",
@@ -106,7 +106,7 @@ def _resolve(args):
     file_path, command = _split_rest(args.rest)
     spec, options = specs.SweepSpec([]), {}
     if file_path:
-        from multigpu.configfile import read_mapping
+        from multigpu.train.configfile import read_mapping
 
         spec, options = specs.from_mapping(read_mapping(file_path, "sweep file"), file_path)
         unknown = sorted(set(options) - set(OPTIONS))
@@ -201,7 +201,7 @@ def _check_program(program: str) -> None:
 
 
 def _default_per_run() -> str:
-    from multigpu import devices
+    from multigpu.launcher import devices
 
     try:
         return "1" if devices.visible_gpus(devices.query_gpus(), devices.user_cuda_visible()) else "cpu:1"

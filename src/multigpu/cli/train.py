@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from multigpu import checkpoint_schema as schema
-from multigpu import compiling, configfile, console, devices, provenance, timeline
+from multigpu.core import checkpoint_schema as schema
+from multigpu.train import configfile, provenance, timeline
+from multigpu.launcher import devices
+from multigpu.core import compiling, console
 from multigpu.cli import strategy_checks
-from multigpu.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
-from multigpu.errors import UsageError
+from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
+from multigpu.core.errors import UsageError
 
 EXAMPLES = """\
 examples:
@@ -34,7 +36,7 @@ examples:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from multigpu.launch import add_launch_arguments
+    from multigpu.launcher.launch import add_launch_arguments
 
     p = subparsers.add_parser(
         "train", help="train a built-in model on built-in or folder data",
@@ -61,11 +63,11 @@ _LIMITS = {"epochs": (1, True), "batch_size": (1, True), "accumulate": (1, True)
 
 def validate(cfg: TrainConfig) -> None:
     """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
-    from multigpu import loggers
-    from multigpu.control import Cadence
-    from multigpu.data_specs import check_spec
-    from multigpu.folder_layout import check_root
-    from multigpu.model_names import check_input_kind, model_input_kind
+    from multigpu.core import loggers
+    from multigpu.train.control import Cadence
+    from multigpu.train.data_specs import check_spec
+    from multigpu.train.folder_layout import check_root
+    from multigpu.train.model_names import check_input_kind, model_input_kind
 
     for name, (low, inclusive) in _LIMITS.items():
         value = getattr(cfg, name)
@@ -95,8 +97,8 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
     """A launch stopped by a stop signal (launch.stopped_by_signal: Ctrl-C, a scheduler's
     SIGTERM) while its ranks were only exiting, every epoch and the last checkpoint complete,
     finished: exit 0, saying so. A rank's own death by a signal keeps its code."""
-    from multigpu import runfolder
-    from multigpu.launch import stopped_by_signal
+    from multigpu.train import runfolder
+    from multigpu.launcher.launch import stopped_by_signal
 
     if not stopped_by_signal(code) or (done := runfolder.finished_checkpoint(out, epochs)) is None:
         return code
@@ -107,15 +109,15 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.doctor.setup_checks import refuse_stale_worker_env
-    from multigpu.launch import in_worker, launch, options_from_args, python_command, stopped_by_signal
-    from multigpu import runfolder
-    from multigpu.folder_users import OUT_RESERVED_ENV
+    from multigpu.train.setup_checks import refuse_stale_worker_env
+    from multigpu.launcher.launch import in_worker, launch, options_from_args, python_command, stopped_by_signal
+    from multigpu.train import runfolder
+    from multigpu.train.folder_users import OUT_RESERVED_ENV
 
     cfg = config_from_args(args)
     refuse_stale_worker_env(os.environ, console.warn)  # trap 8: LOCAL_RANK left by a launch
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
-        from multigpu.trainloop import run_training
+        from multigpu.train.trainloop import run_training
 
         run_training(cfg, launch=provenance.from_env(), process_started=args.started_at)
         return 0
@@ -150,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
         return _finished_before_the_signal(code, out, cfg.epochs)
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
-    from multigpu.trainloop import run_training
+    from multigpu.train.trainloop import run_training
 
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
@@ -167,7 +169,7 @@ def _resume_line(out: Path, typed: list[str]) -> str | None:
     checksum of a large file holds the exit), when there is one."""
     import shlex
 
-    from multigpu.checkpoint_store import CheckpointStore
+    from multigpu.train.checkpoint_store import CheckpointStore
 
     try:
         complete = CheckpointStore(schema.checkpoints_folder(out)).newest_complete()
@@ -190,7 +192,7 @@ def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:
     is stopped by a signal, before its first epoch: the outermost folder of --out that is new, or the new folder under runs/
     (runs/ may be there already); of an empty folder the user made, only what the run wrote in
     it. Never a run that trained, nor on several nodes (node 0 owns the shared folder)."""
-    from multigpu import runfolder
+    from multigpu.train import runfolder
 
     target = runfolder.out_for(cfg)  # None: a new folder under runs/
     made = _first_missing(Path(target) if target else Path("runs"))
@@ -229,9 +231,9 @@ def check_resume(cfg: TrainConfig) -> None:
     """A --resume that cannot be used fails here, before a run folder is made (its checkpoint is
     read twice: here and on rank 0). Skipped when --out already has checkpoints of its own: the
     run goes on from those."""
-    from multigpu.checkpoint_store import CheckpointStore
-    from multigpu.runfolder import CONFIG
-    from multigpu.runstate import load_source
+    from multigpu.train.checkpoint_store import CheckpointStore
+    from multigpu.train.runfolder import CONFIG
+    from multigpu.train.runstate import load_source
 
     if not cfg.resume:
         return
@@ -253,7 +255,7 @@ def check_resume(cfg: TrainConfig) -> None:
 def _nothing_trained_in(cfg: TrainConfig) -> bool:
     """--resume of a run folder in which nothing was trained (a launch killed or stopped during
     start-up): the run starts from scratch in it, said in one line; whether that is the case."""
-    from multigpu import runfolder
+    from multigpu.train import runfolder
 
     source = Path(cfg.resume)
     if not (source.is_dir() and runfolder.untrained_run_folder(source)
@@ -275,8 +277,8 @@ def _json_field(path: Path, key: str):
 
 
 def _plan_devices(cfg: TrainConfig):
-    from multigpu.devices import resolve_devices
-    from multigpu.strategies import registry
+    from multigpu.launcher.devices import resolve_devices
+    from multigpu.core.strategies import registry
 
     strategy = registry.info(cfg.strategy)
     plan = resolve_devices(cfg.devices, one_process=strategy.one_process,
@@ -289,7 +291,7 @@ def _plan_devices(cfg: TrainConfig):
     strategy_checks.check_accelerator(cfg.strategy, plan.accelerator,
                                       auto_batch=cfg.batch_size == "auto")
     if cfg.fsdp_cpu_offload and plan.accelerator != "cuda":
-        from multigpu.strategies.fsdp import OFFLOAD_NEEDS_GPUS
+        from multigpu.core.strategies.fsdp import OFFLOAD_NEEDS_GPUS
         raise UsageError(OFFLOAD_NEEDS_GPUS)
     if cfg.decode == "gpu" and plan.accelerator != "cuda" and cfg.data.startswith("folder:"):
         raise UsageError(f"--decode gpu decodes JPEGs on GPUs, and this run is on {plan.accelerator}: "

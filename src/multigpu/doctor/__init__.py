@@ -1,12 +1,15 @@
 """`multigpu doctor`: the traps of docs/traps.md looked for before a run, one line each.
 
-- findings.py: a Finding (ok / warn / fail, the check, the cause and the fix) and how it is shown;
+- multigpu.train.findings: a Finding (ok / warn / fail, the check, the cause and the fix) and how
+  it is shown;
 - script_checks.py: a user's Python script read (never run) for the traps a source shows, through
   pysource.py (its imports, bindings and calls, parsed with ast);
 - script_trial.py: then the script run through the launcher up to its first optimizer step(s),
-  and what its ranks saw there (multigpu.trial in each worker);
+  and what its ranks saw there (multigpu.launcher.trial in each worker);
 - shell_checks.py: the same for a shell script or a file on a command line (CRLF, old launcher);
-- setup_checks.py: the launch environment, the devices and the plan of a `multigpu train` run;
+- multigpu.train.setup_checks: the launch environment, the devices and the plan of a `multigpu
+  train` run (in the train layer, below: the training loop says its last-step line with it);
+- selftest.py: what `multigpu test` runs in each worker (collectives, DDP steps, checkpoints);
 - probe.py: one real training and evaluation step: peak memory, unused parameters, the batch
   that fits.
 

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from multigpu import batchfit
-from multigpu.config import TrainConfig
-from multigpu.doctor.findings import Finding
-from multigpu.engine import prepare_inputs
+from multigpu.train import batchfit
+from multigpu.train.config import TrainConfig
+from multigpu.train.findings import Finding
+from multigpu.train.engine import prepare_inputs
 
 GIB = 2**30
 
@@ -23,9 +23,9 @@ GIB = 2**30
 def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
                    find_batch: bool = True) -> list[Finding]:
     """Findings of one step on the plan's first device (a GPU) or the CPU."""
-    from multigpu.model_names import precision_for
-    from multigpu.runtime import setup
-    from multigpu.training import build_job
+    from multigpu.train.model_names import precision_for
+    from multigpu.core.runtime import setup
+    from multigpu.train.training import build_job
 
     cuda = plan.accelerator == "cuda"
     rt = setup("single", precision_for(cfg.precision, cfg.model), devices=[plan.gpu_ids[0]] if cuda else None,

@@ -11,11 +11,11 @@ import ast
 import functools
 from pathlib import Path
 
-from multigpu.doctor.findings import Finding
+from multigpu.train.findings import Finding
 from multigpu.doctor.pysource import Source, code, const, dotted, kw, method
-from multigpu.doctor.setup_checks import LAUNCH_VARS
+from multigpu.train.setup_checks import LAUNCH_VARS
 from multigpu.doctor.shell_checks import is_python, shell_findings
-from multigpu.scripts import LOCAL_RANK_FLAGS, detect_local_rank_flag
+from multigpu.launcher.scripts import LOCAL_RANK_FLAGS, detect_local_rank_flag
 
 _WRAPPER_NAMES = {"dp": "DataParallel", "ddp": "DDP"}
 _MOVES = ("cuda", "to")

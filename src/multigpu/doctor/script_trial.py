@@ -21,8 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from multigpu import launch, trial
-from multigpu.doctor.findings import Finding
+from multigpu.launcher import launch, trial
+from multigpu.train.findings import Finding
 
 GIB = 2**30
 BACKSTOP_GRACE = 15.0  # seconds past the ranks' own time limit (and their wait for each other)

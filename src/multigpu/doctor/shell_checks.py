@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from multigpu.doctor.findings import Finding
-from multigpu.scripts import is_python, shebang  # noqa: F401 (doctor's checks use both)
+from multigpu.train.findings import Finding
+from multigpu.launcher.scripts import is_python, shebang  # noqa: F401 (doctor's checks use both)
 
 _SHELL_SUFFIXES = (".sh", ".bash", ".zsh", ".ksh")
 

@@ -16,8 +16,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from multigpu import devices, leases
-from multigpu.errors import UsageError
+from multigpu.launcher import devices, leases
+from multigpu.core.errors import UsageError
 
 
 @dataclass(frozen=True)

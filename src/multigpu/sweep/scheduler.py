@@ -23,9 +23,10 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from multigpu import ports, runfolder
-from multigpu.checkpoint_schema import checkpoints_folder
-from multigpu.errors import UsageError
+from multigpu.train import runfolder
+from multigpu.launcher import ports
+from multigpu.core.checkpoint_schema import checkpoints_folder
+from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep.pool import Pool, Unit
 from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail

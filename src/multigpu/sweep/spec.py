@@ -26,7 +26,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from multigpu.errors import UsageError
+from multigpu.core.errors import UsageError
 
 BUILTINS = ("out", "name", "port", "devices")
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -232,7 +232,7 @@ def train_flags(command: list[str]) -> set[str] | None:
         return None
     from dataclasses import fields
 
-    from multigpu.config import TrainConfig
+    from multigpu.train.config import TrainConfig
 
     return {f.name for f in fields(TrainConfig)}
 

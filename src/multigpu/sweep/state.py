@@ -23,8 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from multigpu import fileio
-from multigpu.errors import UsageError
+from multigpu.core import fileio
+from multigpu.core.errors import UsageError
 
 SWEEP_JSON, LOCK, LOG = "sweep.json", "sweep.lock", "sweep.log"
 STATUSES = ("done", "running", "failed", "stopped", "pending")

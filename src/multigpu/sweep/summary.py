@@ -33,8 +33,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from multigpu import fileio
-from multigpu.extras import MissingExtra, require
+from multigpu.core import fileio
+from multigpu.core.extras import MissingExtra, require
 from multigpu.sweep.state import format_duration
 
 SUMMARY_CSV, SUMMARY_MD, SUMMARY_PNG = "summary.csv", "summary.md", "summary.png"

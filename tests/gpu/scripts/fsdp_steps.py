@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 import multigpu
-from multigpu.checkpoint import to_cpu
-from multigpu.config import TrainConfig
-from multigpu.models import build_model
-from multigpu.training import make_optimizer
+from multigpu.core.checkpoint import to_cpu
+from multigpu.train.config import TrainConfig
+from multigpu.train.models import build_model
+from multigpu.train.training import make_optimizer
 
 name, precision = sys.argv[1], sys.argv[2]
 extras = sys.argv[3].split(",") if len(sys.argv) > 3 else []

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import multigpu
-from multigpu.strategies import DDPOptions
+from multigpu.core.strategies import DDPOptions
 
 
 class Net(nn.Module):

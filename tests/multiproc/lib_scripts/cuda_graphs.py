@@ -17,10 +17,10 @@ from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 
 import multigpu
-from multigpu.engine import StepSettings, evaluate, train_step
-from multigpu.models import build_model
-from multigpu.config import TrainConfig
-from multigpu.training import ddp_options
+from multigpu.train.engine import StepSettings, evaluate, train_step
+from multigpu.train.models import build_model
+from multigpu.train.config import TrainConfig
+from multigpu.train.training import ddp_options
 
 rt = multigpu.setup("ddp", "fp32", accelerator="cuda", seed=0,
                     ddp=ddp_options(TrainConfig(model="cnn")))

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import multigpu
-from multigpu.strategies import DDPOptions
-from multigpu.strategies.ddp import DDP
+from multigpu.core.strategies import DDPOptions
+from multigpu.core.strategies.ddp import DDP
 
 rt = multigpu.setup("ddp", accelerator="cuda", seed=0)
 torch.manual_seed(0)

@@ -1,0 +1,337 @@
+"""What the launcher says when a launch fails: which rank failed first and why, a hang's summary,
+a rendezvous that did not complete. Pure text from torchrun's failure objects and the logs."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from multigpu.launcher import ports, watchdog
+from multigpu.launcher.ports import Rendezvous, parse_nnodes
+
+if TYPE_CHECKING:
+    from multigpu.launcher.launch_options import LaunchOptions
+
+
+def err(msg: str) -> None:
+    print(f"multigpu: {msg}", file=sys.stderr, flush=True)
+
+
+def _checks(opts: LaunchOptions, rdzv: Rendezvous) -> str:
+    slurm = (" Under SLURM start it with srun --ntasks-per-node=1."
+             if "SLURM_JOB_ID" in os.environ else "")
+    return (f"Check that every node runs the same command with --nnodes {opts.nnodes} and the same "
+            f"rendezvous {rdzv.endpoint}, that this address and port are reachable from every node "
+            f"(firewall), and that each node has its own --node-rank 0..N-1.{slurm}")
+
+
+def rendezvous_timeout_message(opts: LaunchOptions, rdzv: Rendezvous, joined: list[str]) -> str:
+    lo, _ = parse_nnodes(opts.nnodes)
+    seen = (f"{len(joined)} of {lo} nodes joined ({', '.join(n.rsplit('_', 2)[0] for n in joined)})"
+            if joined else f"fewer than {lo} nodes joined")
+    return (f"the rendezvous at {rdzv.endpoint} did not complete within --start-timeout "
+            f"{opts.start_timeout:g} s: {seen}, expected {opts.nnodes}. {_checks(opts, rdzv)}")
+
+
+def rendezvous_failed_message(exc: BaseException, opts: LaunchOptions, rdzv: Rendezvous) -> str:
+    inner = exc.__cause__ or exc  # torchrun wraps the store's error; its first line says it
+    cause = (str(inner).strip().splitlines() or [type(inner).__name__])[0].rstrip(".")
+    port = rdzv.endpoint.rsplit(":", 1)[-1]
+    full = str(inner)
+    if "address already in use" in full.lower() or "EADDRINUSE" in full:
+        holder = ports.port_holder(int(port)) if port.isdigit() else None
+        return (f"port {port} of the rendezvous {rdzv.endpoint} is already in use"
+                f"{f' (held by {holder})' if holder else ''}; name another port with "
+                "--master-port, or leave it out on a single machine")
+    return (f"could not reach the rendezvous at {rdzv.endpoint} ({cause}). "
+            f"Node 0 must be started and listening there. {_checks(opts, rdzv)}")
+
+
+_COLLATERAL = re.compile(r"gloo|nccl|DistBackendError|DistNetworkError|Connection (reset|closed)|"
+                         r"Broken pipe|ProcessGroup|timed out|SIGTERM", re.IGNORECASE)
+# Set by the launcher in its workers' environment: it reports their failures, so a multigpu worker
+# whose error only echoes another rank's (is_echo) leaves its traceback to the error file and to
+# the report, instead of printing it above the report (cli.main).
+REPORTS_ENV = "MULTIGPU_LAUNCHER_REPORTS"
+
+
+def is_echo(text: str | None) -> bool:
+    """Whether an error's text ends on a communication error: most often the echo of a failure
+    on another rank (a peer gone, a collective that timed out)."""
+    lines = (text or "").strip().splitlines()
+    return bool(lines and _COLLATERAL.search(lines[-1]))
+
+
+def left_to_the_report(text: str | None, ours: bool) -> bool:
+    """Whether a worker's error stays off its console, for the report to show: an echo (is_echo)
+    in one of multigpu's own workers (`ours`: REPORTS_ENV in the worker, `on_usage_error` given
+    in the launcher), unless --debug (MULTIGPU_DEBUG, set in both) wants every traceback."""
+    return ours and not os.environ.get("MULTIGPU_DEBUG") and is_echo(text)
+
+
+def restart_note(env=os.environ) -> str | None:
+    """What rank 0 of a restarted `multigpu train` (--max-restarts) says first: which restart this
+    is, what the failed attempt's first error of its own was, and where that attempt's output is.
+    The full report comes only when no restart is left, and a worker's echo of another rank's
+    failure stays off the console (REPORTS_ENV)."""
+    try:
+        count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if count <= 0:
+            return None
+        note = (f"restart {count} of {env.get('TORCHELASTIC_MAX_RESTARTS', '?')} (--max-restarts): "
+                "the previous attempt failed")
+        # <run dir>/attempt_<n>/<local rank>/error.json: this node's folder of the attempt before
+        here = env.get("TORCHELASTIC_ERROR_FILE")
+        folder = Path(here).parents[1].with_name(f"attempt_{count - 1}") if here else None
+        if folder is None or not folder.is_dir():
+            return note
+        cause = _first_error(folder)
+        return (note + (f" ({cause})" if cause else "")
+                + f"; the output and errors of this node's ranks in it: {folder}")
+    except (OSError, ValueError, IndexError):  # a note must never stop the training
+        return None
+
+
+def say_next_step(next_step: Callable[[], str | None] | None) -> None:
+    """The launch's `next_step` line, if it has one (launch.launch)."""
+    line = next_step() if next_step is not None else None
+    if line:
+        err(line)
+
+
+class RestartsSaid:
+    """With --max-restarts, one warning line from the launcher each time the agent restarts the
+    workers: which rank failed first and how ("rank 1 (pid N) was killed by SIGKILL"). The agent
+    says nothing of it itself (its logs are off, agent_hooks.quiet_torchelastic), so its check of the
+    workers is wrapped for the launch (private torch API; without it, no line: the restarted
+    rank 0's restart_note still says which attempt this is)."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+
+    def __enter__(self):
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        self._cls, self._original = LocalElasticAgent, LocalElasticAgent.__dict__.get("_monitor_workers")
+        if self.max_restarts > 0 and self._original is not None:
+            said, original = self, self._original
+
+            def monitor(agent, worker_group):
+                result = original(agent, worker_group)
+                left = getattr(agent, "_remaining_restarts", 0)
+                if result.is_failed() and left > 0 and result.failures:
+                    err(f"warning: {restart_line(result.failures, said.max_restarts - left + 1, said.max_restarts)}")
+                return result
+            LocalElasticAgent._monitor_workers = monitor
+        return self
+
+    def __exit__(self, *exc):
+        if self._original is not None:
+            self._cls._monitor_workers = self._original
+
+
+def restart_line(failures: dict, restart: int, total: int) -> str:
+    """'rank R (pid N) was killed by SIGKILL; restarting all workers (restart 1 of 2)', for the
+    rank that failed first of its own (not stopped by the agent's SIGTERM)."""
+    own = [(r, f) for r, f in failures.items() if f.exitcode != -signal.SIGTERM] or list(failures.items())
+    rank, first = min(own, key=lambda item: getattr(item[1], "timestamp", 0))
+    how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    return f"rank {rank} (pid {first.pid}) {how}; restarting all workers (restart {restart} of {total})"
+
+
+def _first_error(attempt: Path) -> str | None:
+    """'local rank K: <its error's last line>' for the first rank of an attempt folder whose error
+    file holds an error of its own (not an echo), by the files' times; None without one."""
+    found = []
+    for path in attempt.glob("*/error.json"):
+        try:
+            text = _error_text(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+        if text and text.strip() and not is_echo(text):
+            found.append((path.stat().st_mtime, path.parent.name, text.strip().splitlines()[-1]))
+    if not found:
+        return None
+    _, rank, line = min(found)
+    return f"local rank {rank}: {line[:200]}"
+
+
+def _error_text(data: dict) -> str | None:
+    """The error in a torchelastic error file's data: multigpu's plain message, or @record's
+    traceback; None for none ("<NONE>": torchrun's placeholder)."""
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        return str((msg.get("extraInfo") or {}).get("py_callstack") or msg.get("message") or "")
+    if isinstance(msg, str) and msg and msg != "<NONE>":
+        return msg
+    return None
+
+
+def report_child_failed(exc, log_dir: str, node: str | None = None,
+                        on_usage_error: Callable[[], None] | None = None, since: float | None = None,
+                        ours: bool | None = None) -> int:
+    """Print which rank failed first and its traceback; return the exit code to use. The ranks
+    are global ranks; `node` names this node in a launch of several ('node 1 (host)'); `since`:
+    when the launch began (time.time()), to tell its logs from earlier launches'. When the
+    failure is bad input said in one line (see _usage_error), only that line is printed and
+    `on_usage_error` is called: the logs then hold nothing more than that line. Pass it only for
+    workers that are multigpu's own commands (exit 2: they said a `multigpu: error:` line).
+    `ours`: the workers leave an echo of another rank's failure to this report (REPORTS_ENV);
+    by default, where `on_usage_error` is given."""
+    ours = on_usage_error is not None if ours is None else ours
+    failures = list(exc.failures.items())  # in the order the agent saw them fail
+    launch = _launch_folders(log_dir, [f for _, f in failures], since)
+    texts = {rank: _failure_text(f, launch) for rank, f in failures}
+    hang = next((texts[r] for r, f in failures if f.exitcode == watchdog.EXIT_HANG and texts[r]
+                 and texts[r].startswith(watchdog.HANG_HEADER)), None)
+    if hang is not None:
+        err("\nmultigpu: ".join(hang.splitlines() + [f"logs of every rank: {log_dir}"]))
+        return watchdog.EXIT_HANG
+
+    def blame(item) -> tuple[int, int]:
+        """Lowest first: a rank's own error; killed by a signal other than the agent's SIGTERM
+        (the OOM killer's SIGKILL, a segfault); one we cannot read (on the console); a
+        communication error, most often the echo of a crash elsewhere; stopped by the agent."""
+        rank, f = item
+        text = texts[rank]
+        if f.exitcode == -signal.SIGTERM:
+            score = 4
+        elif f.exitcode < 0:
+            score = 1
+        elif text is None:
+            score = 2
+        else:
+            score = 3 if _echo(f, text) else 0
+        return score, failures.index(item)
+
+    usage = _usage_error(failures, texts, ours=on_usage_error is not None)
+    if usage is not None:  # bad input: one line, as in one process (rank 0's is on the console)
+        line, said = usage
+        every_rank_shown = bool(_stderr_logs(launch, 0))  # --tee: rank 0 logged, all on the console
+        if not said and line and not every_rank_shown:
+            print(line, file=sys.stderr, flush=True)
+        if on_usage_error is not None:
+            on_usage_error()
+        return 2
+
+    rank, first = min(failures, key=blame)
+    what = _how(first).replace("exit", "exit code")
+    on = f" on {node}" if node else ""
+    lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
+    logged = _stderr_logs(launch, first.local_rank)
+    # Local rank 0 without --tee writes to the console, unless its error was left to this report.
+    twin = _same_error_shown_above(failures, texts, rank, launch)
+    if first.exitcode < 0 and not texts[rank]:  # a signal: Python printed nothing
+        lines.append(f"{first.signal_name()} ended it, so it left no traceback"
+                     + (" (kill -9, or the kernel's out-of-memory killer: `dmesg` says which)"
+                        if first.exitcode == -signal.SIGKILL else ""))
+    elif not logged and not left_to_the_report(texts[rank], ours=ours):
+        lines.append("its traceback is in its output above")
+    elif twin is not None:  # two ranks failed the same way: one traceback on the console is enough
+        lines.append(f"its error is the one rank {twin} printed above: {_last_line(texts[rank])}")
+    elif texts[rank]:
+        lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
+    else:
+        lines.append("it wrote no traceback to stderr; see its logs")
+    others = [f"rank {r} ({_how(f)})" for r, f in failures if r != rank]
+    if others:
+        lines.append("also stopped: " + ", ".join(others))
+    lines.append(f"logs of every rank: {log_dir}")
+    err("\nmultigpu: ".join(lines))
+    return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
+
+
+def _same_error_shown_above(failures: list, texts: dict, rank: int, launch: list[Path]) -> int | None:
+    """The rank on the console (local rank 0, without --tee) that failed on its own with the
+    error `rank` failed with (the same last line), or None."""
+    line = _last_line(texts[rank])
+    if line is None or _stderr_logs(launch, 0):
+        return None
+    for r, f in failures:
+        if r != rank and f.local_rank == 0 and f.exitcode > 0 and not _echo(f, texts[r]) \
+                and _last_line(texts[r]) == line:
+            return r
+    return None
+
+
+def _last_line(text: str | None) -> str | None:
+    lines = [line for line in (text or "").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else None
+
+
+def _usage_error(failures: list, texts: dict, ours: bool) -> tuple[str, bool] | None:
+    """When every failed rank ended with one `multigpu: error: ...` line (a UsageError: exit 2),
+    that line (None: only on the console) and whether local rank 0, whose output is on the
+    console, said one too; else None. Ranks that only echo the failure (stopped by the agent's
+    SIGTERM, or a communication error as their last line) do not count against it: one rank may
+    meet a bad file mid-epoch. `ours`: the workers are multigpu's own commands, whose exit 2 always
+    said such a line, also where it went to the console and cannot be read back."""
+    lines, console = [], False
+    for rank, f in failures:
+        text = (texts[rank] or "").strip()
+        said = "\n" not in text and text.startswith("multigpu: error: ")
+        # A rank the agent stopped while it was exiting on its own line (after printing it, it
+        # still tears down) said that line: it is counted, so local rank 0's is not said twice.
+        one_line = (f.exitcode == 2 and (not text or said)) or (f.exitcode == -signal.SIGTERM and said)
+        if not one_line:
+            if _echo(f, text):
+                continue  # checked only here: a usage error may name a timeout
+            return None
+        console = console or f.local_rank == 0
+        lines += [text] if text else []
+    if not lines and not (ours and console):  # nothing said it: the full report, pointing at the console
+        return None
+    return (lines[0] if lines else None), console
+
+
+def _echo(failure, text: str | None) -> bool:
+    """A rank that only echoes a failure elsewhere: stopped by the agent's SIGTERM, or ended on a
+    communication error (a lost peer)."""
+    return failure.exitcode == -signal.SIGTERM or is_echo(text)
+
+
+def _failure_text(failure, launch: list[Path], max_lines: int = 60) -> str | None:
+    """The error a failed rank left: its error file (multigpu's workers and @record write one)
+    or the end of its stderr log; from its last traceback on, at most `max_lines` lines."""
+    text = _error_text(getattr(failure, "error_file_data", None) or {})
+    if text is None and (logs := _stderr_logs(launch, failure.local_rank)):
+        text = logs[-1].read_text(errors="replace")
+    text = (text or "").rstrip()
+    if text.startswith(watchdog.HANG_HEADER):  # the watchdog's summary: a line per rank, whole
+        return text
+    start = text.rfind("Traceback (most recent call last)")
+    lines = (text[start:] if start >= 0 else text).splitlines()
+    return "\n".join(lines[-max_lines:]) or None
+
+
+def _launch_folders(log_dir: str, failures: list, since: float | None) -> list[Path]:
+    """The folders of this launch's logs under log_dir (torchrun's <run id>_<suffix>/, holding
+    attempt_<n>/<local rank>/). Where a failed rank left an error file, its path names the folder
+    (torch keeps the path only where the file exists); else the folders made or written to since
+    the launch began at `since` (time.time()); else every one. A run resumed in its folder has the
+    earlier launches' logs beside this one's: another launch's --tee must not count."""
+    files = [Path(str(getattr(f, "error_file", ""))) for f in failures]
+    named = {p.parent.parent.parent for p in files
+             if p.name == "error.json" and p.parent.parent.name.startswith("attempt_")}
+    if named:
+        return sorted(named)
+    folders = sorted(p for p in Path(log_dir).glob("*") if p.is_dir())
+    ours = [p for p in folders if since is not None and p.stat().st_mtime >= since - 1]
+    return ours or folders
+
+
+def _stderr_logs(launch: list[Path], local_rank: int) -> list[Path]:
+    """stderr.log files of a local rank in this launch's folders, oldest attempt first (none: it
+    wrote to the console)."""
+    return sorted((p for folder in launch for p in folder.glob(f"attempt_*/{local_rank}/stderr.log")),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def _how(failure) -> str:
+    return (f"signal {failure.signal_name()}" if failure.exitcode < 0
+            else f"exit {failure.exitcode}")

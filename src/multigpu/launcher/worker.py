@@ -1,0 +1,119 @@
+"""What `multigpu run` starts on every device: the watchdog, then the user's script, unchanged.
+
+    python -P -m multigpu.launcher.worker script.py ARGS...     (python -P -m multigpu.launcher.worker -m pkg.mod ARGS...)
+
+The script runs as `python script.py ARGS` would run it: `__name__ == "__main__"`, `sys.argv`,
+the script's folder first on sys.path (the current folder for -m), its exceptions and exit status;
+a UsageError of multigpu's (a mistake the library names, with its fix) is one line and exit 2,
+its traceback only with MULTIGPU_DEBUG=1 (`multigpu --debug run ...`). Under `multigpu doctor`
+the script runs as a trial (trial.py): stopped after its first optimizer step(s).
+`-P` keeps the current folder off sys.path while multigpu itself is imported, so a file named
+multigpu.py beside the user's script (pytorch/examples has one) cannot shadow this package.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import traceback
+
+from multigpu.core import orphans
+
+orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
+
+from multigpu.launcher import trial, watchdog  # noqa: E402
+from multigpu.core.errors import UsageError  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    watchdog.start_from_env(on_orphan=orphans.terminate_self)  # the script may catch SIGTERM
+    on_trial = trial.start_from_env()
+    store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
+    ended = {"clean": False}
+    # At exit, after the script's own atexit handlers (last registered, first run) and after
+    # Python has joined its non-daemon threads, which may still use the group.
+    atexit.register(_finish_group, ended, *store)
+    try:
+        _run_watched(argv, on_trial)
+    except SystemExit as exc:
+        ended["clean"] = exc.code in (None, 0)
+        raise
+    except UsageError as exc:  # multigpu's own one-line message for a mistake: no traceback
+        if os.environ.get("MULTIGPU_DEBUG"):
+            raise
+        from multigpu.core.distributed import mark_failed
+
+        mark_failed()
+        print(f"multigpu: error: {exc}", file=sys.stderr, flush=True)
+        watchdog.write_error_file(f"multigpu: error: {exc}")  # the report: said on the console
+        sys.exit(2)
+    except BaseException:
+        text = traceback.format_exc()
+        _leave_an_echo_to_the_report(text)
+        # its own error: on the console (or its log) as Python prints it, and in its error file,
+        # so that the report can tell another rank's same error from a new one
+        watchdog.write_error_file(text.rstrip())
+        raise
+    ended["clean"] = True
+
+
+def _leave_an_echo_to_the_report(text: str) -> None:
+    """A script's error that only echoes another rank's failure (a peer gone in a collective)
+    goes to this rank's error file, not the console: the launcher's report shows the rank that
+    failed first, and this one's traceback only if it is to blame (launch_failures)."""
+    from multigpu.launcher.launch_failures import REPORTS_ENV, left_to_the_report
+
+    if left_to_the_report(text, ours=os.environ.get(REPORTS_ENV) == "1") and \
+            watchdog.write_error_file(text.rstrip()):
+        from multigpu.core.distributed import mark_failed
+
+        mark_failed()  # its peers are gone: do not wait for them at exit
+        sys.exit(1)  # as the exception would end it, without its traceback on the console
+
+
+def _finish_group(ended: dict, addr: str | None, port: str | None) -> None:
+    """A script that ends with its process group alive (most do: destroy_process_group is easy to
+    forget) leaves the group to the interpreter's finalization, where gloo can abort while a peer
+    is still finishing ("terminate called without an active exception"): a finished rank
+    reported as failed. Torn down here instead, as multigpu's own runs do it: after a clean end
+    the ranks meet, then tear down. Never an error of its own: the script has succeeded."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        from multigpu.core.distributed import destroy_distributed
+
+        destroy_distributed(wait_for_peers=ended["clean"], store=(addr, port))
+    except Exception as exc:  # noqa: BLE001 - a teardown problem must not fail a finished rank
+        print(f"multigpu: note: tearing down the script's process group: {exc}", file=sys.stderr)
+
+
+def _run_watched(argv: list[str], on_trial) -> None:
+    """The script; under a doctor's trial, its end (or error) before the trial's last step is
+    written for the doctor."""
+    if on_trial is None:
+        return _run(argv)
+    try:
+        _run(argv)
+    except BaseException as exc:
+        on_trial.ended(exc)
+        raise
+    on_trial.ended(None)
+
+
+def _run(argv: list[str]) -> None:
+    if argv[:1] == ["-m"]:
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]  # runpy puts the module's path in argv[0]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script, args = argv[0], argv[1:]
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

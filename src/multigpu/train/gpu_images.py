@@ -1,0 +1,243 @@
+"""folder: images decoded on the GPU: nvJPEG through torchvision, and the crops done there too.
+
+With `--decode gpu` (or `auto` where it works) loader workers no longer decode: per sample they read
+the file and draw its augmentation (the crop box and flip the CPU path would draw, from the same
+seeded generator, so a sample's augmentation is a function of (seed, epoch, index) either way), and
+the batch leaves them still encoded, as one byte buffer. In a thread of its own, on its own
+stream, while the previous step computes (prefetch_thread), `decode_batch` decodes it with one
+batched `torchvision.io.decode_jpeg(..., device=cuda)` call (the hardware JPEG engines of
+A100/H100/H200, nvJPEG's CUDA decoder elsewhere), then crops, resizes (PIL's antialiased
+bilinear) and flips the whole batch on the GPU in a few batched kernels (crop_resize). Files that cannot take that way are decoded by the worker as before and join the batch
+decoded: not a JPEG, CMYK, progressive (nvJPEG decodes those on the host, slowly), no end-of-image
+marker (truncated), and the `cpu_share` of samples a hybrid leaves to the CPUs.
+
+Off CUDA (the CPU tests; torchvision's nvJPEG is not there) the same path runs with PIL decoding
+the bytes, so everything except the one decode call is exercised everywhere.
+
+torchvision's CUDA decoder allocates its outputs on the caller's stream but writes them from its
+own (pytorch/vision#9606): a block freed on the copy stream with kernels still queued that read it
+could be overwritten. The copy stream is synchronised before each decode, so nothing is queued.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from multigpu.train.crop_resize import crop_resize
+
+_END_OF_IMAGE = b"\xff\xd9"
+# Images a second, 500 x 375 JPEGs to 224 x 224, one H100 machine with 16 cores
+# (docs/performance.md): one loader worker (15 fed
+# ResNet-50 with CUDA graphs at 5338, 99 % of its synthetic speed), and nvJPEG with the crops
+# (about 5000 with nothing else running). See choose_share.
+CPU_WORKER_RATE, GPU_RATE = 350.0, 5000.0
+
+
+@dataclass
+class EncodedImage:
+    """One sample as a worker hands it over: the file's bytes and the augmentation to apply."""
+    data: torch.Tensor  # uint8, the whole file
+    box: tuple[int, int, int, int]  # left, top, width, height in the decoded image
+    flip: bool
+    index: int  # in the dataset: names the file if the GPU cannot decode it
+    seed: int  # drawn with the crop: the replacement's crop, should the file prove unreadable
+
+
+class ImageBatch:
+    """A batch of folder: images, some still encoded; `decode_batch` finishes it on the device."""
+
+    def __init__(self, samples: list):
+        self.count = len(samples)
+        encoded = [(i, s) for i, s in enumerate(samples) if isinstance(s, EncodedImage)]
+        decoded = [(i, s) for i, s in enumerate(samples) if not isinstance(s, EncodedImage)]
+        self.positions = [i for i, _ in encoded]
+        self.boxes = [s.box for _, s in encoded]
+        self.flips = [s.flip for _, s in encoded]
+        self.indices = [s.index for _, s in encoded]
+        self.seeds = [s.seed for _, s in encoded]
+        self.lengths = [s.data.numel() for _, s in encoded]
+        # One buffer: a batch crosses from the worker in one shared-memory tensor, not one per image.
+        self.data = torch.cat([s.data for _, s in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
+        self.decoded_at = [i for i, _ in decoded]
+        self.decoded = torch.stack([s for _, s in decoded]) if decoded else None
+
+    def pin_memory(self, device=None) -> "ImageBatch":
+        """DataLoader's pin_memory thread calls this: only the decoded pixels go by DMA; nvJPEG
+        stages the encoded bytes itself."""
+        if self.decoded is not None:
+            self.decoded = self.decoded.pin_memory()
+        return self
+
+    def encoded(self) -> list[torch.Tensor]:
+        return list(torch.split(self.data, self.lengths)) if self.lengths else []
+
+
+def collate(samples: list) -> tuple:
+    """The loader's collate_fn for folder: datasets: (images, labels), images an ImageBatch when
+    any sample is still encoded."""
+    labels = torch.stack([y for _, y in samples])
+    images = [x for x, _ in samples]
+    if all(isinstance(x, torch.Tensor) for x in images):
+        return torch.stack(images), labels
+    return ImageBatch(images), labels
+
+
+def gpu_readable(data: bytes | memoryview) -> tuple[int, int] | None:
+    """(width, height) of a JPEG the GPU path can take (baseline or extended, RGB or grey, ends
+    with its end marker), read from its header alone; None otherwise."""
+    from PIL import Image
+
+    if bytes(data[:2]) != b"\xff\xd8" or bytes(data[-2:]) != _END_OF_IMAGE:
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.info.get("progressive"):
+                return None
+            return image.size
+    except Exception:  # not an image PIL knows: the worker's own decode reports it
+        return None
+
+
+def workers_suffice(workers: int) -> bool:
+    """--decode auto leaves JPEGs to the loader workers alone where they decode at least as fast
+    as the GPU path would add (CPU_WORKER_RATE, GPU_RATE).
+
+    Why the workers alone where they can: one decode thread delivers about 3 700 of these images a
+    second on an H100, less than 15 workers do. Measured there, ResNet-50 batch 128: eager, all
+    three ways reach 93 % of synthetic; with CUDA graphs the workers alone 97-99 %, the hybrid
+    85 %, the GPU alone 67-73 % (a 10x shorter GIL switch interval changed nothing). The GPU path
+    is for machines with few cores per GPU."""
+    return workers * CPU_WORKER_RATE >= GPU_RATE
+
+
+def hybrid_share(workers: int) -> float:
+    """The share of images the loader workers decode under --decode auto where they do not
+    suffice alone: their speed over the sum of theirs and the GPU's, in hundredths."""
+    cpu = max(workers, 0) * CPU_WORKER_RATE
+    return round(cpu / (cpu + GPU_RATE), 2)
+
+
+def read_bytes(path: str) -> torch.Tensor:
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+
+
+def decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """uint8 (3, H, W) images on `device`: nvJPEG on CUDA devices, PIL elsewhere."""
+    if device.type != "cuda":
+        return [pil_decode(e).to(device) for e in encoded]
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    torch.cuda.current_stream(device).synchronize()  # see the module docstring
+    return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+
+
+def pil_decode(encoded: torch.Tensor) -> torch.Tensor:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(encoded.numpy().tobytes())) as image:
+        array = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
+def decode_batch(batch: ImageBatch, size: int, device: torch.device, fallback) -> tuple[torch.Tensor, dict]:
+    """(uint8 (N, 3, size, size) on `device`, {position: label} of replaced samples).
+    `fallback(index, seed, exc)` gives (image, label) of the sample that replaces a file neither
+    the device nor PIL could decode."""
+    out = torch.empty((batch.count, 3, size, size), dtype=torch.uint8, device=device)
+    replaced = {}
+
+    def replace(k: int, exc: BaseException) -> None:
+        replaced[k] = fallback(batch.indices[k], batch.seeds[k], exc)
+
+    images = _decode(batch, device, replace)
+    good = [k for k in range(len(images)) if k not in replaced]
+    if good:
+        pixels = crop_resize([images[k] for k in good], [batch.boxes[k] for k in good],
+                             [batch.flips[k] for k in good], size)
+        out[[batch.positions[k] for k in good]] = pixels.round_().clamp_(0, 255).to(torch.uint8)
+    for k, (image, _) in replaced.items():
+        out[batch.positions[k]] = image.to(device)
+    if batch.decoded is not None:
+        out[batch.decoded_at] = batch.decoded.to(device, non_blocking=True)
+    return out, {batch.positions[k]: label for k, (_, label) in replaced.items()}
+
+
+def _decode(batch: ImageBatch, device: torch.device, on_bad) -> list[torch.Tensor | None]:
+    """The batch's encoded images decoded on `device`, in one call when every file is good. A
+    file that fails there and in PIL goes to `on_bad(k, exc)`; the device running out of memory
+    or failing is raised, not blamed on a file."""
+    from PIL import Image
+
+    encoded = batch.encoded()
+    if not encoded:
+        return []
+    try:
+        return decode_jpegs(encoded, device)
+    except Exception as exc:  # one bad file fails the whole call (nvJPEG: RuntimeError): find it
+        _raise_if_device_failed(exc)
+    images = []
+    for k, data in enumerate(encoded):
+        try:
+            images.append(decode_jpegs([data], device)[0])
+            continue
+        except Exception as exc:
+            _raise_if_device_failed(exc)
+        try:
+            images.append(pil_decode(data).to(device))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:  # PIL's
+            on_bad(k, exc)
+            images.append(None)
+    return images
+
+
+def _raise_if_device_failed(exc: BaseException) -> None:
+    """Out of memory, or a CUDA error: the device's fault, not the file's."""
+    if isinstance(exc, torch.OutOfMemoryError) or type(exc).__name__ == "AcceleratorError" \
+            or "CUDA error" in str(exc):
+        raise exc
+
+
+def center_box(width: int, height: int, size: int) -> tuple[int, int, int, int]:
+    """(left, top, width, height) of the validation crop in the original image: what resizing the
+    shorter side to size * 8/7 and cutting out the centre size x size would keep."""
+    short = round(size * 8 / 7)
+    side = max(1, min(width, height, round(size * min(width, height) / short)))
+    return (width - side) // 2, (height - side) // 2, side, side
+
+
+_probe_cache: dict[str, str | None] = {}
+
+
+def gpu_decode_problem(device: torch.device) -> str | None:
+    """Why JPEGs cannot be decoded on `device` (one line), or None when they can: torchvision
+    decodes a small JPEG made here, once per process and device."""
+    key = str(device)
+    if key not in _probe_cache:
+        _probe_cache[key] = _probe(device)
+    return _probe_cache[key]
+
+
+def _probe(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"the run's device is {device.type}, not a GPU"
+    try:
+        import torchvision.io  # noqa: F401
+    except Exception as exc:
+        return f"torchvision does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (24, 16), (200, 30, 90)).save(buffer, format="JPEG", quality=95)
+    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    try:
+        with torch.cuda.device(device):
+            image = decode_jpegs([data], device)[0]
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        return f"torchvision's nvJPEG decode failed here ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    if tuple(image.shape) != (3, 16, 24) or abs(int(image[0].float().mean()) - 200) > 8:
+        return "torchvision's nvJPEG decode gave wrong pixels on this GPU"
+    return None

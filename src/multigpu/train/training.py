@@ -1,0 +1,272 @@
+"""The main job behind `multigpu train`: built-in model + data spec -> a run folder.
+
+Runs in every worker process (or in the one process). It reads only the launcher's environment;
+choosing devices and starting processes is the CLI's business (multigpu.cli.train). The run
+folder is described in runfolder.py, its checkpoints in checkpoint_store.py; where a run resumes
+from is decided once, on rank 0 (runstate.py); when to save and stop, at the same step on every
+rank (control.py); the epoch loop is in trainloop.py.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from multigpu.train import imagefolder, provenance
+from multigpu.core import compiling, console
+from multigpu.train.config import TrainConfig
+from multigpu.train.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
+from multigpu.train.engine import StepSettings
+from multigpu.train.models import build_model, default_image_size, is_convnet, model_input_kind
+from multigpu.core.runtime import Runtime
+from multigpu.core.strategies import DDPOptions, FSDPOptions, registry
+
+IN_MEMORY_DATA = ("digits", "timeseries:")
+MAX_WORKERS = 16      # DataLoader workers per rank, at most
+PREFETCH_FACTOR = 4   # batches each worker keeps ready
+
+
+# --- building blocks ------------------------------------------------------------------------------
+
+def strategy_options(cfg: TrainConfig) -> tuple:
+    """The options objects of every strategy for `cfg`; the run's strategy takes its own."""
+    return ddp_options(cfg), FSDPOptions(cpu_offload=cfg.fsdp_cpu_offload,
+                                         activation_checkpointing=cfg.activation_checkpointing)
+
+
+def ddp_options(cfg: TrainConfig) -> DDPOptions:
+    """The DDP settings of `multigpu train` (and of bench's multigpu-ddp). Buffers are not copied
+    from rank 0 at every forward: the training forward of BatchNorm does not read its running
+    statistics, and run_training copies rank 0's to every rank before each evaluation instead.
+    On 2x H200, ResNet-50 bf16, that made the step 4-15 % faster at batch 32-128 in two runs
+    (docs/performance.md)."""
+    return DDPOptions(find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
+
+
+# --compile auto turns CUDA graphs on from this many optimizer steps in the run. Measured on one
+# H100, ResNet-50 bf16 batch 128: CUDA graphs save 10.5 ms a step (34.2 -> 23.7 ms, `multigpu
+# bench`) and their first epoch took 46 s longer than eager's with an empty compile cache, 5 s
+# longer from the cache (docs/performance.md).
+# The rule takes the empty cache's cost. Where the input pipeline limits the step (that run's
+# synthetic: data, made on the CPU, did), the graphs save less.
+AUTO_COMPILE_S, AUTO_SAVED_MS = 46.0, 10.5
+AUTO_MIN_STEPS = int(AUTO_COMPILE_S * 1000 / AUTO_SAVED_MS)
+
+
+def auto_mode(device_type: str, strategy: str, accumulate: int, steps: int) -> tuple[str | None, str]:
+    """--compile auto: (the mode, the line that says why). CUDA graphs where they can work and the
+    run has at least AUTO_MIN_STEPS optimizer steps to win their compiling back; else no compiling."""
+    off = "--compile auto: not compiled"
+    if device_type != "cuda":
+        return None, f"{off} (CUDA graphs need GPUs)"
+    if not registry.info(strategy).cuda_graphs or accumulate > 1:
+        why = f"--accumulate {accumulate}" if accumulate > 1 else f"--strategy {strategy}"
+        return None, f"{off} (CUDA graphs cannot work with {why})"
+    if steps < AUTO_MIN_STEPS:
+        return None, (f"{off}: {steps:,} steps are too few to win back compiling (about "
+                      f"{AUTO_COMPILE_S:.0f} s; from {AUTO_MIN_STEPS:,} steps CUDA graphs are used)")
+    return "reduce-overhead", (f"--compile auto: CUDA graphs (reduce-overhead) for {steps:,} steps; "
+                               "the first steps compile, the compile cache is kept for the next run")
+
+
+def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module, steps: int | None = None) -> nn.Module:
+    """The prepared model, compiled in --compile's mode (unchanged without it), once the run's
+    devices, strategy and accumulation are known to allow that mode. `steps`: the run's optimizer
+    steps, which --compile auto decides on."""
+    mode = cfg.compile
+    if mode == "auto":
+        mode, why = auto_mode(rt.device.type, rt.strategy.name, cfg.accumulate, steps or 0)
+        console.info(why)
+    compiling.check(mode, rt.device.type, rt.strategy.name, cfg.accumulate)
+    return compiling.compile_model(model, mode)
+
+
+def learning_rate(cfg: TrainConfig) -> float:
+    return cfg.lr if cfg.lr is not None else (0.05 if cfg.optimizer == "sgd" else 1e-3)
+
+
+def image_size(cfg: TrainConfig) -> int | None:
+    """The image side the data is made at (synthetic images, folder: data); others have none."""
+    made = cfg.data.startswith("folder:") or (cfg.data.startswith("synthetic:")
+                                              and model_input_kind(cfg.model) == "image")
+    return (cfg.image_size or default_image_size(cfg.model)) if made else cfg.image_size
+
+
+# The optimizers --optimizer offers. Their fused CUDA kernels do one launch for all parameters
+# instead of several per tensor; torch's DTensor (fsdp's sharded parameters) has sharding rules for
+# the fused Adam and AdamW ops (torch/distributed/tensor/_ops/_pointwise_ops.py, torch 2.11 and
+# 2.13) but none for fused SGD's: `aten._fused_sgd_.default does not have a sharding strategy
+# registered`. The foreach kernels (a few launches per group of tensors) have rules for all three.
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+FUSED_ON_DTENSORS = frozenset({"adam", "adamw"})
+
+
+def kernel_options(optimizer: str, device_type: str, dtensors: bool) -> dict:
+    """The implementation `optimizer` steps with: fused on CUDA where the parameters' tensor type
+    can dispatch its fused op, foreach elsewhere. Where the parameters are decides, not the run's
+    device: fsdp's CPU offload keeps them on the CPU."""
+    if device_type == "cuda" and (not dtensors or optimizer in FUSED_ON_DTENSORS):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def holds_dtensors(params: list[torch.Tensor]) -> bool:
+    """Whether any parameter is a DTensor (fsdp shards them so); without torch's DTensor module
+    loaded there can be none, and importing it would cost a plain run about 0.4 s."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(p, module.DTensor) for p in params)
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    lr = learning_rate(cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kernel = kernel_options(cfg.optimizer, params[0].device.type if params else "cpu",
+                            holds_dtensors(params))
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay, **kernel)
+    return OPTIMIZERS[cfg.optimizer](params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
+
+
+def make_scheduler(cfg: TrainConfig, optimizer):
+    if cfg.scheduler == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.step_size, gamma=cfg.gamma)
+    if cfg.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(cfg.epochs, 1))
+    return None
+
+
+def cores_per_process(rt: Runtime) -> int:
+    """The CPU cores this process may use, shared out among the node's training processes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(rt.env.local_world_size, 1))
+
+
+def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
+    if cfg.workers is not None:
+        return cfg.workers
+    if cfg.data.startswith(IN_MEMORY_DATA):
+        return 0  # tensors already in memory: worker processes would only add IPC
+    return max(1, min(MAX_WORKERS, cores_per_process(rt) - 1))
+
+
+def make_loader(dataset, batch_size: int, shuffle: bool, workers: int,
+                drop_last: bool = False) -> DataLoader:
+    if isinstance(dataset, WindowDataset):  # timeseries: a batch by two gathers, not B slices
+        dataset = BatchedWindows(dataset)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
+                      drop_last=drop_last, collate_fn=getattr(dataset, "collate", None),
+                      persistent_workers=workers > 0,
+                      prefetch_factor=PREFETCH_FACTOR if workers else None)
+
+
+@dataclass
+class Job:
+    """Everything one training run works on, prepared for the runtime's strategy."""
+    data: DataBundle
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object | None
+    train_loader: object
+    val_loader: object
+    settings: StepSettings
+
+    @property
+    def classification(self) -> bool:
+        return self.data.task == "classification"
+
+    @property
+    def loss_fn(self) -> Callable:
+        return nn.functional.cross_entropy if self.classification else nn.functional.mse_loss
+
+
+def load_run_data(cfg: TrainConfig) -> DataBundle:
+    """The data of `--data` as the run's model takes it (also read by doctor and batchfit)."""
+    return load_data(cfg.data, input_kind=model_input_kind(cfg.model),
+                     image_size=image_size(cfg) or default_image_size(cfg.model),
+                     seq_length=cfg.seq_length, future_length=cfg.future_length,
+                     bad_images=cfg.bad_images)
+
+
+def uses_channels_last(rt: Runtime, model: str) -> bool:
+    """Built-in convnets on GPUs train in channels_last (NHWC weights and inputs), unless the
+    strategy keeps its parameters contiguous (fsdp: FSDP2 shards only contiguous parameters)."""
+    return (rt.device.type == "cuda" and is_convnet(model)
+            and registry.info(rt.strategy.name).channels_last)
+
+
+def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None) -> Job:
+    """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
+    `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark): decoder
+    (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
+    strategy's wrapping: DDP's constructor imports torch's compiler and broadcasts the weights;
+    the loaders), optimizer (torch imports its compiler with the first one, where DDP did not)."""
+    if cfg.data.startswith("folder:"):
+        imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
+        mark("decoder")
+    data = load_run_data(cfg)
+    mark("data")
+    model = build_model(cfg.model, data.input_shape, data.num_outputs)
+    settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.clip_grad_norm,
+                                     channels_last=uses_channels_last(rt, cfg.model))
+    if settings.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    workers = loader_workers(cfg, rt)
+    decode_note = imagefolder.use_decode(data, cfg.decode, rt.device, workers, cfg.deterministic)
+    if decode_note:
+        console.info(decode_note)
+    train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
+    per_step = cfg.batch_size * rt.world_size * rt.strategy.devices_per_process
+    val_batches = -(-len(data.val) // per_step)  # a rank's, at most
+    val_loader = make_loader(data.val, cfg.batch_size, False, min(workers, val_batches))
+    mark("model")
+    model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
+    model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.accumulate)
+    mark("prepare")
+    optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
+    scheduler = make_scheduler(cfg, optimizer)
+    mark("optimizer")
+    return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings)
+
+
+def _length(loader) -> int:
+    """Steps of an epoch; 0 for a loader over a stream, which has no length."""
+    try:
+        return len(loader)
+    except TypeError:
+        return 0
+
+
+def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: dict) -> dict:
+    """config.json: every setting as it was resolved for this run (given back to `--config`, it
+    repeats the run), facts about the run (configfile.RUN_FACTS) and its provenance (`launch`:
+    provenance.launch_facts). Collective."""
+    return {**asdict(cfg), "out": str(out), "lr": learning_rate(cfg), "image_size": image_size(cfg),
+            "workers": loader_workers(cfg, rt), "precision": rt.precision.kind,
+            "strategy": rt.strategy.name, "world_size": rt.world_size,
+            "global_batch": cfg.batch_size * rt.strategy.devices_per_process * rt.world_size,
+            "train_size": len(job.data.train), "val_size": len(job.data.val), "task": job.data.task,
+            "provenance": provenance.run_facts(rt, launch)}
+
+
+def oom_message(cfg: TrainConfig, rt: Runtime) -> str:
+    """Trap 2: say what ran out, how the GPU's memory was shared, and the ways out, instead of
+    the allocator's dump."""
+    gib = 2**30
+    total = torch.cuda.get_device_properties(rt.device).total_memory
+    peak = torch.cuda.max_memory_allocated(rt.device)
+    free, _ = torch.cuda.mem_get_info(rt.device)
+    others = max(0, total - free - torch.cuda.memory_reserved(rt.device))
+    smaller = max(1, cfg.batch_size // 2)
+    return (f"CUDA out of memory on {rt.device} ({total / gib:.0f} GiB: this run's peak "
+            f"{peak / gib:.1f} GiB, other processes {others / gib:.1f} GiB) with --batch-size "
+            f"{cfg.batch_size} per GPU and --precision {rt.precision.kind}: use --batch-size auto "
+            f"(the largest that fits, found at the start) or --batch-size {smaller} (add "
+            f"--accumulate {2 * cfg.accumulate} to keep the global batch), or --precision bf16; "
+            "`multigpu doctor` measures a step's peak before a run")

@@ -1,0 +1,397 @@
+"""`multigpu train`'s run from start to end: resume, epochs, checkpoints inside and between them.
+
+    rt = setup(...); out = the claimed run folder; job = build_job(cfg, rt)
+    point = resume_point(...)                 rank 0 decides, every rank gets the same checkpoint
+    for epoch in range(run.epoch, epochs + 1):
+        train_epoch(..., start=run.position)  after each optimizer step: control.after_step()
+                                              may save a checkpoint (--checkpoint-every) or stop
+        evaluate; scheduler.step(); save the end-of-epoch checkpoint; metrics.jsonl line
+
+A stop (SIGTERM, SIGUSR1, Ctrl-C, the launcher gone) finishes the step in progress on every rank,
+writes a checkpoint, waits until it is complete and ends with `Stopped`, naming the checkpoint.
+A loss that became NaN/inf (fp32, bf16) ends the run before the next checkpoint, naming the last
+good one (train_guards.TrainGuards); fp16 warns about a long run of skipped steps instead.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from multigpu.train import batchfit, flagwords, folder_users, gpu_images, runfolder
+from multigpu.launcher import watchdog
+from multigpu.core import checkpoint, console, orphans, sharded_checkpoint
+from multigpu.core import checkpoint_schema as schema
+from multigpu.train.runlog import RunLog
+from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.checkpointer import Checkpointer
+from multigpu.train.config import TrainConfig
+from multigpu.train.control import Cadence, Control
+from multigpu.core.distributed import destroy_distributed, mark_failed
+from multigpu.train.engine import evaluate, train_epoch
+from multigpu.core.errors import Stopped, UsageError
+from multigpu.train.train_guards import TrainGuards, global_batch_note, input_bound, input_bound_note
+from multigpu.train.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
+from multigpu.launcher.launch_failures import restart_note
+from multigpu.core.loaders import sample_seed
+from multigpu.core.metrics import Sums
+from multigpu.train.model_names import precision_for
+from multigpu.train.runstate import ResumePoint, RunState, resume_point
+from multigpu.core.runtime import Runtime, seed_everything, setup
+from multigpu.train.timeline import Timeline
+from multigpu.train.training import (Job, build_job, cores_per_process, learning_rate, loader_workers,
+                               oom_message, strategy_options, resolved_config)
+
+
+def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
+                 accelerator: str = "auto", launch: dict | None = None,
+                 process_started: float | None = None) -> dict:
+    """`launch`: provenance.launch_facts of the command that started the run (config.json);
+    `process_started`: time.time() when this process's `multigpu` command began (timeline.py)."""
+    record = _train(cfg, device_ids, accelerator, launch, process_started)
+    destroy_distributed()  # once _train's locals, the DDP model among them, are gone: see there
+    return record
+
+
+def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
+           launch: dict | None, process_started: float | None) -> dict:
+    clock = Timeline(process=process_started,  # from the command's start, else from now
+                     restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+    if cfg.deterministic:
+        make_deterministic()
+    rt = setup(cfg.strategy, precision_for(cfg.precision, cfg.model), devices=device_ids,
+               accelerator=accelerator, seed=cfg.seed, accumulate=cfg.accumulate,
+               options=strategy_options(cfg), install_hooks=True)
+    console.configure(rt.is_main, say=flagwords.say)
+    if note := restart_note():
+        console.warn(note)
+    clock.mark("process group")
+    if rt.device.type == "cuda" and not cfg.deterministic:
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
+    control = Control(rt.env, Cadence.parse(cfg.checkpoint_every))
+    # Under the launcher: hangs named; a dead launcher ends a rank at once until training begins
+    # (orphans.py), then makes every rank save and stop (below).
+    watchdog.start_from_env()
+    out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
+    if cfg.batch_size == batchfit.AUTO:  # before the loaders are built with it
+        cfg.batch_size = batchfit.auto_batch_size(
+            cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.resume)))
+        clock.mark("batch size")
+    job = build_job(cfg, rt, mark=clock.mark)
+    config = resolved_config(cfg, rt, job, out, launch or {})
+    store = CheckpointStore(schema.checkpoints_folder(out), cfg.keep)
+    _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
+    saver = Checkpointer(rt, job, store, config)
+    clock.mark("config")
+    log = first_step = None
+    try:
+        console.info(f"multigpu train: {cfg.model} on {job.data.name} ({len(job.data.train)} train / "
+                     f"{len(job.data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
+                     f"global batch {config['global_batch']}, checkpoints "
+                     f"{control.cadence.describe()} -> {out}")
+        _announce_global_batch(cfg, rt, config["global_batch"])
+        _announce_last_step(cfg, rt, len(job.data.train))
+        point = resume_point(rt.env, out, cfg.resume, cfg.keep)
+        run = restore(cfg, rt, job, point, out) if point else RunState()
+        # the last good checkpoint, until a save (a bare state dict is none to go back to)
+        saver.last_path = Path(point.path) if point and not point.weights_only else None
+        clock.mark("resume")
+        log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
+        control.saved(run.global_step)  # --checkpoint-every counts from here
+        clock.mark_ready("logs")
+        first_step = _stop_gracefully_once_trained(control)
+        with control.signal_handlers():
+            record = _epochs(cfg, rt, job, run, control, saver, out,
+                             point.state.get(schema.METRICS) if point else None, log, clock)
+        began = time.perf_counter()
+        saver.finish()
+        clock.add("checkpoints", time.perf_counter() - began)
+    finally:
+        if first_step is not None:
+            first_step.remove()
+        saver.close()
+        store.release()
+        folder_users.release(out)  # a caller that trains on here in this process is no other user
+        if log is not None:
+            log.close()  # curves.png: also of a run that stopped or failed
+    console.info(clock.summary())
+    # Every rank done with its collectives before any tears down: a gloo rank that exits while a
+    # peer's last exchange is in flight can abort ("terminate called without an active
+    # exception", seen once in 4-process runs here).
+    rt.env.barrier()
+    return record
+
+
+def _stop_gracefully_once_trained(control: Control):
+    """Until this launch's first optimizer step, a dead launcher ends the rank at once (orphans:
+    nothing to save); from then on every rank saves and stops. The hook's handle: the run removes
+    it when it ends (not the hook itself: torch is iterating over its hooks when it runs)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    done = []
+
+    def first_step(*_) -> None:
+        if not done:
+            done.append(True)
+            orphans.on_orphan(lambda: control.request_stop("launcher gone"))
+
+    return register_optimizer_step_post_hook(first_step)
+
+
+def _announce_global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:
+    """Once, on rank 0: a global batch larger than one device's, and what that means for --lr
+    (training.learning_rate uses --lr as given: nothing is scaled)."""
+    devices = rt.world_size * rt.strategy.devices_per_process
+    note = global_batch_note(per_step // devices, devices, cfg.accumulate, learning_rate(cfg),
+                             lr_given=cfg.lr is not None)
+    if note:
+        console.info(note)
+
+
+def _announce_last_step(cfg: TrainConfig, rt: Runtime, samples: int) -> None:
+    """Trap 3, once on rank 0: what each epoch's last step is, when it is not a full one."""
+    from multigpu.train.setup_checks import last_step_finding
+
+    said = last_step_finding(samples, cfg.batch_size, ranks=rt.world_size, drop_last=cfg.drop_last,
+                             devices_per_rank=rt.strategy.devices_per_process).message
+    if not said.endswith("all full"):
+        console.info(f"last step: {said}")
+
+
+def make_deterministic() -> None:
+    """--deterministic: the same kernels and reductions on every run. Before any CUDA work (cuBLAS
+    reads its workspace setting when it starts). Kernels without a deterministic version (some
+    pooling backwards on GPUs) keep running and torch warns once naming them."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Path) -> RunState:
+    if point.weights_only:
+        return _start_from_weights(cfg, rt, job, point)
+    run = point.run
+    rt.load(point.state, model=job.model, optimizer=job.optimizer, scheduler=job.scheduler,
+            shards_dir=sharded_checkpoint.folder_of(point.state, Path(point.path).parent))
+    if len(run.rng) != rt.world_size:  # another layout: fresh streams, not those of step 0 again
+        seed_everything(sample_seed(cfg.seed, run.global_step, rt.rank))
+    if rt.is_main and point.in_place:
+        runfolder.reconcile_metrics(out, run.completed_epochs, point.state.get(schema.METRICS))
+    where = (f"epoch {run.epoch}, {run.position} of {job.train_loader.num_samples} samples in"
+             if run.position else f"after epoch {run.completed_epochs}")
+    console.info(f"resumed from {point.path} ({where}, step {run.global_step}; saved by "
+                 f"{point.state.get(schema.WORLD_SIZE)} x {point.state.get(schema.STRATEGY)})")
+    if run.completed_epochs >= cfg.epochs:
+        console.info(f"the run is complete ({run.completed_epochs} of {cfg.epochs} epochs): nothing "
+                     f"left to train; a larger --epochs trains on from here")
+    return run
+
+
+def _start_from_weights(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint) -> RunState:
+    """--resume of a model's bare state dict: its weights, a fresh optimizer, epoch 1. Checked on
+    every rank (each holds the same state), so a misfit is one line from every rank, not a
+    load_state_dict traceback."""
+    misfit = checkpoint.weights_mismatch(job.model, point.state[schema.MODEL])
+    if misfit:
+        raise UsageError(f"--resume {point.path}: its weights do not fit --model {cfg.model} on "
+                         f"{job.data.name} ({misfit}); give the --model (and --data) they were "
+                         "saved from, or another file")
+    rt.load(point.state, model=job.model)
+    console.info(f"--resume {point.path} holds weights only ({point.weights_only}): training "
+                 "starts from them at epoch 1 with a fresh optimizer")
+    return RunState()
+
+
+def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
+            saver: Checkpointer, out: Path, last: dict | None, log: RunLog, clock: Timeline) -> dict:
+    record, bad_before = {}, 0
+    first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
+    guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
+                         clip_grad_norm=cfg.clip_grad_norm)
+    for epoch in range(run.epoch, cfg.epochs + 1):
+        job.train_loader.set_epoch(epoch - 1, run.position)
+        steps, base = len(job.train_loader), run.global_step
+        first_nonfinite = guards.new_epoch(epoch, base, steps, _batches_per_epoch(job.train_loader))
+
+        def after_step(cursor, epoch=epoch, base=base, begun=run):
+            step = base + cursor.steps
+            guards.stepped()
+            log.step(step, epoch, cursor, job.optimizer)
+            if saver.failed:
+                control.request_stop("checkpoint save failed")
+            decision = control.after_step(step)
+            if decision is None:
+                return
+            _stop_if_diverged(guards, saver, cursor.steps, job.model)
+            loss, _, _ = cursor.totals(rt.env)
+            at = RunState(epoch, cursor.position, step, begun.loss_sum + loss,
+                          begun.seconds + time.perf_counter() - cursor.start, begun.best)
+            _save_or_stop(rt, saver, control, at, last, decision.stop, out)
+
+        record = {"epoch": epoch, "step": base + steps, "lr": job.optimizer.param_groups[0]["lr"]}
+        began = time.perf_counter()
+        try:
+            record |= train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
+                                  job.settings, description=f"epoch {epoch}/{cfg.epochs}",
+                                  start=run.position, carried=(run.loss_sum, run.position, run.seconds),
+                                  after_step=after_step, nonfinite=first_nonfinite)
+        except torch.cuda.OutOfMemoryError:
+            raise UsageError(oom_message(cfg, rt)) from None
+        clock.add("training", time.perf_counter() - began)
+        _stop_if_diverged(guards, saver, steps, job.model)
+        bad_before = _count_bad_images(rt, job, record, bad_before)
+        record |= _validate(cfg, rt, job, clock)
+        if job.scheduler is not None:
+            job.scheduler.step()
+        # Regression keeps the lowest val_loss (MSE of the standardised values), not val_rmse: in
+        # original units a column in large units (GDP in billions) would outweigh all the others.
+        score = record["val_accuracy"] if job.classification else -record["val_loss"]
+        improved = run.best is None or score > run.best
+        run = RunState(epoch + 1, 0, base + steps, best=score if improved else run.best)
+        # The loggers get the epoch before its checkpoint: a kill once the checkpoint is complete
+        # cannot lose them (a resume from it keeps every point up to its step), one before it
+        # resumes earlier and drops them (purge) to log them again.
+        log.epoch(run.global_step, record)
+        saver.save(run, metrics=record, best=improved)
+        clock.add("checkpoints", saver.pause)
+        control.saved(run.global_step)
+        _report(rt, out, record, job.classification)
+        log.metrics_written()
+        if rt.is_main and epoch > first and not warned_input and (note := _input_note(cfg, rt, job, record)):
+            console.warn(note)
+            warned_input = True  # once a run
+        last = record
+        if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
+            _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)
+    return record
+
+
+def _validate(cfg: TrainConfig, rt: Runtime, job: Job, clock: Timeline) -> dict:
+    """The end of an epoch's training: validation metrics of rank 0's model, and the epoch's
+    figures of the precision and the GPU memory."""
+    rt.sync_buffers(job.model)  # every rank evaluates rank 0's model, the one saved next
+    scale, began = job.data.target_scale, time.perf_counter()
+    try:  # validation decodes and runs its own batches: it can run out of memory too
+        record = evaluate(rt, job.model, job.loss_fn, job.val_loader, job.classification,
+                          job.settings, target_std=scale[1] if scale is not None else None)
+    except torch.cuda.OutOfMemoryError:
+        raise UsageError(oom_message(cfg, rt)) from None
+    clock.add("evaluating", time.perf_counter() - began)
+    if rt.precision.scaler is not None:
+        record["skipped_steps"] = rt.precision.skipped_steps
+    if rt.device.type == "cuda":  # rank 0's peak of the epoch
+        record["max_memory_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    return record
+
+
+def _batches_per_epoch(loader) -> int:
+    return len(loader.sampler.full_plan)  # len(loader) is what is left of a resumed epoch
+
+
+def _stop_if_diverged(guards: TrainGuards, saver: Checkpointer, batches_done: int, model) -> None:
+    """Before a checkpoint (collective, a sync point): end the run if the loss or the weights
+    became NaN/inf since the last look, once the last good checkpoint is complete on disk."""
+    error = guards.check(batches_done, model, saver.last_path)
+    if error is not None:
+        saver.finish()
+        raise error
+
+
+def _save_or_stop(rt, saver, control, at: RunState, last, stop: str | None, out: Path,
+                  saved: bool = False) -> None:
+    """A checkpoint of `at` (unless `saved`); then, with a reason to stop, wait for it and stop."""
+    if stop == "checkpoint save failed":
+        saver.finish()  # raises rank 0's error on every rank
+    path = saver.last_path if saved else saver.save(at, metrics=last, best=False, wait=bool(stop))
+    control.saved(at.global_step)
+    if not saved:
+        console.info(f"checkpoint {path.name}: epoch {at.epoch}, {at.position} samples in, "
+                     f"training paused {saver.pause * 1e3:.0f} ms")
+    if stop:
+        saver.finish()
+        if stop == "launcher gone":
+            mark_failed()  # its rendezvous store is gone too: do not meet there before exiting
+        why = f"by {stop}" if stop.startswith("SIG") else f"({stop})"
+        where = (f"in epoch {at.epoch}, {at.position} samples in" if at.position
+                 else f"after epoch {at.completed_epochs}")  # as a resume says it
+        raise Stopped(f"stopped {why} {where}, step {at.global_step}: checkpoint "
+                      f"{path} is complete; run the same command with --resume {out} to go on",
+                      exit_code=_exit_code(stop))
+
+
+def _exit_code(reason: str) -> int:
+    sig = getattr(signal, reason, None) if reason.startswith("SIG") else None
+    return 128 + int(sig) if sig is not None else 1
+
+
+def _count_bad_images(rt: Runtime, job: Job, record: dict, before: int) -> int:
+    """folder: data: how many unreadable images the epoch met, over all ranks (in `record`); the
+    run stops when they are over 10 and over 1 % of its samples. Returns the new total."""
+    dataset = job.train_loader.dataset
+    if not hasattr(dataset, "bad_count"):
+        return before
+    sums = Sums(rt.env)
+    sums.add(bad=dataset.bad_count)
+    total = int(sums.reduce()["bad"])
+    record["bad_images"] = total - before
+    if record["bad_images"] > max(MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION * record["train_samples"]):
+        raise UsageError(f"{record['bad_images']} of the {record['train_samples']} images of epoch "
+                         f"{record['epoch']} could not be read (over {MAX_BAD_FRACTION:.0%}): the "
+                         "data looks broken; the files are named in the warnings above and in "
+                         "the rank logs")
+    if record["bad_images"]:  # every rank's count, on rank 0's console: it may have met none
+        n = record["bad_images"]
+        console.warn(f"epoch {record['epoch']}: {n} unreadable image{'s' if n > 1 else ''} skipped, "
+                     "each replaced by the next readable one (named where met; every rank's "
+                     "warnings are in the run's logs/)")
+    return total
+
+
+def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | None:
+    """The warning for an epoch held up by its input (train_guards.input_bound), or None."""
+    share = record["input_wait"]
+    if not input_bound(share, record["epoch_seconds"]):
+        return None
+    workers = loader_workers(cfg, rt)
+    gpu_decode_left = (cfg.data.startswith("folder:") and not getattr(job.data.train, "on_gpu", False)
+                       and gpu_images.gpu_decode_problem(rt.device) is None)
+    return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt),
+                            gpu_decode_left=gpu_decode_left,
+                            one_gather=cfg.data.startswith("timeseries:") and workers == 0)
+
+
+def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
+    if not rt.is_main:
+        return
+    runfolder.append_metrics(out, record)
+    acc = f"  val_acc {record['val_accuracy']:.2%}" if classification else ""
+    if "val_mae" in record:
+        acc = f"  val_mae {record['val_mae']:.4g}  val_rmse {record['val_rmse']:.4g}"
+    console.info(f"epoch {record['epoch']}  train_loss {record['train_loss']:.4f}  "
+                 f"val_loss {record['val_loss']:.4f}{acc}  "
+                 f"({record['train_samples']} train / {record['val_samples']} val samples)  "
+                 f"{record['epoch_seconds']:.1f} s  {record['samples_per_second']:,.0f} samples/s"
+                 f"{_wait_text(record['input_wait'])}")
+
+
+def _wait_text(share: float) -> str:
+    return f"  {share:.0%} waiting for data" if share >= 0.01 else ""
+
+
+def _on_rank0(rt: Runtime, work):
+    """Run `work()` on rank 0 and give every rank its result, or its UsageError to raise."""
+    result = None
+    if rt.is_main:
+        try:
+            result = work()
+        except UsageError as exc:
+            result = exc
+    result = rt.env.broadcast_object(result)
+    if isinstance(result, UsageError):
+        raise result
+    return result

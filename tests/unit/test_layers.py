@@ -1,0 +1,71 @@
+"""The package's layers (pyproject.toml [tool.importlinter]): each imports only the layers below it,
+and no modules import each other in a circle. Imports inside functions count as much as those at
+the top of a module: a function-level import is still a dependency, only a later one."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import grimp
+import pytest
+
+import multigpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_this_checkout_is_the_one_analysed():
+    assert Path(multigpu.__file__).resolve().parent == REPO / "src" / "multigpu"
+
+
+def test_each_layer_imports_only_the_layers_below_it(capsys):
+    from importlinter.cli import lint_imports
+
+    code = lint_imports(config_filename=str(REPO / "pyproject.toml"), no_cache=True, no_logo=True)
+    assert code == 0, capsys.readouterr().out[-4000:]
+
+
+def _circles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan). A package and its own
+    submodules importing each other (an __init__ re-exporting a name) is not a circle."""
+    def related(a: str, b: str) -> bool:
+        return a.startswith(b + ".") or b.startswith(a + ".")
+
+    edges = {m: {t for t in graph.find_modules_directly_imported_by(m) if not related(m, t)}
+             for m in graph.modules if m.startswith("multigpu.")}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_function_level_imports_included():
+    graph = grimp.build_graph("multigpu", cache_dir=None)
+    assert _circles(graph) == []
+
+
+@pytest.mark.parametrize("importer, imported", [("multigpu.core.distributed", "multigpu.core.orphans"),
+                                                ("multigpu.train.trainloop", "multigpu.train.setup_checks")])
+def test_function_level_imports_are_in_the_graph(importer, imported):
+    """Both are imported inside a function only: a graph without them would let a layer break."""
+    graph = grimp.build_graph("multigpu", cache_dir=None)
+    assert imported in graph.find_modules_directly_imported_by(importer)
