@@ -195,13 +195,13 @@ def test_kill_9_of_the_launcher_during_start_up_ends_its_workers_and_the_same_co
 
 def test_kill_9_while_the_workers_set_up_their_process_group(tmp_path):
     """Between the workers' start and rank 0's first line: rank 1 held where it imports
-    multigpu.distributed (before its process group), rank 0 gone past it into its own set-up,
+    multigpu.core.distributed (before its process group), rank 0 gone past it into its own set-up,
     where it waits for rank 1 at the launcher's store: no rank can be ready."""
     out = tmp_path / "run"
-    env, markers = held_at(tmp_path, rank0=("multigpu.distributed", 0, False),
-                           rank1=("multigpu.distributed", 120, False))
+    env, markers = held_at(tmp_path, rank0=("multigpu.core.distributed", 0, False),
+                           rank1=("multigpu.core.distributed", 120, False))
     run = Launch(out, env=env)
-    run.wait_for(lambda: all((markers / f"rank{r}-multigpu.distributed").exists() for r in (0, 1)))
+    run.wait_for(lambda: all((markers / f"rank{r}-multigpu.core.distributed").exists() for r in (0, 1)))
     workers = run.wait_for(run.workers())
     kill_9(run)
     assert_workers_end(out, workers)
@@ -251,7 +251,7 @@ import sys, time
 class _Slow:
     def find_spec(self, name, path=None, target=None):
         if name == "multigpu.launcher.watchdog":
-            print("importing multigpu.watchdog", file=sys.stderr, flush=True)
+            print("importing multigpu.launcher.watchdog", file=sys.stderr, flush=True)
             time.sleep(60)
         return None
 
@@ -264,9 +264,9 @@ def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path):
     env = cli_env()
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
     run = Launch(tmp_path / "run", env=env)
-    run.wait_for(run.line("importing multigpu.watchdog"))
+    run.wait_for(run.line("importing multigpu.launcher.watchdog"))
     run.proc.send_signal(signal.SIGINT)
     said = run.finish(timeout=60)
     assert run.proc.returncode == 130, said
-    assert said.splitlines() == ["importing multigpu.watchdog", "multigpu: interrupted"], said
+    assert said.splitlines() == ["importing multigpu.launcher.watchdog", "multigpu: interrupted"], said
     assert not (tmp_path / "run").exists()

@@ -2,7 +2,7 @@
 ranks saw: parameters without a gradient (trap 6), training DataLoaders that are not sharded,
 the batch per rank, the peak memory (trap 2).
 
-The script is started as `multigpu run` starts it (multigpu.worker on every device of the plan,
+The script is started as `multigpu run` starts it (multigpu.launcher.worker on every device of the plan,
 the same working folder, its GPUs leased), with a trial folder of the doctor's own in the
 environment; trial.py in each worker records what it sees and ends the process right after the
 N-th optimizer step, before anything after it runs (checkpoints, the rest of training, `finally`
@@ -33,7 +33,7 @@ _FIX_UNUSED = ("remove the unused module, freeze it (requires_grad_(False)), or 
 
 
 def trial_findings(cmd: list[str], plan, steps: int, timeout: float) -> list[Finding]:
-    """Run `cmd` (a multigpu.worker command line) on every device of `plan` up to its `steps`-th
+    """Run `cmd` (a multigpu.launcher.worker command line) on every device of `plan` up to its `steps`-th
     optimizer step, for `timeout` seconds at most; the findings of what its ranks recorded."""
     folder = Path(tempfile.mkdtemp(prefix="multigpu-doctor-"))
     root = Path.cwd()
