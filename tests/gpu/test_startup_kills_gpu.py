@@ -3,14 +3,13 @@ start-up takes its workers with it (they held the GPUs, and trained on alone), a
 command then runs in the same folder."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from tests.gpu.conftest import gpu_env
 from tests.multiproc.test_startup_kills import (MOMENTS, Launch, assert_same_command_trains,
-                                                assert_workers_end, kill_9)
+                                                assert_workers_end, held_at, kill_9,
+                                                start_held_in_process_group_setup)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,12 +23,13 @@ def two_gpus():
 @pytest.mark.parametrize("moment", [*MOMENTS, "process group"])
 def test_kill_9_of_the_launcher_on_gpus_during_start_up_ends_its_workers(tmp_path, moment):
     out = tmp_path / "run"
-    run = Launch(out, devices="2", env=gpu_env())
-    if moment == "process group":  # the workers found, then a second into their set-up
-        workers = run.wait_for(run.workers())
-        time.sleep(1.0)
+    if moment == "process group":  # rank 1 held before its process group (as on CPU)
+        run, workers = start_held_in_process_group_setup(tmp_path, out, "2", gpu_env())
     else:
-        MOMENTS[moment](run)
+        hold, wait = MOMENTS[moment]
+        env, markers = held_at(tmp_path, gpu_env(), **hold) if hold else (gpu_env(), None)
+        run = Launch(out, devices="2", env=env)
+        wait(run, markers)
         workers = run.workers(count=0)() or []
     kill_9(run)
     assert_workers_end(out, workers)

@@ -309,6 +309,7 @@ def test_a_script_without_a_torch_optim_step_is_stopped_at_the_trial_timeout(tmp
     assert not list((tmp_path / "tmp").glob("multigpu-doctor-*")), "the trial folder was left behind"
 
 
+@pytest.mark.extended  # the backstop behind the trial's own timer (tested above); CI runs it
 def test_a_rank_that_cannot_stop_itself_at_the_trial_timeout_is_killed(tmp_path):
     """A regular expression that backtracks holds the interpreter: the rank's own timer thread
     never runs, so the doctor kills it a grace period after the limit."""

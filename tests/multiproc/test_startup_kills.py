@@ -141,15 +141,15 @@ sys.meta_path.insert(0, _Hold())
 """
 
 
-def held_at(tmp_path: Path, **ranks) -> tuple[dict, Path]:
-    """The environment of a launch whose workers are held as `ranks` says (rank0=(module,
-    seconds, grouped), ...), and the folder of their markers."""
+def held_at(tmp_path: Path, base: dict | None = None, **ranks) -> tuple[dict, Path]:
+    """The environment (`base`, else cli_env()) of a launch whose workers are held as `ranks`
+    says (rank0=(module, seconds, grouped), ...), and the folder of their markers."""
     (tmp_path / "hold").mkdir(exist_ok=True)
     (tmp_path / "hold" / "sitecustomize.py").write_text(_HOLD)
     markers = tmp_path / "markers"
     markers.mkdir(exist_ok=True)
-    env = cli_env()
-    env["PYTHONPATH"] = f"{tmp_path / 'hold'}{os.pathsep}{env['PYTHONPATH']}"
+    env = dict(base) if base is not None else cli_env()
+    env["PYTHONPATH"] = f"{tmp_path / 'hold'}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["HOLD_AT"] = json.dumps({r.removeprefix("rank"): {"module": m, "seconds": s, "grouped": g}
                                  for r, (m, s, g) in ranks.items()})
     env["HOLD_MARKERS"] = str(markers)
@@ -193,16 +193,23 @@ def test_kill_9_of_the_launcher_during_start_up_ends_its_workers_and_the_same_co
                       "checkpoint); starting from scratch in it") == 1, said[-3000:]
 
 
+def start_held_in_process_group_setup(tmp_path: Path, out: Path, devices: str = "cpu:2",
+                                      base: dict | None = None):
+    """A launch whose rank 1 is held before its process group, and its workers, once both ranks
+    reached that point (rank 0 then waits for rank 1 at the store)."""
+    env, markers = held_at(tmp_path, base, rank0=("multigpu.core.distributed", 0, False),
+                           rank1=("multigpu.core.distributed", 120, False))
+    run = Launch(out, devices=devices, env=env)
+    run.wait_for(lambda: all((markers / f"rank{r}-multigpu.core.distributed").exists() for r in (0, 1)))
+    return run, run.wait_for(run.workers())
+
+
 def test_kill_9_while_the_workers_set_up_their_process_group(tmp_path):
     """Between the workers' start and rank 0's first line: rank 1 held where it imports
     multigpu.core.distributed (before its process group), rank 0 gone past it into its own set-up,
     where it waits for rank 1 at the launcher's store: no rank can be ready."""
     out = tmp_path / "run"
-    env, markers = held_at(tmp_path, rank0=("multigpu.core.distributed", 0, False),
-                           rank1=("multigpu.core.distributed", 120, False))
-    run = Launch(out, env=env)
-    run.wait_for(lambda: all((markers / f"rank{r}-multigpu.core.distributed").exists() for r in (0, 1)))
-    workers = run.wait_for(run.workers())
+    run, workers = start_held_in_process_group_setup(tmp_path, out)
     kill_9(run)
     assert_workers_end(out, workers)
     assert not run.line("multigpu train: cnn on digits")(), "rank 0 was ready"

@@ -335,6 +335,7 @@ def test_a_bad_file_met_by_one_rank_mid_epoch_is_one_line_and_a_user_s_empty_out
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
 
 
+@pytest.mark.extended  # 11 processes on 2 cores: the slowest launch test; CI runs it (make test-all)
 def test_eleven_processes_start_train_and_log_every_rank_but_0_in_files(tmp_path):
     """torchrun's --redirects names ranks 0-9 only: 11 CPU processes (a 16-GPU node the same)
     must still start, train and keep each other rank's output in its own file."""

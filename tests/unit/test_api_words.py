@@ -19,6 +19,7 @@ from multigpu.core import console
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import Api, Text, UsageError
 from multigpu.train.flagwords import FLAGS, say
+from tests.unit.test_doctor_setup import _HalfUsed
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "multigpu" / "core"  # the library
 
@@ -145,15 +146,6 @@ def _fsdp_offload_on_cpu():
     from multigpu.core.strategies import FSDPOptions
 
     _strategy("fsdp").create(DistEnv(), options=FSDPOptions(cpu_offload=True))
-
-
-class _HalfUsed(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.used, self.spare = nn.Linear(4, 2), nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.used(x)
 
 
 def _half_used_backward():
