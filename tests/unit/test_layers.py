@@ -64,7 +64,7 @@ def test_no_import_circle_function_level_imports_included():
 
 
 @pytest.mark.parametrize("importer, imported", [("multigpu.core.distributed", "multigpu.core.orphans"),
-                                                ("multigpu.train.trainloop", "multigpu.train.setup_checks")])
+                                                ("multigpu.train.announce", "multigpu.train.setup_checks")])
 def test_function_level_imports_are_in_the_graph(importer, imported):
     """Both are imported inside a function only: a graph without them would let a layer break."""
     graph = grimp.build_graph("multigpu", cache_dir=None)

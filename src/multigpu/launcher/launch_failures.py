@@ -223,27 +223,31 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     what = _how(first).replace("exit", "exit code")
     on = f" on {node}" if node else ""
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
-    logged = _stderr_logs(launch, first.local_rank)
-    # Local rank 0 without --tee writes to the console, unless its error was left to this report.
-    twin = _same_error_shown_above(failures, texts, rank, launch)
-    if first.exitcode < 0 and not texts[rank]:  # a signal: Python printed nothing
-        lines.append(f"{first.signal_name()} ended it, so it left no traceback"
-                     + (" (kill -9, or the kernel's out-of-memory killer: `dmesg` says which)"
-                        if first.exitcode == -signal.SIGKILL else ""))
-    elif not logged and not left_to_the_report(texts[rank], ours=ours):
-        lines.append("its traceback is in its output above")
-    elif twin is not None:  # two ranks failed the same way: one traceback on the console is enough
-        lines.append(f"its error is the one rank {twin} printed above: {_last_line(texts[rank])}")
-    elif texts[rank]:
-        lines.append(f"---- rank {rank} traceback ----\n{texts[rank]}\n----")
-    else:
-        lines.append("it wrote no traceback to stderr; see its logs")
+    lines.append(_its_error(rank, first, failures, texts, launch, ours))
     others = [f"rank {r} ({_how(f)})" for r, f in failures if r != rank]
     if others:
         lines.append("also stopped: " + ", ".join(others))
     lines.append(f"logs of every rank: {log_dir}")
     err("\nmultigpu: ".join(lines))
     return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
+
+
+def _its_error(rank: int, first, failures: list, texts: dict, launch: list[Path], ours: bool) -> str:
+    """The report's line on the error of the rank that failed first: its traceback, or where it
+    already is (local rank 0 without --tee writes to the console, unless its error was left to
+    this report), or why there is none."""
+    if first.exitcode < 0 and not texts[rank]:  # a signal: Python printed nothing
+        return (f"{first.signal_name()} ended it, so it left no traceback"
+                + (" (kill -9, or the kernel's out-of-memory killer: `dmesg` says which)"
+                   if first.exitcode == -signal.SIGKILL else ""))
+    if not _stderr_logs(launch, first.local_rank) and not left_to_the_report(texts[rank], ours=ours):
+        return "its traceback is in its output above"
+    twin = _same_error_shown_above(failures, texts, rank, launch)
+    if twin is not None:  # two ranks failed the same way: one traceback on the console is enough
+        return f"its error is the one rank {twin} printed above: {_last_line(texts[rank])}"
+    if texts[rank]:
+        return f"---- rank {rank} traceback ----\n{texts[rank]}\n----"
+    return "it wrote no traceback to stderr; see its logs"
 
 
 def _same_error_shown_above(failures: list, texts: dict, rank: int, launch: list[Path]) -> int | None:

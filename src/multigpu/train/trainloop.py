@@ -33,7 +33,8 @@ from multigpu.train.control import Cadence, Control
 from multigpu.core.distributed import destroy_distributed, mark_failed
 from multigpu.train.engine import evaluate, train_epoch
 from multigpu.core.errors import Stopped, UsageError
-from multigpu.train.train_guards import TrainGuards, global_batch_note, input_bound, input_bound_note
+from multigpu.train.announce import announce_run
+from multigpu.train.train_guards import TrainGuards, input_bound, input_bound_note
 from multigpu.train.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.launcher.launch_failures import restart_note
 from multigpu.core.loaders import sample_seed
@@ -88,12 +89,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     clock.mark("config")
     log = first_step = None
     try:
-        console.info(f"multigpu train: {cfg.model} on {job.data.name} ({len(job.data.train)} train / "
-                     f"{len(job.data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
-                     f"global batch {config['global_batch']}, checkpoints "
-                     f"{control.cadence.describe()} -> {out}")
-        _announce_global_batch(cfg, rt, config["global_batch"])
-        _announce_last_step(cfg, rt, len(job.data.train))
+        announce_run(cfg, rt, job, config, control, out)
         point = resume_point(rt.env, out, cfg.resume, cfg.keep)
         run = restore(cfg, rt, job, point, out) if point else RunState()
         # the last good checkpoint, until a save (a bare state dict is none to go back to)
@@ -139,26 +135,6 @@ def _stop_gracefully_once_trained(control: Control):
             orphans.on_orphan(lambda: control.request_stop("launcher gone"))
 
     return register_optimizer_step_post_hook(first_step)
-
-
-def _announce_global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:
-    """Once, on rank 0: a global batch larger than one device's, and what that means for --lr
-    (training.learning_rate uses --lr as given: nothing is scaled)."""
-    devices = rt.world_size * rt.strategy.devices_per_process
-    note = global_batch_note(per_step // devices, devices, cfg.accumulate, learning_rate(cfg),
-                             lr_given=cfg.lr is not None)
-    if note:
-        console.info(note)
-
-
-def _announce_last_step(cfg: TrainConfig, rt: Runtime, samples: int) -> None:
-    """Trap 3, once on rank 0: what each epoch's last step is, when it is not a full one."""
-    from multigpu.train.setup_checks import last_step_finding
-
-    said = last_step_finding(samples, cfg.batch_size, ranks=rt.world_size, drop_last=cfg.drop_last,
-                             devices_per_rank=rt.strategy.devices_per_process).message
-    if not said.endswith("all full"):
-        console.info(f"last step: {said}")
 
 
 def make_deterministic() -> None:
