@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from multigpu.train.data_bundle import DataBundle
-from multigpu.train.data_specs import unknown_spec
+from multigpu.train.data_specs import check_spec
 from multigpu.core.errors import UsageError
 from multigpu.train.model_names import check_input_kind  # noqa: F401 (the CLI imports it from there)
 
@@ -68,19 +68,18 @@ def load_data(
 ) -> DataBundle:
     """Build the DataBundle for `--data SPEC`; `input_kind` is models.model_input_kind() of the model."""
     check_input_kind(spec, input_kind)
-    kind, sep, arg = spec.partition(":")
+    check_spec(spec)  # what is a spec is decided in one place (data_specs), also before a launch
+    kind, _, arg = spec.partition(":")
     if spec == "digits":
         return _digits()
-    if sep and kind == "synthetic":
+    if kind == "synthetic":
         return _synthetic(spec, arg, input_kind, _positive(image_size, "--image-size"))
-    if sep and kind == "folder" and arg:
+    if kind == "folder":
         from multigpu.train.imagefolder import load_folder
 
         return load_folder(arg, _positive(image_size, "--image-size"), bad_images=bad_images)
-    if sep and kind == "timeseries" and arg:
-        seq = _positive(seq_length, "--seq-length")
-        return _timeseries(arg, seq, _positive(future_length, "--future-length"))
-    raise unknown_spec(spec)
+    seq = _positive(seq_length, "--seq-length")  # timeseries:
+    return _timeseries(arg, seq, _positive(future_length, "--future-length"))
 
 
 def _positive(value: int, flag: str) -> int:
