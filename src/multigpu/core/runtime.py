@@ -65,12 +65,11 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
                 activation_checkpointing); a tuple of several, each strategy taking its own.
     log_dir:    the folder `rt.log()` writes to (TensorBoard events, metrics.csv), on rank 0.
     loggers:    what `rt.log()` writes: any of "tensorboard", "csv", "mlflow", "wandb".
-    install_hooks: True for a program that owns its process: at exit the process group is torn
-                down (after the ranks meet, unless the process failed), and sys.excepthook
-                marks an uncaught exception as a failure (distributed.install_exit_hooks).
-                Off by default: setup() changes no process-wide state beyond the process group
-                and the bound device. `multigpu run` tears a script's group down itself; under
-                plain torchrun, call multigpu.destroy_distributed() at the end.
+    install_hooks: True for a program that owns its process: the group is torn down at exit and
+                sys.excepthook marks an uncaught exception as a failure (distributed.
+                install_exit_hooks). Off by default: no process-wide state beyond the group and
+                the device. `multigpu run` tears a script's group down itself; under plain
+                torchrun, call multigpu.destroy_distributed() at the end.
 
     Returns the Runtime that prepares, steps and saves. Raises UsageError for a value it cannot
     use (an unknown precision, bf16 on a GPU without it, accumulate=0), naming the fix.
