@@ -179,13 +179,15 @@ def test_auto_decodes_with_the_workers_when_there_are_enough_of_them(tmp_path, m
         "folder: images decoded by 15 loader workers per GPU (enough of them: --decode gpu to use nvJPEG)")
     assert not data.train.on_gpu and not data.val.on_gpu
     monkeypatch.setattr(gpu_images, "gpu_decode_problem", lambda device: None)  # a GPU with nvJPEG
+    monkeypatch.setattr(gpu_images, "decoder_name", lambda device: "torchvision's nvJPEG")
     assert imagefolder.use_decode(data, "auto", gpu, 3) == (
-        "folder: JPEGs decoded on cuda:0 (nvJPEG) and by 3 loader workers (17% of them), the GPU's "
+        "folder: JPEGs decoded on cuda:0 (torchvision's nvJPEG) and by 3 loader workers (17% of them), the GPU's "
         "crops there too (--decode gpu|cpu: one of them)")
     assert (data.train.on_gpu, data.train.cpu_share, data.val.cpu_share) == (True, 0.17, 0.17)
     imagefolder.use_decode(data, "auto", gpu, 3, deterministic=True)  # the same decoder after any resume
     assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
-    assert imagefolder.use_decode(data, "gpu", gpu, 15).startswith("folder: JPEGs decoded on cuda:0 (nvJPEG), the crops")
+    assert imagefolder.use_decode(data, "gpu", gpu, 15).startswith(
+        "folder: JPEGs decoded on cuda:0 (torchvision's nvJPEG), the crops")
     assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
 
 

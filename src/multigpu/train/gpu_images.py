@@ -1,22 +1,20 @@
-"""folder: images decoded on the GPU: nvJPEG through torchvision, and the crops done there too.
+"""folder: images decoded on the GPU (nvImageCodec or torchvision's nvJPEG), the crops done there too.
 
 With `--decode gpu` (or `auto` where it works) loader workers no longer decode: per sample they read
 the file and draw its augmentation (the crop box and flip the CPU path would draw, from the same
 seeded generator, so a sample's augmentation is a function of (seed, epoch, index) either way), and
 the batch leaves them still encoded, as one byte buffer. In a thread of its own, on its own
-stream, while the previous step computes (prefetch_thread), `decode_batch` decodes it with one
-batched `torchvision.io.decode_jpeg(..., device=cuda)` call (the hardware JPEG engines of
-A100/H100/H200, nvJPEG's CUDA decoder elsewhere), then crops, resizes (PIL's antialiased
-bilinear) and flips the whole batch on the GPU in a few batched kernels (crop_resize). Files that cannot take that way are decoded by the worker as before and join the batch
-decoded: not a JPEG, CMYK, progressive (nvJPEG decodes those on the host, slowly), no end-of-image
-marker (truncated), and the `cpu_share` of samples a hybrid leaves to the CPUs.
+stream, while the previous step computes (prefetch_thread), `decode_batch` decodes it in one
+batched call of the process's JPEG decoder (jpeg_decoders: nvImageCodec on the hardware JPEG
+engines where it is installed and the GPU has them, else torchvision's nvJPEG), then crops,
+resizes (PIL's antialiased bilinear) and flips the whole batch on the GPU in a few batched
+kernels (crop_resize). Files that cannot take that way are decoded by the worker as before and
+join the batch decoded: not a JPEG, CMYK, progressive (off the engines: slower there than in a
+worker), no end-of-image marker (truncated), and the `cpu_share` of samples a hybrid leaves to
+the CPUs.
 
-Off CUDA (the CPU tests; torchvision's nvJPEG is not there) the same path runs with PIL decoding
-the bytes, so everything except the one decode call is exercised everywhere.
-
-torchvision's CUDA decoder allocates its outputs on the caller's stream but writes them from its
-own (pytorch/vision#9606): a block freed on the copy stream with kernels still queued that read it
-could be overwritten. The copy stream is synchronised before each decode, so nothing is queued.
+Off CUDA (the CPU tests) the same path runs with PIL (or nvImageCodec's CPU backend) decoding
+the bytes, so everything except the GPU decode call is exercised everywhere.
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from multigpu.train import jpeg_decoders
 from multigpu.train.crop_resize import crop_resize
 
 _END_OF_IMAGE = b"\xff\xd9"
@@ -124,24 +123,6 @@ def read_bytes(path: str) -> torch.Tensor:
     return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
 
 
-def decode_jpegs(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """uint8 (3, H, W) images on `device`: nvJPEG on CUDA devices, PIL elsewhere."""
-    if device.type != "cuda":
-        return [pil_decode(e).to(device) for e in encoded]
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    torch.cuda.current_stream(device).synchronize()  # see the module docstring
-    return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
-
-
-def pil_decode(encoded: torch.Tensor) -> torch.Tensor:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(encoded.numpy().tobytes())) as image:
-        array = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1)
-
-
 def decode_batch(batch: ImageBatch, size: int, device: torch.device, fallback) -> tuple[torch.Tensor, dict]:
     """(uint8 (N, 3, size, size) on `device`, {position: label} of replaced samples).
     `fallback(index, seed, exc)` gives (image, label) of the sample that replaces a file neither
@@ -166,38 +147,26 @@ def decode_batch(batch: ImageBatch, size: int, device: torch.device, fallback) -
 
 
 def _decode(batch: ImageBatch, device: torch.device, on_bad) -> list[torch.Tensor | None]:
-    """The batch's encoded images decoded on `device`, in one call when every file is good. A
-    file that fails there and in PIL goes to `on_bad(k, exc)`; the device running out of memory
-    or failing is raised, not blamed on a file."""
+    """The batch's encoded images decoded on `device`, in one call (jpeg_decoders.choose's
+    decoder). A file that fails there and in PIL goes to `on_bad(k, exc)`; the device running
+    out of memory or failing is raised, not blamed on a file."""
     from PIL import Image
 
     encoded = batch.encoded()
     if not encoded:
         return []
-    try:
-        return decode_jpegs(encoded, device)
-    except Exception as exc:  # one bad file fails the whole call (nvJPEG: RuntimeError): find it
-        _raise_if_device_failed(exc)
-    images = []
-    for k, data in enumerate(encoded):
-        try:
-            images.append(decode_jpegs([data], device)[0])
+    decoder = jpeg_decoders.choose(device)
+    if isinstance(decoder, str):  # the run asked for the GPU path where no decoder works
+        raise RuntimeError(f"JPEGs cannot be decoded on {device}: {decoder}")
+    images = decoder.decode(encoded, device)
+    for k, image in enumerate(images):
+        if image is not None:
             continue
-        except Exception as exc:
-            _raise_if_device_failed(exc)
         try:
-            images.append(pil_decode(data).to(device))
+            images[k] = jpeg_decoders.pil_decode(encoded[k]).to(device)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:  # PIL's
             on_bad(k, exc)
-            images.append(None)
     return images
-
-
-def _raise_if_device_failed(exc: BaseException) -> None:
-    """Out of memory, or a CUDA error: the device's fault, not the file's."""
-    if isinstance(exc, torch.OutOfMemoryError) or type(exc).__name__ == "AcceleratorError" \
-            or "CUDA error" in str(exc):
-        raise exc
 
 
 def center_box(width: int, height: int, size: int) -> tuple[int, int, int, int]:
@@ -208,36 +177,17 @@ def center_box(width: int, height: int, size: int) -> tuple[int, int, int, int]:
     return (width - side) // 2, (height - side) // 2, side, side
 
 
-_probe_cache: dict[str, str | None] = {}
-
-
 def gpu_decode_problem(device: torch.device) -> str | None:
-    """Why JPEGs cannot be decoded on `device` (one line), or None when they can: torchvision
-    decodes a small JPEG made here, once per process and device."""
-    key = str(device)
-    if key not in _probe_cache:
-        _probe_cache[key] = _probe(device)
-    return _probe_cache[key]
-
-
-def _probe(device: torch.device) -> str | None:
+    """Why JPEGs cannot be decoded on `device` (one line), or None when they can: each GPU
+    decoder in turn decodes a small JPEG made here, once per process and device
+    (jpeg_decoders.choose)."""
     if device.type != "cuda":
         return f"the run's device is {device.type}, not a GPU"
-    try:
-        import torchvision.io  # noqa: F401
-    except Exception as exc:
-        return f"torchvision does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    from PIL import Image
+    chosen = jpeg_decoders.choose(device)
+    return chosen if isinstance(chosen, str) else None
 
-    buffer = io.BytesIO()
-    Image.new("RGB", (24, 16), (200, 30, 90)).save(buffer, format="JPEG", quality=95)
-    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    try:
-        with torch.cuda.device(device):
-            image = decode_jpegs([data], device)[0]
-        torch.cuda.synchronize(device)
-    except Exception as exc:
-        return f"torchvision's nvJPEG decode failed here ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    if tuple(image.shape) != (3, 16, 24) or abs(int(image[0].float().mean()) - 200) > 8:
-        return "torchvision's nvJPEG decode gave wrong pixels on this GPU"
-    return None
+
+def decoder_name(device: torch.device) -> str:
+    """The decoder of `device`'s JPEGs as the start-up line names it."""
+    chosen = jpeg_decoders.choose(device)
+    return "no decoder" if isinstance(chosen, str) else chosen.name

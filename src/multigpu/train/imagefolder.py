@@ -301,11 +301,12 @@ def use_decode(data: DataBundle, asked: str, device: torch.device, workers: int,
         dataset.on_gpu, dataset.cpu_share = on_gpu, share
     if device.type != "cuda":
         return None
+    decoder = gpu_images.decoder_name(device) if on_gpu else ""
     if on_gpu and share:
-        return (f"folder: JPEGs decoded on {device} (nvJPEG) and by {workers} loader workers "
+        return (f"folder: JPEGs decoded on {device} ({decoder}) and by {workers} loader workers "
                 f"({share:.0%} of them), the GPU's crops there too (--decode gpu|cpu: one of them)")
     if on_gpu:
-        return (f"folder: JPEGs decoded on {device} (nvJPEG), the crops there too; {workers} loader "
+        return (f"folder: JPEGs decoded on {device} ({decoder}), the crops there too; {workers} loader "
                 "workers read the files (--decode cpu: the workers decode)")
     why = ("--decode cpu" if asked == "cpu" else f"the GPU path is off: {problem}" if problem
            else "enough of them: --decode gpu to use nvJPEG")

@@ -1,0 +1,142 @@
+"""The GPU path's JPEG decoders (jpeg_decoders): which one a device gets, what its probe says
+when none works, and nvImageCodec itself through its CPU backend (libjpeg-turbo), the part of it
+that runs without a GPU; tests/gpu/test_decode_gpu.py runs it on the hardware engines.
+
+The nvImageCodec tests skip where `nvidia-nvimgcodec-cu13` is not installed:
+pip install 'multigpu[nvimgcodec]' (or PYTHONPATH=a folder the two wheels were installed to)."""
+import io
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from multigpu.core.errors import UsageError
+from multigpu.train import gpu_images, imagefolder, jpeg_decoders
+from tests.unit.test_gpu_images import folder_data, make_folder, samples, scene
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice(monkeypatch):
+    """Each test chooses anew (the choice is cached per process and device)."""
+    monkeypatch.setattr(jpeg_decoders, "_chosen", {})
+
+
+def nvimgcodec_or_skip():
+    try:
+        return jpeg_decoders.import_nvimgcodec()
+    except ImportError:
+        pytest.skip("nvidia-nvimgcodec-cu13 is not installed")
+
+
+def jpeg(picture, **save):
+    buffer = io.BytesIO()
+    picture.save(buffer, format="JPEG", quality=90, **save)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def pil_pixels(data):
+    return jpeg_decoders.pil_decode(data).float()
+
+
+def test_with_neither_decoder_the_problem_names_both_and_how_to_get_nvimagecodec(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    problem = ("nvImageCodec is not installed (pip install 'multigpu[nvimgcodec]'); torchvision does not "
+               "import (ModuleNotFoundError: import of torchvision.io halted; None in sys.modules)")
+    assert gpu_images.gpu_decode_problem(GPU) == problem
+    with pytest.raises(UsageError) as excinfo:
+        imagefolder.use_decode(folder_data(make_folder(tmp_path)), "gpu", GPU, workers=2)
+    assert str(excinfo.value) == (f"--decode gpu: {problem}; use --decode cpu (the loader workers decode) "
+                                  "or auto")
+    assert gpu_images.gpu_decode_problem(CPU) == "the run's device is cpu, not a GPU"
+
+
+def test_nvimagecodec_without_a_gpu_is_named_in_one_line_and_its_library_noise_held_back(capfd):
+    nvimgcodec_or_skip()
+    capfd.readouterr()
+    problem = gpu_images.gpu_decode_problem(GPU)  # this machine has no GPU: nothing can start
+    assert problem.startswith("nvImageCodec does not start on cuda:0 (RuntimeError: "), problem
+    assert len(problem.splitlines()) == 1
+    err = capfd.readouterr().err.lower()
+    assert "nvjpeg2000" not in err and "nvtiff" not in err and "libcuda" not in err, err
+
+
+def test_a_decoder_that_gets_the_colours_wrong_fails_its_probe():
+    class Inverting(jpeg_decoders.PilDecoder):
+        name = "an inverting decoder"
+
+        def decode(self, encoded, device):
+            return [255 - image for image in super().decode(encoded, device)]
+
+    class Refusing(jpeg_decoders.PilDecoder):
+        name = "a refusing decoder"
+
+        def decode(self, encoded, device):
+            return [None for _ in encoded]
+
+    assert jpeg_decoders.probe_problem(jpeg_decoders.PilDecoder(), CPU) is None
+    assert jpeg_decoders.probe_problem(Inverting(), CPU) == "an inverting decoder gave wrong pixels on this device"
+    assert jpeg_decoders.probe_problem(Refusing(), CPU) == "a refusing decoder could not decode a JPEG here"
+
+
+def test_the_startup_line_names_the_decoder_the_device_uses(tmp_path):
+    class Named(jpeg_decoders.PilDecoder):
+        name = "nvImageCodec, hardware JPEG engines"
+
+    data = folder_data(make_folder(tmp_path))
+    jpeg_decoders.use(GPU, Named())  # as if probed on a GPU with the engines
+    assert imagefolder.use_decode(data, "gpu", GPU, 15) == (
+        "folder: JPEGs decoded on cuda:0 (nvImageCodec, hardware JPEG engines), the crops there too; "
+        "15 loader workers read the files (--decode cpu: the workers decode)")
+
+
+def test_nvimagecodec_decodes_rgb_grey_cmyk_and_progressive_as_pil_does():
+    nvimgcodec_or_skip()
+    decoder = jpeg_decoders.NvImageCodecDecoder(CPU)
+    assert decoder.name == "nvImageCodec, CPU"
+    picture = scene(90, 70, seed=5)
+    files = [jpeg(picture), jpeg(picture.convert("L")), jpeg(picture.convert("CMYK")),
+             jpeg(picture, progressive=True), jpeg(scene(31, 17, seed=6))]
+    images = decoder.decode(files, CPU)
+    for k, (data, image) in enumerate(zip(files, images, strict=True)):
+        expected = pil_pixels(data)
+        assert image.dtype == torch.uint8 and image.shape == expected.shape, k
+        # libjpeg-turbo both, but PIL upsamples chroma "fancily": a level or two at edges
+        assert (image.float() - expected).abs().mean() < 2.5, k
+
+
+def test_nvimagecodec_gives_none_for_files_it_cannot_read_and_decodes_the_rest():
+    nvimgcodec_or_skip()
+    good = jpeg(scene(80, 60, seed=1))
+    body = bytes(good.numpy())
+    truncated = torch.frombuffer(bytearray(body[: len(body) // 2]), dtype=torch.uint8)
+    no_scan = torch.frombuffer(bytearray(body[:body.index(b"\xff\xda")] + b"\xff\xda\x00\x02\xff\xd9"),
+                               dtype=torch.uint8)
+    garbage = torch.frombuffer(bytearray(b"\xff\xd8 not a jpeg \xff\xd9"), dtype=torch.uint8)
+    images = jpeg_decoders.NvImageCodecDecoder(CPU).decode([truncated, good, no_scan, garbage, good], CPU)
+    assert [image is None for image in images] == [True, False, True, True, False]
+    assert torch.equal(images[1], images[4])
+
+
+def test_the_device_path_with_nvimagecodec_replaces_and_counts_a_bad_file(tmp_path, capsys):
+    nvimgcodec_or_skip()
+
+    def broken_body(path):  # a header and an end marker: sent encoded, unreadable by both
+        whole = (tmp_path / "val/a/0.jpg").read_bytes()
+        path.write_bytes(whole[:whole.index(b"\xff\xda")] + b"\xff\xda\x00\x02" + b"\xff\xd9")
+
+    train = folder_data(make_folder(tmp_path, extra={"train/a/zz.jpg": broken_body})).train
+    index = [p for p, _ in train.samples].index(str(tmp_path / "train/a/zz.jpg"))
+    cpu = torch.stack([x for x, _ in samples(folder_data(tmp_path).train, on_gpu=False)])
+    capsys.readouterr()
+    encoded = samples(train, on_gpu=True)
+    jpeg_decoders.use(CPU, jpeg_decoders.NvImageCodecDecoder(CPU))
+    x, y = train.on_device(gpu_images.collate(encoded), CPU)
+    assert train.bad_count == 1 and y[index] == 1, "the next file's label, class b's"
+    assert capsys.readouterr().err.count("skipped unreadable image") == 1
+    others = [i for i in range(len(train)) if i != index]
+    assert (x[others].float() - cpu[others].float()).abs().mean() < 1.0  # the CPU path's crops
