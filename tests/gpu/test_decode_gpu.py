@@ -1,14 +1,20 @@
-"""GPU tier for folder: data decoded on the GPU (gpu_images): nvJPEG against the CPU path, and
-`multigpu train --decode` end to end, resumed inside an epoch.
+"""GPU tier for folder: data decoded on the GPU (gpu_images, jpeg_decoders): nvImageCodec and
+torchvision's nvJPEG against the CPU path, and `multigpu train --decode` end to end, resumed
+inside an epoch.
 
 Run on a machine with a GPU and torchvision:  pytest -m gpu tests/gpu/test_decode_gpu.py
+The nvImageCodec tests skip unless its wheels are importable, e.g.
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  PYTHONPATH=/tmp/site:$PWD/src pytest -m gpu tests/gpu/test_decode_gpu.py
 """
+import importlib.util
+import io
 import re
 
 import pytest
 import torch
 
-from multigpu.train import gpu_images, imagefolder
+from multigpu.train import gpu_images, imagefolder, jpeg_decoders
 from tests.multiproc.conftest import multigpu as run_multigpu
 from tests.multiproc.conftest import read_metrics
 from tests.unit.test_gpu_images import make_folder, samples, scene
@@ -62,7 +68,9 @@ def test_train_decodes_on_the_gpu_and_a_run_resumed_inside_an_epoch_ends_the_sam
         return proc
 
     whole = train("whole", "--checkpoint-every", "2", "--keep", "10")
-    assert re.search(r"folder: JPEGs decoded on cuda:0 \(nvJPEG\)", whole.stdout)
+    # nvImageCodec where installed (an H100 has the engines), torchvision's nvJPEG otherwise
+    picked = "nvImageCodec, hardware JPEG engines" if HAS_NVIMGCODEC else "torchvision's nvJPEG"
+    assert re.search(rf"folder: JPEGs decoded on cuda:0 \({re.escape(picked)}\)", whole.stdout), whole.stdout
     middle = tmp_path / "whole" / "checkpoints" / "step-000000004.pt"  # 4 of epoch 1's 6 steps
     train("resumed", "--resume", middle, "--workers", "3")
     final = [torch.load(tmp_path / run / "checkpoints" / "last.pt", weights_only=True)["model"]
@@ -75,3 +83,82 @@ def test_train_decodes_on_the_gpu_and_a_run_resumed_inside_an_epoch_ends_the_sam
     assert "folder: images decoded by 2 loader workers per GPU (--decode cpu)" in on_cpu.stdout
     # (torchvision's CPU transforms draw other crops than gpu_images: no loss to compare with)
     assert [r["train_samples"] for r in read_metrics(tmp_path / "cpu")] == [48, 48]
+
+
+HAS_NVIMGCODEC = importlib.util.find_spec("nvidia") is not None and \
+    importlib.util.find_spec("nvidia.nvimgcodec") is not None
+needs_nvimgcodec = pytest.mark.skipif(not HAS_NVIMGCODEC, reason="nvidia-nvimgcodec-cu13 is not installed")
+
+
+def jpeg(picture, **save):
+    buffer = io.BytesIO()
+    picture.save(buffer, format="JPEG", **{"quality": 90, **save})
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decoded_on_a_side_stream(decoder, files):
+    """As the prefetch thread calls it: on a stream of its own, then used there."""
+    side = torch.cuda.Stream(GPU)
+    with torch.cuda.device(GPU), torch.cuda.stream(side):
+        images = decoder.decode(files, GPU)
+        cpu = [None if x is None else x.to("cpu", non_blocking=False) for x in images]
+    torch.cuda.synchronize(GPU)
+    return images, cpu
+
+
+@needs_nvimgcodec
+def test_nvimagecodec_picks_the_engines_and_decodes_as_pil_and_torchvision_do():
+    chosen = jpeg_decoders.choose(GPU)
+    assert isinstance(chosen, jpeg_decoders.NvImageCodecDecoder), chosen
+    assert chosen.name == "nvImageCodec, hardware JPEG engines"
+    files = [jpeg(scene(500, 375, seed=1)), jpeg(scene(500, 375, seed=2).convert("L")),
+             jpeg(scene(333, 500, seed=3), subsampling=0), jpeg(scene(64, 48, seed=4), subsampling=1),
+             jpeg(scene(1024, 683, seed=5), quality=75), jpeg(scene(31, 17, seed=6))]
+    images, ours = decoded_on_a_side_stream(chosen, files)
+    theirs = decoded_on_a_side_stream(jpeg_decoders.TorchvisionDecoder(), files)[1]
+    for k, data in enumerate(files):
+        pil = jpeg_decoders.pil_decode(data).float()
+        assert images[k].device == GPU and images[k].dtype == torch.uint8 and ours[k].shape == pil.shape, k
+        to_pil = (ours[k].float() - pil).abs().mean().item()
+        to_torchvision = (ours[k].float() - theirs[k].float()).abs().mean().item()
+        print(f"file {k} {tuple(pil.shape)}: mean abs difference to PIL {to_pil:.3f}, to torchvision "
+              f"{to_torchvision:.3f}")
+        assert to_pil < 1.5 and to_torchvision < 1.5, k
+
+
+@needs_nvimgcodec
+def test_nvimagecodec_on_the_gpu_decodes_progressive_and_cmyk():
+    """What it can do beyond the engines (gpu_readable still leaves these to the workers)."""
+    picture = scene(200, 150, seed=7)
+    files = [jpeg(picture, progressive=True), jpeg(picture.convert("CMYK"))]
+    _, ours = decoded_on_a_side_stream(jpeg_decoders.choose(GPU), files)
+    for k, data in enumerate(files):
+        assert ours[k] is not None, k
+        assert (ours[k].float() - jpeg_decoders.pil_decode(data).float()).abs().mean() < 2.5, k
+
+
+@needs_nvimgcodec
+def test_nvimagecodec_batch_with_a_truncated_file_replaces_and_counts_it(tmp_path, capsys):
+    def no_scan(path):  # a header and an end marker, no image data: sent encoded, unreadable
+        whole = (tmp_path / "imgs/val/a/0.jpg").read_bytes()
+        path.write_bytes(whole[:whole.index(b"\xff\xda")] + b"\xff\xda\x00\x02" + b"\xff\xd9")
+
+    def cut_in_half(path):  # libjpeg (PIL) reads the first half, grey below: not a bad file
+        whole = (tmp_path / "imgs/val/a/1.jpg").read_bytes()
+        path.write_bytes(whole[: len(whole) // 2] + b"\xff\xd9")
+
+    data = make_folder(tmp_path / "imgs", extra={"train/a/zz.jpg": no_scan, "train/a/zy.jpg": cut_in_half})
+    train = imagefolder.load_folder(str(data), 32, decoder="pil").train
+    assert isinstance(jpeg_decoders.choose(GPU), jpeg_decoders.NvImageCodecDecoder)
+    paths = [p for p, _ in train.samples]
+    bad, half = paths.index(str(data / "train/a/zz.jpg")), paths.index(str(data / "train/a/zy.jpg"))
+    encoded = samples(train, on_gpu=True)
+    assert isinstance(encoded[bad][0], gpu_images.EncodedImage) and isinstance(encoded[half][0], gpu_images.EncodedImage)
+    capsys.readouterr()
+    with torch.cuda.stream(torch.cuda.Stream(GPU)):
+        x, y = train.on_device(gpu_images.collate(encoded), GPU)
+    torch.cuda.synchronize(GPU)
+    err = capsys.readouterr().err
+    assert x.shape == (len(train), 3, 32, 32)
+    assert train.bad_count == 1 and err.count("skipped unreadable image") == 1, err
+    assert "zz.jpg" in err and y[bad] == train.samples[bad + 1][1]
