@@ -1,7 +1,16 @@
 """The folder: input pipeline alone, no model: images per second that reach one GPU, per decode mode.
 
-    python benchmarks/decode_pipeline.py --make DIR [--train 12800]      # 500 x 375 JPEGs, once
+    python benchmarks/decode_pipeline.py --make DIR [--train 12800] [--detailed]  # JPEGs, once
     python benchmarks/decode_pipeline.py --folder DIR --out FILE.json [--workers 15] [--batches 60]
+    python benchmarks/decode_pipeline.py --decoders --folder DIR [--folder DIR2] --out FILE.json
+
+--make writes smooth 500 x 375 JPEGs (~27 KB), or with --detailed ~100 KB ones of mixed sizes,
+one in ten grey (like ImageNet's; CMYK and progressive files go to the workers on every path,
+so they are left out here). --decoders times each GPU JPEG decoder (jpeg_decoders: nvImageCodec
+on the hardware engines, torchvision's nvJPEG) on batches of --batch files already in memory,
+on a side stream as the prefetch thread runs them: decoding alone, and decoding with the crops
+(gpu_images.decode_batch, the whole GPU path after the workers). The loader modes `gpu:NAME` pin
+one decoder (nvimgcodec or torchvision) for the whole pipeline; `gpu` takes the one a run picks.
 
 What `multigpu train --data folder:DIR` builds on one GPU (imagefolder + loaders.shard_loader and
 its copy stream), iterated without a step: `cpu` (the workers decode), `gpu` (nvJPEG on the copy
@@ -10,6 +19,7 @@ Modes take turns, round by round; the median round is reported. The first batche
 (the workers' queue filling) are left out of the timing.
 """
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -22,28 +32,87 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from multigpu.train import imagefolder
+from multigpu.train import gpu_images, imagefolder, jpeg_decoders
 from multigpu.core.loaders import shard_loader
 
 
+SIZES = [(500, 375), (375, 500), (500, 333), (640, 480), (400, 400), (800, 600), (300, 225)]
+
+
 def _write(args):
-    path, seed = args
+    path, seed, detailed = args
     rng = np.random.default_rng(seed)
-    coarse = rng.uniform(0, 255, size=(6, 8, 3)).astype(np.uint8)
-    picture = np.asarray(Image.fromarray(coarse).resize((500, 375), Image.Resampling.BICUBIC), dtype=np.float32)
-    picture += rng.normal(0, 12, size=picture.shape)
-    Image.fromarray(np.clip(picture, 0, 255).astype(np.uint8)).save(path, quality=90)
+    size = SIZES[seed % len(SIZES)] if detailed else (500, 375)
+    coarse = rng.uniform(0, 255, size=(6, 8, 3) if not detailed else (48, 64, 3)).astype(np.uint8)
+    picture = np.asarray(Image.fromarray(coarse).resize(size, Image.Resampling.BICUBIC), dtype=np.float32)
+    picture += rng.normal(0, 12 if not detailed else 30, size=picture.shape)
+    image = Image.fromarray(np.clip(picture, 0, 255).astype(np.uint8))
+    if detailed and seed % 10 == 0:
+        image = image.convert("L")
+    image.save(path, quality=90)
 
 
-def make_folder(root: Path, train: int, val: int, classes: int = 10) -> None:
+def make_folder(root: Path, train: int, val: int, classes: int = 10, detailed: bool = False) -> None:
     jobs = []
     for split, count in (("train", train), ("val", val)):
         for i in range(count):
             folder = root / split / f"class_{i % classes:02d}"
             folder.mkdir(parents=True, exist_ok=True)
-            jobs.append((folder / f"{i:06d}.jpg", i + (0 if split == "train" else 10**7)))
+            jobs.append((folder / f"{i:06d}.jpg", i + (0 if split == "train" else 10**7), detailed))
     with ProcessPoolExecutor() as pool:
         list(pool.map(_write, jobs, chunksize=64))
+
+
+def decoders(device) -> dict:
+    """Every GPU JPEG decoder that passes its probe here, by the name --modes gpu:NAME uses."""
+    made = {}
+    for name, make in (("nvimgcodec", lambda: jpeg_decoders.NvImageCodecDecoder(device)),
+                       ("torchvision", jpeg_decoders.TorchvisionDecoder)):
+        try:
+            decoder = make()
+        except Exception as exc:
+            print(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        problem = jpeg_decoders.probe_problem(decoder, device)
+        if problem:
+            print(f"{name}: {problem}")
+        else:
+            made[name] = decoder
+    return made
+
+
+def compare_decoders(folder: str, device, batch: int, batches: int, rounds: int) -> dict:
+    """Images/s of each decoder alone, and with the crops, on files read into memory."""
+    train = imagefolder.load_folder(folder, 224).train
+    train.on_gpu = True
+    samples = [train[i][0] for i in range(min(len(train), batch * batches))]
+    samples = [s for s in samples if isinstance(s, gpu_images.EncodedImage)]
+    groups = [samples[i:i + batch] for i in range(0, len(samples) - batch + 1, batch)]
+    files = [[s.data for s in group] for group in groups]
+    built = [gpu_images.ImageBatch(group) for group in groups]  # as the workers hand them over
+    made = decoders(device)
+    side = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
+    result = {"folder": folder, "files": len(samples), "mean_kb": round(
+        sum(s.data.numel() for s in samples) / len(samples) / 1024, 1), "alone": {}, "with_crops": {}}
+
+    def timed(work) -> float:
+        with side:
+            work(0)  # warm-up: first allocations, the decoder's own start
+            sync(device)
+            start = time.perf_counter()
+            for g in range(len(groups)):
+                work(g)
+            sync(device)
+        return round(len(samples) / (time.perf_counter() - start), 1)
+
+    for name, decoder in made.items():
+        jpeg_decoders.use(device, decoder)
+        alone = [timed(lambda g: decoder.decode(files[g], device)) for _ in range(rounds)]
+        crops = [timed(lambda g: gpu_images.decode_batch(built[g], 224, device, None)) for _ in range(rounds)]
+        result["alone"][name], result["with_crops"][name] = statistics.median(alone), statistics.median(crops)
+        print(folder, name, "alone", alone, "with crops", crops, flush=True)
+    return result
 
 
 def loader_for(data, mode: str, workers: int, batch: int, device):
@@ -56,7 +125,9 @@ def loader_for(data, mode: str, workers: int, batch: int, device):
                         on_step=lambda info: None)
 
 
-def time_round(prepared, batches: int, skip: int) -> float:
+def time_round(prepared, batches: int, skip: int, pin=None) -> float:
+    if pin is not None:  # gpu:NAME: this decoder in the prefetch thread
+        jpeg_decoders.use(torch.device("cuda", 0), pin)
     it = iter(prepared)
     for _ in range(skip):
         next(it)
@@ -73,7 +144,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--make")
     p.add_argument("--train", type=int, default=12800)
-    p.add_argument("--folder")
+    p.add_argument("--folder", action="append")
+    p.add_argument("--detailed", action="store_true")
+    p.add_argument("--decoders", action="store_true")
+    p.add_argument("--device", default="cuda:0", help="--decoders on cpu: a smoke test of this script")
     p.add_argument("--out")
     p.add_argument("--workers", type=int, default=15)
     p.add_argument("--batch", type=int, default=128)
@@ -83,18 +157,29 @@ def main() -> None:
     a = p.parse_args()
     if a.make:
         start = time.perf_counter()
-        make_folder(Path(a.make), a.train, 256)
+        make_folder(Path(a.make), a.train, 256, detailed=a.detailed)
         print(f"{a.train} images in {a.make}: {time.perf_counter() - start:.0f} s")
         return
-    device = torch.device("cuda", 0)
-    data = imagefolder.load_folder(a.folder, 224)
+    device = torch.device(a.device)
+    if a.decoders:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
+        result = {"what": "images/s of each GPU JPEG decoder, files in memory, no loader, no model",
+                  "batch": a.batch, "size": 224, "torch": torch.__version__, "gpu": gpu,
+                  "host_threads": jpeg_decoders.HOST_THREADS,
+                  "folders": [compare_decoders(f, device, a.batch, a.batches, a.rounds) for f in a.folder]}
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        return
+    folder = a.folder[0]
+    data = imagefolder.load_folder(folder, 224)
     modes = a.modes.split(",")
-    loaders = {m: loader_for(imagefolder.load_folder(a.folder, 224), m, a.workers, a.batch, device) for m in modes}
+    pins = {m: decoders(device)[m.split(":")[1]] for m in modes if m.startswith("gpu:")}
+    loaders = {m: loader_for(imagefolder.load_folder(folder, 224), m.split(":")[0], a.workers, a.batch, device)
+               for m in modes}
     rounds = {m: [] for m in modes}
     skip = max(2, a.workers * 4 // 4)  # a round starts a new epoch: let the queue fill first
     for _ in range(a.rounds):
         for m in modes:
-            rounds[m].append(round(time_round(loaders[m], a.batches, skip), 1))
+            rounds[m].append(round(time_round(loaders[m], a.batches, skip, pins.get(m)), 1))
             print(m, rounds[m][-1], flush=True)
     result = {"what": "images/s reaching one GPU from the folder: pipeline, no model",
               "images": len(data.train), "shape": "500x375 JPEG q90", "size": 224, "batch": a.batch,
