@@ -182,7 +182,10 @@ def _nvimgcodec_engines(device: torch.device) -> JpegDecoder | str:
     if probe_problem(engines_only, device) is not None:
         return f"nvImageCodec finds no hardware JPEG engines on {device}"
     del engines_only
-    return NvImageCodecDecoder(device, hardware=True)
+    try:  # the engines, and nvImageCodec's CUDA decoder for the files they refuse
+        return NvImageCodecDecoder(device, hardware=True)
+    except Exception:  # its CUDA decoder did not start on an H100 (nvImageCodec 0.9, CUDA 13):
+        return NvImageCodecDecoder(device, hardware=True, fallback=False)  # gpu_images tries PIL
 
 
 def _nvimgcodec_cuda(device: torch.device) -> JpegDecoder | str:
