@@ -107,7 +107,9 @@ def decoded_on_a_side_stream(decoder, files):
 
 
 @needs_nvimgcodec
-def test_nvimagecodec_picks_the_engines_and_decodes_as_pil_and_torchvision_do():
+def test_nvimagecodec_picks_the_engines_and_decodes_as_pil_does():
+    """As the CPU path's PIL, within a level and a half on average (torchvision's nvJPEG is
+    printed beside it: it upsamples 4:2:2 chroma otherwise, 4.2 levels from PIL on an H100)."""
     chosen = jpeg_decoders.choose(GPU)
     assert isinstance(chosen, jpeg_decoders.NvImageCodecDecoder), chosen
     assert chosen.name == "nvImageCodec, hardware JPEG engines"
@@ -123,18 +125,24 @@ def test_nvimagecodec_picks_the_engines_and_decodes_as_pil_and_torchvision_do():
         to_torchvision = (ours[k].float() - theirs[k].float()).abs().mean().item()
         print(f"file {k} {tuple(pil.shape)}: mean abs difference to PIL {to_pil:.3f}, to torchvision "
               f"{to_torchvision:.3f}")
-        assert to_pil < 1.5 and to_torchvision < 1.5, k
+        assert to_pil < 1.5, k
 
 
 @needs_nvimgcodec
-def test_nvimagecodec_on_the_gpu_decodes_progressive_and_cmyk():
-    """What it can do beyond the engines (gpu_readable still leaves these to the workers)."""
+def test_files_the_engines_refuse_come_out_as_pil_decodes_them():
+    """Progressive and CMYK JPEGs: gpu_readable leaves them to the loader workers; sent to the
+    device anyway, the engines refuse them (nvImageCodec's CUDA decoder did not start on an
+    H100) and the GPU path decodes them with PIL, never into a wrong image."""
     picture = scene(200, 150, seed=7)
     files = [jpeg(picture, progressive=True), jpeg(picture.convert("CMYK"))]
-    _, ours = decoded_on_a_side_stream(jpeg_decoders.choose(GPU), files)
+    assert [gpu_images.gpu_readable(memoryview(f.numpy())) for f in files] == [None, None]
+    batch = gpu_images.ImageBatch([gpu_images.EncodedImage(f, (0, 0, 200, 150), False, k, 0)
+                                   for k, f in enumerate(files)])
+    with torch.cuda.device(GPU):
+        images = gpu_images._decode(batch, GPU, lambda k, exc: pytest.fail(f"file {k}: {exc}"))
     for k, data in enumerate(files):
-        assert ours[k] is not None, k
-        assert (ours[k].float() - jpeg_decoders.pil_decode(data).float()).abs().mean() < 2.5, k
+        assert images[k].device == GPU, k
+        assert torch.equal(images[k].cpu(), jpeg_decoders.pil_decode(data)), k
 
 
 @needs_nvimgcodec
