@@ -1,11 +1,13 @@
 """The folder: input pipeline alone, no model: images per second that reach one GPU, per decode mode.
 
-    python benchmarks/decode_pipeline.py --make DIR [--train 12800]      # 500 x 375 JPEGs, once
+    python benchmarks/decode_pipeline.py --make DIR [--kind smooth|detailed] [--train 12800]  # once
     python benchmarks/decode_pipeline.py --folder DIR --out FILE.json [--workers 15] [--batches 60]
 
 What `multigpu train --data folder:DIR` builds on one GPU (imagefolder + loaders.shard_loader and
 its copy stream), iterated without a step: `cpu` (the workers decode), `gpu` (nvJPEG on the copy
 stream), and `hybrid-S` (a share S of each batch decoded by the workers, the rest on the GPU).
+--make writes a generated folder (multigpu.bench.imagegen): smooth 500 x 375 JPEGs, or detailed
+ones like ImageNet's files (~100 KB, mixed sizes, a few greyscale and CMYK).
 Modes take turns, round by round; the median round is reported. The first batches of a round
 (the workers' queue filling) are left out of the timing.
 """
@@ -14,36 +16,14 @@ import json
 import platform
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader
 
+from multigpu.bench import imagegen
 from multigpu.train import imagefolder
 from multigpu.core.loaders import shard_loader
-
-
-def _write(args):
-    path, seed = args
-    rng = np.random.default_rng(seed)
-    coarse = rng.uniform(0, 255, size=(6, 8, 3)).astype(np.uint8)
-    picture = np.asarray(Image.fromarray(coarse).resize((500, 375), Image.Resampling.BICUBIC), dtype=np.float32)
-    picture += rng.normal(0, 12, size=picture.shape)
-    Image.fromarray(np.clip(picture, 0, 255).astype(np.uint8)).save(path, quality=90)
-
-
-def make_folder(root: Path, train: int, val: int, classes: int = 10) -> None:
-    jobs = []
-    for split, count in (("train", train), ("val", val)):
-        for i in range(count):
-            folder = root / split / f"class_{i % classes:02d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            jobs.append((folder / f"{i:06d}.jpg", i + (0 if split == "train" else 10**7)))
-    with ProcessPoolExecutor() as pool:
-        list(pool.map(_write, jobs, chunksize=64))
 
 
 def loader_for(data, mode: str, workers: int, batch: int, device):
@@ -69,9 +49,15 @@ def time_round(prepared, batches: int, skip: int) -> float:
     return images / (time.perf_counter() - start)
 
 
+def _manifest(folder: str) -> dict:
+    path = Path(folder) / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--make")
+    p.add_argument("--kind", choices=imagegen.KINDS, default="smooth")
     p.add_argument("--train", type=int, default=12800)
     p.add_argument("--folder")
     p.add_argument("--out")
@@ -83,8 +69,8 @@ def main() -> None:
     a = p.parse_args()
     if a.make:
         start = time.perf_counter()
-        make_folder(Path(a.make), a.train, 256)
-        print(f"{a.train} images in {a.make}: {time.perf_counter() - start:.0f} s")
+        imagegen.write_folder(Path(a.make), a.kind, a.train, 256)
+        print(f"{a.train} {a.kind} images in {a.make}: {time.perf_counter() - start:.0f} s")
         return
     device = torch.device("cuda", 0)
     data = imagefolder.load_folder(a.folder, 224)
@@ -97,7 +83,8 @@ def main() -> None:
             rounds[m].append(round(time_round(loaders[m], a.batches, skip), 1))
             print(m, rounds[m][-1], flush=True)
     result = {"what": "images/s reaching one GPU from the folder: pipeline, no model",
-              "images": len(data.train), "shape": "500x375 JPEG q90", "size": 224, "batch": a.batch,
+              "images": len(data.train), "shape": _manifest(a.folder).get("shape", "500x375 JPEG q90"),
+              "kind": _manifest(a.folder).get("kind", "smooth"), "size": 224, "batch": a.batch,
               "workers": a.workers, "batches_timed": a.batches, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(0), "cpus": len(__import__("os").sched_getaffinity(0)),
               "python": platform.python_version(),
