@@ -1,12 +1,12 @@
 """The folder: input pipeline alone, no model: images per second that reach one GPU, per decode mode.
 
-    python benchmarks/decode_pipeline.py --make DIR [--train 12800] [--detailed]  # JPEGs, once
+    python benchmarks/decode_pipeline.py --make DIR [--kind smooth|detailed] [--train 12800]  # once
     python benchmarks/decode_pipeline.py --folder DIR --out FILE.json [--workers 15] [--batches 60]
     python benchmarks/decode_pipeline.py --decoders --folder DIR [--folder DIR2] --out FILE.json
 
---make writes smooth 500 x 375 JPEGs (~27 KB), or with --detailed ~100 KB ones of mixed sizes,
-one in ten grey (like ImageNet's; CMYK and progressive files go to the workers on every path,
-so they are left out here). --decoders times each GPU JPEG decoder (jpeg_decoders: nvImageCodec
+--make writes a generated folder (multigpu.bench.imagegen): smooth 500 x 375 JPEGs, or detailed
+ones like ImageNet's files (~100 KB, mixed sizes, a few greyscale and CMYK; CMYK files go to the
+workers on every path). --decoders times each GPU JPEG decoder (jpeg_decoders: nvImageCodec
 on the hardware engines, torchvision's nvJPEG) on batches of --batch files already in memory,
 on a side stream as the prefetch thread runs them: decoding alone, and decoding with the crops
 (gpu_images.decode_batch, the whole GPU path after the workers). The loader modes `gpu:NAME` pin
@@ -24,43 +24,14 @@ import json
 import platform
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader
 
+from multigpu.bench import imagegen
 from multigpu.train import gpu_images, imagefolder, jpeg_decoders
 from multigpu.core.loaders import shard_loader
-
-
-SIZES = [(500, 375), (375, 500), (500, 333), (640, 480), (400, 400), (800, 600), (300, 225)]
-
-
-def _write(args):
-    path, seed, detailed = args
-    rng = np.random.default_rng(seed)
-    size = SIZES[seed % len(SIZES)] if detailed else (500, 375)
-    coarse = rng.uniform(0, 255, size=(6, 8, 3) if not detailed else (48, 64, 3)).astype(np.uint8)
-    picture = np.asarray(Image.fromarray(coarse).resize(size, Image.Resampling.BICUBIC), dtype=np.float32)
-    picture += rng.normal(0, 12 if not detailed else 30, size=picture.shape)
-    image = Image.fromarray(np.clip(picture, 0, 255).astype(np.uint8))
-    if detailed and seed % 10 == 0:
-        image = image.convert("L")
-    image.save(path, quality=90)
-
-
-def make_folder(root: Path, train: int, val: int, classes: int = 10, detailed: bool = False) -> None:
-    jobs = []
-    for split, count in (("train", train), ("val", val)):
-        for i in range(count):
-            folder = root / split / f"class_{i % classes:02d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            jobs.append((folder / f"{i:06d}.jpg", i + (0 if split == "train" else 10**7), detailed))
-    with ProcessPoolExecutor() as pool:
-        list(pool.map(_write, jobs, chunksize=64))
 
 
 def decoders(device) -> dict:
@@ -128,6 +99,9 @@ def loader_for(data, mode: str, workers: int, batch: int, device):
 def time_round(prepared, batches: int, skip: int, pin=None) -> float:
     if pin is not None:  # gpu:NAME: this decoder in the prefetch thread
         jpeg_decoders.use(torch.device("cuda", 0), pin)
+    if skip + batches > len(prepared):
+        raise SystemExit(f"--batches {batches}: one epoch has {len(prepared)} batches, {skip} of them "
+                         f"left untimed: make a larger folder (--make --train) or time fewer batches")
     it = iter(prepared)
     for _ in range(skip):
         next(it)
@@ -145,7 +119,7 @@ def main() -> None:
     p.add_argument("--make")
     p.add_argument("--train", type=int, default=12800)
     p.add_argument("--folder", action="append")
-    p.add_argument("--detailed", action="store_true")
+    p.add_argument("--kind", choices=imagegen.KINDS, default="smooth")
     p.add_argument("--decoders", action="store_true")
     p.add_argument("--device", default="cuda:0", help="--decoders on cpu: a smoke test of this script")
     p.add_argument("--out")
@@ -157,8 +131,8 @@ def main() -> None:
     a = p.parse_args()
     if a.make:
         start = time.perf_counter()
-        make_folder(Path(a.make), a.train, 256, detailed=a.detailed)
-        print(f"{a.train} images in {a.make}: {time.perf_counter() - start:.0f} s")
+        imagegen.write_folder(Path(a.make), a.kind, a.train, 256)
+        print(f"{a.train} {a.kind} images in {a.make}: {time.perf_counter() - start:.0f} s")
         return
     device = torch.device(a.device)
     if a.decoders:
@@ -176,7 +150,7 @@ def main() -> None:
     loaders = {m: loader_for(imagefolder.load_folder(folder, 224), m.split(":")[0], a.workers, a.batch, device)
                for m in modes}
     rounds = {m: [] for m in modes}
-    skip = max(2, a.workers * 4 // 4)  # a round starts a new epoch: let the queue fill first
+    skip = max(2, a.workers)  # a round starts a new epoch: let the queue fill first
     for _ in range(a.rounds):
         for m in modes:
             rounds[m].append(round(time_round(loaders[m], a.batches, skip, pins.get(m)), 1))

@@ -738,7 +738,7 @@ def test_the_bench_flags_are_pinned():
     assert flags == {"--help", "--debug", "--model", "--batch-size", "--precision", "--gpus",
                      "--methods", "--data", "--steps", "--warmup", "--trials", "--dp-steps",
                      "--image-size", "--devices", "--min-free-memory", "--out", "--data-dir",
-                     "--compile"}
+                     "--images", "--compile"}
 
 
 def test_flags_become_settings_and_bad_values_are_usage_errors():

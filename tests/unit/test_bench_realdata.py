@@ -5,6 +5,7 @@ The loader fills its queue (workers x prefetch_factor batches) while the model i
 up; a trial timed from that full queue got its batches for free and reported the step's speed
 (100 % of synthetic on 4 GPUs, where whole epochs waited for data 22-25 % of the time).
 """
+import json
 import time
 
 import torch
@@ -55,3 +56,64 @@ def test_a_slow_dataset_is_timed_at_its_own_rate_not_the_prefetch_burst():
     print(f"{rate:.0f} samples/s; the data gives {DATA_RATE:.0f}, the step {STEP_RATE:.0f}")
     assert run.samples == [16 * BATCH]
     assert 0.5 * DATA_RATE < rate < 1.15 * DATA_RATE
+
+
+# --------------------------------------------------------------------------- generated folders
+
+def _files(folder, split="train"):
+    return sorted((folder / split).glob("class_*/*.jpg"))
+
+
+def test_the_detailed_folder_has_imagenet_like_files_sizes_and_modes(tmp_path):
+    """66 images: seeds 0 and 33 greyscale, 1 and 51 CMYK; ~100 KB files of mixed shapes."""
+    from PIL import Image
+
+    from multigpu.bench import imagegen
+    from multigpu.train.datasets import load_data
+
+    folder = realdata.ensure_image_folder(tmp_path, 66, 224, workers=1, kind="detailed")
+    assert folder.name == "jpeg-detailed-66"
+    files = _files(folder)
+    assert len(files) == 66
+    opened = {int(f.stem): Image.open(f) for f in files}
+    modes = {seed: image.mode for seed, image in opened.items()}
+    assert sorted(s for s, m in modes.items() if m == "L") == [0, 33]
+    assert sorted(s for s, m in modes.items() if m == "CMYK") == [1, 51]
+    shapes = [image.size for image in opened.values()]
+    assert len(set(shapes)) >= 5 and any(w < h for w, h in shapes) and any(w > h for w, h in shapes)
+    assert all(225 <= min(s) and max(s) <= 800 for s in shapes)
+    mean_area = sum(w * h for w, h in shapes) / len(shapes)
+    assert 0.75 < mean_area / (500 * 375) < 1.35
+    rgb = [f.stat().st_size / 1000 for f in files if modes[int(f.stem)] == "RGB"]
+    per_pixel = [f.stat().st_size / (opened[int(f.stem)].size[0] * opened[int(f.stem)].size[1])
+                 for f in files if modes[int(f.stem)] == "RGB"]
+    assert 80 < sum(rgb) / len(rgb) < 130  # KB
+    assert 0.4 < min(per_pixel) and max(per_pixel) < 0.8  # bytes a pixel: ~100 KB at 500 x 375
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["kind"] == "detailed" and manifest["generated"].startswith("by multigpu.bench.imagegen")
+    data = load_data(f"folder:{folder}", input_kind="image", image_size=32)  # every mode decodes
+    assert [tuple(data.train[i][0].shape) for i in range(3)] == [(3, 32, 32)] * 3
+    assert imagegen.make_image("detailed", 7).tobytes() == imagegen.make_image("detailed", 7).tobytes()
+
+
+def test_the_smooth_folder_is_one_shape_and_small_files(tmp_path):
+    from PIL import Image
+
+    folder = realdata.ensure_image_folder(tmp_path, 20, 224, workers=1)
+    assert folder.name == "jpeg-256px-20"
+    files = _files(folder)
+    assert {Image.open(f).size for f in files} == {(256, 256)}
+    assert {Image.open(f).mode for f in files} == {"RGB"}
+    assert json.loads((folder / "manifest.json").read_text())["kind"] == "smooth"
+    assert realdata.ensure_image_folder(tmp_path, 20, 224, workers=1, kind="detailed") != folder
+
+
+def test_bench_images_flag_picks_the_folder_kind():
+    from multigpu.cli import build_parser
+    from multigpu.cli.bench import settings_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--data", "real", "--images", "detailed", "--devices", "cpu:1"])
+    assert settings_from_args(args).images == "detailed"
+    args = parser.parse_args(["bench", "--data", "real", "--devices", "cpu:1"])
+    assert settings_from_args(args).images == "smooth"

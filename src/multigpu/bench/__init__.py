@@ -25,6 +25,7 @@ How it runs (module by module):
     stats.py    median / spread / scaling efficiency / MFU, FLOP counting
     report.py   rich table, JSON, PNG plot
     realdata.py a cached JPEG folder for --data real
+    imagegen.py the generated JPEG folders: smooth and detailed (like ImageNet's files)
 """
 from multigpu.bench.spec import METHODS, BenchSettings
 

@@ -4,21 +4,22 @@
                                     /val/class_00/...
                                     /manifest.json   (written last: its presence means complete)
 
-The content is smooth random colour fields with fine noise, so JPEG decoding costs roughly what a
-photo of the same size costs (pure noise would be slower to decode, flat colour much faster). The
-images are `side` x `side` pixels, side = 8/7 of the training size (256 for 224), like ImageNet
-images after the usual short-side resize; real ImageNet files are larger on average (about
-500 x 375), so decoding them costs more than decoding these.
+    <data-dir>/jpeg-detailed-<count>/...            (--images detailed)
+
+The images come from imagegen. The smooth kind (the default): random colour fields with fine
+noise, `side` x `side` pixels, side = 8/7 of the training size (256 for 224), like ImageNet images
+after the usual short-side resize; cheap to decode. The detailed kind: files of ImageNet's size
+and mix (about 100 KB, mean about 500 x 375, a few greyscale and CMYK), whose decoding costs what
+ImageNet's does.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from multigpu.bench import imagegen
 from multigpu.bench.measure import Prepared
 from multigpu.train.training import MAX_WORKERS, PREFETCH_FACTOR
 
@@ -80,33 +81,19 @@ def _endless(loader):
 
 
 def ensure_image_folder(root: str | Path | None, count: int, image_size: int,
-                        workers: int | None = None) -> Path:
-    """A complete folder with at least `count` training images; generated only when missing."""
+                        workers: int | None = None, kind: str = "smooth") -> Path:
+    """A complete folder of `kind` (imagegen.KINDS) with at least `count` training images;
+    generated only when missing."""
     base = Path(root) if root else default_data_dir()
-    side = source_side(image_size)
-    for existing in sorted(base.glob(f"jpeg-{side}px-*"), key=_count_of):
+    prefix = f"jpeg-{source_side(image_size)}px" if kind == "smooth" else f"jpeg-{kind}"
+    for existing in sorted(base.glob(f"{prefix}-*"), key=_count_of):
         if _count_of(existing) >= count and (existing / "manifest.json").exists():
             return existing
-    target = base / f"jpeg-{side}px-{count}"
+    target = base / f"{prefix}-{count}"
     tmp = base / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    jobs = [(tmp / "train" / f"class_{i % CLASSES:02d}" / f"{i:07d}.jpg", i, side)
-            for i in range(count)]
-    jobs += [(tmp / "val" / f"class_{c:02d}" / f"{count + c * VAL_PER_CLASS + k:07d}.jpg",
-              count + c * VAL_PER_CLASS + k, side)
-             for c in range(CLASSES) for k in range(VAL_PER_CLASS)]
-    for split in ("train", "val"):
-        for c in range(CLASSES):
-            (tmp / split / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
-    workers = workers or max(1, min(32, os.cpu_count() or 1))
-    if workers == 1 or len(jobs) < 256:
-        for job in jobs:
-            _write_one(job)
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            list(pool.map(_write_one, jobs, chunksize=256))
-    (tmp / "manifest.json").write_text(json.dumps(
-        {"train_images": count, "classes": CLASSES, "side": side, "format": "jpeg q90"}) + "\n")
+    side = source_side(image_size)
+    imagegen.write_folder(tmp, kind, count, CLASSES * VAL_PER_CLASS, CLASSES, (side, side), workers)
     if target.exists():  # a concurrent run finished the same folder first
         shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -119,15 +106,3 @@ def _count_of(path: Path) -> int:
         return int(path.name.rsplit("-", 1)[1])
     except (IndexError, ValueError):
         return -1
-
-
-def _write_one(job: tuple[Path, int, int]) -> None:
-    import numpy as np
-    from PIL import Image
-
-    path, seed, side = job
-    rng = np.random.default_rng(seed)
-    coarse = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
-    smooth = np.asarray(coarse.resize((side, side), Image.Resampling.BICUBIC), dtype=np.int16)
-    noisy = smooth + rng.integers(-12, 13, (side, side, 3), dtype=np.int16)
-    Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(path, "JPEG", quality=90)

@@ -79,8 +79,8 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]
                          "pass --image-size to use one size for all")
     need = realdata.images_needed(max(s.batch_sizes) * max(counts), s.warmup, s.steps, s.trials)
     start = time.perf_counter()
-    folder = realdata.ensure_image_folder(s.data_dir, need, sizes.pop())
-    console.info(f"multigpu bench: {need:,} JPEG images in {folder} "
+    folder = realdata.ensure_image_folder(s.data_dir, need, sizes.pop(), kind=s.images)
+    console.info(f"multigpu bench: {need:,} generated {s.images} JPEG images in {folder} "
                  f"({time.perf_counter() - start:.1f} s, cached for the next run)")
     return folder, realdata.CLASSES
 

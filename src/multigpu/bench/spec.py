@@ -108,6 +108,7 @@ class BenchSettings:
     min_free_memory: float = 2.0
     out: str | None = None
     data_dir: str | None = None  # cache of the generated JPEG folder (--data real)
+    images: str = "smooth"  # which generated folder --data real reads (bench.imagegen.KINDS)
     folder: str | None = None  # --data folder:PATH: the real kinds read it instead
     command: str = ""  # the command line, recorded in the JSON
 

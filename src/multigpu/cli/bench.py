@@ -82,6 +82,10 @@ def register(subparsers) -> argparse.ArgumentParser:
       help="results file (default benchmarks/results/<date>-<machine>.json; the PNG goes beside it)")
     a("--data-dir", default=None, metavar="DIR",
       help="cache for the generated images of --data real (default ~/.cache/multigpu/bench-images)")
+    a("--images", default="smooth", choices=("smooth", "detailed"),
+      help="the generated images of --data real: smooth (256 px squares, cheap to decode) or "
+           "detailed (like ImageNet's files: ~100 KB, mixed sizes around 500x375, a few greyscale "
+           "and CMYK) (default smooth)")
     return p
 
 
@@ -98,7 +102,7 @@ def settings_from_args(args: argparse.Namespace):
         compile=args.compile,
         steps=args.steps, warmup=args.warmup, trials=args.trials, dp_steps=args.dp_steps,
         image_size=args.image_size, devices=args.devices, min_free_memory=args.min_free_memory,
-        out=args.out, data_dir=args.data_dir,
+        out=args.out, data_dir=args.data_dir, images=args.images,
         command=shlex.join(["multigpu", *sys.argv[1:]]))
     validate(s)
     return s
