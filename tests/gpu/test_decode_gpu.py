@@ -170,3 +170,31 @@ def test_nvimagecodec_batch_with_a_truncated_file_replaces_and_counts_it(tmp_pat
     assert x.shape == (len(train), 3, 32, 32)
     assert train.bad_count == 1 and err.count("skipped unreadable image") == 1, err
     assert "zz.jpg" in err and y[bad] == train.samples[bad + 1][1]
+
+
+def test_auto_times_each_way_on_the_gpu_and_keeps_one_for_the_run(tmp_path):
+    """--decode auto on one GPU: the trial's line, decode.json and the checkpoint agree, and the
+    epoch that held the trial still trains on every sample once. 4 workers: lag 4 x 4 + 1 + 3 =
+    20 steps, windows of 20, so the trial takes 10 + 6 x 40 = 250 steps of batch 1."""
+    import json
+
+    root = tmp_path / "imgs"
+    for split, per_class in (("train", 130), ("val", 4)):
+        for c in range(2):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                scene(500, 375, seed=(10 * c + i) % 12).save(folder / f"{i}.jpg", quality=90)
+    out = tmp_path / "run"
+    proc = run_multigpu("train", "--model", "resnet18", "--data", f"folder:{root}", "--image-size", "64",
+                        "--devices", "0,", "--min-free-memory", "0", "--batch-size", "1", "--workers", "4",
+                        "--decode", "auto",
+                        "--epochs", "1", "--out", out, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = re.search(r"decode: samples/s over 6 windows of 20 steps in epoch 1: cpu [\d,]+, gpu [\d,]+, "
+                     r"hybrid \d+% [\d,]+; (cpu|gpu|hybrid \d+%) kept for the run", proc.stdout)
+    assert said, proc.stdout[-3000:]
+    chosen = json.loads((out / "decode.json").read_text())
+    assert chosen["measured"] is True and said.group(1) in chosen["rates"]
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["decode"] == chosen
+    assert read_metrics(out)[0]["train_samples"] == 260

@@ -170,25 +170,29 @@ def test_center_box_is_the_resize_then_centre_crop():
     assert gpu_images.center_box(10, 10, 224) == (0, 0, 9, 9)  # 224/256 of 10
 
 
-def test_auto_decodes_with_the_workers_when_there_are_enough_of_them(tmp_path, monkeypatch):
+def test_auto_times_the_ways_in_the_job_and_deterministic_keeps_the_rule(tmp_path, monkeypatch):
     def no_probe(device):
         raise AssertionError("nvJPEG started on the GPU for a run whose workers decode alone")
     monkeypatch.setattr(gpu_images, "gpu_decode_problem", no_probe)
     data, gpu = folder_data(make_folder(tmp_path)), torch.device("cuda", 0)
-    assert imagefolder.use_decode(data, "auto", gpu, 15) == (
-        "folder: images decoded by 15 loader workers per GPU (enough of them: --decode gpu to use nvJPEG)")
-    assert not data.train.on_gpu and not data.val.on_gpu
+    assert imagefolder.use_decode(data, "auto", gpu, 15, deterministic=True) == (
+        "folder: images decoded by 15 loader workers per GPU (enough of them: --decode gpu to decode on the GPU)")
+    assert not data.train.on_gpu and not data.val.on_gpu and not data.train.measure_decode
     monkeypatch.setattr(gpu_images, "gpu_decode_problem", lambda device: None)  # a GPU with nvJPEG
     monkeypatch.setattr(gpu_images, "decoder_name", lambda device: "torchvision's nvJPEG")
-    assert imagefolder.use_decode(data, "auto", gpu, 3) == (
-        "folder: JPEGs decoded on cuda:0 (torchvision's nvJPEG) and by 3 loader workers (17% of them), the GPU's "
-        "crops there too (--decode gpu|cpu: one of them)")
-    assert (data.train.on_gpu, data.train.cpu_share, data.val.cpu_share) == (True, 0.17, 0.17)
     imagefolder.use_decode(data, "auto", gpu, 3, deterministic=True)  # the same decoder after any resume
-    assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
+    assert (data.train.on_gpu, data.train.cpu_share, data.train.measure_decode) == (True, 0.0, False)
+    assert imagefolder.use_decode(data, "auto", gpu, 3) == (
+        "folder: --decode auto: 3 loader workers, cuda:0 (torchvision's nvJPEG) and both are timed in "
+        "turns in the first epoch; the fastest is kept for the run")
+    # until the trial (decode_choice), the rule's way: a hybrid with 3 workers, them alone with 15
+    assert (data.train.on_gpu, data.train.cpu_share, data.val.cpu_share) == (True, 0.17, 0.17)
+    assert data.train.measure_decode
+    imagefolder.use_decode(data, "auto", gpu, 15)
+    assert (data.train.on_gpu, data.train.cpu_share, data.train.measure_decode) == (True, 1.0, True)
     assert imagefolder.use_decode(data, "gpu", gpu, 15).startswith(
         "folder: JPEGs decoded on cuda:0 (torchvision's nvJPEG), the crops")
-    assert (data.train.on_gpu, data.train.cpu_share) == (True, 0.0)
+    assert (data.train.on_gpu, data.train.cpu_share, data.train.measure_decode) == (True, 0.0, False)
 
 
 def test_crop_resize_in_chunks_upscaling_and_flipped_is_pils(monkeypatch):

@@ -21,6 +21,8 @@ and a checkpoint of `multigpu train` also:
     EPOCH, STEP, BEST   the completed epochs, the global step and the best score, as format 1
                  had them (an older multigpu resumes from them)
     METRICS      the last finished epoch's record; CONFIG the resolved settings
+    DECODE       --decode auto's pick and the rates it was made from (decode_choice), or None
+                 before it is made; a resume uses it instead of measuring again
 
 Format versions (a new one whenever the layout changes, with its reader below):
     1  RUN may be missing: a checkpoint saved at an epoch's end by an early multigpu, whose
@@ -59,6 +61,7 @@ RUN = "run"
 EPOCH, STEP, BEST = "epoch", "step", "best"
 METRICS = "metrics"
 CONFIG = "config"
+DECODE = "decode"
 # the fields of RUN (RunState's, the rng aside); a test holds the two equal
 RUN_FIELDS = ("epoch", "position", "global_step", "loss_sum", "seconds", "best")
 

@@ -34,7 +34,8 @@ class Checkpointer:
         shards = self._save_shards(path) if self.rt.strategy.sharded_state else {}
         state = self.rt.checkpoint_state(job.model, job.optimizer, job.scheduler,
                                          weights=not shards, **shards, **run.to_checkpoint(),
-                                         **{schema.METRICS: metrics, schema.CONFIG: self.config})
+                                         **{schema.METRICS: metrics, schema.CONFIG: self.config,
+                                            schema.DECODE: job.decode and job.decode.state()})
         error = None
         if self.writer is not None:
             try:

@@ -63,15 +63,32 @@ class ImageFolderDataset(Dataset):
         self.samples, self.classes, self.image_size, self.train = samples, classes, image_size, train
         self.bad_images = bad_images
         # on_gpu: JPEGs leave the workers encoded and are decoded on the device (gpu_images), but
-        # for the `cpu_share` of samples (0-1) the workers decode anyway (a hybrid).
-        self.on_gpu, self.cpu_share = on_gpu, cpu_share
+        # for the `cpu_share` of samples (0-1) the workers decode anyway (a hybrid). The share is
+        # in shared memory and read per sample: --decode auto's trial (decode_choice) changes it
+        # in the running workers.
+        self._share = torch.tensor([cpu_share], dtype=torch.float64).share_memory_()
+        self.on_gpu, self.measure_decode = on_gpu, False
         self.decoder = decoder or default_decoder()
         # Shared memory, so counts made in DataLoader workers reach the main process.
         self.bad_counts = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()
+        self.made_counts = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()  # samples made
         self._named: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def cpu_share(self) -> float:
+        return float(self._share[0])
+
+    @cpu_share.setter
+    def cpu_share(self, share: float) -> None:
+        self._share[0] = share  # in place: the workers hold the same memory
+
+    @property
+    def made_count(self) -> int:
+        """Samples made so far by this process and its loader workers (decode_choice's rates)."""
+        return int(self.made_counts.sum())
 
     @property
     def bad_count(self) -> int:
@@ -79,7 +96,9 @@ class ImageFolderDataset(Dataset):
         return int(self.bad_counts.sum())
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor | gpu_images.EncodedImage, torch.Tensor]:
-        return self._item(index, self.on_gpu)
+        item = self._item(index, self.on_gpu)
+        self.made_counts[_slot()] += 1
+        return item
 
     def _item(self, index: int, on_gpu: bool, own: bool = True, generator=None):
         """Sample `index`, or the next readable one. A bad file is counted only as its own sample
@@ -111,7 +130,8 @@ class ImageFolderDataset(Dataset):
     def _encoded(self, path: str, index: int) -> gpu_images.EncodedImage | None:
         """The file's bytes and this sample's crop, for the device to decode; None when the file
         or the hybrid's share leaves it to the CPU path (gpu_images)."""
-        if math.floor((index + 1) * self.cpu_share) > math.floor(index * self.cpu_share):
+        share = self.cpu_share
+        if math.floor((index + 1) * share) > math.floor(index * share):
             return None  # the hybrid's share, spread evenly over the indices
         if Path(path).suffix.lower() not in (".jpg", ".jpeg"):
             return None
@@ -177,13 +197,18 @@ class ImageFolderDataset(Dataset):
             raise BadImageError(f"cannot read image '{path}' ({why}): delete or replace the file, "
                                 "or pass --bad-images skip to train without it")
         if count:
-            info = get_worker_info()
-            self.bad_counts[(info.id + 1) % _SLOTS if info else 0] += 1
+            self.bad_counts[_slot()] += 1
         if path not in self._named:
             self._named.add(path)
             print(f"multigpu: warning: skipped unreadable image '{path}' ({why}); the next image "
                   "of the split takes its place (--bad-images fail to stop instead)",
                   file=sys.stderr, flush=True)
+
+
+def _slot() -> int:
+    """This process's counter: one per DataLoader worker, 0 for the main process."""
+    info = get_worker_info()
+    return (info.id + 1) % _SLOTS if info else 0
 
 
 @functools.cache
@@ -288,35 +313,39 @@ def use_decode(data: DataBundle, asked: str, device: torch.device, workers: int,
     """Where folder: JPEGs get decoded (`--decode`), set on both datasets; returns the line that
     says so on a GPU run (None for other data, or on CPUs where there is no choice).
 
-    auto, where nvJPEG works: the workers alone when there are enough of them, else both, the
-    workers taking gpu_images.hybrid_share of the images (by index, so a sample's decoder does
-    not change within a run); with --deterministic and too few workers the GPU alone, so that a
+    auto, where the GPU can decode: measured in the job (decode_choice: the train dataset's
+    `measure_decode` is set, and it starts as the rule below has it). With --deterministic, the
+    rule alone: the workers alone when there are enough of them, else the GPU alone, so that a
     run resumed with other workers decodes every image as before."""
     if not isinstance(data.train, ImageFolderDataset):
         return None
     if asked not in DECODE_CHOICES:
         raise UsageError(f"--decode {asked}: choose {', '.join(DECODE_CHOICES)}")
-    # The probe starts nvJPEG on the GPU (its handles and memory stay for the run): only where
+    measure = asked == "auto" and not deterministic
+    # The probe starts a GPU decoder (its handles and memory stay for the run): only where
     # the GPU might decode.
-    workers_alone = asked == "cpu" or (asked == "auto" and gpu_images.workers_suffice(workers))
+    workers_alone = asked == "cpu" or (asked == "auto" and not measure and gpu_images.workers_suffice(workers))
     problem = None if workers_alone else gpu_images.gpu_decode_problem(device)
     if asked == "gpu" and problem:
         raise UsageError(f"--decode gpu: {problem}; use --decode cpu (the loader workers decode) "
                          "or auto")
     auto = asked == "auto" and problem is None
-    on_gpu = asked == "gpu" or (auto and not gpu_images.workers_suffice(workers))
-    share = gpu_images.hybrid_share(workers) if on_gpu and auto and not deterministic else 0.0
+    on_gpu = asked == "gpu" or (auto and (measure or not gpu_images.workers_suffice(workers)))
+    share = 0.0
+    if measure and auto:  # the rule's choice until the trial's
+        share = 1.0 if gpu_images.workers_suffice(workers) else gpu_images.hybrid_share(workers)
+    data.train.measure_decode = measure and auto
     for dataset in (data.train, data.val):
         dataset.on_gpu, dataset.cpu_share = on_gpu, share
     if device.type != "cuda":
         return None
     decoder = gpu_images.decoder_name(device) if on_gpu else ""
-    if on_gpu and share:
-        return (f"folder: JPEGs decoded on {device} ({decoder}) and by {workers} loader workers "
-                f"({share:.0%} of them), the GPU's crops there too (--decode gpu|cpu: one of them)")
+    if measure and auto:
+        return (f"folder: --decode auto: {workers} loader workers, {device} ({decoder}) and both "
+                "are timed in turns in the first epoch; the fastest is kept for the run")
     if on_gpu:
         return (f"folder: JPEGs decoded on {device} ({decoder}), the crops there too; {workers} loader "
                 "workers read the files (--decode cpu: the workers decode)")
     why = ("--decode cpu" if asked == "cpu" else f"the GPU path is off: {problem}" if problem
-           else "enough of them: --decode gpu to use nvJPEG")
+           else "enough of them: --decode gpu to decode on the GPU")
     return f"folder: images decoded by {workers} loader workers per GPU ({why})"

@@ -176,6 +176,7 @@ class Job:
     train_loader: object
     val_loader: object
     settings: StepSettings
+    decode: object | None = None  # --decode auto's trial (decode_choice.DecodeTrial), set by the run
 
     @property
     def classification(self) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from multigpu.train import batchfit, flagwords, folder_users, gpu_images, runfolder
+from multigpu.train import batchfit, decode_choice, flagwords, folder_users, gpu_images, runfolder
 from multigpu.launcher import watchdog
 from multigpu.core import checkpoint, console, orphans, sharded_checkpoint
 from multigpu.core import checkpoint_schema as schema
@@ -43,8 +43,8 @@ from multigpu.train.model_names import precision_for
 from multigpu.train.runstate import ResumePoint, RunState, resume_point
 from multigpu.core.runtime import Runtime, seed_everything, setup
 from multigpu.train.timeline import Timeline
-from multigpu.train.training import (Job, build_job, cores_per_process, learning_rate, loader_workers,
-                               oom_message, strategy_options, resolved_config)
+from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cores_per_process, learning_rate,
+                                     loader_workers, oom_message, strategy_options, resolved_config)
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -82,6 +82,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.resume)))
         clock.mark("batch size")
     job = build_job(cfg, rt, mark=clock.mark)
+    job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
@@ -155,6 +156,8 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
             shards_dir=sharded_checkpoint.folder_of(point.state, Path(point.path).parent))
     if len(run.rng) != rt.world_size:  # another layout: fresh streams, not those of step 0 again
         seed_everything(sample_seed(cfg.seed, run.global_step, rt.rank))
+    if job.decode is not None:  # --decode auto's pick: kept, not measured again
+        job.decode.load(point.state.get(schema.DECODE))
     if rt.is_main and point.in_place:
         runfolder.reconcile_metrics(out, run.completed_epochs, point.state.get(schema.METRICS))
     where = (f"epoch {run.epoch}, {run.position} of {job.train_loader.num_samples} samples in"
@@ -192,10 +195,14 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
         first_nonfinite = guards.new_epoch(epoch, base, steps, _batches_per_epoch(job.train_loader))
+        if job.decode is not None:
+            job.decode.begin_epoch(epoch, steps, _batches_per_epoch(job.train_loader))
 
         def after_step(cursor, epoch=epoch, base=base, begun=run):
             step = base + cursor.steps
             guards.stepped()
+            if job.decode is not None:
+                job.decode.after_step(cursor, rt.env)
             log.step(step, epoch, cursor, job.optimizer)
             if saver.failed:
                 control.request_stop("checkpoint save failed")
