@@ -178,27 +178,15 @@ def center_box(width: int, height: int, size: int) -> tuple[int, int, int, int]:
     return (width - side) // 2, (height - side) // 2, side, side
 
 
-def gpu_decode_problem(device: torch.device) -> str | None:
-<<<<<<< HEAD
-    """Why JPEGs cannot be decoded on `device` (one line), or None when they can: each GPU
-    decoder in turn decodes a small JPEG made here, once per process and device
-    (jpeg_decoders.choose)."""
-=======
-    """Why JPEGs cannot be decoded on `device` (one line), or None when they can: torchvision
-    decodes a small JPEG made here, once per process and device."""
-    key = str(device)
-    if key not in _probe_cache:
-        _probe_cache[key] = _probe(device)
-    return _probe_cache[key]
-
-
 # Set to 1, the "GPU" path runs on CPUs too (PIL decoding, the crops in torch): how the CPU tests
 # exercise --decode gpu and auto's trial; never faster than the workers there.
 CPU_STAND_IN = "MULTIGPU_DECODE_CPU_STAND_IN"
 
 
-def _probe(device: torch.device) -> str | None:
->>>>>>> decodeauto
+def gpu_decode_problem(device: torch.device) -> str | None:
+    """Why JPEGs cannot be decoded on `device` (one line), or None when they can: each GPU
+    decoder in turn decodes a small JPEG made here, once per process and device
+    (jpeg_decoders.choose)."""
     if device.type != "cuda":
         if os.environ.get(CPU_STAND_IN) == "1":
             return None
