@@ -52,7 +52,7 @@ def main() -> None:
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = rt.prepare(model)
-    optimizer = make_optimizer(TrainConfig(model=args.model, optimizer=args.optimizer), model, rt.device)
+    optimizer = make_optimizer(TrainConfig.from_flat(model=args.model, optimizer=args.optimizer), model, rt.device)
     batch = (torch.randn(args.batch_size, *shape, device=rt.device),
              torch.randint(0, 1000, (args.batch_size,), device=rt.device))
 

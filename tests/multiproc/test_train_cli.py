@@ -177,20 +177,18 @@ def test_resume_of_a_missing_checkpoint_is_one_line(tmp_path):
 def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):
     """BatchNorm statistics differ per rank during training (not copied every step); before the
     evaluation every rank takes rank 0's, so the metrics are those of the checkpoint."""
-    import dataclasses
-
     from multigpu import setup
     from multigpu.train import engine, training
-    from multigpu.train.config import TrainConfig
+    from multigpu.train.config import FLAT_NAMES, TrainConfig
 
     out = tmp_path / "bn"
     proc = multigpu("train", "--model", "cnn", "--data", "digits", "--epochs", "1",
                     "--batch-size", "16", "--workers", "0", "--devices", "cpu:2", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = json.loads((out / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in names} | {"strategy": "single"})
-    rt = setup("single", cfg.precision, accelerator="cpu", seed=cfg.seed)
+    cfg = TrainConfig.from_flat(**{k: v for k, v in saved.items() if k in FLAT_NAMES}
+                                | {"strategy": "single"})
+    rt = setup("single", cfg.numerics.precision, accelerator="cpu", seed=cfg.seed)
     job = training.build_job(cfg, rt)
     rt.load(out / "checkpoints" / "last.pt", model=job.model)
     alone = engine.evaluate(rt, job.model, job.loss_fn, job.val_loader, True, job.settings)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from multigpu import cli
-from multigpu.train.config import TrainConfig, config_from_args
+from multigpu.train.config import TrainConfig, config_from_args, flatten
 
 
 def parse(*argv):
@@ -30,8 +30,8 @@ def test_yaml_takes_both_spellings_and_the_command_line_wins(tmp_path):
                     "drop-last: true\nepochs: 7\ndevices: 4\nmax-restarts: 2\n")
     args = parse("--config", path, "--epochs", "3")
     cfg = config_from_args(args)
-    assert (cfg.model, cfg.batch_size, cfg.weight_decay, cfg.lr) == ("cnn", 32, 0.01, 1e-4)
-    assert (cfg.compile, cfg.drop_last, cfg.epochs, cfg.devices) == ("default", True, 3, "4")
+    assert (cfg.model, cfg.input.batch_size, cfg.optim.weight_decay, cfg.optim.lr) == ("cnn", 32, 0.01, 1e-4)
+    assert (cfg.compile, cfg.input.drop_last, cfg.epochs, cfg.devices) == ("default", True, 3, "4")
     assert args.max_restarts == 2  # launch flags too
     # the order does not matter: a flag before --config wins as well
     assert config_from_args(parse("--epochs", "3", "--model", "mlp", f"--config={path}")).model == "mlp"
@@ -77,7 +77,7 @@ def test_a_bom_and_crlf_line_endings_read_correctly(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_bytes(b"\xef\xbb\xbfmodel: mlp\r\ndata: synthetic:64\r\nbatch-size: 8\r\n")
     cfg = config_from_args(parse("--config", path))
-    assert (cfg.model, cfg.data, cfg.batch_size) == ("mlp", "synthetic:64", 8)
+    assert (cfg.model, cfg.input.data, cfg.input.batch_size) == ("mlp", "synthetic:64", 8)
 
 
 def test_json_with_tabs_reads_too(tmp_path):
@@ -140,7 +140,7 @@ def test_a_run_config_with_out_and_resume_says_they_are_dropped(tmp_path, capsys
               "provenance": {"command": "multigpu train"}, "lr": None}
     path.write_text(json.dumps(config))
     cfg = config_from_args(parse("--config", path))
-    assert (cfg.out, cfg.resume, cfg.model) == (None, None, "mlp")
+    assert (cfg.out, cfg.checkpointing.resume, cfg.model) == (None, None, "mlp")
     assert "its out and resume are not used" in capsys.readouterr().out
     # the same keys in a file of settings are flags, and a fact that is not one is unknown
     path.write_text("model: mlp\nout: runs/new\nworld_size: 2\n")
@@ -148,11 +148,9 @@ def test_a_run_config_with_out_and_resume_says_they_are_dropped(tmp_path, capsys
 
 
 def test_every_trainconfig_field_is_a_valid_key(tmp_path):
-    import dataclasses
-
-    cfg = TrainConfig(model="mlp", lr=0.1, compile="max-autotune", image_size=64, workers=2)
+    cfg = TrainConfig.from_flat(model="mlp", lr=0.1, compile="max-autotune", image_size=64, workers=2)
     path = tmp_path / "all.json"
-    path.write_text(json.dumps(dataclasses.asdict(cfg)))
+    path.write_text(json.dumps(flatten(cfg)))
     assert config_from_args(parse("--config", path)) == cfg
 
 

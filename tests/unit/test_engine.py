@@ -36,7 +36,7 @@ def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 64 * gib)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(0.5 * gib), 80 * gib))
     rt = SimpleNamespace(device=torch.device("cuda", 1), precision=SimpleNamespace(kind="fp32"))
-    message = _oom_message(TrainConfig(model="resnet50", batch_size=256), rt)
+    message = _oom_message(TrainConfig.from_flat(model="resnet50", batch_size=256), rt)
     assert message.startswith("CUDA out of memory on cuda:1 (80 GiB: this run's peak 61.5 GiB, "
                               "other processes 15.5 GiB) with --batch-size 256 per GPU")
     assert "--batch-size auto" in message

@@ -256,8 +256,8 @@ def test_only_rank_0_warns(capsys):
 # --- the global batch and --lr ------------------------------------------------------------------------
 
 def test_learning_rate_takes_lr_as_given_whatever_the_devices():
-    assert learning_rate(TrainConfig(model="mlp", lr=0.05, devices="cpu:8", accumulate=4)) == 0.05
-    assert learning_rate(TrainConfig(model="mlp", optimizer="sgd")) == 0.05
+    assert learning_rate(TrainConfig.from_flat(model="mlp", lr=0.05, devices="cpu:8", accumulate=4)) == 0.05
+    assert learning_rate(TrainConfig.from_flat(model="mlp", optimizer="sgd")) == 0.05
 
 
 def test_the_global_batch_note():

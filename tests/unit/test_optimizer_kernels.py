@@ -15,6 +15,7 @@ from torch import nn
 
 from multigpu.train import training
 from multigpu.train.config import TrainConfig
+from multigpu.train.optim_config import OptimConfig
 
 FUSED, FOREACH = {"fused": True}, {"foreach": True}
 # strategy -> whether its prepared parameters are DTensors (fsdp shards them; the others keep
@@ -23,7 +24,7 @@ SHARDED = {"single": False, "dp": False, "ddp": False, "fsdp": True}
 
 
 def test_the_offered_optimizers_are_the_ones_built():
-    choices = {f.name: f for f in dataclasses.fields(TrainConfig)}["optimizer"].metadata["choices"]
+    choices = {f.name: f for f in dataclasses.fields(OptimConfig)}["optimizer"].metadata["choices"]
     assert set(choices) == set(training.OPTIMIZERS)
 
 
@@ -63,5 +64,5 @@ def test_the_gpu_choice_steps_on_sharded_parameters(one_rank_group, optimizer):
 def test_make_optimizer_reads_plain_parameters_as_unsharded():
     model = nn.Linear(4, 2)
     assert not training.holds_dtensors(list(model.parameters()))
-    optimizer = training.make_optimizer(TrainConfig(model="mlp", optimizer="sgd"), model)
+    optimizer = training.make_optimizer(TrainConfig.from_flat(model="mlp", optimizer="sgd"), model)
     assert optimizer.defaults["foreach"] is True and not optimizer.defaults.get("fused")

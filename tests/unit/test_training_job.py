@@ -8,7 +8,7 @@ def test_validation_starts_no_more_loader_workers_than_it_has_batches():
     """A 256-image validation set at batch 128 on 2 GPUs is one batch a rank: 15 persistent
     workers per rank would be 14 idle processes each, started and stopped for nothing."""
     rt = setup("single", "fp32", accelerator="cpu", seed=0)
-    cfg = TrainConfig(model="mlp", data="synthetic:64", batch_size=32, workers=3)
+    cfg = TrainConfig.from_flat(model="mlp", data="synthetic:64", batch_size=32, workers=3)
     job = training.build_job(cfg, rt)
     assert job.train_loader.loader.num_workers == 3
     assert job.val_loader.loader.num_workers == 2  # 64 samples, 32 a batch
@@ -26,6 +26,6 @@ def test_the_start_up_is_marked_part_by_part_and_folder_data_names_its_decoder(t
     rt = setup("single", "fp32", accelerator="cpu", seed=0)
     for data, first in (("synthetic:64", []), (f"folder:{tmp_path}", ["decoder"])):
         marks = []
-        training.build_job(TrainConfig(model="cnn", data=data, batch_size=2, workers=0, image_size=8), rt,
+        training.build_job(TrainConfig.from_flat(model="cnn", data=data, batch_size=2, workers=0, image_size=8), rt,
                            mark=marks.append)
         assert marks == [*first, "data", "model", "prepare", "optimizer"], data

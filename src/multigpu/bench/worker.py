@@ -47,9 +47,11 @@ def _config(task: Task, strategy: str):
     from multigpu.train.model_names import precision_for
 
     data = task.data if task.data.startswith("folder:") else "digits"  # synthetic: unused by it
-    return TrainConfig(model=task.model, data=data, batch_size=task.batch_size, optimizer="sgd",
-                       lr=0.1, precision=precision_for(task.precision, task.model), strategy=strategy,
-                       image_size=task.image_size, compile=task.compile, decode=task.decode)
+    return TrainConfig.from_flat(model=task.model, data=data, batch_size=task.batch_size,
+                                 optimizer="sgd", lr=0.1,
+                                 precision=precision_for(task.precision, task.model),
+                                 strategy=strategy, image_size=task.image_size,
+                                 compile=task.compile, decode=task.decode)
 
 
 def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
@@ -60,7 +62,7 @@ def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
 
     cfg = _config(task, strategy)
     one_process = STRATEGIES[strategy].one_process  # drives its GPUs itself: name them
-    rt = setup(strategy, cfg.precision, devices=list(range(task.gpus)) if one_process else None,
+    rt = setup(strategy, cfg.numerics.precision, devices=list(range(task.gpus)) if one_process else None,
                accelerator=accelerator, seed=0, ddp=ddp_options(task), install_hooks=True)
     if task.data.startswith("folder:"):  # the whole input pipeline, as `multigpu train` builds it
         job = build_job(cfg, rt)

@@ -153,28 +153,28 @@ def _train_checks(args):
     from multigpu.train.findings import Finding
     from multigpu.core.strategies import registry
 
-    cfg: TrainConfig = config_from_args(args)
     try:
+        cfg: TrainConfig = config_from_args(args)  # each component checks its values
         validate(cfg)
         check_resume(cfg)  # the checkpoint that --resume names, read as train reads it
     except UsageError as exc:
         return [Finding("fail", "options", say(exc))]
     findings = setup_checks.launch_env_findings(os.environ)
-    strategy = registry.info(cfg.strategy)
+    strategy = registry.info(cfg.parallel.strategy)
     found, plan = setup_checks.device_findings(cfg.devices, one_process=strategy.one_process,
                                                min_free_memory_gb=cfg.min_free_memory)
     findings += found
     if plan is None:
         return findings
-    if cfg.batch_size == "auto":
+    if cfg.input.batch_size == "auto":
         if plan.accelerator != "cuda" or not strategy.auto_batch:
             return findings + [Finding("fail", "batch size", "--batch-size auto needs one process "
                                                              "per GPU; give a number, e.g. --batch-size 64")]
-        cfg.batch_size = AUTO_PROBE_BATCH
+        cfg.input.batch_size = AUTO_PROBE_BATCH
         findings.append(Finding("ok", "batch size", f"--batch-size auto: the checks below use "
                                                     f"{AUTO_PROBE_BATCH} per GPU; 'batch fit' is the size "
                                                     "auto picks on this GPU", trap=2))
-    findings += setup_checks.precision_findings(cfg.precision, plan, cfg.model)
+    findings += setup_checks.precision_findings(cfg.numerics.precision, plan, cfg.model)
     findings += _plan_checks(cfg, plan)
     if not args.no_step and not any(f.level == "fail" for f in findings):
         from multigpu.doctor.probe import probe_findings
@@ -201,8 +201,8 @@ def _plan_checks(cfg: TrainConfig, plan):
         return [Finding("fail", "data", say(exc))]
     ranks = plan.nproc
     per_rank = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 else 1
-    return [last_step_finding(len(data.train), cfg.batch_size, ranks=ranks,
-                              devices_per_rank=per_rank, drop_last=cfg.drop_last),
-            eval_coverage_finding(len(data.val), cfg.batch_size, ranks=ranks,
+    return [last_step_finding(len(data.train), cfg.input.batch_size, ranks=ranks,
+                              devices_per_rank=per_rank, drop_last=cfg.input.drop_last),
+            eval_coverage_finding(len(data.val), cfg.input.batch_size, ranks=ranks,
                                   devices_per_rank=per_rank)]
 

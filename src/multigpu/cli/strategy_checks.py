@@ -1,23 +1,13 @@
-"""What `multigpu train` refuses before it launches anything, from the strategy registry's facts:
-an option of another strategy, more devices than a strategy can use, a strategy that needs GPUs
-on CPUs. In the command line's words (its flags): the library's own refusals, made when a run
-builds the strategy, name setup()'s arguments instead.
+"""What `multigpu train` refuses before it launches anything, from the strategy registry's facts
+and the devices found: more devices than a strategy can use, a strategy that needs GPUs on CPUs
+(an option of another strategy is refused by StrategyConfig itself). In the command line's words
+(its flags): the library's own refusals, made when a run builds the strategy, name setup()'s
+arguments instead.
 """
 from __future__ import annotations
 
 from multigpu.core.errors import UsageError
 from multigpu.core.strategies import registry
-
-
-def check_flags(name: str, given: set[str]) -> None:
-    """Refuse an option of one strategy (a TrainConfig field name in `given`) with another."""
-    own = registry.info(name).flags
-    for flag in sorted(given):
-        owners = [s.name for s in registry.STRATEGIES.values() if flag in s.flags]
-        if owners and flag not in own:
-            option = "--" + flag.replace("_", "-")
-            raise UsageError(f"{option} is an option of --strategy {owners[0]}, not of "
-                             f"--strategy {name}; add --strategy {owners[0]}, or leave it out")
 
 
 def check_device_count(name: str, devices: str, accelerator: str, gpu_count: int,

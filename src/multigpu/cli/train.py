@@ -7,7 +7,6 @@ device. Inside a worker, only the training runs.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from pathlib import Path
@@ -52,45 +51,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# flag -> (smallest allowed value, whether that value itself is allowed): every number must also
-# be finite. One table, so that a new numeric flag gets its check in one place.
-_LIMITS = {"epochs": (1, True), "batch_size": (1, True), "accumulate": (1, True),
-           "seq_length": (1, True), "future_length": (1, True), "step_size": (1, True),
-           "keep": (1, True), "image_size": (1, True), "workers": (0, True), "log_every": (1, True),
-           "lr": (0, False), "weight_decay": (0, True), "gamma": (0, False),
-           "clip_grad_norm": (0, False), "min_free_memory": (0, True)}
-
-
 def validate(cfg: TrainConfig) -> None:
-    """Cheap checks in the parent, so a mistake costs one line instead of N crashing workers."""
-    from multigpu.core import loggers
-    from multigpu.train.control import Cadence
-    from multigpu.train.data_specs import check_spec
+    """What the parent checks beyond the values themselves (each component refused those when
+    `cfg` was made): a folder that is not there costs one line instead of N crashing workers."""
     from multigpu.train.folder_layout import check_root
-    from multigpu.train.model_names import check_input_kind, model_input_kind
 
-    for name, (low, inclusive) in _LIMITS.items():
-        value = getattr(cfg, name)
-        if value is None or value == "auto":  # optional and left out; --batch-size auto
-            continue
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            flag = "--" + name.replace("_", "-")
-            bound = f"at least {low}" if inclusive else f"more than {low}"
-            raise UsageError(f"{flag} {value:g} must be a number {bound}, e.g. {flag} "
-                             f"{_EXAMPLES.get(name, max(low, 1))}")
-    Cadence.parse(cfg.checkpoint_every)
-    loggers.parse(cfg.logger)
-    strategy_checks.check_flags(cfg.strategy, {f for f in vars(cfg) if getattr(cfg, f) is True})
-    input_kind = model_input_kind(cfg.model)  # raises on an unknown model
-    check_spec(cfg.data)  # `--data ./imgs`: one line naming folder:./imgs, before any launch
-    check_input_kind(cfg.data, input_kind)
-    kind, _, path = cfg.data.partition(":")
+    kind, _, path = cfg.input.data.partition(":")
     if kind == "folder" and path:
         check_root(path)  # a mistyped path: one line now, not one per worker after the launch
-
-
-_EXAMPLES = {"lr": 0.001, "weight_decay": 0.01, "gamma": 0.9, "clip_grad_norm": 1.0,
-             "min_free_memory": 2, "workers": 4, "batch_size": 64, "image_size": 224}
 
 
 def _finished_before_the_signal(code: int, out, epochs: int) -> int:
@@ -114,8 +82,8 @@ def main(args: argparse.Namespace) -> int:
     from multigpu.train import runfolder
     from multigpu.train.folder_users import OUT_RESERVED_ENV
 
-    cfg = config_from_args(args)
     refuse_stale_worker_env(os.environ, console.warn)  # trap 8: LOCAL_RANK left by a launch
+    cfg = config_from_args(args)  # each component refuses a value it cannot take
     if in_worker():  # started by torch.distributed.run: devices and folder are decided already
         from multigpu.train.trainloop import run_training
 
@@ -126,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     validate(cfg)
     plan = _plan_devices(cfg)
     # at once, before the slow torch import: the GPUs look free only until someone else starts
-    devices.lease(plan, f"multigpu train {cfg.out or f'--model {cfg.model} --data {cfg.data}'}",
+    devices.lease(plan, f"multigpu train {cfg.out or f'--model {cfg.model} --data {cfg.input.data}'}",
                   cfg.min_free_memory)
     opts = options_from_args(args)
     check_resume(cfg)
@@ -200,7 +168,7 @@ def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:
     if opts.nnodes != "1" and opts.node_rank not in (None, 0):
         # Node 0 claims the folder (on a shared filesystem a second claim would fail); global
         # rank 0, wherever it runs, tells every rank which folder that is.
-        out = Path(cfg.out) if cfg.out else runfolder.default_out(cfg.model, cfg.data)
+        out = Path(cfg.out) if cfg.out else runfolder.default_out(cfg.model, cfg.input.data)
     else:
         out = runfolder.reserve_out(cfg, nodes_log=opts.nnodes != "1")
     made = made or (out if target is None else None)
@@ -235,7 +203,7 @@ def check_resume(cfg: TrainConfig) -> None:
     from multigpu.train.runfolder import CONFIG
     from multigpu.train.runstate import load_source
 
-    if not cfg.resume:
+    if not cfg.checkpointing.resume:
         return
     if _nothing_trained_in(cfg):
         return
@@ -244,7 +212,7 @@ def check_resume(cfg: TrainConfig) -> None:
         path = Path(cfg.out)
         saved = _json_field(path / CONFIG, "model")
     else:
-        state, path = load_source(cfg.resume)
+        state, path = load_source(cfg.checkpointing.resume)
         saved = (state.get(schema.CONFIG) or {}).get("model")
     if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
         raise UsageError(f"--resume {path}: its checkpoints are of --model {saved}, and this run "
@@ -257,13 +225,13 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
     start-up): the run starts from scratch in it, said in one line; whether that is the case."""
     from multigpu.train import runfolder
 
-    source = Path(cfg.resume)
+    source = Path(cfg.checkpointing.resume)
     if not (source.is_dir() and runfolder.untrained_run_folder(source)
             and (not cfg.out or Path(cfg.out).resolve() == source.resolve())):
         return False
-    console.info(f"multigpu train: --resume {cfg.resume}: nothing was trained there yet (no "
-                 "checkpoint); starting from scratch in it")
-    cfg.out, cfg.resume = cfg.out or cfg.resume, None
+    console.info(f"multigpu train: --resume {cfg.checkpointing.resume}: nothing was trained "
+                 "there yet (no checkpoint); starting from scratch in it")
+    cfg.out, cfg.checkpointing.resume = cfg.out or cfg.checkpointing.resume, None
     return True
 
 
@@ -280,20 +248,21 @@ def _plan_devices(cfg: TrainConfig):
     from multigpu.launcher.devices import resolve_devices
     from multigpu.core.strategies import registry
 
-    strategy = registry.info(cfg.strategy)
+    strategy = registry.info(cfg.parallel.strategy)
     plan = resolve_devices(cfg.devices, one_process=strategy.one_process,
                            min_free_memory_gb=cfg.min_free_memory)
-    strategy_checks.check_device_count(cfg.strategy, cfg.devices, plan.accelerator,
+    strategy_checks.check_device_count(cfg.parallel.strategy, cfg.devices, plan.accelerator,
                                        len(plan.gpu_ids), plan.nproc)
-    compiling.check(cfg.compile, plan.accelerator, cfg.strategy, cfg.accumulate)
+    compiling.check(cfg.compile, plan.accelerator, cfg.parallel.strategy, cfg.optim.accumulate)
     if cfg.compile:  # before torch._dynamo is imported (DDP does), which sets torch's own default
         compiling.use_persistent_cache()
-    strategy_checks.check_accelerator(cfg.strategy, plan.accelerator,
-                                      auto_batch=cfg.batch_size == "auto")
-    if cfg.fsdp_cpu_offload and plan.accelerator != "cuda":
+    strategy_checks.check_accelerator(cfg.parallel.strategy, plan.accelerator,
+                                      auto_batch=cfg.input.batch_size == "auto")
+    if cfg.parallel.fsdp_cpu_offload and plan.accelerator != "cuda":
         from multigpu.core.strategies.fsdp import OFFLOAD_NEEDS_GPUS
         raise UsageError(OFFLOAD_NEEDS_GPUS)
-    if cfg.decode == "gpu" and plan.accelerator != "cuda" and cfg.data.startswith("folder:"):
+    if (cfg.input.decode == "gpu" and plan.accelerator != "cuda"
+            and cfg.input.data.startswith("folder:")):
         raise UsageError(f"--decode gpu decodes JPEGs on GPUs, and this run is on {plan.accelerator}: "
                          "use --decode cpu (the loader workers decode) or auto")
     return plan

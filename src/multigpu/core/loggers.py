@@ -19,11 +19,13 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from multigpu.core import fileio
 from multigpu.core.errors import UsageError
 from multigpu.core.extras import install_hint
+from multigpu.core.options import check_options, option
 
 NAMES = ("tensorboard", "csv", "mlflow", "wandb")
 DEFAULT = "tensorboard,csv"
@@ -31,6 +33,26 @@ STEPS_CSV = "steps.csv"
 TENSORBOARD_DIR = "tensorboard"
 # logger -> the module it needs (tensorboard comes with the core install; the rest with extras)
 _MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+@dataclass
+class LoggingConfig:
+    """Where a run's numbers go and how often; its loggers are checked (names, packages
+    installed) when it is made, before anything is started."""
+    logger: str = option(DEFAULT, "where the numbers go besides metrics.jsonl: any of "
+                                  "tensorboard, csv, mlflow, wandb (comma-separated; mlflow "
+                                  "and wandb stay local), or none", metavar="LIST")
+    log_every: int = option(50, "log the training loss, learning rate and speed every N steps",
+                            at_least=1)
+
+    def __post_init__(self):
+        check_options(self)
+        parse(self.logger)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The loggers, as parse() reads them."""
+        return parse(self.logger)
 
 
 def parse(text: str | None) -> tuple[str, ...]:

@@ -14,8 +14,7 @@ import contextlib
 import torch
 
 from multigpu.core.errors import Api, Text, UsageError
-
-PRECISIONS = ("fp32", "bf16", "fp16")  # plus "auto", resolved by resolve_precision()
+from multigpu.core.precision_config import PRECISIONS
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -28,7 +28,7 @@ def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
     from multigpu.train.training import build_job
 
     cuda = plan.accelerator == "cuda"
-    rt = setup("single", precision_for(cfg.precision, cfg.model), devices=[plan.gpu_ids[0]] if cuda else None,
+    rt = setup("single", precision_for(cfg.numerics.precision, cfg.model), devices=[plan.gpu_ids[0]] if cuda else None,
                accelerator=plan.accelerator, seed=cfg.seed)
     job = build_job(cfg, rt)
     batch = next(iter(job.train_loader))
@@ -43,10 +43,10 @@ def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
         gc.collect()
         torch.cuda.empty_cache()
         return [_oom_finding(cfg, rt, job, batch) if find_batch else
-                Finding("fail", "memory", f"one training step with --batch-size {cfg.batch_size} "
+                Finding("fail", "memory", f"one training step with --batch-size {cfg.input.batch_size} "
                                           f"runs out of memory on {rt.device}", trap=2)]
     step_seconds = time.perf_counter() - started
-    findings.append(_unused_finding(unused, unused_fails and not cfg.find_unused_parameters))
+    findings.append(_unused_finding(unused, unused_fails and not cfg.parallel.find_unused_parameters))
     if not cuda:
         findings.append(Finding("ok", "memory", f"one step ran on the CPU in {step_seconds:.2f} s "
                                                 "(host memory not checked)", trap=2))
@@ -54,7 +54,7 @@ def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
     eval_peak = _eval_peak(rt, job)
     total = torch.cuda.get_device_properties(rt.device).total_memory
     findings.append(Finding("ok", "memory", f"peak on {rt.device} ({total / GIB:.0f} GiB) with "
-                                            f"--batch-size {cfg.batch_size}: {train_peak / GIB:.2f} GiB "
+                                            f"--batch-size {cfg.input.batch_size}: {train_peak / GIB:.2f} GiB "
                                             f"in a training step, {eval_peak / GIB:.2f} GiB in "
                                             "evaluation", trap=2))
     if find_batch:
@@ -109,11 +109,11 @@ def _unused_finding(unused: list[str], fails: bool) -> Finding:
 
 
 def _fit_finding(cfg, rt, job, batch, total: int) -> Finding:
-    fit = batchfit.largest_batch(lambda b: _try_batch(rt, job, batch, b), start=cfg.batch_size,
-                                 limit=max(cfg.batch_size, batchfit.DEFAULT_LIMIT),
+    fit = batchfit.largest_batch(lambda b: _try_batch(rt, job, batch, b), start=cfg.input.batch_size,
+                                 limit=max(cfg.input.batch_size, batchfit.DEFAULT_LIMIT),
                                  budget=batchfit.HEADROOM * total)
     if fit.largest is None:
-        return Finding("fail", "batch fit", f"not even --batch-size {cfg.batch_size} fits on "
+        return Finding("fail", "batch fit", f"not even --batch-size {cfg.input.batch_size} fits on "
                                             f"{rt.device}", trap=2)
     beyond = (f"; {fit.failed} ran out of memory" if fit.failed else
               f"; {fit.largest} is as far as the search goes")
@@ -125,9 +125,9 @@ def _fit_finding(cfg, rt, job, batch, total: int) -> Finding:
 
 def _oom_finding(cfg, rt, job, batch) -> Finding:
     fit = batchfit.largest_batch(lambda b: _try_batch(rt, job, batch, b), start=1,
-                                 limit=cfg.batch_size - 1)
+                                 limit=cfg.input.batch_size - 1)
     fix = f"use --batch-size {fit.largest}" if fit.largest else "use a smaller model or --precision bf16"
-    return Finding("fail", "memory", f"one training step with --batch-size {cfg.batch_size} runs "
+    return Finding("fail", "memory", f"one training step with --batch-size {cfg.input.batch_size} runs "
                                      f"out of memory on {rt.device}: {fix} (add --accumulate to "
                                      "keep the global batch)", trap=2)
 

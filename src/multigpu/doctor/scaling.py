@@ -24,9 +24,9 @@ def scaling_finding(cfg: TrainConfig, plan) -> Finding:
     folder = tempfile.mkdtemp(prefix="multigpu-doctor-")
     try:
         rep = run_bench(BenchSettings(
-            models=(cfg.model,), batch_sizes=(cfg.batch_size,), precision=cfg.precision,
+            models=(cfg.model,), batch_sizes=(cfg.input.batch_size,), precision=cfg.numerics.precision,
             gpus=(1, n), methods=("multigpu-single", "multigpu-ddp"), steps=10, warmup=3, trials=3,
-            image_size=cfg.image_size, devices=cfg.devices, min_free_memory=cfg.min_free_memory,
+            image_size=cfg.input.image_size, devices=cfg.devices, min_free_memory=cfg.min_free_memory,
             out=folder + "/"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -37,13 +37,13 @@ def scaling_finding(cfg: TrainConfig, plan) -> Finding:
     if row is None or row.get("scaling_efficiency") is None:
         return Finding("warn", "scaling", f"the 1 vs {n} device timing did not finish: run "
                                           f"multigpu bench --model {cfg.model} --batch-size "
-                                          f"{cfg.batch_size} --devices {cfg.devices} --gpus 1,{n} "
+                                          f"{cfg.input.batch_size} --devices {cfg.devices} --gpus 1,{n} "
                                           "to see why", trap=4)
     eff = row["scaling_efficiency"]
-    said = (f"{n} devices at --batch-size {cfg.batch_size} each train {eff * n:.2f}x as fast as one "
+    said = (f"{n} devices at --batch-size {cfg.input.batch_size} each train {eff * n:.2f}x as fast as one "
             f"({eff:.0%} of linear; synthetic data, {row['step_ms']:.0f} ms a step)")
     if eff >= POOR:
         return Finding("ok", "scaling", said, trap=4)
     return Finding("warn", "scaling", f"{said}: communication and waiting outweigh the work of so "
-                                      f"small a batch; use --batch-size {cfg.batch_size * 4} (with "
+                                      f"small a batch; use --batch-size {cfg.input.batch_size * 4} (with "
                                       "a matching --lr) or fewer devices", trap=4)

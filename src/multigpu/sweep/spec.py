@@ -230,11 +230,9 @@ def train_flags(command: list[str]) -> set[str] | None:
     """The names of multigpu train's settings when `command` is a train command, else None."""
     if subcommand(command) != "train":
         return None
-    from dataclasses import fields
+    from multigpu.train.config import FLAT_NAMES
 
-    from multigpu.train.config import TrainConfig
-
-    return {f.name for f in fields(TrainConfig)}
+    return set(FLAT_NAMES)
 
 
 def argv_for(spec: SweepSpec, run: Run, values: dict) -> list[str]:

@@ -26,8 +26,8 @@ def _global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:
     """Once, on rank 0: a global batch larger than one device's, and what that means for --lr
     (training.learning_rate uses --lr as given: nothing is scaled)."""
     devices = rt.world_size * rt.strategy.devices_per_process
-    note = global_batch_note(per_step // devices, devices, cfg.accumulate, learning_rate(cfg),
-                             lr_given=cfg.lr is not None)
+    note = global_batch_note(per_step // devices, devices, cfg.optim.accumulate, learning_rate(cfg),
+                             lr_given=cfg.optim.lr is not None)
     if note:
         console.info(note)
 
@@ -36,7 +36,7 @@ def _last_step(cfg: TrainConfig, rt: Runtime, samples: int) -> None:
     """Trap 3, once on rank 0: what each epoch's last step is, when it is not a full one."""
     from multigpu.train.setup_checks import last_step_finding
 
-    said = last_step_finding(samples, cfg.batch_size, ranks=rt.world_size, drop_last=cfg.drop_last,
+    said = last_step_finding(samples, cfg.input.batch_size, ranks=rt.world_size, drop_last=cfg.input.drop_last,
                              devices_per_rank=rt.strategy.devices_per_process).message
     if not said.endswith("all full"):
         console.info(f"last step: {said}")

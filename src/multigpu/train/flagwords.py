@@ -8,6 +8,7 @@ a name missing from it is said as the library says it.
 from __future__ import annotations
 
 from multigpu.core.errors import Api, Text
+from multigpu.train.config import flag_forms
 
 # Api.name -> the flag; "{}" takes the value to pass, a flag without it is said alone.
 FLAGS = {
@@ -20,6 +21,8 @@ FLAGS = {
     "DDPOptions.find_unused_parameters": "--find-unused-parameters",
     "FSDPOptions.cpu_offload": "--fsdp-cpu-offload",
     "launch.devices": "--devices {}",
+    # the settings' own names (StrategyConfig.strategy, DataConfig.batch_size): their flags
+    **flag_forms(),
 }
 
 

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from multigpu.train import gpu_images
-from multigpu.train.config import DECODE_CHOICES
+from multigpu.train.data_config import DECODE_CHOICES
 from multigpu.train.data_bundle import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
 from multigpu.core.errors import UsageError
 from multigpu.train.folder_layout import LAYOUT, check_root

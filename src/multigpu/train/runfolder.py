@@ -53,22 +53,22 @@ def out_for(cfg: "TrainConfig") -> str | None:
     """The run folder `cfg` names, or None for a new one under runs/: --out, else with --resume
     the resumed run's folder (a lone checkpoint file starts a new one)."""
     out = cfg.out
-    if cfg.resume and not out:
-        path = Path(cfg.resume)
+    if cfg.checkpointing.resume and not out:
+        path = Path(cfg.checkpointing.resume)
         if path.is_file():  # a checkpoint inside a run folder goes on there, any other: a new one
             path = schema.run_folder_of(path)
             out = str(path) if is_run_folder(path) else None
         elif path.is_dir():
             out = str(path)
         else:
-            raise missing_resume(cfg.resume)
+            raise missing_resume(cfg.checkpointing.resume)
     return out
 
 
 def reserve_out(cfg: "TrainConfig", nodes_log: bool = False) -> Path:
     """The run folder of `cfg` (out_for), claimed for this run (reserve). Torch-free: the
     launching process claims the folder before it starts the workers."""
-    return reserve(out_for(cfg), model=cfg.model, data=cfg.data, continuing=bool(cfg.resume),
+    return reserve(out_for(cfg), model=cfg.model, data=cfg.input.data, continuing=bool(cfg.checkpointing.resume),
                    nodes_log=nodes_log)
 
 

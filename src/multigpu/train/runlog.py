@@ -44,10 +44,10 @@ class RunLog:
     def open(cls, cfg, rt, out: Path, config: dict, resume_step: int | None) -> "RunLog":
         if not rt.is_main:
             return cls(None, (), 1)
-        names = loggers.parse(cfg.logger)
+        names = loggers.parse(cfg.logging.logger)
         if "csv" in names and (out / runfolder.METRICS).is_file():
             runfolder.write_metrics_csv(out)  # after a resume: the epochs kept in metrics.jsonl
-        return cls(out, names, cfg.log_every, lambda: loggers.open_loggers(
+        return cls(out, names, cfg.logging.log_every, lambda: loggers.open_loggers(
             names, out, resume_step=resume_step, config=config))
 
     @property

@@ -9,7 +9,7 @@ rank (control.py); the epoch loop is in trainloop.py.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from multigpu.train import imagefolder, provenance
 from multigpu.core import compiling, console
-from multigpu.train.config import TrainConfig
+from multigpu.train.config import TrainConfig, flatten
 from multigpu.train.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
 from multigpu.train.engine import StepSettings
 from multigpu.train.models import build_model, default_image_size, is_convnet, model_input_kind
@@ -35,8 +35,8 @@ PREFETCH_FACTOR = 4   # batches each worker keeps ready
 
 def strategy_options(cfg: TrainConfig) -> tuple:
     """The options objects of every strategy for `cfg`; the run's strategy takes its own."""
-    return ddp_options(cfg), FSDPOptions(cpu_offload=cfg.fsdp_cpu_offload,
-                                         activation_checkpointing=cfg.activation_checkpointing)
+    return ddp_options(cfg), FSDPOptions(cpu_offload=cfg.parallel.fsdp_cpu_offload,
+                                         activation_checkpointing=cfg.parallel.activation_checkpointing)
 
 
 def ddp_options(cfg: TrainConfig) -> DDPOptions:
@@ -45,7 +45,7 @@ def ddp_options(cfg: TrainConfig) -> DDPOptions:
     statistics, and run_training copies rank 0's to every rank before each evaluation instead.
     On 2x H200, ResNet-50 bf16, that made the step 4-15 % faster at batch 32-128 in two runs
     (docs/performance.md)."""
-    return DDPOptions(find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=False)
+    return DDPOptions(find_unused_parameters=cfg.parallel.find_unused_parameters, broadcast_buffers=False)
 
 
 # --compile auto turns CUDA graphs on from this many optimizer steps in the run. Measured on one
@@ -80,21 +80,21 @@ def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module, steps: int
     steps, which --compile auto decides on."""
     mode = cfg.compile
     if mode == "auto":
-        mode, why = auto_mode(rt.device.type, rt.strategy.name, cfg.accumulate, steps or 0)
+        mode, why = auto_mode(rt.device.type, rt.strategy.name, cfg.optim.accumulate, steps or 0)
         console.info(why)
-    compiling.check(mode, rt.device.type, rt.strategy.name, cfg.accumulate)
+    compiling.check(mode, rt.device.type, rt.strategy.name, cfg.optim.accumulate)
     return compiling.compile_model(model, mode)
 
 
 def learning_rate(cfg: TrainConfig) -> float:
-    return cfg.lr if cfg.lr is not None else (0.05 if cfg.optimizer == "sgd" else 1e-3)
+    return cfg.optim.learning_rate
 
 
 def image_size(cfg: TrainConfig) -> int | None:
     """The image side the data is made at (synthetic images, folder: data); others have none."""
-    made = cfg.data.startswith("folder:") or (cfg.data.startswith("synthetic:")
+    made = cfg.input.data.startswith("folder:") or (cfg.input.data.startswith("synthetic:")
                                               and model_input_kind(cfg.model) == "image")
-    return (cfg.image_size or default_image_size(cfg.model)) if made else cfg.image_size
+    return (cfg.input.image_size or default_image_size(cfg.model)) if made else cfg.input.image_size
 
 
 # The optimizers --optimizer offers. Their fused CUDA kernels do one launch for all parameters
@@ -127,17 +127,18 @@ def holds_dtensors(params: list[torch.Tensor]) -> bool:
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     lr = learning_rate(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    kernel = kernel_options(cfg.optimizer, params[0].device.type if params else "cpu",
+    kernel = kernel_options(cfg.optim.optimizer, params[0].device.type if params else "cpu",
                             holds_dtensors(params))
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.weight_decay, **kernel)
-    return OPTIMIZERS[cfg.optimizer](params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
+    if cfg.optim.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=cfg.optim.weight_decay, **kernel)
+    return OPTIMIZERS[cfg.optim.optimizer](params, lr=lr, weight_decay=cfg.optim.weight_decay, **kernel)
 
 
 def make_scheduler(cfg: TrainConfig, optimizer):
-    if cfg.scheduler == "step":
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.step_size, gamma=cfg.gamma)
-    if cfg.scheduler == "cosine":
+    if cfg.optim.scheduler == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.optim.step_size,
+                                               gamma=cfg.optim.gamma)
+    if cfg.optim.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(cfg.epochs, 1))
     return None
 
@@ -149,9 +150,9 @@ def cores_per_process(rt: Runtime) -> int:
 
 
 def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
-    if cfg.workers is not None:
-        return cfg.workers
-    if cfg.data.startswith(IN_MEMORY_DATA):
+    if cfg.input.workers is not None:
+        return cfg.input.workers
+    if cfg.input.data.startswith(IN_MEMORY_DATA):
         return 0  # tensors already in memory: worker processes would only add IPC
     return max(1, min(MAX_WORKERS, cores_per_process(rt) - 1))
 
@@ -189,10 +190,10 @@ class Job:
 
 def load_run_data(cfg: TrainConfig) -> DataBundle:
     """The data of `--data` as the run's model takes it (also read by doctor and batchfit)."""
-    return load_data(cfg.data, input_kind=model_input_kind(cfg.model),
+    return load_data(cfg.input.data, input_kind=model_input_kind(cfg.model),
                      image_size=image_size(cfg) or default_image_size(cfg.model),
-                     seq_length=cfg.seq_length, future_length=cfg.future_length,
-                     bad_images=cfg.bad_images)
+                     seq_length=cfg.input.seq_length, future_length=cfg.input.future_length,
+                     bad_images=cfg.input.bad_images)
 
 
 def uses_channels_last(rt: Runtime, model: str) -> bool:
@@ -208,27 +209,27 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
     strategy's wrapping: DDP's constructor imports torch's compiler and broadcasts the weights;
     the loaders), optimizer (torch imports its compiler with the first one, where DDP did not)."""
-    if cfg.data.startswith("folder:"):
+    if cfg.input.data.startswith("folder:"):
         imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
         mark("decoder")
     data = load_run_data(cfg)
     mark("data")
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
-    settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.clip_grad_norm,
+    settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.optim.clip_grad_norm,
                                      channels_last=uses_channels_last(rt, cfg.model))
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
     workers = loader_workers(cfg, rt)
-    decode_note = imagefolder.use_decode(data, cfg.decode, rt.device, workers, cfg.deterministic)
+    decode_note = imagefolder.use_decode(data, cfg.input.decode, rt.device, workers, cfg.deterministic)
     if decode_note:
         console.info(decode_note)
-    train_loader = make_loader(data.train, cfg.batch_size, True, workers, cfg.drop_last)
-    per_step = cfg.batch_size * rt.world_size * rt.strategy.devices_per_process
+    train_loader = make_loader(data.train, cfg.input.batch_size, True, workers, cfg.input.drop_last)
+    per_step = cfg.input.batch_size * rt.world_size * rt.strategy.devices_per_process
     val_batches = -(-len(data.val) // per_step)  # a rank's, at most
-    val_loader = make_loader(data.val, cfg.batch_size, False, min(workers, val_batches))
+    val_loader = make_loader(data.val, cfg.input.batch_size, False, min(workers, val_batches))
     mark("model")
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
-    model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.accumulate)
+    model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.optim.accumulate)
     mark("prepare")
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
     scheduler = make_scheduler(cfg, optimizer)
@@ -248,10 +249,10 @@ def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: 
     """config.json: every setting as it was resolved for this run (given back to `--config`, it
     repeats the run), facts about the run (configfile.RUN_FACTS) and its provenance (`launch`:
     provenance.launch_facts). Collective."""
-    return {**asdict(cfg), "out": str(out), "lr": learning_rate(cfg), "image_size": image_size(cfg),
+    return {**flatten(cfg), "out": str(out), "lr": learning_rate(cfg), "image_size": image_size(cfg),
             "workers": loader_workers(cfg, rt), "precision": rt.precision.kind,
             "strategy": rt.strategy.name, "world_size": rt.world_size,
-            "global_batch": cfg.batch_size * rt.strategy.devices_per_process * rt.world_size,
+            "global_batch": cfg.input.batch_size * rt.strategy.devices_per_process * rt.world_size,
             "train_size": len(job.data.train), "val_size": len(job.data.val), "task": job.data.task,
             "provenance": provenance.run_facts(rt, launch)}
 
@@ -264,10 +265,10 @@ def oom_message(cfg: TrainConfig, rt: Runtime) -> str:
     peak = torch.cuda.max_memory_allocated(rt.device)
     free, _ = torch.cuda.mem_get_info(rt.device)
     others = max(0, total - free - torch.cuda.memory_reserved(rt.device))
-    smaller = max(1, cfg.batch_size // 2)
+    smaller = max(1, cfg.input.batch_size // 2)
     return (f"CUDA out of memory on {rt.device} ({total / gib:.0f} GiB: this run's peak "
             f"{peak / gib:.1f} GiB, other processes {others / gib:.1f} GiB) with --batch-size "
-            f"{cfg.batch_size} per GPU and --precision {rt.precision.kind}: use --batch-size auto "
+            f"{cfg.input.batch_size} per GPU and --precision {rt.precision.kind}: use --batch-size auto "
             f"(the largest that fits, found at the start) or --batch-size {smaller} (add "
-            f"--accumulate {2 * cfg.accumulate} to keep the global batch), or --precision bf16; "
+            f"--accumulate {2 * cfg.optim.accumulate} to keep the global batch), or --precision bf16; "
             "`multigpu doctor` measures a step's peak before a run")

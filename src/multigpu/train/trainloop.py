@@ -29,7 +29,7 @@ from multigpu.train.runlog import RunLog
 from multigpu.train.checkpoint_store import CheckpointStore
 from multigpu.train.checkpointer import Checkpointer
 from multigpu.train.config import TrainConfig
-from multigpu.train.control import Cadence, Control
+from multigpu.train.control import Control
 from multigpu.core.distributed import destroy_distributed, mark_failed
 from multigpu.train.engine import evaluate, train_epoch
 from multigpu.core.errors import Stopped, UsageError
@@ -63,8 +63,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
                      restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     if cfg.deterministic:
         make_deterministic()
-    rt = setup(cfg.strategy, precision_for(cfg.precision, cfg.model), devices=device_ids,
-               accelerator=accelerator, seed=cfg.seed, accumulate=cfg.accumulate,
+    rt = setup(cfg.parallel.strategy, precision_for(cfg.numerics.precision, cfg.model), devices=device_ids,
+               accelerator=accelerator, seed=cfg.seed, accumulate=cfg.optim.accumulate,
                options=strategy_options(cfg), install_hooks=True)
     console.configure(rt.is_main, say=flagwords.say)
     if note := restart_note():
@@ -72,26 +72,26 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
-    control = Control(rt.env, Cadence.parse(cfg.checkpoint_every))
+    control = Control(rt.env, cfg.checkpointing.cadence())
     # Under the launcher: hangs named; a dead launcher ends a rank at once until training begins
     # (orphans.py), then makes every rank save and stop (below).
     watchdog.start_from_env()
     out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
-    if cfg.batch_size == batchfit.AUTO:  # before the loaders are built with it
-        cfg.batch_size = batchfit.auto_batch_size(
-            cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.resume)))
+    if cfg.input.batch_size == batchfit.AUTO:  # before the loaders are built with it
+        cfg.input.batch_size = batchfit.auto_batch_size(
+            cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
         clock.mark("batch size")
     job = build_job(cfg, rt, mark=clock.mark)
     job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
     config = resolved_config(cfg, rt, job, out, launch or {})
-    store = CheckpointStore(schema.checkpoints_folder(out), cfg.keep)
+    store = CheckpointStore(schema.checkpoints_folder(out), cfg.checkpointing.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
     saver = Checkpointer(rt, job, store, config)
     clock.mark("config")
     log = first_step = None
     try:
         announce_run(cfg, rt, job, config, control, out)
-        point = resume_point(rt.env, out, cfg.resume, cfg.keep)
+        point = resume_point(rt.env, out, cfg.checkpointing.resume, cfg.checkpointing.keep)
         run = restore(cfg, rt, job, point, out) if point else RunState()
         # the last good checkpoint, until a save (a bare state dict is none to go back to)
         saver.last_path = Path(point.path) if point and not point.weights_only else None
@@ -190,7 +190,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
     record, bad_before = {}, 0
     first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
-                         clip_grad_norm=cfg.clip_grad_norm)
+                         clip_grad_norm=cfg.optim.clip_grad_norm)
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
@@ -341,11 +341,11 @@ def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | 
     if not input_bound(share, record["epoch_seconds"]):
         return None
     workers = loader_workers(cfg, rt)
-    gpu_decode_left = (cfg.data.startswith("folder:") and not getattr(job.data.train, "on_gpu", False)
+    gpu_decode_left = (cfg.input.data.startswith("folder:") and not getattr(job.data.train, "on_gpu", False)
                        and gpu_images.gpu_decode_problem(rt.device) is None)
     return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt),
                             gpu_decode_left=gpu_decode_left,
-                            one_gather=cfg.data.startswith("timeseries:") and workers == 0)
+                            one_gather=cfg.input.data.startswith("timeseries:") and workers == 0)
 
 
 def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:

@@ -27,7 +27,7 @@ device = torch.device("cuda", 0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
 rt = multigpu.setup("fsdp", precision, options=multigpu.FSDPOptions(
     cpu_offload="offload" in extras, activation_checkpointing="recompute" in extras))
-cfg = TrainConfig(model=name, optimizer="adamw", lr=1e-3)
+cfg = TrainConfig.from_flat(model=name, optimizer="adamw", lr=1e-3)
 
 
 def prepared():
