@@ -12,9 +12,13 @@ started some other way counts from the start of its training. The start-up is sp
 happens: launch (the command until this worker's own `multigpu` command began, at the CLI's
 first line: the launcher, the rendezvous, Python's start), imports (from there until its training
 began), then the parts the training marks as it passes them (process group, decoder, data,
-model, prepare, optimizer, config, resume, logs: training.build_job and trainloop say which). It
-stops at this line: the processes' teardown and exit come after it. A run that stops early (a
-signal, an error) ends with its own message instead. Pure: no torch.
+model, prepare, optimizer, config, resume, logs: training.build_job and trainloop say which). These
+follow each other and add up to the start-up. Parts done in a thread meanwhile (head_start.py:
+the decoder, the folder's listing, the compiler's import) come after them, each with the parts of
+the line it overlapped, e.g. `...; meanwhile in a thread: decoder 3.1 during process group + data,
+compiler 0.9 during model + prepare`: "data" is then the time the run waited for them. It stops
+at this line: the processes' teardown and exit come after it. A run that stops early (a signal,
+an error) ends with its own message instead. Pure: no torch.
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ class Timeline:
     ready: float | None = None                      # time.time() when training could begin
     seconds: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     starting: dict = field(default_factory=dict)    # the start-up's parts, in the order marked
+    spans: list = field(default_factory=list)       # (part, start, end) of each mark
+    beside: list = field(default_factory=list)      # (part, start, end) done in a thread meanwhile
 
     def __post_init__(self) -> None:
         now = time.time()
@@ -71,7 +77,13 @@ class Timeline:
         """The start-up's `part` ended now (it began where the last mark ended)."""
         now = time.time()
         self.starting[part] = self.starting.get(part, 0.0) + now - self._last
+        self.spans.append((part, self._last, now))
         self._last = now
+
+    def meanwhile(self, part: str, start: float, end: float) -> None:
+        """A part a thread did from `start` to `end` (time.time()) while the marked ones went on
+        (called from that thread: one append)."""
+        self.beside.append((part, start, end))
 
     def mark_ready(self, part: str) -> None:
         """The start-up's last `part` ended now: training can begin."""
@@ -88,7 +100,21 @@ class Timeline:
         s = self.seconds
         other = whole - start - sum(s.values())
         parts = ", ".join(f"{name} {sec:.1f}" for name, sec in self.starting.items())
+        if self.beside:
+            parts += "; meanwhile in a thread: " + ", ".join(
+                f"{name} {end - begin:.1f}{self._during(begin, end)}" for name, begin, end in self.beside)
         return (f"time: {whole:.1f} s since the command: {start:.1f} s starting ({parts}), "
                 f"{s['training']:.1f} s training, {s['evaluating']:.1f} s evaluating, "
                 f"{s['checkpoints']:.1f} s held up by checkpoints, {other:.1f} s other "
                 "(metrics, plot)")
+
+    def _during(self, begin: float, end: float) -> str:
+        """' during A + B': the marked parts that overlapped [begin, end] by 0.05 s or more (the
+        line's rounding), else the one that overlapped most; '' when none did."""
+        overlaps = {}
+        for name, start, stop in self.spans:
+            overlaps[name] = overlaps.get(name, 0.0) + max(0.0, min(end, stop) - max(begin, start))
+        names = [name for name, sec in overlaps.items() if sec >= 0.05]
+        if not names and overlaps and max(overlaps.values()) > 0:
+            names = [max(overlaps, key=overlaps.get)]
+        return f" during {' + '.join(names)}" if names else ""

@@ -43,6 +43,7 @@ from multigpu.train.model_names import precision_for
 from multigpu.train.runstate import ResumePoint, RunState, resume_point
 from multigpu.core.runtime import Runtime, seed_everything, setup
 from multigpu.train.timeline import Timeline
+from multigpu.train.head_start import HeadStart
 from multigpu.train.training import (Job, build_job, cores_per_process, learning_rate, loader_workers,
                                oom_message, strategy_options, resolved_config)
 
@@ -61,6 +62,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
            launch: dict | None, process_started: float | None) -> dict:
     clock = Timeline(process=process_started,  # from the command's start, else from now
                      restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+    head = HeadStart.begin(cfg, on_part=clock.meanwhile)  # imports, listing: while the group forms
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.strategy, precision_for(cfg.precision, cfg.model), devices=device_ids,
@@ -78,10 +80,11 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     watchdog.start_from_env()
     out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
     if cfg.batch_size == batchfit.AUTO:  # before the loaders are built with it
+        head.imports_done()  # it loads the data too: not while the thread imports the decoder
         cfg.batch_size = batchfit.auto_batch_size(
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.resume)))
         clock.mark("batch size")
-    job = build_job(cfg, rt, mark=clock.mark)
+    job = build_job(cfg, rt, mark=clock.mark, head=head)
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
