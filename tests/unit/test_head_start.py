@@ -34,8 +34,37 @@ def test_a_ddp_run_on_folder_data_gets_its_decoder_listing_and_compiler_from_the
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
-    assert said == {"parts": ["decoder", "folder listing", "compiler"], "classes": ["cat", "dog"],
-                    "samples": 6, "compiler": True}
+    assert said == {"parts": ["compiler's modules", "decoder", "folder listing", "compiler"],
+                    "classes": ["cat", "dog"], "samples": 6, "compiler": True}
+
+
+# Until the group has formed the thread leaves torch._dynamo alone: init_process_group waits for
+# a torch._dynamo being imported (it clears the compiler's caches when it finds it in sys.modules).
+BEFORE_THE_GROUP = """
+import json, sys, time
+from multigpu.train.config import TrainConfig
+from multigpu.train.head_start import HeadStart
+head = HeadStart.begin(TrainConfig(model="mlp", data="synthetic:64"), env={"WORLD_SIZE": "2"})
+deadline = time.monotonic() + 120
+while not head.spans and time.monotonic() < deadline:
+    time.sleep(0.01)
+before = [part for part, _, _ in head.spans], "torch._dynamo" in sys.modules, "sympy" in sys.modules
+time.sleep(0.5)  # a thread that went on would be importing torch._dynamo by now
+still = "torch._dynamo" in sys.modules
+head.group_formed()
+head.imports_done()
+print(json.dumps({"before": before, "still": still, "after": "torch._dynamo" in sys.modules,
+                  "parts": [part for part, _, _ in head.spans]}))
+"""
+
+
+def test_the_compiler_itself_is_imported_only_once_the_group_has_formed():
+    done = subprocess.run([sys.executable, "-c", BEFORE_THE_GROUP], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said == {"before": [["compiler's modules"], False, True], "still": False, "after": True,
+                    "parts": ["compiler's modules", "compiler"]}
 
 
 def test_a_broken_folder_is_said_where_the_run_takes_its_data_with_the_message_read_in_line(tmp_path):

@@ -66,3 +66,17 @@ def test_parts_done_in_a_thread_follow_the_marked_ones_naming_what_they_overlapp
         "during data, compiler 1.1 during data + model), 0.0 s training, 0.0 s evaluating, 0.0 s "
         "held up by checkpoints, 0.0 s other (metrics, plot)")
     assert Timeline(started=999.0)._during(1.0, 2.0) == ""  # nothing marked: nothing to name
+
+
+def test_the_first_optimizer_step_is_said_counted_from_the_command(clock):
+    job = Timeline(started=998.0, process=999.0)
+    job.mark_ready("logs")
+    clock.now += 1.3
+    job.stepped()
+    clock.now += 1.0
+    job.stepped()  # only the first counts
+    job.add("training", 2.0)
+    assert job.summary(now=clock.now) == (
+        "time: 4.3 s since the command: 2.0 s starting (launch 1.0, imports 1.0, logs 0.0), first "
+        "step done at 3.3 s, 2.0 s training, 0.0 s evaluating, 0.0 s held up by checkpoints, 0.3 s "
+        "other (metrics, plot)")

@@ -1,10 +1,13 @@
 """Where a `multigpu train` job's wall time went, said once at its end on rank 0, e.g.
 
-    time: 3.8 s since the command: 2.9 s starting (launch 1.1, imports 1.0, process group 0.0,
-    data 0.0, model 0.0, prepare 0.8, optimizer 0.0, config 0.0, resume 0.0, logs 0.0), 0.2 s
-    training, 0.1 s evaluating, 0.0 s held up by checkpoints, 0.6 s other (metrics, plot)
+    time: 4.9 s since the command: 3.8 s starting (launch 1.5, imports 1.1, process group 0.1,
+    data 0.0, model 0.0, prepare 1.1, optimizer 0.0, config 0.0, resume 0.0, logs 0.0; meanwhile
+    in a thread: compiler's modules 0.6 during process group + prepare, compiler 0.6 during
+    prepare), first step done at 3.9 s, 0.2 s training, 0.1 s evaluating, 0.0 s held up by
+    checkpoints, 0.7 s other (metrics, plot)
 
-(`--model linear --data synthetic:256 --epochs 2 --devices cpu:2` on a 2-core CPU.)
+(`--model linear --data synthetic:256 --epochs 2 --devices cpu:2` on a busy 2-core CPU, where the
+thread's imports compete with the other rank's for the cores: DDP's wrapping waited for them.)
 
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
 which the launched workers inherit), so the start-up counts as the user waits for it; a worker
@@ -15,10 +18,11 @@ began), then the parts the training marks as it passes them (process group, deco
 model, prepare, optimizer, config, resume, logs: training.build_job and trainloop say which). These
 follow each other and add up to the start-up. Parts done in a thread meanwhile (head_start.py:
 the decoder, the folder's listing, the compiler's import) come after them, each with the parts of
-the line it overlapped, e.g. `...; meanwhile in a thread: decoder 3.1 during process group + data,
-compiler 0.9 during model + prepare`: "data" is then the time the run waited for them. It stops
-at this line: the processes' teardown and exit come after it. A run that stops early (a signal,
-an error) ends with its own message instead. Pure: no torch.
+the line it overlapped (`compiler 0.6 during prepare`): "data" and "prepare" are then the time
+the run waited for them. Then when the first optimizer step was done, counted from the command
+(the start-up as the user sees it: the loader workers' first batches and the step's own first
+run are in it). It stops at this line: the processes' teardown and exit come after it. A run that
+stops early (a signal, an error) ends with its own message instead. Pure: no torch.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ class Timeline:
     process: float | None = None
     restarts: int = 0                               # earlier attempts of the launch (in "launch")
     ready: float | None = None                      # time.time() when training could begin
+    first_step: float | None = None                 # time.time() when the first step was done
     seconds: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     starting: dict = field(default_factory=dict)    # the start-up's parts, in the order marked
     spans: list = field(default_factory=list)       # (part, start, end) of each mark
@@ -90,6 +95,11 @@ class Timeline:
         self.mark(part)
         self.ready = self._last
 
+    def stepped(self) -> None:
+        """An optimizer step ended now: the first one's time is said."""
+        if self.first_step is None:
+            self.first_step = time.time()
+
     def add(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
 
@@ -103,7 +113,8 @@ class Timeline:
         if self.beside:
             parts += "; meanwhile in a thread: " + ", ".join(
                 f"{name} {end - begin:.1f}{self._during(begin, end)}" for name, begin, end in self.beside)
-        return (f"time: {whole:.1f} s since the command: {start:.1f} s starting ({parts}), "
+        first = f"first step done at {self.first_step - self.started:.1f} s, " if self.first_step else ""
+        return (f"time: {whole:.1f} s since the command: {start:.1f} s starting ({parts}), {first}"
                 f"{s['training']:.1f} s training, {s['evaluating']:.1f} s evaluating, "
                 f"{s['checkpoints']:.1f} s held up by checkpoints, {other:.1f} s other "
                 "(metrics, plot)")

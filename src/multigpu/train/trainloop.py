@@ -68,9 +68,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     rt = setup(cfg.strategy, precision_for(cfg.precision, cfg.model), devices=device_ids,
                accelerator=accelerator, seed=cfg.seed, accumulate=cfg.accumulate,
                options=strategy_options(cfg), install_hooks=True)
-    console.configure(rt.is_main, say=flagwords.say)
-    if note := restart_note():
-        console.warn(note)
+    head.group_formed()
+    _say_from_rank0(rt)
     clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
@@ -101,7 +100,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
         clock.mark_ready("logs")
-        first_step = _stop_gracefully_once_trained(control)
+        first_step = _stop_gracefully_once_trained(control, clock)
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get(schema.METRICS) if point else None, log, clock)
@@ -124,10 +123,18 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     return record
 
 
-def _stop_gracefully_once_trained(control: Control):
+def _say_from_rank0(rt: Runtime) -> None:
+    """Messages from rank 0 only, from now on; a restarted launch says so first."""
+    console.configure(rt.is_main, say=flagwords.say)
+    if note := restart_note():
+        console.warn(note)
+
+
+def _stop_gracefully_once_trained(control: Control, clock: Timeline):
     """Until this launch's first optimizer step, a dead launcher ends the rank at once (orphans:
     nothing to save); from then on every rank saves and stops. The hook's handle: the run removes
-    it when it ends (not the hook itself: torch is iterating over its hooks when it runs)."""
+    it when it ends (not the hook itself: torch is iterating over its hooks when it runs). The
+    first step's time goes to the `time:` line."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     done = []
@@ -135,6 +142,7 @@ def _stop_gracefully_once_trained(control: Control):
     def first_step(*_) -> None:
         if not done:
             done.append(True)
+            clock.stepped()
             orphans.on_orphan(lambda: control.request_stop("launcher gone"))
 
     return register_optimizer_step_post_hook(first_step)
