@@ -13,7 +13,7 @@ line: every rank reports it at the same point as before.
 Two stages, because init_process_group waits for a torch._dynamo that is being imported (it
 clears the compiler's caches when torch._dynamo is in sys.modules; torchvision imports it too):
 until the run says `group_formed()` the thread imports only the compiler's own dependencies
-(sympy, FSDP's modules, triton where installed), which leave torch._dynamo out; then torchvision,
+(sympy, FSDP's modules; triton with --compile), which leave torch._dynamo out; then torchvision,
 the listing and torch._dynamo itself, while the model is built.
 Hazard: two threads importing the same modules at once is safe in CPython only without circular
 imports between them, so the run touches what the thread imports only after joining it, and the
@@ -36,9 +36,9 @@ from multigpu.train.config import TrainConfig
 from multigpu.train.training import load_run_data
 
 COMPILER = "torch._dynamo"  # DDP's constructor and --compile import it
-# What torch._dynamo imports that leaves torch._dynamo itself out of sys.modules (the first stage)
-COMPILER_DEPENDENCIES = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp",
-                         "triton")
+# What torch._dynamo imports that leaves torch._dynamo itself out of sys.modules (the first
+# stage); triton (GPU builds) only for --compile, whose kernels it makes
+COMPILER_DEPENDENCIES = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
 OFF_ENV = "MULTIGPU_HEAD_START"
 
 
@@ -66,6 +66,7 @@ class HeadStart:
         distributed = int(env.get("WORLD_SIZE", "1") or 1) > 1
         compiles = cfg.compile or registry.resolve(cfg.strategy, distributed).name == "ddp"
         modules, early = ((COMPILER,), COMPILER_DEPENDENCIES) if compiles else ((), ())
+        early += ("triton",) if cfg.compile else ()
         folder = cfg.data.startswith("folder:")
         head = cls(lambda: load_run_data(cfg), modules, imagefolder.default_decoder, early, on_part) \
             if folder else cls(None, modules, early=early, on_part=on_part)
