@@ -589,3 +589,26 @@ def test_a_one_node_rendezvous_joins_without_torch_s_random_skew(nodes, skew, mo
     finally:
         handler.shutdown()
     assert [s for s in slept if s == 0.2] == skew
+
+
+def test_the_rendezvous_names_its_events_as_torch_does_without_reading_every_frame_s_source(monkeypatch):
+    """torch's dynamic rendezvous named each recorded event's method with inspect.stack()."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)
+    names = []
+    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event",
+                        lambda **event: names.append(event["name"]))
+    params = RendezvousParameters(backend=ports.BACKEND_NAME, endpoint=ports.LOOPBACK_ENDPOINT,
+                                  run_id="names", min_nodes=1, max_nodes=1, join_timeout="30",
+                                  read_timeout="30", is_host="1")
+    handler = ports._create_rendezvous_handler(params)
+    monkeypatch.setattr(inspect, "stack", lambda *a: pytest.fail("inspect.stack() was called"))
+    try:
+        handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+    assert "DynamicRendezvousHandler.next_rendezvous" in names
+    assert "_DistributedRendezvousOpExecutor.run" in names
