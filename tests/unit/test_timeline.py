@@ -36,6 +36,19 @@ def test_the_start_up_splits_into_launch_imports_and_the_parts_marked_in_order(c
         "(metrics, plot)")
 
 
+def test_the_launch_splits_where_the_launcher_handed_over_to_the_agent(clock):
+    """launcher: its imports (torch's for torchrun) and checks; workers' start: the rendezvous,
+    the processes' and Python's start. Not after a restart, whose agent start is the first's."""
+    assert Timeline(started=995.0, process=998.0, agent=996.5).starting == {
+        "launcher": 1.5, "workers' start": 1.5, "imports": 2.0}
+    assert Timeline(started=995.0, process=998.0, agent=996.5, restarts=1).starting == {
+        "launch and 1 earlier attempt": 3.0, "imports": 2.0}
+    assert Timeline(started=995.0, process=998.0, agent=990.0).starting == {  # another launch's
+        "launch": 3.0, "imports": 2.0}
+    env = {timeline.AGENT_STARTED_ENV: "996.5"}
+    assert timeline.agent_start(env) == 996.5 and timeline.agent_start({}) is None
+
+
 def test_the_command_s_own_process_counts_no_launch_and_one_without_a_command_starts_now(clock):
     assert Timeline(started=999.0, process=999.0).starting == {"imports": 1.0}
     assert Timeline(started=990.0, process=998.0, restarts=2).starting == {
