@@ -36,6 +36,19 @@ def test_the_start_up_splits_into_launch_imports_and_the_parts_marked_in_order(c
         "(metrics, plot)")
 
 
+def test_the_launch_splits_where_the_launcher_handed_over_to_the_agent(clock):
+    """launcher: its imports (torch's for torchrun) and checks; workers' start: the rendezvous,
+    the processes' and Python's start. Not after a restart, whose agent start is the first's."""
+    assert Timeline(started=995.0, process=998.0, agent=996.5).starting == {
+        "launcher": 1.5, "workers' start": 1.5, "imports": 2.0}
+    assert Timeline(started=995.0, process=998.0, agent=996.5, restarts=1).starting == {
+        "launch and 1 earlier attempt": 3.0, "imports": 2.0}
+    assert Timeline(started=995.0, process=998.0, agent=990.0).starting == {  # another launch's
+        "launch": 3.0, "imports": 2.0}
+    env = {timeline.AGENT_STARTED_ENV: "996.5"}
+    assert timeline.agent_start(env) == 996.5 and timeline.agent_start({}) is None
+
+
 def test_the_command_s_own_process_counts_no_launch_and_one_without_a_command_starts_now(clock):
     assert Timeline(started=999.0, process=999.0).starting == {"imports": 1.0}
     assert Timeline(started=990.0, process=998.0, restarts=2).starting == {
@@ -46,3 +59,37 @@ def test_the_command_s_own_process_counts_no_launch_and_one_without_a_command_st
     assert command_start(env) == 123.5
     alone = Timeline(started=None)
     assert (alone.started, alone.starting) == (1000.0, {})
+
+
+def test_parts_done_in_a_thread_follow_the_marked_ones_naming_what_they_overlapped(clock):
+    """The marked parts still add up to the start-up; a thread's parts (head_start.py) come after
+    them, each with the marked parts it overlapped by at least the line's rounding."""
+    job = Timeline(started=998.0, process=999.0)
+    job.mark("process group")                 # 1000.0 - 1000.0: a part of no time
+    clock.now += 2.0
+    job.mark("data")                          # 1000.0 - 1002.0
+    clock.now += 1.0
+    job.mark_ready("model")                   # 1002.0 - 1003.0
+    job.meanwhile("decoder", 1000.0, 1001.5)
+    job.meanwhile("folder listing", 1001.5, 1002.02)
+    job.meanwhile("compiler", 1001.9, 1003.0)
+    assert job.summary(now=clock.now) == (
+        "time: 5.0 s since the command: 5.0 s starting (launch 1.0, imports 1.0, process group 0.0, "
+        "data 2.0, model 1.0; meanwhile in a thread: decoder 1.5 during data, folder listing 0.5 "
+        "during data, compiler 1.1 during data + model), 0.0 s training, 0.0 s evaluating, 0.0 s "
+        "held up by checkpoints, 0.0 s other (metrics, plot)")
+    assert Timeline(started=999.0)._during(1.0, 2.0) == ""  # nothing marked: nothing to name
+
+
+def test_the_first_optimizer_step_is_said_counted_from_the_command(clock):
+    job = Timeline(started=998.0, process=999.0)
+    job.mark_ready("logs")
+    clock.now += 1.3
+    job.stepped()
+    clock.now += 1.0
+    job.stepped()  # only the first counts
+    job.add("training", 2.0)
+    assert job.summary(now=clock.now) == (
+        "time: 4.3 s since the command: 2.0 s starting (launch 1.0, imports 1.0, logs 0.0), first "
+        "step done at 3.3 s, 2.0 s training, 0.0 s evaluating, 0.0 s held up by checkpoints, 0.3 s "
+        "other (metrics, plot)")

@@ -29,3 +29,20 @@ def test_the_start_up_is_marked_part_by_part_and_folder_data_names_its_decoder(t
         training.build_job(TrainConfig.from_flat(model="cnn", data=data, batch_size=2, workers=0, image_size=8), rt,
                            mark=marks.append)
         assert marks == [*first, "data", "model", "prepare", "optimizer"], data
+
+
+def test_with_a_head_start_the_job_takes_the_thread_s_data_and_marks_no_decoder(tmp_path):
+    """The decoder and the listing were the thread's (head_start.py): the run's own "data" part
+    is its wait for them, and the data it trains on is what the thread loaded."""
+    from multigpu.train.head_start import HeadStart
+    from tests.unit.test_datasets import make_image_folder
+
+    make_image_folder(tmp_path, per_class=2)
+    rt = setup("single", "fp32", accelerator="cpu", seed=0)
+    cfg = TrainConfig.from_flat(model="cnn", data=f"folder:{tmp_path}", batch_size=2, workers=0, image_size=8)
+    head = HeadStart.begin(cfg, env={})
+    marks = []
+    job = training.build_job(cfg, rt, mark=marks.append, head=head)
+    assert marks == ["data", "model", "prepare", "optimizer"]
+    assert job.data is head.data()
+    assert [part for part, _, _ in head.spans] == ["decoder", "folder listing"]  # single: no DDP

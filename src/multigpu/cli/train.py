@@ -199,12 +199,12 @@ def check_resume(cfg: TrainConfig) -> None:
     """A --resume that cannot be used fails here, before a run folder is made (its checkpoint is
     read twice: here and on rank 0). Skipped when --out already has checkpoints of its own: the
     run goes on from those."""
+    if not cfg.checkpointing.resume:  # (before the imports: they load torch and the checkpoint code)
+        return
     from multigpu.train.checkpoint_store import CheckpointStore
     from multigpu.train.runfolder import CONFIG
     from multigpu.train.runstate import load_source
 
-    if not cfg.checkpointing.resume:
-        return
     if _nothing_trained_in(cfg):
         return
     if cfg.out and CheckpointStore(schema.checkpoints_folder(Path(cfg.out))).has_checkpoints():

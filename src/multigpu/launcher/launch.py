@@ -41,7 +41,7 @@ from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, SecondSignalKills, k
 from multigpu.launcher.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
 from multigpu.core.errors import UsageError
-from multigpu.launcher.launch_options import LaunchOptions
+from multigpu.launcher.launch_options import AGENT_STARTED_ENV, LaunchOptions
 from multigpu.launcher.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
                                       report_child_failed)
 
@@ -277,6 +277,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
         if ours:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
         began = time.time()
+        os.environ[AGENT_STARTED_ENV] = repr(began)  # the workers' time: lines split the launch here
         try:
             elastic_launch(config, entrypoint)(*entry_args)
             return 0

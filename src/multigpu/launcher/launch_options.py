@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 from multigpu.launcher import watchdog
 
+# time.time() when the launcher handed over to torchrun's agent, in every worker's environment:
+# a worker's `time:` line splits the launch there (train/timeline.py)
+AGENT_STARTED_ENV = "MULTIGPU_AGENT_STARTED_AT"
+
 
 @dataclass
 class LaunchOptions:

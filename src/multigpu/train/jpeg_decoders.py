@@ -32,7 +32,7 @@ import torch
 NVIMGCODEC_HINT = "pip install 'multigpu[nvimgcodec]'"
 # nvImageCodec's host threads per GPU process (parsing, and the CUDA decoder's Huffman stage): its
 # default, one per core, would be 64 threads in each of 4 processes beside the loader workers.
-HOST_THREADS = 4
+HOST_THREADS = 8
 
 
 class JpegDecoder:

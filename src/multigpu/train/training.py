@@ -203,16 +203,20 @@ def uses_channels_last(rt: Runtime, model: str) -> bool:
             and registry.info(rt.strategy.name).channels_last)
 
 
-def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None) -> Job:
+def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None,
+              head=None) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
     `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark): decoder
     (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
     strategy's wrapping: DDP's constructor imports torch's compiler and broadcasts the weights;
-    the loaders), optimizer (torch imports its compiler with the first one, where DDP did not)."""
-    if cfg.input.data.startswith("folder:"):
+    the loaders), optimizer (torch imports its compiler with the first one, where DDP did not).
+    `head`: the run's head_start.HeadStart, whose thread did the decoder, the folder's listing and
+    the compiler's import meanwhile: data is then the wait for them, prepare the wait for it."""
+    in_line = head is None or not head.loads_data
+    if in_line and cfg.input.data.startswith("folder:"):
         imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
         mark("decoder")
-    data = load_run_data(cfg)
+    data = load_run_data(cfg) if in_line else head.data()
     mark("data")
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.optim.clip_grad_norm,
@@ -228,6 +232,8 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     val_batches = -(-len(data.val) // per_step)  # a rank's, at most
     val_loader = make_loader(data.val, cfg.input.batch_size, False, min(workers, val_batches))
     mark("model")
+    if head is not None:
+        head.imports_done()  # its modules complete before the wrapping uses them
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
     model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.optim.accumulate)
     mark("prepare")

@@ -43,6 +43,7 @@ from multigpu.train.model_names import precision_for
 from multigpu.train.runstate import ResumePoint, RunState, resume_point
 from multigpu.core.runtime import Runtime, seed_everything, setup
 from multigpu.train.timeline import Timeline
+from multigpu.train.head_start import HeadStart
 from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cores_per_process, learning_rate,
                                      loader_workers, oom_message, strategy_options, resolved_config)
 
@@ -61,14 +62,14 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
            launch: dict | None, process_started: float | None) -> dict:
     clock = Timeline(process=process_started,  # from the command's start, else from now
                      restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+    head = HeadStart.begin(cfg, on_part=clock.meanwhile)  # imports, listing: while the group forms
     if cfg.deterministic:
         make_deterministic()
     rt = setup(cfg.parallel.strategy, precision_for(cfg.numerics.precision, cfg.model), devices=device_ids,
                accelerator=accelerator, seed=cfg.seed, accumulate=cfg.optim.accumulate,
                options=strategy_options(cfg), install_hooks=True)
-    console.configure(rt.is_main, say=flagwords.say)
-    if note := restart_note():
-        console.warn(note)
+    head.group_formed()
+    _say_from_rank0(rt)
     clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
@@ -78,10 +79,11 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     watchdog.start_from_env()
     out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
     if cfg.input.batch_size == batchfit.AUTO:  # before the loaders are built with it
+        head.imports_done()  # it loads the data too: not while the thread imports the decoder
         cfg.input.batch_size = batchfit.auto_batch_size(
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
         clock.mark("batch size")
-    job = build_job(cfg, rt, mark=clock.mark)
+    job = build_job(cfg, rt, mark=clock.mark, head=head)
     job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.checkpointing.keep)
@@ -99,7 +101,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
         clock.mark_ready("logs")
-        first_step = _stop_gracefully_once_trained(control)
+        first_step = _stop_gracefully_once_trained(control, clock)
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get(schema.METRICS) if point else None, log, clock)
@@ -122,10 +124,18 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     return record
 
 
-def _stop_gracefully_once_trained(control: Control):
+def _say_from_rank0(rt: Runtime) -> None:
+    """Messages from rank 0 only, from now on; a restarted launch says so first."""
+    console.configure(rt.is_main, say=flagwords.say)
+    if note := restart_note():
+        console.warn(note)
+
+
+def _stop_gracefully_once_trained(control: Control, clock: Timeline):
     """Until this launch's first optimizer step, a dead launcher ends the rank at once (orphans:
     nothing to save); from then on every rank saves and stops. The hook's handle: the run removes
-    it when it ends (not the hook itself: torch is iterating over its hooks when it runs)."""
+    it when it ends (not the hook itself: torch is iterating over its hooks when it runs). The
+    first step's time goes to the `time:` line."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     done = []
@@ -133,6 +143,7 @@ def _stop_gracefully_once_trained(control: Control):
     def first_step(*_) -> None:
         if not done:
             done.append(True)
+            clock.stepped()
             orphans.on_orphan(lambda: control.request_stop("launcher gone"))
 
     return register_optimizer_step_post_hook(first_step)

@@ -1,0 +1,137 @@
+"""What a worker's start-up can do before its process group and model exist, done in a thread.
+
+A worker's start-up is a line of waits: the process group (CUDA's start, NCCL's, the slowest
+rank's arrival), then for folder: data the decoder (importing torchvision: 4.0-5.6 s on 4 H100
+ranks at once) and the listing of the files, the model, and DDP's constructor, which imports
+torch's compiler (torch._dynamo, about 1 s on a CPU here). None of the imports and listing needs
+the group or the model, so `HeadStart.begin(cfg)`, called first thing in a worker, starts them in
+a thread, and the run takes their results where it needs them (training.build_job): `data()`
+before the model is built, `imports_done()` before the model is wrapped. An error the thread met
+(a folder without class folders) is raised there, in the main thread, as if it had happened in
+line: every rank reports it at the same point as before.
+
+Two stages, because init_process_group waits for a torch._dynamo that is being imported (it
+clears the compiler's caches when torch._dynamo is in sys.modules; torchvision imports it too):
+until the run says `group_formed()` the thread imports only the compiler's own dependencies
+(sympy, FSDP's modules; triton with --compile), which leave torch._dynamo out; then torchvision,
+the listing and torch._dynamo itself, while the model is built.
+Hazard: two threads importing the same modules at once is safe in CPython only without circular
+imports between them, so the run touches what the thread imports only after joining it, and the
+thread imports only modules named here. The parts' times go to the `time:` line
+(timeline.Timeline.meanwhile), which says what they overlapped. MULTIGPU_HEAD_START=0 leaves the
+thread out (all of it in line, as before), for benchmarks/startup_phases.py to compare.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import threading
+import time
+from typing import Callable
+
+from multigpu.core.strategies import registry
+from multigpu.train import imagefolder
+from multigpu.train.config import TrainConfig
+from multigpu.train.training import load_run_data
+
+COMPILER = "torch._dynamo"  # DDP's constructor and --compile import it
+# What torch._dynamo imports that leaves torch._dynamo itself out of sys.modules (the first
+# stage); triton (GPU builds) only for --compile, whose kernels it makes
+COMPILER_DEPENDENCIES = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
+OFF_ENV = "MULTIGPU_HEAD_START"
+
+
+class HeadStart:
+    """The thread's work for one run: `load` gives the data (None: the run loads its data itself),
+    after `decoder`; `modules` are imported after it, `early` ones before the group formed.
+    `spans`: (part, start, end) in time.time(), as each ends; `on_part` is called with each."""
+
+    def __init__(self, load: Callable | None = None, modules: tuple[str, ...] = (),
+                 decoder: Callable | None = None, early: tuple[str, ...] = (),
+                 on_part: Callable | None = None):
+        self._load, self._modules, self._decoder, self._early = load, modules, decoder, early
+        self._on_part = on_part
+        self.spans: list[tuple[str, float, float]] = []
+        self._data = self._error = None
+        self._data_ready, self._formed = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="multigpu-head-start", daemon=True)
+
+    @classmethod
+    def begin(cls, cfg: TrainConfig, env=os.environ, on_part: Callable | None = None) -> "HeadStart":
+        """Started at once for `cfg`'s run (the launcher's environment says how many processes).
+        With MULTIGPU_HEAD_START=0 it does nothing: the run does all of it in line."""
+        if env.get(OFF_ENV) == "0":
+            return cls()
+        distributed = int(env.get("WORLD_SIZE", "1") or 1) > 1
+        compiles = cfg.compile or registry.resolve(cfg.parallel.strategy, distributed).name == "ddp"
+        modules, early = ((COMPILER,), COMPILER_DEPENDENCIES) if compiles else ((), ())
+        early += ("triton",) if cfg.compile else ()
+        folder = cfg.input.data.startswith("folder:")
+        head = cls(lambda: load_run_data(cfg), modules, imagefolder.default_decoder, early, on_part) \
+            if folder else cls(None, modules, early=early, on_part=on_part)
+        if not distributed:
+            head._formed.set()  # no process group to wait for
+        head._thread.start()
+        return head
+
+    def _run(self) -> None:
+        self._import("compiler's modules", self._early)
+        self._formed.wait()
+        try:
+            if self._decoder is not None:
+                self._timed("decoder", self._decoder)
+            if self._load is not None:
+                self._data = self._timed("folder listing", self._load)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the main thread (data())
+            self._error = exc
+        finally:
+            self._data_ready.set()
+        self._import("compiler", self._modules)
+
+    def _import(self, part: str, modules: tuple[str, ...]) -> None:
+        """A failed import is left to the run, which says it where it imports the module."""
+        def work():
+            for module in modules:
+                try:
+                    if importlib.util.find_spec(module) is not None:
+                        importlib.import_module(module)
+                except BaseException:  # noqa: BLE001, S112 - see the docstring
+                    continue
+        if modules:
+            self._timed(part, work)
+
+    def _timed(self, part: str, work: Callable):
+        began = time.time()
+        try:
+            return work()
+        finally:
+            self.spans.append((part, began, time.time()))
+            if self._on_part is not None:
+                self._on_part(*self.spans[-1])
+
+    def group_formed(self) -> None:
+        """The run's process group exists: the imports that would hold up its forming may begin."""
+        self._formed.set()
+
+    def data(self):
+        """The data the thread loaded (None when it loads none); its error, raised here."""
+        if not self.loads_data:
+            return None
+        self._formed.set()  # (the run is past its group's forming, if it did not say so)
+        self._data_ready.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._data
+
+    @property
+    def loads_data(self) -> bool:
+        return self._load is not None
+
+    def imports_done(self) -> None:
+        """Back when the thread has ended: its modules imported (or failed, to fail again where
+        the run imports them)."""
+        self._formed.set()
+        if self._thread.is_alive():
+            self._thread.join()

@@ -1,0 +1,90 @@
+"""head_start.HeadStart: a worker's imports and folder listing, in a thread while its group forms."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from multigpu.core.errors import UsageError
+from multigpu.train import training
+from multigpu.train.config import TrainConfig
+from multigpu.train.head_start import HeadStart
+from tests.unit.test_datasets import make_image_folder
+
+# A fresh interpreter (this one has torch._dynamo loaded by other tests): a 2-process DDP run's
+# start on folder data, then what the thread did and whether the compiler is loaded after it.
+PROBE = """
+import json, sys
+from multigpu.train.config import TrainConfig
+from multigpu.train.head_start import HeadStart
+cfg = TrainConfig.from_flat(model="cnn", data="folder:" + sys.argv[1], image_size=8)
+parts = []
+head = HeadStart.begin(cfg, env={"WORLD_SIZE": "2"}, on_part=lambda *span: parts.append(span))
+data = head.data()
+head.imports_done()
+assert parts == head.spans
+print(json.dumps({"parts": [part for part, _, _ in head.spans], "classes": data.train.classes,
+                  "samples": len(data.train), "compiler": "torch._dynamo" in sys.modules}))
+"""
+
+
+def test_a_ddp_run_on_folder_data_gets_its_decoder_listing_and_compiler_from_the_thread(tmp_path):
+    make_image_folder(tmp_path, classes=("cat", "dog"), per_class=3)
+    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said == {"parts": ["compiler's modules", "decoder", "folder listing", "compiler"],
+                    "classes": ["cat", "dog"], "samples": 6, "compiler": True}
+
+
+# Until the group has formed the thread leaves torch._dynamo alone: init_process_group waits for
+# a torch._dynamo being imported (it clears the compiler's caches when it finds it in sys.modules).
+BEFORE_THE_GROUP = """
+import json, sys, time
+from multigpu.train.config import TrainConfig
+from multigpu.train.head_start import HeadStart
+head = HeadStart.begin(TrainConfig.from_flat(model="mlp", data="synthetic:64"), env={"WORLD_SIZE": "2"})
+deadline = time.monotonic() + 120
+while not head.spans and time.monotonic() < deadline:
+    time.sleep(0.01)
+before = [part for part, _, _ in head.spans], "torch._dynamo" in sys.modules, "sympy" in sys.modules
+time.sleep(0.5)  # a thread that went on would be importing torch._dynamo by now
+still = "torch._dynamo" in sys.modules
+head.group_formed()
+head.imports_done()
+print(json.dumps({"before": before, "still": still, "after": "torch._dynamo" in sys.modules,
+                  "parts": [part for part, _, _ in head.spans]}))
+"""
+
+
+def test_the_compiler_itself_is_imported_only_once_the_group_has_formed():
+    done = subprocess.run([sys.executable, "-c", BEFORE_THE_GROUP], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said == {"before": [["compiler's modules"], False, True], "still": False, "after": True,
+                    "parts": ["compiler's modules", "compiler"]}
+
+
+def test_a_broken_folder_is_said_where_the_run_takes_its_data_with_the_message_read_in_line(tmp_path):
+    make_image_folder(tmp_path, classes=("cat",), per_class=2)
+    cfg = TrainConfig.from_flat(model="cnn", data=f"folder:{tmp_path}", image_size=8)
+    with pytest.raises(UsageError) as in_line:
+        training.load_run_data(cfg)
+    head = HeadStart.begin(cfg, env={})  # the thread meets the error; begin() does not raise it
+    with pytest.raises(UsageError) as from_thread:
+        head.data()
+    assert str(from_thread.value) == str(in_line.value)
+    assert "has one class folder (cat)" in str(in_line.value)
+
+
+def test_one_process_on_synthetic_data_leaves_the_thread_nothing_and_the_switch_turns_it_off():
+    cfg = TrainConfig.from_flat(model="mlp", data="synthetic:64")
+    head = HeadStart.begin(cfg, env={})  # single: no DDP, so no compiler to import ahead
+    assert head.data() is None and not head.loads_data
+    head.imports_done()
+    assert head.spans == []
+    off = HeadStart.begin(cfg, env={"WORLD_SIZE": "2", "MULTIGPU_HEAD_START": "0"})
+    off.imports_done()
+    assert (off.data(), off.loads_data, off.spans) == (None, False, [])
