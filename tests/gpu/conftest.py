@@ -19,3 +19,9 @@ def _gpu_machine_env(monkeypatch):
     """For what runs in the test's own process, and the processes it spawns without an env."""
     for key, value in GPU_MACHINE_ENV.items():
         monkeypatch.setenv(key, value)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start CUDA in pytest's own process (marker cuda_here) run after all the others:
+    from then on that process holds GPU 0, and a later run's `--devices 2` would find it busy."""
+    items.sort(key=lambda item: item.get_closest_marker("cuda_here") is not None)  # a stable sort

@@ -20,10 +20,17 @@ from tests.multiproc.conftest import read_metrics
 from tests.unit.test_gpu_images import make_folder, samples, scene
 
 GPU = torch.device("cuda", 0)
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
-              pytest.mark.skipif(torch.cuda.is_available() and gpu_images.gpu_decode_problem(GPU) is not None,
-                                 reason="torchvision's nvJPEG does not work here")]
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_here,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _a_gpu_decoder():
+    """Probed when a test of this file runs, not when it is collected: the probe starts CUDA in
+    this process (conftest runs these tests last)."""
+    problem = gpu_images.gpu_decode_problem(GPU)
+    if problem is not None:
+        pytest.skip(f"no GPU JPEG decoder here: {problem}")
 
 
 def imagenet_like(root, per_class=6):

@@ -26,6 +26,7 @@ def cli(*args, cwd, timeout=400):
                           env=gpu_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.cuda_here  # reads the GPU's size here
 def test_doctor_measures_peak_memory_and_the_largest_batch_that_fits(tmp_path):
     proc = cli("doctor", *MODEL, "--devices", "1", "--batch-size", "64", "--precision", "bf16", cwd=tmp_path)
     print(proc.stdout)

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
 def _train(folder, out, head_start: str) -> str:
     env = gpu_env() | {"MULTIGPU_HEAD_START": head_start, "PYTHONPATH": str(REPO / "src")}
     argv = [sys.executable, "-m", "multigpu", "train", "--model", "resnet18", "--data",
-            f"folder:{folder}", "--devices", "2", "--epochs", "1", "--batch-size", "4",
+            f"folder:{folder}", "--devices", "0,1", "--min-free-memory", "0", "--epochs", "1", "--batch-size", "4",
             "--image-size", "64", "--workers", "2", "--decode", "cpu", "--deterministic",
             "--seed", "3", "--out", str(out)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)

@@ -4,6 +4,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from multigpu.train import trainloop
+from multigpu.train.timeline import Timeline
 from multigpu.core import orphans
 
 
@@ -15,7 +16,8 @@ class _Control:
 def test_a_hook_registered_after_it_still_runs_and_the_run_removes_it(monkeypatch):
     handlers = []
     monkeypatch.setattr(orphans, "on_orphan", handlers.append)
-    handle = trainloop._stop_gracefully_once_trained(_Control())
+    clock = Timeline()
+    handle = trainloop._stop_gracefully_once_trained(_Control(), clock)
     later = []
     other = register_optimizer_step_post_hook(lambda *_: later.append(1))
     try:
@@ -25,6 +27,7 @@ def test_a_hook_registered_after_it_still_runs_and_the_run_removes_it(monkeypatc
             p.grad = torch.ones(2)
             opt.step()  # once raised "OrderedDict mutated during iteration" at the first step
         assert len(handlers) == 1 and later == [1, 1, 1]
+        assert clock.first_step is not None  # the time: line's first step
     finally:
         other.remove()
         handle.remove()
