@@ -29,11 +29,14 @@ class DataConfig:
                                      "next readable image takes its place, it is named and "
                                      "counted; the run stops if over 1 %% of an epoch's images "
                                      "are bad) or fail", choices=("skip", "fail"))
-    decode: str = option("auto", "folder: data, where JPEGs are decoded: gpu (nvJPEG through "
-                                 "torchvision, the crops on the GPU too, overlapped with the "
-                                 "step), cpu (in the loader workers), auto (the workers alone "
-                                 "when there are 15 or more per GPU, else both, sharing each "
-                                 "batch)", choices=DECODE_CHOICES)
+    decode: str = option("auto", "folder: data, where JPEGs are decoded: gpu (nvImageCodec on "
+                                 "the GPU's JPEG engines where multigpu[nvimgcodec] is "
+                                 "installed, else torchvision's nvJPEG; the crops on the GPU "
+                                 "too, overlapped with the step), cpu (in the loader workers), "
+                                 "auto (the workers, the GPU and a share of each are timed in "
+                                 "turns in the first epoch and the fastest is kept; with "
+                                 "--deterministic the workers alone when there are 15 or more "
+                                 "per GPU, else the GPU)", choices=DECODE_CHOICES)
     workers: int | None = option(None, "DataLoader worker processes per rank (default: 0 for "
                                        "in-memory data, else the CPU cores per GPU)",
                                  at_least=0, example=4)
