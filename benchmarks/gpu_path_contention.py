@@ -1,0 +1,74 @@
+"""What the GPU input path's thread costs a training step on one GPU.
+
+    PYTHONPATH=src python benchmarks/gpu_path_contention.py FOLDER     (a folder: data set, e.g. one
+        made by benchmarks/decode_pipeline.py --make DIR --kind detailed)
+
+ResNet-50 (bf16, channels_last, SGD, batch 128, synthetic batch) steps are timed alone, then with a
+thread on a side stream doing one part of `--decode gpu`'s work without pause: nvImageCodec's
+decode, torchvision's decode, the crops alone (gpu_images.crop_resize on decoded images), and the
+whole decode_batch. The thread runs faster than the step needs (its rate is printed beside what
+the step consumes), so the slowdown is an upper bound for that part.
+"""
+import sys, time, threading
+import torch, torchvision
+from multigpu.train import gpu_images, imagefolder, jpeg_decoders
+
+dev = torch.device("cuda", 0)
+torch.backends.cudnn.benchmark = True
+model = torchvision.models.resnet50().to(dev, memory_format=torch.channels_last)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+x = torch.randn(128, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+y = torch.randint(0, 1000, (128,), device=dev)
+
+def step():
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+
+def steps(n=40):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(n): step()
+    torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1000
+
+train = imagefolder.load_folder(sys.argv[1], 224).train
+train.on_gpu = True
+samples = [train[i][0] for i in range(1024)]
+samples = [s for s in samples if isinstance(s, gpu_images.EncodedImage)]
+batches = [gpu_images.ImageBatch(samples[i:i + 128]) for i in range(0, len(samples) - 127, 128)]
+files = [b.encoded() for b in batches]
+side = torch.cuda.Stream(dev)
+nv = jpeg_decoders.choose(dev); print("decoder", nv.name)
+tv = jpeg_decoders.TorchvisionDecoder()
+with torch.cuda.stream(side):
+    decoded = [nv.decode(f, dev) for f in files]
+torch.cuda.synchronize()
+
+def work_nv(k): nv.decode(files[k], dev)
+def work_tv(k): tv.decode(files[k], dev)
+def work_crops(k):
+    b = batches[k]
+    gpu_images.crop_resize(decoded[k], b.boxes, b.flips, 224)
+def work_full(k): gpu_images.decode_batch(batches[k], 224, dev, None)
+
+def with_thread(work):
+    stop = threading.Event(); done = [0]
+    def loop():
+        with torch.cuda.device(dev), torch.cuda.stream(side):
+            k = 0
+            while not stop.is_set():
+                work(k % len(batches)); side.synchronize(); done[0] += 1; k += 1
+    t = threading.Thread(target=loop); t.start()
+    time.sleep(0.5)
+    start_done = done[0]; t0 = time.perf_counter()
+    ms = steps()
+    rate = (done[0] - start_done) * 128 / (time.perf_counter() - t0)
+    stop.set(); t.join()
+    return ms, rate
+
+for _ in range(15): step()
+for rnd in range(int(sys.argv[2]) if len(sys.argv) > 2 else 1):
+    print(f"round {rnd}: alone {steps():.1f} ms/step", flush=True)
+    for name, work in (("nvimgcodec decode", work_nv), ("torchvision decode", work_tv), ("crops only", work_crops),
+                       ("decode_batch (nvimgcodec + crops)", work_full)):
+        ms, rate = with_thread(work)
+        print(f"  {name}: step {ms:.1f} ms; the thread {rate:.0f} img/s (the step needs {128000/ms:.0f})", flush=True)
