@@ -23,7 +23,7 @@ import torch
 
 from multigpu.train import batchfit, decode_choice, flagwords, folder_users, gpu_images, runfolder
 from multigpu.launcher import watchdog
-from multigpu.core import checkpoint, console, orphans, sharded_checkpoint
+from multigpu.core import console, orphans
 from multigpu.core import checkpoint_schema as schema
 from multigpu.train.runlog import RunLog
 from multigpu.train.checkpoint_store import CheckpointStore
@@ -37,11 +37,11 @@ from multigpu.train.announce import announce_run
 from multigpu.train.train_guards import TrainGuards, input_bound, input_bound_note
 from multigpu.train.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.launcher.launch_failures import restart_note
-from multigpu.core.loaders import sample_seed
 from multigpu.core.metrics import Sums
 from multigpu.train.model_names import precision_for
-from multigpu.train.runstate import ResumePoint, RunState, resume_point
-from multigpu.core.runtime import Runtime, seed_everything, setup
+from multigpu.train.resume import restore
+from multigpu.train.runstate import RunState, resume_point
+from multigpu.core.runtime import Runtime, setup
 from multigpu.train.timeline import Timeline
 from multigpu.train.head_start import HeadStart
 from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cores_per_process, learning_rate,
@@ -78,13 +78,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # (orphans.py), then makes every rank save and stop (below).
     watchdog.start_from_env()
     out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
-    if cfg.input.batch_size == batchfit.AUTO:  # before the loaders are built with it
-        head.imports_done()  # it loads the data too: not while the thread imports the decoder
-        cfg.input.batch_size = batchfit.auto_batch_size(
-            cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
-        clock.mark("batch size")
-    job = build_job(cfg, rt, mark=clock.mark, head=head)
-    job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
+    job = _build(cfg, rt, head, out, clock)
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.checkpointing.keep)
     _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
@@ -124,6 +118,19 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     return record
 
 
+def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path, clock: Timeline) -> Job:
+    """The run's model, data, loaders and optimizer; --batch-size auto found first (the loaders
+    are built with it), --decode auto's trial planned."""
+    if cfg.input.batch_size == batchfit.AUTO:
+        head.imports_done()  # it loads the data too: not while the thread imports the decoder
+        cfg.input.batch_size = batchfit.auto_batch_size(
+            cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
+        clock.mark("batch size")
+    job = build_job(cfg, rt, mark=clock.mark, head=head)
+    job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
+    return job
+
+
 def _say_from_rank0(rt: Runtime) -> None:
     """Messages from rank 0 only, from now on; a restarted launch says so first."""
     console.configure(rt.is_main, say=flagwords.say)
@@ -159,41 +166,27 @@ def make_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Path) -> RunState:
-    if point.weights_only:
-        return _start_from_weights(cfg, rt, job, point)
-    run = point.run
-    rt.load(point.state, model=job.model, optimizer=job.optimizer, scheduler=job.scheduler,
-            shards_dir=sharded_checkpoint.folder_of(point.state, Path(point.path).parent))
-    if len(run.rng) != rt.world_size:  # another layout: fresh streams, not those of step 0 again
-        seed_everything(sample_seed(cfg.seed, run.global_step, rt.rank))
-    if job.decode is not None:  # --decode auto's pick: kept, not measured again
-        job.decode.load(point.state.get(schema.DECODE))
-    if rt.is_main and point.in_place:
-        runfolder.reconcile_metrics(out, run.completed_epochs, point.state.get(schema.METRICS))
-    where = (f"epoch {run.epoch}, {run.position} of {job.train_loader.num_samples} samples in"
-             if run.position else f"after epoch {run.completed_epochs}")
-    console.info(f"resumed from {point.path} ({where}, step {run.global_step}; saved by "
-                 f"{point.state.get(schema.WORLD_SIZE)} x {point.state.get(schema.STRATEGY)})")
-    if run.completed_epochs >= cfg.epochs:
-        console.info(f"the run is complete ({run.completed_epochs} of {cfg.epochs} epochs): nothing "
-                     f"left to train; a larger --epochs trains on from here")
-    return run
+def _begin_epoch(job: Job, guards: TrainGuards, epoch: int, base: int, steps: int):
+    """The guards' and --decode auto's trial's new epoch; the guards' first non-finite step."""
+    batches = _batches_per_epoch(job.train_loader)
+    first_nonfinite = guards.new_epoch(epoch, base, steps, batches)
+    if job.decode is not None:
+        job.decode.begin_epoch(epoch, steps, batches)
+    return first_nonfinite
 
 
-def _start_from_weights(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint) -> RunState:
-    """--resume of a model's bare state dict: its weights, a fresh optimizer, epoch 1. Checked on
-    every rank (each holds the same state), so a misfit is one line from every rank, not a
-    load_state_dict traceback."""
-    misfit = checkpoint.weights_mismatch(job.model, point.state[schema.MODEL])
-    if misfit:
-        raise UsageError(f"--resume {point.path}: its weights do not fit --model {cfg.model} on "
-                         f"{job.data.name} ({misfit}); give the --model (and --data) they were "
-                         "saved from, or another file")
-    rt.load(point.state, model=job.model)
-    console.info(f"--resume {point.path} holds weights only ({point.weights_only}): training "
-                 "starts from them at epoch 1 with a fresh optimizer")
-    return RunState()
+def _train_epoch(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, epoch: int, after_step,
+                 first_nonfinite, clock: Timeline) -> dict:
+    began = time.perf_counter()
+    try:
+        return train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
+                           job.settings, description=f"epoch {epoch}/{cfg.epochs}",
+                           start=run.position, carried=(run.loss_sum, run.position, run.seconds),
+                           after_step=after_step, nonfinite=first_nonfinite)
+    except torch.cuda.OutOfMemoryError:
+        raise UsageError(oom_message(cfg, rt)) from None
+    finally:
+        clock.add("training", time.perf_counter() - began)
 
 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
@@ -205,9 +198,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
-        first_nonfinite = guards.new_epoch(epoch, base, steps, _batches_per_epoch(job.train_loader))
-        if job.decode is not None:
-            job.decode.begin_epoch(epoch, steps, _batches_per_epoch(job.train_loader))
+        first_nonfinite = _begin_epoch(job, guards, epoch, base, steps)
 
         def after_step(cursor, epoch=epoch, base=base, begun=run):
             step = base + cursor.steps
@@ -227,15 +218,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
             _save_or_stop(rt, saver, control, at, last, decision.stop, out)
 
         record = {"epoch": epoch, "step": base + steps, "lr": job.optimizer.param_groups[0]["lr"]}
-        began = time.perf_counter()
-        try:
-            record |= train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
-                                  job.settings, description=f"epoch {epoch}/{cfg.epochs}",
-                                  start=run.position, carried=(run.loss_sum, run.position, run.seconds),
-                                  after_step=after_step, nonfinite=first_nonfinite)
-        except torch.cuda.OutOfMemoryError:
-            raise UsageError(oom_message(cfg, rt)) from None
-        clock.add("training", time.perf_counter() - began)
+        record |= _train_epoch(cfg, rt, job, run, epoch, after_step, first_nonfinite, clock)
         _stop_if_diverged(guards, saver, steps, job.model)
         bad_before = _count_bad_images(rt, job, record, bad_before)
         record |= _validate(cfg, rt, job, clock)
