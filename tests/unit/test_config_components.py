@@ -103,8 +103,9 @@ def _refused(make) -> UsageError:
      "steps (500), a time (30s, 10m, 2h), or 0 for the end of each epoch only", None),
     (lambda: CheckpointConfig(keep=0), "CheckpointConfig(keep=0) must be a number at least 1, "
      "e.g. CheckpointConfig(keep=1)", "--keep 0 must be a number at least 1, e.g. --keep 1"),
-    (lambda: LoggingConfig(logger="tb"), "--logger tb: 'tb' is not a logger; use any of "
-     "tensorboard, csv, mlflow, wandb (comma-separated), or none", None),
+    (lambda: LoggingConfig(logger="tb"), "LoggingConfig(logger='tb'): 'tb' is not a logger; use "
+     "any of tensorboard, csv, mlflow, wandb (comma-separated), or none", "--logger tb: 'tb' is "
+     "not a logger; use any of tensorboard, csv, mlflow, wandb (comma-separated), or none"),
     (lambda: LoggingConfig(log_every=0), "LoggingConfig(log_every=0) must be a number at least 1, "
      "e.g. LoggingConfig(log_every=1)", "--log-every 0 must be a number at least 1, e.g. "
      "--log-every 1"),

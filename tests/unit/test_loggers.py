@@ -8,6 +8,8 @@ import pytest
 
 from multigpu.core import loggers
 from multigpu.core.errors import UsageError
+from multigpu.core.loggers import LoggingConfig
+from multigpu.train.flagwords import say
 
 
 def scalars(folder):
@@ -22,16 +24,20 @@ def test_logger_names():
     assert loggers.parse(None) == ()
     assert loggers.parse("none") == ()
     assert loggers.parse("TensorBoard, csv,csv") == ("tensorboard", "csv")
-    with pytest.raises(UsageError, match="--logger tb: 'tb' is not a logger; use any of "
-                                         "tensorboard, csv, mlflow, wandb"):
+    with pytest.raises(UsageError) as exc:  # the library's words; the CLI says --logger tb
         loggers.parse("tb")
+    assert str(exc.value) == ("setup(loggers='tb'): 'tb' is not a logger; use any of tensorboard, "
+                              "csv, mlflow, wandb (comma-separated), or none")
 
 
 def test_a_logger_whose_package_is_missing_is_named_with_its_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now fails, as uninstalled
     with pytest.raises(UsageError) as exc:
-        loggers.parse("csv,wandb")
-    assert str(exc.value) == ("--logger wandb needs wandb, which is not installed: pip install "
+        LoggingConfig(logger="csv,wandb")
+    assert str(exc.value) == ("LoggingConfig(logger='wandb') needs wandb, which is not installed: "
+                              "pip install 'multigpu[wandb]' (or pip install wandb); or leave wandb "
+                              "out of LoggingConfig(logger=...)")
+    assert say(exc.value) == ("--logger wandb needs wandb, which is not installed: pip install "
                               "'multigpu[wandb]' (or pip install wandb); or leave wandb out of --logger")
 
 

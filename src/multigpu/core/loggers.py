@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from multigpu.core import fileio
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import Api, Text, UsageError
 from multigpu.core.extras import install_hint
 from multigpu.core.options import check_options, option
 
@@ -47,28 +47,31 @@ class LoggingConfig:
 
     def __post_init__(self):
         check_options(self)
-        parse(self.logger)
+        parse(self.logger, "LoggingConfig.logger")
 
     @property
     def names(self) -> tuple[str, ...]:
         """The loggers, as parse() reads them."""
-        return parse(self.logger)
+        return parse(self.logger, "LoggingConfig.logger")
 
 
-def parse(text: str | None) -> tuple[str, ...]:
+def parse(text: str | None, where: str = "setup.loggers") -> tuple[str, ...]:
     """'tensorboard,csv' -> ('tensorboard', 'csv'); 'none' or '' -> (). Raises on an unknown name
-    or a logger whose package is not installed."""
+    or a logger whose package is not installed, naming the argument that took `text` (`where`,
+    an Api name: setup(loggers=...), LoggingConfig.logger) in the library's words."""
     names = tuple(dict.fromkeys(n.strip().lower() for n in (text or "").split(",") if n.strip()))
     if names in ((), ("none",)):
         return ()
     for name in names:
         if name not in NAMES:
-            raise UsageError(f"--logger {text}: {name!r} is not a logger; use any of "
-                             f"{', '.join(NAMES)} (comma-separated), or none")
+            shown = repr(name).replace("{", "{{").replace("}", "}}")  # a template's text
+            raise UsageError(Text(f"{{}}: {shown} is not a logger; use any of "
+                                  f"{', '.join(NAMES)} (comma-separated), or none", Api(where, text)))
         module = _MODULES.get(name)
         if module and not _installed(module):
-            raise UsageError(f"--logger {name} needs {module}, which is not installed: "
-                             f"{install_hint(module)}; or leave {name} out of --logger")
+            raise UsageError(Text(f"{{}} needs {module}, which is not installed: "
+                                  f"{install_hint(module)}; or leave {name} out of {{}}",
+                                  Api(where, name), Api(where)))
     return names
 
 
