@@ -182,13 +182,18 @@ def test_auto_times_the_ways_in_the_job_and_deterministic_keeps_the_rule(tmp_pat
     monkeypatch.setattr(gpu_images, "decoder_name", lambda device: "torchvision's nvJPEG")
     imagefolder.use_decode(data, "auto", gpu, 3, deterministic=True)  # the same decoder after any resume
     assert (data.train.on_gpu, data.train.cpu_share, data.train.measure_decode) == (True, 0.0, False)
+    # doctor and bench build the job without the trial: the rule, said as what happens
     assert imagefolder.use_decode(data, "auto", gpu, 3) == (
+        "folder: JPEGs decoded on cuda:0 (torchvision's nvJPEG), the crops there too; 3 loader workers "
+        "read the files (--decode cpu: the workers decode)")
+    assert (data.train.on_gpu, data.train.cpu_share, data.train.measure_decode) == (True, 0.0, False)
+    assert imagefolder.use_decode(data, "auto", gpu, 3, trial=True) == (
         "folder: --decode auto: 3 loader workers, cuda:0 (torchvision's nvJPEG) and both are timed in "
         "turns in the first epoch; the fastest is kept for the run")
     # until the trial (decode_choice), the rule's way: a hybrid with 3 workers, them alone with 15
     assert (data.train.on_gpu, data.train.cpu_share, data.val.cpu_share) == (True, 0.17, 0.17)
     assert data.train.measure_decode
-    imagefolder.use_decode(data, "auto", gpu, 15)
+    imagefolder.use_decode(data, "auto", gpu, 15, trial=True)
     assert (data.train.on_gpu, data.train.cpu_share, data.train.measure_decode) == (True, 1.0, True)
     assert imagefolder.use_decode(data, "gpu", gpu, 15).startswith(
         "folder: JPEGs decoded on cuda:0 (torchvision's nvJPEG), the crops")

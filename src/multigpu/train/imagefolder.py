@@ -309,19 +309,20 @@ def load_folder(path: str, image_size: int, bad_images: str = "skip", decoder: s
 
 
 def use_decode(data: DataBundle, asked: str, device: torch.device, workers: int,
-               deterministic: bool = False) -> str | None:
+               deterministic: bool = False, trial: bool = False) -> str | None:
     """Where folder: JPEGs get decoded (`--decode`), set on both datasets; returns the line that
     says so on a GPU run (None for other data, or on CPUs where there is no choice).
 
-    auto, where the GPU can decode: measured in the job (decode_choice: the train dataset's
-    `measure_decode` is set, and it starts as the rule below has it). With --deterministic, the
-    rule alone: the workers alone when there are enough of them, else the GPU alone, so that a
-    run resumed with other workers decodes every image as before."""
+    auto, where the GPU can decode and the caller runs the trial (`trial`: the training loop,
+    decode_choice): measured in the job (the train dataset's `measure_decode` is set, and it
+    starts as the rule below has it). With --deterministic, or for a caller without the trial
+    (doctor, bench), the rule alone: the workers alone when there are enough of them, else the GPU
+    alone, so that a run resumed with other workers decodes every image as before."""
     if not isinstance(data.train, ImageFolderDataset):
         return None
     if asked not in DECODE_CHOICES:
         raise UsageError(f"--decode {asked}: choose {', '.join(DECODE_CHOICES)}")
-    measure = asked == "auto" and not deterministic
+    measure = asked == "auto" and trial and not deterministic
     # The probe starts a GPU decoder (its handles and memory stay for the run): only where
     # the GPU might decode.
     workers_alone = asked == "cpu" or (asked == "auto" and not measure and gpu_images.workers_suffice(workers))

@@ -204,7 +204,7 @@ def uses_channels_last(rt: Runtime, model: str) -> bool:
 
 
 def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None,
-              head=None) -> Job:
+              head=None, decode_trial: bool = False) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
     `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark): decoder
     (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
@@ -224,7 +224,8 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
     workers = loader_workers(cfg, rt)
-    decode_note = imagefolder.use_decode(data, cfg.input.decode, rt.device, workers, cfg.deterministic)
+    decode_note = imagefolder.use_decode(data, cfg.input.decode, rt.device, workers, cfg.deterministic,
+                                         trial=decode_trial)
     if decode_note:
         console.info(decode_note)
     train_loader = make_loader(data.train, cfg.input.batch_size, True, workers, cfg.input.drop_last)

@@ -126,7 +126,7 @@ def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path, clock: Tim
         cfg.input.batch_size = batchfit.auto_batch_size(
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
         clock.mark("batch size")
-    job = build_job(cfg, rt, mark=clock.mark, head=head)
+    job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True)
     job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
     return job
 
