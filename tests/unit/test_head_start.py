@@ -67,6 +67,28 @@ def test_the_compiler_itself_is_imported_only_once_the_group_has_formed():
                     "parts": ["compiler's modules", "compiler"]}
 
 
+CANCELLED = """
+import json, sys, time
+from multigpu.train.config import TrainConfig
+from multigpu.train.head_start import HeadStart
+head = HeadStart.begin(TrainConfig.from_flat(model="mlp", data="synthetic:64"), env={"WORLD_SIZE": "2"})
+deadline = time.monotonic() + 120
+while not head.spans and time.monotonic() < deadline:
+    time.sleep(0.01)
+head.cancel()  # the group's setup failed
+head._thread.join(60)
+print(json.dumps({"alive": head._thread.is_alive(), "compiler": "torch._dynamo" in sys.modules,
+                  "parts": [part for part, _, _ in head.spans]}))
+"""
+
+
+def test_a_run_that_fails_before_its_group_forms_ends_the_thread_without_the_compiler():
+    done = subprocess.run([sys.executable, "-c", CANCELLED], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said == {"alive": False, "compiler": False, "parts": ["compiler's modules"]}
+
+
 def test_a_broken_folder_is_said_where_the_run_takes_its_data_with_the_message_read_in_line(tmp_path):
     make_image_folder(tmp_path, classes=("cat",), per_class=2)
     cfg = TrainConfig.from_flat(model="cnn", data=f"folder:{tmp_path}", image_size=8)

@@ -55,6 +55,7 @@ class HeadStart:
         self.spans: list[tuple[str, float, float]] = []
         self._data = self._error = None
         self._data_ready, self._formed = threading.Event(), threading.Event()
+        self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="multigpu-head-start", daemon=True)
 
     @classmethod
@@ -78,6 +79,8 @@ class HeadStart:
     def _run(self) -> None:
         self._import("compiler's modules", self._early)
         self._formed.wait()
+        if self._cancelled:
+            return
         try:
             if self._decoder is not None:
                 self._timed("decoder", self._decoder)
@@ -109,6 +112,12 @@ class HeadStart:
             self.spans.append((part, began, time.time()))
             if self._on_part is not None:
                 self._on_part(*self.spans[-1])
+
+    def cancel(self) -> None:
+        """The run failed before its group formed: the thread ends after what it is importing,
+        instead of waiting for a group that will not come."""
+        self._cancelled = True
+        self._formed.set()
 
     def group_formed(self) -> None:
         """The run's process group exists: the imports that would hold up its forming may begin."""

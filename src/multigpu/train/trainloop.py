@@ -65,9 +65,13 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     head = HeadStart.begin(cfg, on_part=clock.meanwhile)  # imports, listing: while the group forms
     if cfg.deterministic:
         make_deterministic()
-    rt = setup(cfg.parallel.strategy, precision_for(cfg.numerics.precision, cfg.model), devices=device_ids,
-               accelerator=accelerator, seed=cfg.seed, accumulate=cfg.optim.accumulate,
-               options=strategy_options(cfg), install_hooks=True)
+    try:
+        rt = setup(cfg.parallel.strategy, precision_for(cfg.numerics.precision, cfg.model), devices=device_ids,
+                   accelerator=accelerator, seed=cfg.seed, accumulate=cfg.optim.accumulate,
+                   options=strategy_options(cfg), install_hooks=True)
+    except BaseException:
+        head.cancel()
+        raise
     head.group_formed()
     _say_from_rank0(rt)
     clock.mark("process group")
