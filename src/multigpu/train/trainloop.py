@@ -65,14 +65,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     head = HeadStart.begin(cfg, on_part=clock.meanwhile)  # imports, listing: while the group forms
     if cfg.deterministic:
         make_deterministic()
-    try:
-        rt = setup(cfg.parallel.strategy, precision_for(cfg.numerics.precision, cfg.model), devices=device_ids,
-                   accelerator=accelerator, seed=cfg.seed, accumulate=cfg.optim.accumulate,
-                   options=strategy_options(cfg), install_hooks=True)
-    except BaseException:
-        head.cancel()
-        raise
-    head.group_formed()
+    rt = _setup(cfg, device_ids, accelerator, head)
     _say_from_rank0(rt)
     clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
@@ -120,6 +113,20 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # exception", seen once in 4-process runs here).
     rt.env.barrier()
     return record
+
+
+def _setup(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str, head: HeadStart) -> Runtime:
+    """The process group and the runtime; the start-up thread told when the group has formed,
+    or that it will not."""
+    try:
+        rt = setup(cfg.parallel.strategy, precision_for(cfg.numerics.precision, cfg.model), devices=device_ids,
+                   accelerator=accelerator, seed=cfg.seed, accumulate=cfg.optim.accumulate,
+                   options=strategy_options(cfg), install_hooks=True)
+    except BaseException:
+        head.cancel()
+        raise
+    head.group_formed()
+    return rt
 
 
 def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path, clock: Timeline) -> Job:
