@@ -5,6 +5,7 @@ import re
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from .conftest import multigpu, read_metrics
@@ -33,6 +34,7 @@ def _folder(root):
     return root / "imgs"
 
 
+@pytest.mark.extended  # CI runs it (make test-all); the trial's logic: tests/unit/test_decode_choice.py
 def test_auto_times_each_way_keeps_the_faster_and_a_resume_keeps_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MULTIGPU_DECODE_CPU_STAND_IN", "1")
     data, out = _folder(tmp_path), tmp_path / "run"

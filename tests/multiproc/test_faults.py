@@ -339,6 +339,7 @@ def exported_weights(out: Path) -> dict:
     return torch.load(out / "exported.pt", weights_only=True)["model"]
 
 
+@pytest.mark.extended  # the ddp case stays in make test
 def test_kill_9_of_a_worker_under_fsdp_restarts_from_the_shards_and_ends_equal(reference_fsdp, tmp_path):
     # every rank writes its own shards: a kill at a random moment may fall inside that write
     out = tmp_path / "killed"
