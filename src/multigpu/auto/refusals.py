@@ -6,12 +6,17 @@ one around it. The refusal names the command that runs such a script as it is.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 from multigpu.core.errors import UsageError
 
-ALREADY_DISTRIBUTED = ("this script calls torch.distributed.init_process_group itself, so it is "
-                       "distributed already and --auto would split it a second time; run it "
-                       "with `multigpu run script.py` (without --auto)")
+
+
+def already_distributed(script: str) -> str:
+    return (f"{script} calls torch.distributed.init_process_group itself, so it is distributed "
+            f"already and --auto would split it a second time; run it with `multigpu run "
+            f"{script}` (without --auto)")
 
 
 def install() -> None:
@@ -23,7 +28,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
-        raise UsageError(ALREADY_DISTRIBUTED)
+        raise UsageError(already_distributed(os.path.basename(sys.argv[0]) or "the script"))
 
     dist.init_process_group = init_process_group
     distributed_c10d.init_process_group = init_process_group
