@@ -83,3 +83,17 @@ def test_what_auto_cannot_split_is_refused_in_one_line(tmp_path, script, args, l
     assert r.returncode == 2, r.stderr[-3000:]
     assert [x for x in r.stderr.splitlines() if "error" in x.lower()] == [line]
     assert "Traceback" not in r.stderr and not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--auto-batch", "per-gpu", "x.py"],
+     "multigpu: error: --auto-batch per-gpu is a choice of --auto: add --auto, or drop --auto-batch"),
+    (["--auto", "x.sh"],
+     "multigpu: error: --auto makes a Python training script data-parallel, and x.sh is not one "
+     "(not .py, no python shebang); run it without --auto"),
+])
+def test_bad_auto_flags_are_refused_before_any_process_starts(tmp_path, args, line):
+    (tmp_path / "x.py").write_text("print('ran')\n")
+    (tmp_path / "x.sh").write_text("echo ran\n")
+    r = multigpu("--devices", "cpu:2", *args, cwd=tmp_path)
+    assert (r.returncode, r.stderr.splitlines(), r.stdout) == (2, [line], "")
