@@ -69,3 +69,17 @@ def test_function_level_imports_are_in_the_graph(importer, imported):
     """Both are imported inside a function only: a graph without them would let a layer break."""
     graph = grimp.build_graph("multigpu", cache_dir=None)
     assert imported in graph.find_modules_directly_imported_by(importer)
+
+
+def test_the_launcher_starts_its_workers_by_name_only():
+    """`multigpu run --auto`'s worker (multigpu.auto) sits above the launcher: the launcher names
+    it in a command line and never imports it; each name it starts is a module that exists."""
+    import importlib.util
+
+    from multigpu.launcher.launch import OUR_WORKERS
+
+    graph = grimp.build_graph("multigpu", cache_dir=None)
+    assert not graph.chain_exists("multigpu.launcher", "multigpu.auto", as_packages=True)
+    assert "multigpu.launcher" in {m.rsplit(".", 1)[0] for m in
+                                   graph.find_modules_directly_imported_by("multigpu.auto.worker")}
+    assert all(importlib.util.find_spec(name) is not None for name in OUR_WORKERS)

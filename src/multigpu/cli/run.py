@@ -4,6 +4,7 @@
     multigpu run --devices 2 train.py                2 free GPUs
     multigpu run --devices 0,3 -m mypkg.train        GPUs 0 and 3, a module
     multigpu run --devices cpu:4 train.py            4 CPU processes on gloo
+    multigpu run --auto train.py                     a one-GPU script, unmodified, data-parallel
     # two machines, the same command on each (node 0 first):
     multigpu run --nnodes 2 --node-rank 0 --master-addr node01 --master-port 29500 train.py
     multigpu run --nnodes 2 --node-rank 1 --master-addr node01 --master-port 29500 train.py
@@ -13,6 +14,13 @@ environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER
 Scripts written for the old `python -m torch.distributed.launch` parse `--local_rank` themselves:
 with --local-rank-arg auto (the default) we read the script's source and pass `--local_rank=N`
 or `--local-rank=N` when it mentions one of them.
+
+--auto runs an unmodified one-device training script data-parallel: in each process its
+shuffled DataLoaders are split (the script's batch_size is the global batch; --auto-batch per-gpu
+keeps it per process), the modules its optimizers train average their gradients as DDP does,
+`.cuda()` means the process's own GPU and torch.save writes once. Loaders without shuffle
+(evaluation) stay whole on every process. A script that forms its own process group, an
+IterableDataset with no length or a batch_sampler of its own is refused in one line.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import sys
 from pathlib import Path
 
 from multigpu.launcher import devices, launch
+from multigpu.auto import BATCH_MODES
 from multigpu.core.errors import UsageError
 from multigpu.launcher.scripts import local_rank_args, module_source, script_command
 
@@ -38,6 +47,14 @@ def register(subparsers) -> argparse.ArgumentParser:
                    default="auto",
                    help="pass --local_rank=N (underscore) or --local-rank=N (dash) to the script, "
                         "as torch.distributed.launch did; auto: when its source mentions one")
+    p.add_argument("--auto", action="store_true",
+                   help="run an unmodified one-device script data-parallel: shuffled DataLoaders "
+                        "split, gradients averaged, .cuda() = the process's own GPU, torch.save "
+                        "once (see above)")
+    p.add_argument("--auto-batch", choices=BATCH_MODES, default=None,
+                   help="with --auto: the script's DataLoader batch_size is the global batch "
+                        "(global, the default: each of N processes takes batch_size/N) or each "
+                        "process's (per-gpu)")
     launch.add_launch_arguments(p)
     p.add_argument("-m", "--module", action="store_true",
                    help="TARGET is a module, run as python -m TARGET")
@@ -61,14 +78,28 @@ def main(args) -> int:
             raise UsageError(f"script {target!r} not found (in {os.getcwd()}); give the path of a "
                              "Python script, or -m package.module to run a module")
         cmd, python = script_command(source)
-    if python:  # through multigpu.launcher.worker: the hang watchdog, then the script as python runs it
+    if args.auto:
+        cmd = auto_command(target, cmd, python, args.auto_batch)
+    elif args.auto_batch is not None:
+        raise UsageError(f"--auto-batch {args.auto_batch} is a choice of --auto: add --auto, or "
+                         "drop --auto-batch")
+    elif python:  # through multigpu.launcher.worker: the hang watchdog, then the script as python runs it
         cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
-    if source is not None:
+    if source is not None and not args.auto:  # its checks are for a script that is distributed
         check_source(source, plan, args.master_port)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
     opts = launch.options_from_args(args)
     return launch.launch(cmd + script_args, plan, opts, python=False)
+
+
+def auto_command(target: str, cmd: list[str], python: bool, batch: str | None) -> list[str]:
+    """The worker command of --auto (multigpu.auto.worker, started by name: the launcher does
+    not import it). No --local_rank argument: a one-device script does not parse one."""
+    if not python:
+        raise UsageError(f"--auto makes a Python training script data-parallel, and {target} is "
+                         "not one (not .py, no python shebang); run it without --auto")
+    return launch.python_command("multigpu.auto.worker", batch or BATCH_MODES[0], *cmd)
 
 
 def check_source(source: Path, plan, master_port: int | None) -> None:

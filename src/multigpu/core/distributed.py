@@ -128,7 +128,8 @@ def launched_by_torchrun() -> bool:
 
 
 def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
-                     timeout_minutes: float = 30.0, *, install_hooks: bool = False) -> DistEnv:
+                     timeout_minutes: float = 30.0, *, install_hooks: bool = False,
+                     own_gpu: bool = False) -> DistEnv:
     """Read torchrun's environment, bind this process to its device, create the process group.
 
     - Under torchrun with WORLD_SIZE > 1: one process per device; NCCL on CUDA, gloo on CPU.
@@ -137,6 +138,8 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
     `accelerator` is "auto", "cuda" or "cpu". Calling it again returns the existing group's state.
     `install_hooks`: also install_exit_hooks() (a program that owns its process asks for them);
     otherwise nothing process-wide changes but the group and the bound device.
+    `own_gpu`: the launcher left each process only its own GPU visible (`multigpu run --auto`
+    narrows CUDA_VISIBLE_DEVICES), so that GPU is cuda:0 whatever the local rank.
     """
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -150,7 +153,7 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
                 raise UsageError("a GPU index was given to setup() in a multi-process run; under "
                                  "a launcher each process uses GPU LOCAL_RANK: choose GPUs with "
                                  "`multigpu run --devices 0,3` instead")
-            index = local_rank
+            index = 0 if own_gpu else local_rank
         else:
             index = 0 if gpu_index is None else gpu_index
         if index >= torch.cuda.device_count():

@@ -312,9 +312,13 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             return 1
 
 
+# the modules `multigpu run` starts a Python script with (plain, and --auto), named, not imported
+OUR_WORKERS = ("multigpu.launcher.worker", "multigpu.auto.worker")
+
+
 def _runs_our_worker(cmd: list[str]) -> bool:
-    """Whether `cmd` is `multigpu run`'s python_command("multigpu.launcher.worker", ...)."""
-    return "multigpu.launcher.worker" in cmd[:6] and cmd[cmd.index("multigpu.launcher.worker") - 1] == "-m"
+    """Whether `cmd` is `multigpu run`'s python_command(one of OUR_WORKERS, ...)."""
+    return any(w in cmd[:6] and cmd[cmd.index(w) - 1] == "-m" for w in OUR_WORKERS)
 
 
 def _node_name(opts: LaunchOptions) -> str | None:

@@ -17,6 +17,7 @@ import os
 import runpy
 import sys
 import traceback
+from typing import Callable
 
 from multigpu.core import orphans
 
@@ -26,7 +27,10 @@ from multigpu.launcher import trial, watchdog  # noqa: E402
 from multigpu.core.errors import UsageError  # noqa: E402
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
+    """Run the script of `argv`; `before`: what must happen in this process before the script
+    runs (multigpu.auto.worker: the process group and --auto's patches), its UsageError said in
+    one line as the script's would be."""
     watchdog.start_from_env(on_orphan=orphans.terminate_self)  # the script may catch SIGTERM
     on_trial = trial.start_from_env()
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
@@ -35,6 +39,8 @@ def main(argv: list[str]) -> None:
     # Python has joined its non-daemon threads, which may still use the group.
     atexit.register(_finish_group, ended, *store)
     try:
+        if before is not None:
+            before()
         _run_watched(argv, on_trial)
     except SystemExit as exc:
         ended["clean"] = exc.code in (None, 0)

@@ -1,0 +1,33 @@
+"""Zero-edit data parallelism: `multigpu run --auto script.py` runs an unmodified one-device
+training script in every process the launcher starts, data-parallel.
+
+Each process starts as `python -m multigpu.auto.worker MODE script.py ARGS` (worker.py). Before
+the script runs, the worker narrows the GPUs the process sees to its own (devices.py), forms the
+process group (NCCL on GPUs, gloo on CPU) and installs the patches below; then the script runs as
+`python script.py ARGS` would run it. Each patch is its own module; CHANGES lists them all, in the
+words a user reads (the worker's start line, and later `multigpu doctor --auto`).
+
+A layer of its own above the launcher: it reuses the launcher's worker, and the launcher starts
+it by module name only, never importing it.
+"""
+from __future__ import annotations
+
+# (what the script does, what --auto makes of it): one place that says everything --auto changes
+CHANGES = (
+    ("CUDA", "each process sees only its own GPU: .cuda(), 'cuda', 'cuda:0', torch.device('cuda') "
+             "and a DataParallel of its own all land on it (devices.py)"),
+    ("DataLoader(shuffle=True)", "split over the processes, every sample once per epoch, a new "
+                                 "order each epoch; batch_size is the global batch unless "
+                                 "--auto-batch per-gpu (loaders.py)"),
+    ("DataLoader without shuffle", "left whole on every process, so evaluation code and its "
+                                   "metrics stay right (loaders.py)"),
+    ("optimizer", "the modules whose parameters it holds average their gradients over the "
+                  "processes during backward, as DDP does; rank 0's weights first (gradients.py)"),
+    ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "
+                              "others wait until the file exists (saving.py)"),
+    ("print, tqdm", "rank 0's on the console, the others' in their log files (the launcher)"),
+    ("torch.distributed.init_process_group", "refused: the script is distributed already; run it "
+                                             "with `multigpu run` without --auto (refusals.py)"),
+)
+
+BATCH_MODES = ("global", "per-gpu")

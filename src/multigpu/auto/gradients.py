@@ -1,0 +1,116 @@
+"""Gradients averaged over the processes before every optimizer step, as DDP does, while the
+script keeps its bare model object.
+
+torch's composable DDP, `torch.distributed._composable.replicate(module)`, installs DDP's hooks on
+a module in place: the module keeps its identity and its state dict keys (no `module.` prefix);
+on its first forward it builds a DDP Reducer over its parameters, which broadcasts rank 0's
+weights and buffers to every rank, then all-reduces (averages) the gradients in buckets while
+backward runs.
+
+Which module to replicate is decided when the script gives parameters to an optimizer
+(Optimizer.add_param_group, which the optimizer's __init__ calls): the outermost modules that hold
+those parameters. Modules are known from torch's global registration hooks (a parameter or a
+submodule set on a module), so no model class is patched. The module the script calls must be
+that outermost one (a model, or its DataParallel): its forward is where DDP's hooks run. The
+first optimizer step checks it, and refuses in one line a module whose forward never ran.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import nn
+
+from multigpu.core.errors import UsageError
+
+
+class ModuleRegistry:
+    """Every module that got a parameter or a submodule since install(): weakly held."""
+
+    def __init__(self):
+        self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def install(self) -> None:
+        from torch.nn.modules import module as torch_module
+
+        def on_parameter(module, name, param):
+            self.modules.add(module)
+
+        def on_submodule(module, name, submodule):
+            self.modules.add(module)
+            if submodule is not None:
+                self.modules.add(submodule)
+
+        torch_module.register_module_parameter_registration_hook(on_parameter)
+        torch_module.register_module_module_registration_hook(on_submodule)
+
+
+def outermost_owners(params, modules) -> list[nn.Module]:
+    """The modules of `modules` that hold any of `params` and are inside no other such module."""
+    wanted = {id(p) for p in params}
+    owners = [m for m in list(modules) if any(id(p) in wanted for p in m.parameters())]
+    inside = {id(c) for m in owners for c in m.modules() if c is not m}
+    return [m for m in owners if id(m) not in inside]
+
+
+class GradientAveraging:
+    """Replicates (composable DDP) the outermost modules of each optimizer's parameters, once."""
+
+    def __init__(self, registry: ModuleRegistry):
+        self.registry = registry
+        self.covered: set[int] = set()  # ids of parameters whose gradients are averaged already
+        self.pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> roots
+
+    def on_param_group(self, optimizer, group: dict) -> None:
+        params = [p for p in group["params"] if p.requires_grad and id(p) not in self.covered]
+        if not params:
+            return
+        roots = outermost_owners(params, self.registry.modules)
+        held = {id(p) for r in roots for p in r.parameters()}
+        loose = [p for p in params if id(p) not in held]
+        if loose:
+            raise UsageError(f"the script's {type(optimizer).__name__} holds {len(loose)} "
+                             f"tensor(s) (shape {tuple(loose[0].shape)}) that belong to no "
+                             "nn.Module: --auto averages the gradients of module parameters "
+                             "only; make them nn.Parameter attributes of a module, or run "
+                             "without --auto")
+        from torch.distributed._composable import replicate
+
+        for root in roots:
+            replicate(root)
+            self.covered |= {id(p) for p in root.parameters()}
+        self.pending.setdefault(optimizer, []).extend(roots)
+
+    def before_step(self, optimizer, args, kwargs) -> None:
+        """At an optimizer's first step: each module it replicated has run its forward."""
+        roots = self.pending.pop(optimizer, None)
+        if not roots:
+            return
+        from torch.distributed._composable import replicate
+
+        for root in roots:
+            if not replicate.state(root).has_initialized:
+                name = type(root).__mro__[2].__name__  # the class under replicate's DDP<cls>
+                raise UsageError(f"the optimizer steps the parameters of a {name} whose own "
+                                 f"forward never ran: --auto averages gradients in the forward "
+                                 f"of the outermost module that holds them; call the {name} "
+                                 "itself, or run without --auto")
+
+
+def install() -> GradientAveraging:
+    registry = ModuleRegistry()
+    registry.install()
+    averaging = GradientAveraging(registry)
+    add_param_group = torch.optim.Optimizer.add_param_group
+
+    @functools.wraps(add_param_group)
+    def patched(self, param_group):
+        add_param_group(self, param_group)
+        averaging.on_param_group(self, self.param_groups[-1])
+
+    torch.optim.Optimizer.add_param_group = patched
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(averaging.before_step)
+    return averaging

@@ -1,0 +1,183 @@
+"""DataLoaders that shuffle are split over the processes; the others stay whole.
+
+A loader built with `shuffle=True` (or a RandomSampler, or a SubsetRandomSampler) is the training
+data: it gets multigpu's exact sharded sampler (multigpu.core.data): every sample once per epoch
+over all processes, the same number of steps on each, a new order each epoch (the epoch is
+counted by the loader's iterations, so `set_epoch` needs no call from the script). By default the
+script's batch_size keeps its meaning as the global batch, each of N processes taking
+batch_size / N, so the script's learning rate stays right; `--auto-batch per-gpu` keeps it per
+process.
+
+A loader without shuffle (evaluation, in most scripts) is left whole on every process: each
+process computes the script's metrics over the whole set, so the numbers it prints are the
+one-process numbers, without a reduction the script does not have. The price is evaluation
+repeated on every process.
+
+Refused in one line, when the loader is built: an IterableDataset without a length (--auto cannot
+split it, nor tell an epoch), a batch_sampler of the script's own, and random samplers that draw
+with replacement (an exact split has no meaning for them).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Callable
+
+import torch
+from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sampler,
+                              SubsetRandomSampler, WeightedRandomSampler)
+
+from multigpu.core.data import ShardedBatchSampler
+from multigpu.core.errors import UsageError
+
+# DataLoader arguments that a batch_sampler replaces (DataLoader refuses them beside one)
+_REPLACED = ("batch_size", "shuffle", "sampler", "drop_last")
+
+
+class IndexedBatches(Sampler[list[int]]):
+    """A ShardedBatchSampler over positions 0..n-1 of `indices` (a SubsetRandomSampler's subset),
+    yielding the dataset indices at those positions."""
+
+    def __init__(self, positions: ShardedBatchSampler, indices: list[int]):
+        self.positions, self.indices = positions, indices
+
+    def set_epoch(self, epoch: int) -> None:
+        self.positions.set_epoch(epoch)
+
+    def __iter__(self):
+        for batch in self.positions:
+            yield [self.indices[i] for i in batch]
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+def random_subset(given: dict) -> list[int] | range | None:
+    """The indices a training loader draws in random order (range: the whole dataset), or None
+    for a loader that does not shuffle. Raises a UsageError for random samplers with replacement."""
+    sampler, dataset = given.get("sampler"), given["dataset"]
+    if sampler is None:
+        return range(len(dataset)) if given.get("shuffle") else None
+    if isinstance(sampler, WeightedRandomSampler) or (
+            isinstance(sampler, RandomSampler)
+            and (sampler.replacement or sampler._num_samples is not None)):
+        raise UsageError(f"the script's DataLoader draws samples at random with replacement "
+                         f"({type(sampler).__name__}); --auto splits an epoch exactly and cannot "
+                         "split that: use shuffle=True, or run without --auto and shard it yourself")
+    if isinstance(sampler, SubsetRandomSampler):
+        return [int(i) for i in sampler.indices]
+    if isinstance(sampler, RandomSampler):
+        return range(len(sampler.data_source))
+    return None  # a sampler of another kind: left as the script made it
+
+
+def per_process_batch(batch_size: int | None, world_size: int, mode: str) -> int:
+    """Each process's batch size for a loader the script gave `batch_size`."""
+    if batch_size is None:
+        raise UsageError("the script's shuffling DataLoader has batch_size=None (no batching); "
+                         "--auto splits batches: give it a batch_size")
+    if mode == "per-gpu":
+        return batch_size
+    if batch_size % world_size:
+        raise UsageError(f"DataLoader(batch_size={batch_size}) cannot be split evenly over "
+                         f"{world_size} processes: --auto takes batch_size as the global batch, "
+                         f"batch_size / {world_size} per process; give a multiple of "
+                         f"{world_size}, or run with --auto-batch per-gpu to keep "
+                         f"{batch_size} per process")
+    return batch_size // world_size
+
+
+def check_dataset(dataset) -> None:
+    if isinstance(dataset, IterableDataset):
+        try:
+            len(dataset)
+        except TypeError:
+            raise UsageError(f"the script's DataLoader reads an IterableDataset "
+                             f"({type(dataset).__name__}) with no __len__: --auto cannot split "
+                             "it over the processes, nor tell when an epoch ends; give it a "
+                             "map-style Dataset (__getitem__ and __len__), or run without --auto "
+                             "and shard it yourself") from None
+
+
+def loader_seed(generator: torch.Generator | None, count: int) -> int:
+    """The order's seed for the `count`-th split loader: from the seed the script gave torch (or
+    the loader's generator), so a seeded script shuffles alike from run to run. Read, not drawn:
+    drawing would shift the script's random numbers (its model's initial weights) from those of
+    its one-process run."""
+    base = generator.initial_seed() if generator is not None else torch.initial_seed()
+    return (base + count * 1_000_003) % 2**63
+
+
+def sharded_arguments(given: dict, *, rank: int, world_size: int, mode: str,
+                      agree: Callable[[int], int], count: int = 0) -> tuple[dict, Sampler] | None:
+    """The DataLoader arguments that split the loader the script asked for (`given`, by name)
+    over the processes, and the batch sampler in them; None to leave it as it is.
+    `agree(seed)`: rank 0's seed on every rank (a collective); `count`: split loaders before."""
+    check_dataset(given["dataset"])
+    if isinstance(given["dataset"], IterableDataset):
+        return None  # with a length: whole on every rank, as a loader without shuffle
+    if given.get("batch_sampler") is not None:
+        raise UsageError(f"the script gives its DataLoader a batch_sampler "
+                         f"({type(given['batch_sampler']).__name__}): --auto splits data by "
+                         "choosing the batches itself; pass batch_size= and shuffle=True "
+                         "instead, or run without --auto and shard it yourself")
+    subset = random_subset(given)
+    if subset is None:
+        return None
+    batch = per_process_batch(given.get("batch_size", 1), world_size, mode)
+    seed = agree(loader_seed(given.get("generator"), count))
+    positions = ShardedBatchSampler(len(subset), batch, num_ranks=world_size, rank=rank,
+                                    shuffle=True, seed=seed,
+                                    drop_last=bool(given.get("drop_last", False)))
+    sampler = positions if isinstance(subset, range) else IndexedBatches(positions, list(subset))
+    kwargs = {k: v for k, v in given.items() if k not in _REPLACED}
+    return kwargs | {"batch_sampler": sampler}, sampler
+
+
+def install(env, mode: str) -> None:
+    """Patch DataLoader so that each loader the script builds is split (or not) as above."""
+    init, iterate = DataLoader.__init__, DataLoader.__iter__
+    signature = inspect.signature(init)
+    agree = functools.partial(_agree, env)
+    said = set()
+    made: list[None] = []  # one entry per split loader
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        given = signature.bind(self, *args, **kwargs).arguments
+        given.pop("self")
+        split = sharded_arguments(given, rank=env.rank, world_size=env.world_size, mode=mode,
+                                  agree=agree, count=len(made))
+        if split is None:
+            return init(self, *args, **kwargs)
+        made.append(None)
+        init(self, **split[0])
+        self.__dict__["_multigpu_auto_sampler"] = split[1]
+        self.__dict__["_multigpu_auto_epoch"] = -1
+        if mode == "per-gpu" and env.rank == 0 and "lr" not in said:
+            said.add("lr")
+            print(per_gpu_note(given.get("batch_size", 1), env.world_size), file=sys.stderr)
+
+    @functools.wraps(iterate)
+    def __iter__(self):
+        sampler = self.__dict__.get("_multigpu_auto_sampler")
+        if sampler is not None:  # each new pass over the loader is the next epoch
+            self.__dict__["_multigpu_auto_epoch"] += 1
+            sampler.set_epoch(self.__dict__["_multigpu_auto_epoch"])
+        return iterate(self)
+
+    DataLoader.__init__, DataLoader.__iter__ = __init__, __iter__
+
+
+def per_gpu_note(batch_size: int, world_size: int) -> str:
+    return (f"multigpu: note: --auto-batch per-gpu: each of the {world_size} processes takes "
+            f"batch_size={batch_size}, a global batch of {batch_size * world_size}; the script's "
+            f"learning rate is used as given, so an epoch makes {world_size}x fewer optimizer "
+            f"steps; if accuracy lags the one-GPU run, scale the learning rate by {world_size} "
+            "(linear scaling) or train more epochs, or drop --auto-batch per-gpu")
+
+
+def _agree(env, seed: int) -> int:
+    """Rank 0's seed on every rank: an unseeded script draws a different one on each."""
+    return env.broadcast_object(seed)

@@ -1,0 +1,54 @@
+"""GPU tier for `multigpu run --auto`: the tutorial-style script of the CPU tests, unmodified, on
+2 GPUs: each process on its own GPU (its only visible one), every training sample once per
+epoch, one model.pt without `module.`, equal weights on both ranks.
+
+Run there with:  pytest -m gpu tests/gpu/test_auto_gpu.py
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from multigpu.launcher import devices
+from tests.gpu.conftest import gpu_env
+
+pytestmark = pytest.mark.gpu
+
+TUTORIAL = Path(__file__).resolve().parents[1] / "multiproc" / "scripts" / "auto_tutorial.py"
+
+
+@pytest.fixture
+def two_free_gpus():
+    try:
+        found = devices.query_gpus()
+    except devices.NvmlUnavailable:
+        found = []
+    free = [g for g in found if devices.busy_reason(g, 2.0) is None]
+    if len(free) < 2:
+        pytest.skip(f"needs 2 free GPUs, found {len(found)} GPUs, {len(free)} free")
+
+
+@pytest.mark.parametrize("wrap", [[], ["--dataparallel"]], ids=["bare", "dataparallel"])
+def test_tutorial_script_on_two_gpus_each_process_on_its_own(tmp_path, two_free_gpus, wrap):
+    r = subprocess.run([sys.executable, "-m", "multigpu", "run", "--auto", "--devices", "2",
+                        str(TUTORIAL), "--batch", "8", "--epochs", "2", *wrap],
+                       cwd=tmp_path, env=gpu_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    seen = {rank: json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)}
+    # each process saw one GPU, its own, and trained there ("cuda" and a DataParallel alike)
+    assert [seen[k]["device_count"] for k in (0, 1)] == [1, 1]
+    assert seen[0]["cuda_visible"] != seen[1]["cuda_visible"]
+    assert [seen[k]["param_device"] for k in (0, 1)] == ["cuda:0", "cuda:0"]
+    for epoch in (0, 1):
+        order = [i for k in (0, 1) for e, idx in seen[k]["steps"] if e == epoch for i in idx]
+        assert sorted(order) == list(range(48))
+    assert [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("epoch ")] \
+        == ["epoch 0", "epoch 1"]
+    saved = torch.load(tmp_path / "model.pt", map_location="cpu")
+    assert sorted(saved) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert seen[0]["weights"] == seen[1]["weights"]

@@ -1,0 +1,99 @@
+"""`multigpu run --auto`: an unmodified one-device script, data-parallel on 2 CPU processes (gloo),
+started as a user starts it; and the one-line refusals of what --auto cannot split."""
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiproc.test_run_cli import multigpu
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TUTORIAL = SCRIPTS / "auto_tutorial.py"
+
+
+def replayed_weights(steps: list[list], lr: float) -> dict[str, torch.Tensor]:
+    """The tutorial's model trained in this one process on the same global batches in the same
+    order (`steps`: each step's sample indices, rank 0's share then rank 1's), from the weights
+    its torch.manual_seed(0) gives: what 2 processes averaging their gradients must reach."""
+    script = runpy.run_path(str(TUTORIAL))  # its classes, not its main
+    data = script["Indexed"](48, 1)
+    torch.manual_seed(0)
+    model = script["build_model"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for indices in steps:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(data.x[indices]), data.y[indices]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def test_tutorial_script_runs_data_parallel_unmodified(tmp_path):
+    r = multigpu("--auto", "--devices", "cpu:2", str(TUTORIAL), "--batch", "8", "--epochs", "2",
+                 "--dataparallel", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = {rank: json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)}
+
+    # every training sample once per epoch over the two ranks, 4 per rank per step, a new order
+    # each epoch; the evaluation loader (no shuffle) whole on each rank
+    orders = []
+    for epoch in (0, 1):
+        shares = {rank: [idx for e, idx in seen[rank]["steps"] if e == epoch] for rank in (0, 1)}
+        assert [len(b) for b in shares[0]] == [4] * 6 and [len(b) for b in shares[1]] == [4] * 6
+        order = [i for a, b in zip(shares[0], shares[1]) for i in a + b]
+        assert sorted(order) == list(range(48))
+        orders.append(order)
+    assert orders[0] != orders[1]
+    assert seen[0]["test_count"] == seen[1]["test_count"] == 16
+
+    # the epoch lines once on the console (rank 1's go to its log)
+    assert [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("epoch ")] \
+        == ["epoch 0", "epoch 1"]
+
+    # one model.pt, from rank 0, without DataParallel's `module.` prefix
+    saved = torch.load(tmp_path / "model.pt")
+    assert sorted(saved) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+    # equal weights on both ranks, and those of one process on the same global batches
+    assert seen[0]["weights"] == seen[1]["weights"]
+    steps = [a + b for (_, a), (_, b) in zip(seen[0]["steps"], seen[1]["steps"])]
+    expected = replayed_weights(steps, lr=0.1)
+    for key, value in expected.items():
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-5)
+        assert torch.equal(saved[key], torch.tensor(seen[0]["weights"]["module." + key]))
+
+
+@pytest.mark.parametrize("script, args, line", [
+    ("auto_own_group.py", [],
+     "multigpu: error: auto_own_group.py calls torch.distributed.init_process_group itself, so it "
+     "is distributed already and --auto would split it a second time; run it with `multigpu run "
+     "auto_own_group.py` (without --auto)"),
+    ("auto_tutorial.py", ["--batch", "7"],
+     "multigpu: error: DataLoader(batch_size=7) cannot be split evenly over 2 processes: --auto "
+     "takes batch_size as the global batch, batch_size / 2 per process; give a multiple of 2, or "
+     "run with --auto-batch per-gpu to keep 7 per process"),
+])
+def test_what_auto_cannot_split_is_refused_in_one_line(tmp_path, script, args, line):
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / script), *args, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert [x for x in r.stderr.splitlines() if "error" in x.lower()] == [line]
+    assert "Traceback" not in r.stderr and not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--auto-batch", "per-gpu", "x.py"],
+     "multigpu: error: --auto-batch per-gpu is a choice of --auto: add --auto, or drop --auto-batch"),
+    (["--auto", "x.sh"],
+     "multigpu: error: --auto makes a Python training script data-parallel, and x.sh is not one "
+     "(not .py, no python shebang); run it without --auto"),
+])
+def test_bad_auto_flags_are_refused_before_any_process_starts(tmp_path, args, line):
+    (tmp_path / "x.py").write_text("print('ran')\n")
+    (tmp_path / "x.sh").write_text("echo ran\n")
+    r = multigpu("--devices", "cpu:2", *args, cwd=tmp_path)
+    assert (r.returncode, r.stderr.splitlines(), r.stdout) == (2, [line], "")

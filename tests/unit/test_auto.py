@@ -1,0 +1,145 @@
+"""--auto's pieces in this process, without a launcher: how a DataLoader is split (or left
+whole), which modules an optimizer's gradients are averaged in, what torch.save writes, and
+which GPU a process keeps."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, SubsetRandomSampler,
+                              TensorDataset, WeightedRandomSampler)
+
+from multigpu.auto import devices, gradients, loaders, saving
+from multigpu.core.data import ShardedBatchSampler
+from multigpu.core.distributed import DistEnv
+from multigpu.core.errors import UsageError
+
+DATA = TensorDataset(torch.arange(48.0))
+
+
+def split(rank=0, world=2, mode="global", **given):
+    return loaders.sharded_arguments({"dataset": DATA} | given, rank=rank, world_size=world,
+                                     mode=mode, agree=lambda seed: seed)
+
+
+def epoch(sampler, e):
+    sampler.set_epoch(e)
+    return [i for batch in sampler for i in batch]
+
+
+def test_a_shuffled_loader_is_split_every_sample_once_per_epoch():
+    kwargs, s0 = split(0, batch_size=8, shuffle=True, num_workers=0)
+    _, s1 = split(1, batch_size=8, shuffle=True)
+    assert set(kwargs) == {"dataset", "num_workers", "batch_sampler"} and kwargs["batch_sampler"] is s0
+    assert isinstance(s0, ShardedBatchSampler) and s0.batch_size == 4 and len(s0) == 6
+    for e in (0, 1):
+        assert sorted(epoch(s0, e) + epoch(s1, e)) == list(range(48))
+    assert epoch(s0, 0) != epoch(s0, 1)
+
+
+def test_loaders_without_shuffle_stay_whole():
+    assert split(batch_size=8) is None
+    assert split(batch_size=8, shuffle=False) is None
+
+
+def test_a_subset_random_sampler_is_split_over_its_subset():
+    subset = list(range(0, 48, 2))
+    _, s0 = split(0, batch_size=4, sampler=SubsetRandomSampler(subset))
+    _, s1 = split(1, batch_size=4, sampler=SubsetRandomSampler(subset))
+    assert sorted(epoch(s0, 0) + epoch(s1, 0)) == subset
+    _, whole = split(0, batch_size=4, sampler=RandomSampler(DATA))
+    assert len(whole) == 12
+
+
+def test_batch_size_is_the_global_batch_unless_per_gpu():
+    with pytest.raises(UsageError) as e:
+        split(batch_size=7, shuffle=True)
+    assert str(e.value) == ("DataLoader(batch_size=7) cannot be split evenly over 2 processes: "
+                            "--auto takes batch_size as the global batch, batch_size / 2 per "
+                            "process; give a multiple of 2, or run with --auto-batch per-gpu to "
+                            "keep 7 per process")
+    assert split(batch_size=7, shuffle=True, mode="per-gpu")[1].batch_size == 7
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+class SizedStream(Stream):
+    def __len__(self):
+        return 3
+
+
+def test_what_cannot_be_split_is_refused_in_one_line():
+    with pytest.raises(UsageError, match=r"^the script's DataLoader reads an IterableDataset "
+                                         r"\(Stream\) with no __len__: --auto cannot split it"):
+        loaders.sharded_arguments({"dataset": Stream()}, rank=0, world_size=2, mode="global",
+                                  agree=int)
+    assert loaders.sharded_arguments({"dataset": SizedStream()}, rank=0, world_size=2,
+                                     mode="global", agree=int) is None
+    with pytest.raises(UsageError, match=r"^the script gives its DataLoader a batch_sampler"):
+        split(batch_sampler=[[0, 1]])
+    with pytest.raises(UsageError, match=r"with replacement \(WeightedRandomSampler\)"):
+        split(batch_size=4, sampler=WeightedRandomSampler([1.0] * 48, 48))
+
+
+@pytest.fixture
+def patched_loader():
+    init, iterate = DataLoader.__init__, DataLoader.__iter__
+    yield
+    DataLoader.__init__, DataLoader.__iter__ = init, iterate
+
+
+class RankZeroOfTwo(DistEnv):
+    """Rank 0 of 2 without a process group: its seed is the one every rank gets."""
+
+    def broadcast_object(self, obj, src=0):
+        return obj
+
+
+def test_each_new_pass_over_a_split_loader_is_the_next_epoch(patched_loader):
+    loaders.install(RankZeroOfTwo(rank=0, world_size=2), "global")
+    train = DataLoader(DATA, batch_size=8, shuffle=True)
+    test = DataLoader(DATA, batch_size=8)
+    first, second = ([int(i) for (x,) in train for i in x] for _ in range(2))
+    assert len(train) == 6 and len(first) == len(set(first)) == 24 and first != second
+    assert [int(i) for (x,) in test for i in x] == list(range(48))
+
+
+def test_gradients_are_averaged_in_the_outermost_module_that_holds_them():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    other = nn.Linear(3, 3)
+    wrapped = nn.DataParallel(model)
+    every = [model, model[0], model[2], other, wrapped]
+    assert gradients.outermost_owners(list(model.parameters()), every) == [wrapped]
+    both = gradients.outermost_owners([*model[0].parameters(), *other.parameters()], every)
+    assert {id(m) for m in both} == {id(wrapped), id(other)}
+
+
+def test_torch_save_strips_wrapper_prefixes_and_keeps_metadata():
+    state = nn.DataParallel(nn.Sequential(nn.Linear(2, 2))).state_dict()
+    clean = saving.without_prefixes(state)
+    assert list(clean) == ["0.weight", "0.bias"]
+    assert dict(clean._metadata) == {"": {"version": 1}, "0": {"version": 1}}
+    nn.Sequential(nn.Linear(2, 2)).load_state_dict(clean)
+    checkpoint = {"model": state, "epoch": 3}
+    assert list(saving.without_prefixes(checkpoint)["model"]) == ["0.weight", "0.bias"]
+    plain = collections.OrderedDict(w=torch.zeros(1))
+    assert saving.without_prefixes(plain) is plain and saving.without_prefixes([1]) == [1]
+
+
+@pytest.mark.parametrize("visible, local_rank, own", [("2,5", "1", "5"), (None, "3", "3"),
+                                                      ("GPU-a,GPU-b", "0", "GPU-a")])
+def test_each_process_keeps_only_its_own_gpu(visible, local_rank, own):
+    env = {"LOCAL_RANK": local_rank} | ({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
+    assert devices.narrow_to_own_gpu(env) == own and env["CUDA_VISIBLE_DEVICES"] == own
+
+
+def test_a_cpu_process_and_a_process_without_a_gpu():
+    env = {"CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "1"}
+    assert devices.narrow_to_own_gpu(env) is None and env["CUDA_VISIBLE_DEVICES"] == ""
+    with pytest.raises(UsageError, match=r"^process 2 on this machine has no GPU of its own"):
+        devices.narrow_to_own_gpu({"CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "2"})
