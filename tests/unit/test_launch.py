@@ -612,3 +612,36 @@ def test_the_rendezvous_names_its_events_as_torch_does_without_reading_every_fra
         handler.shutdown()
     assert "DynamicRendezvousHandler.next_rendezvous" in names
     assert "_DistributedRendezvousOpExecutor.run" in names
+
+
+TWIN_TRACEBACK = """Traceback (most recent call last):
+  File "train.py", line 9, in <module>
+    loss.backward()
+RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one.
+Parameter indices which did not receive grad for rank {rank}: 2 3
+ In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL
+"""
+
+
+@pytest.mark.parametrize("rank_0_ended", [1, -15])
+def test_a_rank_failing_as_rank_0_did_names_rank_0_s_error_instead_of_a_second_traceback(
+        tmp_path, capsys, rank_0_ended):
+    """Rank 1 failed first; rank 0 failed the same way and printed its traceback on the console,
+    then exited (1) or was stopped by the agent's SIGTERM before its own exit (-15, seen under
+    load): the report names the exception's first line, not a second traceback."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    d = tmp_path / "run_abc" / "attempt_0" / "1"
+    d.mkdir(parents=True)
+    (d / "stderr.log").write_text(TWIN_TRACEBACK.format(rank=1))
+    error_file = tmp_path / "error0.json"
+    error_file.write_text(json.dumps({"message": TWIN_TRACEBACK.format(rank=0), "timestamp": 1}))
+    failures = {1: ProcessFailure(1, 101, 1, str(tmp_path / "missing.json")),
+                0: ProcessFailure(0, 100, rank_0_ended, str(error_file))}
+    code = launch_failures.report_child_failed(ChildFailedError("x", failures), str(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert "multigpu: its error is the one rank 0 printed above: RuntimeError: Expected to have " \
+           "finished reduction in the prior iteration before starting a new one." in err, err

@@ -127,6 +127,27 @@ def launched_by_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _own_gpu(world_size: int, local_rank: int, gpu_index: int | None, own_gpu: bool) -> torch.device:
+    """This process's GPU (see init_distributed), bound before any CUDA work, so NCCL and the
+    caching allocator never touch GPU 0 by accident (the classic "every rank also allocates on
+    GPU 0" bug)."""
+    if world_size > 1 or launched_by_torchrun():
+        if gpu_index is not None and world_size > 1:
+            raise UsageError("a GPU index was given to setup() in a multi-process run; under "
+                             "a launcher each process uses GPU LOCAL_RANK: choose GPUs with "
+                             "`multigpu run --devices 0,3` instead")
+        index = 0 if own_gpu else local_rank
+    else:
+        index = 0 if gpu_index is None else gpu_index
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"this process wants GPU {index} but only {torch.cuda.device_count()} "
+                         f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                         f"start one process per GPU with `multigpu run --devices N`")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
                      timeout_minutes: float = 30.0, *, install_hooks: bool = False,
                      own_gpu: bool = False) -> DistEnv:
@@ -146,28 +167,10 @@ def init_distributed(accelerator: str = "auto", gpu_index: int | None = None,
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
 
-    use_cuda = _resolve_accelerator(accelerator)
-    if use_cuda:
-        if world_size > 1 or launched_by_torchrun():
-            if gpu_index is not None and world_size > 1:
-                raise UsageError("a GPU index was given to setup() in a multi-process run; under "
-                                 "a launcher each process uses GPU LOCAL_RANK: choose GPUs with "
-                                 "`multigpu run --devices 0,3` instead")
-            index = 0 if own_gpu else local_rank
-        else:
-            index = 0 if gpu_index is None else gpu_index
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"this process wants GPU {index} but only {torch.cuda.device_count()} "
-                             f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                             f"start one process per GPU with `multigpu run --devices N`")
-        device = torch.device("cuda", index)
-        # Bind before any CUDA work, so NCCL and the caching allocator never touch GPU 0 by
-        # accident (the classic "every rank also allocates on GPU 0" bug).
-        torch.cuda.set_device(device)
-        backend = "nccl"
+    if _resolve_accelerator(accelerator):
+        device, backend = _own_gpu(world_size, local_rank, gpu_index, own_gpu), "nccl"
     else:
-        device = torch.device("cpu")
-        backend = "gloo"
+        device, backend = torch.device("cpu"), "gloo"
 
     if world_size == 1:
         return DistEnv(rank, local_rank, 1, 1, device, None)

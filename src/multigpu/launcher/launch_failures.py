@@ -244,7 +244,7 @@ def _its_error(rank: int, first, failures: list, texts: dict, launch: list[Path]
         return "its traceback is in its output above"
     twin = _same_error_shown_above(failures, texts, rank, launch)
     if twin is not None:  # two ranks failed the same way: one traceback on the console is enough
-        return f"its error is the one rank {twin} printed above: {_last_line(texts[rank])}"
+        return f"its error is the one rank {twin} printed above: {_error_line(texts[rank])}"
     if texts[rank]:
         return f"---- rank {rank} traceback ----\n{texts[rank]}\n----"
     return "it wrote no traceback to stderr; see its logs"
@@ -257,10 +257,25 @@ def _same_error_shown_above(failures: list, texts: dict, rank: int, launch: list
     if line is None or _stderr_logs(launch, 0):
         return None
     for r, f in failures:
-        if r != rank and f.local_rank == 0 and f.exitcode > 0 and not _echo(f, texts[r]) \
+        # local rank 0 may have printed its traceback and been stopped by the agent's SIGTERM
+        # before its own exit: its text says whether it failed on its own
+        ended = f.exitcode > 0 or f.exitcode == -signal.SIGTERM
+        if r != rank and f.local_rank == 0 and ended and not is_echo(texts[r]) \
                 and _last_line(texts[r]) == line:
             return r
     return None
+
+
+def _error_line(text: str | None) -> str | None:
+    """The first line of a traceback's exception (`RuntimeError: Expected ...`, whose message
+    may go on over several lines), else the text's last line."""
+    lines = (text or "").splitlines()
+    starts = [k for k, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        for line in lines[starts[-1] + 1:]:
+            if line.strip() and not line[0].isspace():
+                return line.strip()
+    return _last_line(text)
 
 
 def _last_line(text: str | None) -> str | None:
