@@ -556,7 +556,11 @@ def test_a_second_rank_failing_like_the_console_rank_is_not_printed_again(tmp_pa
     texts[0] = tb.replace("finished reduction", "something else")  # another error: printed
     assert launch_failures._same_error_shown_above(failures, texts, 1, [tmp_path]) is None
     texts[0] = tb
-    zero.exitcode = -15  # stopped by the agent: an echo, not its own failure
+    # stopped by the agent's SIGTERM after its own traceback (its error file holds it; it waited
+    # for its peers at exit): it failed on its own and printed it
+    zero.exitcode = -15
+    assert launch_failures._same_error_shown_above(failures, texts, 1, [tmp_path]) == 0
+    texts[0] = "RuntimeError: Connection closed by peer"  # stopped while echoing a lost peer: no
     assert launch_failures._same_error_shown_above(failures, texts, 1, [tmp_path]) is None
 
 
