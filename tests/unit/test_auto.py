@@ -109,6 +109,21 @@ def test_each_new_pass_over_a_split_loader_is_the_next_epoch(patched_loader):
     assert [int(i) for (x,) in test for i in x] == list(range(48))
 
 
+def test_a_shuffled_loader_read_under_no_grad_is_evaluation_and_stays_whole(patched_loader):
+    """pytorch/examples' MNIST gives its test loader shuffle=True on GPUs and evaluates it under
+    torch.no_grad(), dividing by len(test_loader.dataset): split, each rank counts half."""
+    loaders.install(RankZeroOfTwo(rank=0, world_size=2), "global")
+    loader = DataLoader(DATA, batch_size=8, shuffle=True)
+    with torch.no_grad():
+        evaluated = sorted(int(i) for (x,) in loader for i in x)
+    with torch.inference_mode():
+        inferred = sorted(int(i) for (x,) in loader for i in x)
+    trained = [[int(i) for (x,) in loader for i in x] for _ in range(2)]
+    assert evaluated == inferred == list(range(48))
+    assert [len(t) for t in trained] == [24, 24] and trained[0] != trained[1]
+    assert trained[0] == epoch(split(0, batch_size=8, shuffle=True)[1], 0)  # no epochs passed
+
+
 def test_gradients_are_averaged_in_the_outermost_module_that_holds_them():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     other = nn.Linear(3, 3)
