@@ -124,6 +124,23 @@ def test_a_shuffled_loader_read_under_no_grad_is_evaluation_and_stays_whole(patc
     assert trained[0] == epoch(split(0, batch_size=8, shuffle=True)[1], 0)  # no epochs passed
 
 
+@pytest.mark.parametrize("split_before", [0, 1])
+def test_training_that_no_split_loader_feeds_is_said_at_the_first_step(capsys, split_before):
+    """pytorch/examples' MNIST shuffles only on GPUs: on CPU processes its training loader stayed
+    whole, every rank trained on all of it, and nothing said so."""
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loaders.note_unsplit_training(RankZeroOfTwo(rank=0, world_size=2), [None] * split_before)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    note = ("multigpu: note: --auto: the script's first optimizer step came before any "
+            "DataLoader with shuffle=True (or a RandomSampler): --auto splits only those, so "
+            "each of the 2 processes trains on the same batches, the work of one process done "
+            "2 times; give the training DataLoader shuffle=True\n")
+    assert capsys.readouterr().err == ("" if split_before else note)
+
+
 def test_gradients_are_averaged_in_the_outermost_module_that_holds_them():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     other = nn.Linear(3, 3)

@@ -138,8 +138,9 @@ def sharded_arguments(given: dict, *, rank: int, world_size: int, mode: str,
     return kwargs | {"batch_sampler": sampler}, sampler
 
 
-def install(env, mode: str) -> None:
-    """Patch DataLoader so that each loader the script builds is split (or not) as above."""
+def install(env, mode: str) -> list[None]:
+    """Patch DataLoader so that each loader the script builds is split (or not) as above.
+    Returns the list that gets an entry for each split loader."""
     init, iterate = DataLoader.__init__, DataLoader.__iter__
     signature = inspect.signature(init)
     agree = functools.partial(_agree, env)
@@ -178,6 +179,25 @@ def install(env, mode: str) -> None:
         return iterate(self)
 
     DataLoader.__init__, DataLoader.__iter__ = __init__, __iter__
+    return made
+
+
+def note_unsplit_training(env, made: list[None]) -> None:
+    """At the first optimizer step, rank 0 says so when no loader was split (`made` is empty):
+    a script whose training loader does not shuffle trains on the same batches in every process,
+    N times the work for a one-process result, and would otherwise run so without a word."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def first_step(optimizer, args, kwargs):
+        handle.remove()
+        if not made and env.rank == 0:
+            print(f"multigpu: note: --auto: the script's first optimizer step came before any "
+                  f"DataLoader with shuffle=True (or a RandomSampler): --auto splits only those, "
+                  f"so each of the {env.world_size} processes trains on the same batches, the "
+                  f"work of one process done {env.world_size} times; give the training "
+                  "DataLoader shuffle=True", file=sys.stderr)
+
+    handle = register_optimizer_step_pre_hook(first_step)
 
 
 def whole_loader(init, given: dict) -> DataLoader:

@@ -30,9 +30,10 @@ def prepare(mode: str) -> None:
 
     env = init_distributed(own_gpu=True)
     refusals.install()
-    loaders.install(env, mode)
+    split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
         gradients.install()
+        loaders.note_unsplit_training(env, split)
     saving.install(env)
     if env.rank == 0:
         batch = ("the script's batch_size is the global batch" if mode == "global"
