@@ -163,6 +163,50 @@ def test_torch_save_strips_wrapper_prefixes_and_keeps_metadata():
     assert saving.without_prefixes(plain) is plain and saving.without_prefixes([1]) == [1]
 
 
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_torch_save_of_a_whole_replicated_model_writes_the_script_s_class(tmp_path, one_rank_group):
+    """The PyTorch tutorial's `torch.save(model, PATH)`: pickling replicate's DDP<cls> failed
+    (`Can't pickle <class '...replicate.DDPTiny'>`), and left a torn file at PATH."""
+    from torch.distributed._composable import replicate
+
+    model, part = Tiny(), Tiny()
+    replicate(model)
+    replicate(part.head)  # an optimizer of the head alone: a replicated child
+    model(torch.ones(1, 2)).sum().backward()
+    original = torch.save
+    saving.install(DistEnv())
+    try:
+        torch.save(model, tmp_path / "model.pt")
+        torch.save({"model": part, "epoch": 3}, str(tmp_path / "part.pt"))
+    finally:
+        torch.save = torch.serialization.save = original
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded) is Tiny and loaded.__dict__.keys() == Tiny().__dict__.keys()
+    assert not loaded._forward_pre_hooks and not loaded._forward_hooks
+    torch.testing.assert_close(loaded(torch.ones(4, 2)), model(torch.ones(4, 2)))
+    head = torch.load(tmp_path / "part.pt", weights_only=False)["model"].head
+    assert type(head) is nn.Linear and not head._forward_hooks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "part.pt", "store"]
+
+
 @pytest.mark.parametrize("visible, local_rank, own", [("2,5", "1", "5"), (None, "3", "3"),
                                                       ("GPU-a,GPU-b", "0", "GPU-a")])
 def test_each_process_keeps_only_its_own_gpu(visible, local_rank, own):
