@@ -207,6 +207,23 @@ def test_torch_save_of_a_whole_replicated_model_writes_the_script_s_class(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "part.pt", "store"]
 
 
+def test_a_torch_save_that_fails_leaves_the_file_that_was_there(tmp_path):
+    """One process's torch.save truncates PATH first: a save that fails midway (an object pickle
+    cannot write) lost the script's previous file."""
+    (tmp_path / "model.pt").write_bytes(b"the previous epoch's weights")
+    original = torch.save
+    saving.install(DistEnv())
+    try:
+        with pytest.raises(Exception, match="lambda"):
+            torch.save({"w": torch.ones(3), "schedule": lambda epoch: 0.1}, tmp_path / "model.pt")
+        torch.save({"w": torch.ones(3)}, str(tmp_path / "new.pt"))
+    finally:
+        torch.save = torch.serialization.save = original
+    assert (tmp_path / "model.pt").read_bytes() == b"the previous epoch's weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "new.pt"]
+    assert torch.equal(torch.load(tmp_path / "new.pt")["w"], torch.ones(3))
+
+
 @pytest.mark.parametrize("visible, local_rank, own", [("2,5", "1", "5"), (None, "3", "3"),
                                                       ("GPU-a,GPU-b", "0", "GPU-a")])
 def test_each_process_keeps_only_its_own_gpu(visible, local_rank, own):

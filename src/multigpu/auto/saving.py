@@ -11,8 +11,9 @@ script's own class: the replicated module's class is replicate's `DDP<cls>`, whi
 find by name, and its state holds a process group and a Reducer; plain_pickle() writes the module
 as a one-device run would, and torch.load gives back a model that runs anywhere.
 
-Only paths (str, os.PathLike) are handled: a file object or an in-memory buffer the script opened
-itself is written by every process, as before. The barrier assumes what --auto keeps true: every
+The file appears whole or not at all (written beside it, then renamed): a save that fails midway
+leaves the script's previous file. Only paths (str, os.PathLike) are handled: a file object or an
+in-memory buffer the script opened itself is written by every process, as before. The barrier assumes what --auto keeps true: every
 process takes the same decisions (same weights, the same whole evaluation data).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from multigpu.core import fileio
 from multigpu.core.wrappers import clean_state_dict
 
 
@@ -107,6 +109,17 @@ def plain_pickle() -> types.ModuleType:
     return module
 
 
+def write_whole(write, path) -> None:
+    """`write(file)` to a temporary file put in place of `path`: a save that fails midway (an
+    object pickle cannot write, a full disk) leaves the file that was there, where torch.save
+    would have truncated it first. A folder that does not exist, or a path that is not a regular
+    file (/dev/null), goes to `write(path)`, so torch says what it says without --auto."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or (os.path.exists(path) and not os.path.isfile(path)):
+        return write(path)
+    fileio.atomic_write(path, write)
+
+
 def install(env) -> None:
     save = torch.save
 
@@ -118,7 +131,7 @@ def install(env) -> None:
             kwargs["pickle_module"] = plain_pickle()
         try:
             if env.rank == 0:
-                save(without_prefixes(obj), f, *args, **kwargs)
+                write_whole(lambda out: save(without_prefixes(obj), out, *args, **kwargs), f)
         finally:
             env.barrier()  # the file exists on every rank once this returns
 
