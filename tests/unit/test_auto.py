@@ -236,3 +236,16 @@ def test_a_cpu_process_and_a_process_without_a_gpu():
     assert devices.narrow_to_own_gpu(env) is None and env["CUDA_VISIBLE_DEVICES"] == ""
     with pytest.raises(UsageError, match=r"^process 2 on this machine has no GPU of its own"):
         devices.narrow_to_own_gpu({"CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "2"})
+
+
+def test_the_start_line_of_one_process_says_that_nothing_is_split():
+    """`multigpu run --auto train.py` on a machine without GPUs starts one CPU process: its start
+    line said "shuffled DataLoaders split ... gradients averaged", of which it did nothing."""
+    from multigpu.auto import worker
+
+    assert worker.start_line(1, None, "cpu", "global") == (
+        "multigpu: --auto: 1 process, so the script runs as it is, with nothing to split or "
+        "average; --devices N (GPUs) or --devices cpu:N (CPU processes) makes it data-parallel")
+    assert worker.start_line(2, "gloo", "cpu", "per-gpu") == (
+        "multigpu: --auto: 2 processes (gloo, cpu); shuffled DataLoaders split, the script's "
+        "batch_size per process; gradients averaged as DDP does; torch.save by rank 0")
