@@ -20,6 +20,7 @@ from tests.gpu.conftest import gpu_env
 pytestmark = pytest.mark.gpu
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "multiproc" / "scripts" / "auto_tutorial.py"
+MNIST_STYLE = Path(__file__).resolve().parent / "scripts" / "auto_mnist_style.py"
 
 
 @pytest.fixture
@@ -52,3 +53,18 @@ def test_tutorial_script_on_two_gpus_each_process_on_its_own(tmp_path, two_free_
     saved = torch.load(tmp_path / "model.pt", map_location="cpu")
     assert sorted(saved) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert seen[0]["weights"] == seen[1]["weights"]
+
+
+def test_an_mnist_style_script_evaluates_its_shuffled_test_loader_whole(tmp_path, two_free_gpus):
+    """On CUDA the script shuffles its test loader too; read under no_grad, it stays whole on each
+    rank, so the accuracy printed counts all 300 samples; the whole model saved loads as Net."""
+    r = subprocess.run([sys.executable, "-m", "multigpu", "run", "--auto", "--devices", "2",
+                        str(MNIST_STYLE), "--epochs", "2"],
+                       cwd=tmp_path, env=gpu_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    tests = [line for line in r.stdout.splitlines() if line.startswith("Test set: ")]
+    assert [line.endswith("/300, evaluated 300") for line in tests] == [True, True], r.stdout
+    assert int(tests[-1].split(": ")[2].split("/")[0]) > 150, r.stdout  # it learned
+    assert "reloaded Net" in r.stdout and "multigpu: note:" not in r.stderr, r.stderr[-4000:]
+    saved = torch.load(tmp_path / "mnist_cnn.pt", map_location="cpu")
+    assert sorted(saved) == ["conv.bias", "conv.weight", "fc.bias", "fc.weight"]

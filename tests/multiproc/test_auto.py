@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import runpy
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multiproc.test_run_cli import multigpu
+from tests.multiproc.test_run_cli import multigpu, procs, start  # noqa: F401 - procs: a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +98,17 @@ def test_bad_auto_flags_are_refused_before_any_process_starts(tmp_path, args, li
     (tmp_path / "x.sh").write_text("echo ran\n")
     r = multigpu("--devices", "cpu:2", *args, cwd=tmp_path)
     assert (r.returncode, r.stderr.splitlines(), r.stdout) == (2, [line], "")
+
+
+def test_ctrl_c_stops_the_script_in_one_line(tmp_path, procs):
+    """Ctrl-C reaches the launcher only (torchrun starts each rank in a session of its own), which
+    passes SIGINT on: the script's KeyboardInterrupt is not an error to show in 30 lines."""
+    p = start("--auto", "--devices", "cpu:2", str(TUTORIAL), "--epochs", "1000000", cwd=tmp_path)
+    procs.append(p)
+    assert any(line.startswith("epoch 0:") for line in p.stdout), p.communicate()  # stops at it
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith("multigpu: stopped by SIGINT; every rank of this node "
+                                           "was stopped"), err[-3000:]

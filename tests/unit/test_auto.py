@@ -109,6 +109,38 @@ def test_each_new_pass_over_a_split_loader_is_the_next_epoch(patched_loader):
     assert [int(i) for (x,) in test for i in x] == list(range(48))
 
 
+def test_a_shuffled_loader_read_under_no_grad_is_evaluation_and_stays_whole(patched_loader):
+    """pytorch/examples' MNIST gives its test loader shuffle=True on GPUs and evaluates it under
+    torch.no_grad(), dividing by len(test_loader.dataset): split, each rank counts half."""
+    loaders.install(RankZeroOfTwo(rank=0, world_size=2), "global")
+    loader = DataLoader(DATA, batch_size=8, shuffle=True)
+    with torch.no_grad():
+        evaluated = sorted(int(i) for (x,) in loader for i in x)
+    with torch.inference_mode():
+        inferred = sorted(int(i) for (x,) in loader for i in x)
+    trained = [[int(i) for (x,) in loader for i in x] for _ in range(2)]
+    assert evaluated == inferred == list(range(48))
+    assert [len(t) for t in trained] == [24, 24] and trained[0] != trained[1]
+    assert trained[0] == epoch(split(0, batch_size=8, shuffle=True)[1], 0)  # no epochs passed
+
+
+@pytest.mark.parametrize("split_before", [0, 1])
+def test_training_that_no_split_loader_feeds_is_said_at_the_first_step(capsys, split_before):
+    """pytorch/examples' MNIST shuffles only on GPUs: on CPU processes its training loader stayed
+    whole, every rank trained on all of it, and nothing said so."""
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loaders.note_unsplit_training(RankZeroOfTwo(rank=0, world_size=2), [None] * split_before)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    note = ("multigpu: note: --auto: the script's first optimizer step came before any "
+            "DataLoader with shuffle=True (or a RandomSampler): --auto splits only those, so "
+            "each of the 2 processes trains on the same batches, the work of one process done "
+            "2 times; give the training DataLoader shuffle=True\n")
+    assert capsys.readouterr().err == ("" if split_before else note)
+
+
 def test_gradients_are_averaged_in_the_outermost_module_that_holds_them():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     other = nn.Linear(3, 3)
@@ -131,6 +163,67 @@ def test_torch_save_strips_wrapper_prefixes_and_keeps_metadata():
     assert saving.without_prefixes(plain) is plain and saving.without_prefixes([1]) == [1]
 
 
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_torch_save_of_a_whole_replicated_model_writes_the_script_s_class(tmp_path, one_rank_group):
+    """The PyTorch tutorial's `torch.save(model, PATH)`: pickling replicate's DDP<cls> failed
+    (`Can't pickle <class '...replicate.DDPTiny'>`), and left a torn file at PATH."""
+    from torch.distributed._composable import replicate
+
+    model, part = Tiny(), Tiny()
+    replicate(model)
+    replicate(part.head)  # an optimizer of the head alone: a replicated child
+    model(torch.ones(1, 2)).sum().backward()
+    original = torch.save
+    saving.install(DistEnv())
+    try:
+        torch.save(model, tmp_path / "model.pt")
+        torch.save({"model": part, "epoch": 3}, str(tmp_path / "part.pt"))
+    finally:
+        torch.save = torch.serialization.save = original
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded) is Tiny and loaded.__dict__.keys() == Tiny().__dict__.keys()
+    assert not loaded._forward_pre_hooks and not loaded._forward_hooks
+    torch.testing.assert_close(loaded(torch.ones(4, 2)), model(torch.ones(4, 2)))
+    head = torch.load(tmp_path / "part.pt", weights_only=False)["model"].head
+    assert type(head) is nn.Linear and not head._forward_hooks
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "part.pt", "store"]
+
+
+def test_a_torch_save_that_fails_leaves_the_file_that_was_there(tmp_path):
+    """One process's torch.save truncates PATH first: a save that fails midway (an object pickle
+    cannot write) lost the script's previous file."""
+    (tmp_path / "model.pt").write_bytes(b"the previous epoch's weights")
+    original = torch.save
+    saving.install(DistEnv())
+    try:
+        with pytest.raises(Exception, match="lambda"):
+            torch.save({"w": torch.ones(3), "schedule": lambda epoch: 0.1}, tmp_path / "model.pt")
+        torch.save({"w": torch.ones(3)}, str(tmp_path / "new.pt"))
+    finally:
+        torch.save = torch.serialization.save = original
+    assert (tmp_path / "model.pt").read_bytes() == b"the previous epoch's weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "new.pt"]
+    assert torch.equal(torch.load(tmp_path / "new.pt")["w"], torch.ones(3))
+
+
 @pytest.mark.parametrize("visible, local_rank, own", [("2,5", "1", "5"), (None, "3", "3"),
                                                       ("GPU-a,GPU-b", "0", "GPU-a")])
 def test_each_process_keeps_only_its_own_gpu(visible, local_rank, own):
@@ -143,3 +236,16 @@ def test_a_cpu_process_and_a_process_without_a_gpu():
     assert devices.narrow_to_own_gpu(env) is None and env["CUDA_VISIBLE_DEVICES"] == ""
     with pytest.raises(UsageError, match=r"^process 2 on this machine has no GPU of its own"):
         devices.narrow_to_own_gpu({"CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "2"})
+
+
+def test_the_start_line_of_one_process_says_that_nothing_is_split():
+    """`multigpu run --auto train.py` on a machine without GPUs starts one CPU process: its start
+    line said "shuffled DataLoaders split ... gradients averaged", of which it did nothing."""
+    from multigpu.auto import worker
+
+    assert worker.start_line(1, None, "cpu", "global") == (
+        "multigpu: --auto: 1 process, so the script runs as it is, with nothing to split or "
+        "average; --devices N (GPUs) or --devices cpu:N (CPU processes) makes it data-parallel")
+    assert worker.start_line(2, "gloo", "cpu", "per-gpu") == (
+        "multigpu: --auto: 2 processes (gloo, cpu); shuffled DataLoaders split, the script's "
+        "batch_size per process; gradients averaged as DDP does; torch.save by rank 0")

@@ -21,6 +21,9 @@ CHANGES = (
                                  "--auto-batch per-gpu (loaders.py)"),
     ("DataLoader without shuffle", "left whole on every process, so evaluation code and its "
                                    "metrics stay right (loaders.py)"),
+    ("a shuffled DataLoader read under torch.no_grad()", "evaluation: read whole on every "
+                                                         "process, as a loader without shuffle "
+                                                         "(loaders.py)"),
     ("optimizer", "the modules whose parameters it holds average their gradients over the "
                   "processes during backward, as DDP does; rank 0's weights first (gradients.py)"),
     ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "

@@ -11,7 +11,10 @@ process.
 A loader without shuffle (evaluation, in most scripts) is left whole on every process: each
 process computes the script's metrics over the whole set, so the numbers it prints are the
 one-process numbers, without a reduction the script does not have. The price is evaluation
-repeated on every process.
+repeated on every process. A shuffled loader read under torch.no_grad() (or inference_mode) is
+evaluation too, and is read whole there: pytorch/examples' MNIST shuffles its test loader on
+GPUs and divides its count of correct answers by len(test_loader.dataset); split, each process
+would print half the accuracy. Such a pass is no epoch of the split order.
 
 Refused in one line, when the loader is built: an IterableDataset without a length (--auto cannot
 split it, nor tell an epoch), a batch_sampler of the script's own, and random samplers that draw
@@ -135,8 +138,9 @@ def sharded_arguments(given: dict, *, rank: int, world_size: int, mode: str,
     return kwargs | {"batch_sampler": sampler}, sampler
 
 
-def install(env, mode: str) -> None:
-    """Patch DataLoader so that each loader the script builds is split (or not) as above."""
+def install(env, mode: str) -> list[None]:
+    """Patch DataLoader so that each loader the script builds is split (or not) as above.
+    Returns the list that gets an entry for each split loader."""
     init, iterate = DataLoader.__init__, DataLoader.__iter__
     signature = inspect.signature(init)
     agree = functools.partial(_agree, env)
@@ -155,6 +159,7 @@ def install(env, mode: str) -> None:
         init(self, **split[0])
         self.__dict__["_multigpu_auto_sampler"] = split[1]
         self.__dict__["_multigpu_auto_epoch"] = -1
+        self.__dict__["_multigpu_auto_given"] = given
         if mode == "per-gpu" and env.rank == 0 and "lr" not in said:
             said.add("lr")
             print(per_gpu_note(given.get("batch_size", 1), env.world_size), file=sys.stderr)
@@ -162,12 +167,45 @@ def install(env, mode: str) -> None:
     @functools.wraps(iterate)
     def __iter__(self):
         sampler = self.__dict__.get("_multigpu_auto_sampler")
-        if sampler is not None:  # each new pass over the loader is the next epoch
-            self.__dict__["_multigpu_auto_epoch"] += 1
-            sampler.set_epoch(self.__dict__["_multigpu_auto_epoch"])
+        if sampler is None:
+            return iterate(self)
+        if not torch.is_grad_enabled():  # evaluation: the whole set, and no epoch passes
+            if "_multigpu_auto_whole" not in self.__dict__:
+                self.__dict__["_multigpu_auto_whole"] = whole_loader(
+                    init, self.__dict__["_multigpu_auto_given"])
+            return iterate(self.__dict__["_multigpu_auto_whole"])
+        self.__dict__["_multigpu_auto_epoch"] += 1  # each new pass over the loader: next epoch
+        sampler.set_epoch(self.__dict__["_multigpu_auto_epoch"])
         return iterate(self)
 
     DataLoader.__init__, DataLoader.__iter__ = __init__, __iter__
+    return made
+
+
+def note_unsplit_training(env, made: list[None]) -> None:
+    """At the first optimizer step, rank 0 says so when no loader was split (`made` is empty):
+    a script whose training loader does not shuffle trains on the same batches in every process,
+    N times the work for a one-process result, and would otherwise run so without a word."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def first_step(optimizer, args, kwargs):
+        handle.remove()
+        if not made and env.rank == 0:
+            print(f"multigpu: note: --auto: the script's first optimizer step came before any "
+                  f"DataLoader with shuffle=True (or a RandomSampler): --auto splits only those, "
+                  f"so each of the {env.world_size} processes trains on the same batches, the "
+                  f"work of one process done {env.world_size} times; give the training "
+                  "DataLoader shuffle=True", file=sys.stderr)
+
+    handle = register_optimizer_step_pre_hook(first_step)
+
+
+def whole_loader(init, given: dict) -> DataLoader:
+    """The loader the script asked for, unsplit: built by DataLoader's own __init__, not the
+    patched one, for the passes the script makes under no_grad."""
+    loader = DataLoader.__new__(DataLoader)
+    init(loader, **given)
+    return loader
 
 
 def per_gpu_note(batch_size: int, world_size: int) -> str:

@@ -6,8 +6,14 @@ and the others wait (a barrier) until it exists, as the script expects when it r
 State dicts lose `module.` (DataParallel, DDP) and `_orig_mod.` (torch.compile) prefixes, so the
 file loads into the bare model, as a one-device run's does.
 
-Only paths (str, os.PathLike) are handled: a file object or an in-memory buffer the script opened
-itself is written by every process, as before. The barrier assumes what --auto keeps true: every
+A whole model (`torch.save(model, PATH)`, the PyTorch tutorial's other way) is pickled as the
+script's own class: the replicated module's class is replicate's `DDP<cls>`, which pickle cannot
+find by name, and its state holds a process group and a Reducer; plain_pickle() writes the module
+as a one-device run would, and torch.load gives back a model that runs anywhere.
+
+The file appears whole or not at all (written beside it, then renamed): a save that fails midway
+leaves the script's previous file. Only paths (str, os.PathLike) are handled: a file object or an
+in-memory buffer the script opened itself is written by every process, as before. The barrier assumes what --auto keeps true: every
 process takes the same decisions (same weights, the same whole evaluation data).
 """
 from __future__ import annotations
@@ -15,10 +21,14 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import pickle
+import types
 from typing import Mapping
 
 import torch
+from torch import nn
 
+from multigpu.core import fileio
 from multigpu.core.wrappers import clean_state_dict
 
 
@@ -55,6 +65,61 @@ def without_prefixes(obj):
     return obj
 
 
+def replicated_parts(module: nn.Module):
+    """The state that replicate() added to `module` (its keys in the module's __dict__, and the
+    hooks it registered), or None for a module that was not replicated."""
+    try:  # private names (docs/torch-api.md): without them, pickle fails as it would before
+        from torch.distributed._composable import replicate
+        from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+        from torch.distributed._composable.replicate import DDP
+    except ImportError:
+        return None
+    if not isinstance(module, DDP):
+        return None
+    state = replicate.state(module)
+    return (STATE_KEY, REGISTRY_KEY), state
+
+
+def plain_reduction(module: nn.Module, parts) -> tuple:
+    """How pickle writes a replicated module: as the class under replicate's DDP<cls>, without
+    replicate's state and hooks."""
+    keys, state = parts
+    dump = {k: v for k, v in module.__getstate__().items() if k not in keys}
+    for hooks, flags in (("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
+                         ("_forward_hooks", "_forward_hooks_with_kwargs")):
+        dropped = {i for i, h in dump[hooks].items() if getattr(h, "__self__", None) is state}
+        dump[hooks] = collections.OrderedDict(
+            (i, h) for i, h in dump[hooks].items() if i not in dropped)
+        dump[flags] = {i: v for i, v in dump.get(flags, {}).items() if i not in dropped}
+    # object.__new__(cls), not copyreg.__newobj__: pickle checks that one's class is type(module)
+    return object.__new__, (type(module).__mro__[2],), dump
+
+
+class PlainPickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        parts = replicated_parts(obj) if isinstance(obj, nn.Module) else None
+        return NotImplemented if parts is None else plain_reduction(obj, parts)
+
+
+def plain_pickle() -> types.ModuleType:
+    """pickle, as torch.save's pickle_module, with replicated modules written plain."""
+    module = types.ModuleType("pickle")
+    module.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+    module.Pickler = PlainPickler
+    return module
+
+
+def write_whole(write, path) -> None:
+    """`write(file)` to a temporary file put in place of `path`: a save that fails midway (an
+    object pickle cannot write, a full disk) leaves the file that was there, where torch.save
+    would have truncated it first. A folder that does not exist, or a path that is not a regular
+    file (/dev/null), goes to `write(path)`, so torch says what it says without --auto."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or (os.path.exists(path) and not os.path.isfile(path)):
+        return write(path)
+    fileio.atomic_write(path, write)
+
+
 def install(env) -> None:
     save = torch.save
 
@@ -62,9 +127,11 @@ def install(env) -> None:
     def save_once(obj, f, *args, **kwargs):
         if not isinstance(f, (str, os.PathLike)):
             return save(obj, f, *args, **kwargs)
+        if not args and "pickle_module" not in kwargs:  # the script's own pickle_module wins
+            kwargs["pickle_module"] = plain_pickle()
         try:
             if env.rank == 0:
-                save(without_prefixes(obj), f, *args, **kwargs)
+                write_whole(lambda out: save(without_prefixes(obj), out, *args, **kwargs), f)
         finally:
             env.barrier()  # the file exists on every rank once this returns
 

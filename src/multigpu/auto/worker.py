@@ -30,16 +30,26 @@ def prepare(mode: str) -> None:
 
     env = init_distributed(own_gpu=True)
     refusals.install()
-    loaders.install(env, mode)
+    split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
         gradients.install()
+        loaders.note_unsplit_training(env, split)
     saving.install(env)
     if env.rank == 0:
-        batch = ("the script's batch_size is the global batch" if mode == "global"
-                 else "the script's batch_size per process")
-        print(f"multigpu: --auto: {env.world_size} process{'es' if env.world_size > 1 else ''} "
-              f"({env.backend or 'no group'}, {env.device.type}); shuffled DataLoaders split, "
-              f"{batch}; gradients averaged as DDP does; torch.save by rank 0", file=sys.stderr)
+        print(start_line(env.world_size, env.backend, env.device.type, mode), file=sys.stderr)
+
+
+def start_line(world_size: int, backend: str | None, device: str, mode: str) -> str:
+    """What rank 0 says first: what --auto does in this run. One process has nothing to split
+    or average: said so, with the flag that gives it more."""
+    if world_size == 1:
+        return ("multigpu: --auto: 1 process, so the script runs as it is, with nothing to split "
+                "or average; --devices N (GPUs) or --devices cpu:N (CPU processes) makes it "
+                "data-parallel")
+    batch = ("the script's batch_size is the global batch" if mode == "global"
+             else "the script's batch_size per process")
+    return (f"multigpu: --auto: {world_size} processes ({backend}, {device}); shuffled "
+            f"DataLoaders split, {batch}; gradients averaged as DDP does; torch.save by rank 0")
 
 
 def main(argv: list[str]) -> None:

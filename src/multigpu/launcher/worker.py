@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
+import signal
 import sys
 import traceback
 from typing import Callable
@@ -34,7 +35,8 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
     watchdog.start_from_env(on_orphan=orphans.terminate_self)  # the script may catch SIGTERM
     on_trial = trial.start_from_env()
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
-    ended = {"clean": False}
+    ended = {"clean": False, "sigint": False}
+    _note_sigint(ended)
     # At exit, after the script's own atexit handlers (last registered, first run) and after
     # Python has joined its non-daemon threads, which may still use the group.
     atexit.register(_finish_group, ended, *store)
@@ -54,14 +56,42 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
         print(f"multigpu: error: {exc}", file=sys.stderr, flush=True)
         watchdog.write_error_file(f"multigpu: error: {exc}")  # the report: said on the console
         sys.exit(2)
-    except BaseException:
+    except BaseException as exc:
         text = traceback.format_exc()
+        if (isinstance(exc, KeyboardInterrupt) or ended["sigint"]) and \
+                not os.environ.get("MULTIGPU_DEBUG"):
+            _stop_quietly(text)
         _leave_an_echo_to_the_report(text)
         # its own error: on the console (or its log) as Python prints it, and in its error file,
         # so that the report can tell another rank's same error from a new one
         watchdog.write_error_file(text.rstrip())
         raise
     ended["clean"] = True
+
+
+def _note_sigint(ended: dict) -> None:
+    """Ctrl-C reaches the launcher alone (torchrun starts each rank in a session of its own),
+    which passes SIGINT on to every rank and says so in one line. Noted here, so that the error a
+    rank meets first (its KeyboardInterrupt, or a peer's connection closed as it stops) is known
+    for the stop's echo. A script that sets its own SIGINT handler replaces this one."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+
+    def on_sigint(signum, frame):
+        ended["sigint"] = True
+        signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as without multigpu
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _stop_quietly(text: str) -> None:
+    """A rank stopped by SIGINT: its traceback goes to its error file, not the console, where the
+    launcher's line says what happened; exit 130, as a shell reports Ctrl-C."""
+    from multigpu.core.distributed import mark_failed
+
+    mark_failed()  # its peers are stopping too: do not wait for them at exit
+    watchdog.write_error_file(text.rstrip())
+    sys.exit(128 + signal.SIGINT)
 
 
 def _leave_an_echo_to_the_report(text: str) -> None:
