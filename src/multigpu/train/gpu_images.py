@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from multigpu.train import jpeg_decoders
 from multigpu.train.crop_resize import crop_resize
@@ -77,11 +78,14 @@ class ImageBatch:
 
 def collate(samples: list) -> tuple:
     """The loader's collate_fn for folder: datasets: (images, labels), images an ImageBatch when
-    any sample is still encoded."""
-    labels = torch.stack([y for _, y in samples])
+    any sample is still encoded. Stacked by torch's default_collate, which in a loader worker
+    writes the batch straight into shared memory, the way it crosses to the main process (stacked
+    in private memory, it was copied again into shared memory to be sent:
+    benchmarks/cpu_pipeline.py)."""
+    labels = default_collate([y for _, y in samples])
     images = [x for x, _ in samples]
     if all(isinstance(x, torch.Tensor) for x in images):
-        return torch.stack(images), labels
+        return default_collate(images), labels
     return ImageBatch(images), labels
 
 

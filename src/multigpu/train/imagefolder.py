@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, default_collate, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
 from multigpu.train import gpu_images
 from multigpu.train.data_config import DECODE_CHOICES
@@ -142,16 +142,7 @@ class ImageFolderDataset(Dataset):
         box, flip, seed = self._crop(*size)
         return gpu_images.EncodedImage(data, box, flip, index, seed)
 
-    @staticmethod
-    def collate(samples: list) -> tuple:
-        """The loader's collate_fn: (images, labels). Decoded images are stacked by torch's
-        default_collate, which in a loader worker writes the batch straight into shared memory,
-        the way it crosses to the main process; stacked in private memory, it was copied again
-        into shared memory to be sent (benchmarks/cpu_pipeline.py). A batch with images still
-        encoded: gpu_images.collate."""
-        if all(isinstance(x, torch.Tensor) for x, _ in samples):
-            return default_collate([x for x, _ in samples]), default_collate([y for _, y in samples])
-        return gpu_images.collate(samples)
+    collate = staticmethod(gpu_images.collate)
 
     @property
     def on_device(self):
