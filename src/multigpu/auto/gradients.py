@@ -46,6 +46,12 @@ class ModuleRegistry:
         torch_module.register_module_module_registration_hook(on_submodule)
 
 
+def script_class(module: nn.Module) -> type:
+    """The script's own class of a replicated module: replicate() makes the module's class a
+    DDP<cls> whose bases are (replicate's DDP, cls)."""
+    return type(module).__mro__[2]
+
+
 def outermost_owners(params, modules) -> list[nn.Module]:
     """The modules of `modules` that hold any of `params` and are inside no other such module."""
     wanted = {id(p) for p in params}
@@ -91,7 +97,7 @@ class GradientAveraging:
 
         for root in roots:
             if not replicate.state(root).has_initialized:
-                name = type(root).__mro__[2].__name__  # the class under replicate's DDP<cls>
+                name = script_class(root).__name__
                 raise UsageError(f"the optimizer steps the parameters of a {name} whose own "
                                  f"forward never ran: --auto averages gradients in the forward "
                                  f"of the outermost module that holds them; call the {name} "

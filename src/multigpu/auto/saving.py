@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from multigpu.core import fileio
+from multigpu.auto.gradients import script_class
 from multigpu.core.wrappers import clean_state_dict
 
 
@@ -92,7 +93,7 @@ def plain_reduction(module: nn.Module, parts) -> tuple:
             (i, h) for i, h in dump[hooks].items() if i not in dropped)
         dump[flags] = {i: v for i, v in dump.get(flags, {}).items() if i not in dropped}
     # object.__new__(cls), not copyreg.__newobj__: pickle checks that one's class is type(module)
-    return object.__new__, (type(module).__mro__[2],), dump
+    return object.__new__, (script_class(module),), dump
 
 
 class PlainPickler(pickle.Pickler):
