@@ -7,10 +7,18 @@ import pytest
 from tests.multiproc.conftest import GPU_MACHINE_ENV, _no_process_left_behind  # noqa: F401 (autouse here too)
 
 
+# This session's GPUs, for two sessions side by side on one 4-GPU machine
+# (MULTIGPU_TEST_GPUS=0,1 and =2,3): the commands the tests start see only these.
+TEST_GPUS_ENV = "MULTIGPU_TEST_GPUS"
+
+
 def gpu_env() -> dict:
     """The environment for a command a GPU test starts: ours, with the machine's rule, and without
-    CUDA_VISIBLE_DEVICES (the test chooses GPUs through --devices)."""
+    a CUDA_VISIBLE_DEVICES of the caller's (the test chooses GPUs through --devices), unless
+    $MULTIGPU_TEST_GPUS gives this session its GPUs."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if os.environ.get(TEST_GPUS_ENV):
+        env["CUDA_VISIBLE_DEVICES"] = os.environ[TEST_GPUS_ENV]
     return env | GPU_MACHINE_ENV
 
 
