@@ -109,8 +109,10 @@ def trials(variants, step, tensors, draws, args, dev) -> dict:
 
 def table(result: dict) -> str:
     alone = result["alone_step_ms_median"]
-    lines = [f"{result['device']}, torch {result['torch']}; step alone {alone:.1f} ms (median of {len(result['alone_step_ms'])})",
-             "| variant | crop ms/batch | kernel ms/batch | step ms beside it | step slowdown | thread img/s | vs PIL max / mean |",
+    trials = len(result["alone_step_ms"])
+    lines = [f"{result['device']}, torch {result['torch']}; step alone {alone:.1f} ms (median of {trials})",
+             "| variant | crop ms/batch | kernel ms/batch | step ms beside it | step slowdown | thread img/s "
+             "| vs PIL max / mean |",
              "|---|---|---|---|---|---|---|"]
     for name, v in result["variants"].items():
         kernel = "-" if v["kernel_ms"] is None else f"{v['kernel_ms']:.2f}"

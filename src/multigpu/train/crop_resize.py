@@ -21,7 +21,7 @@ copies and matrix products cover the largest window of the chunk, not each image
 - per_image: no padding: all images converted to half in one buffer, then two GEMMs an image
   reading the window in place (strided), writing into the output.
 - roi_align: torchvision's roi_align an image (adaptive sampling: a box filter over bilinear
-  samples, not PIL's triangle; its pixels differ from PIL's by more than a level).
+  samples, not PIL's triangle: farther from PIL's pixels; the benchmark says how far).
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ import math
 import torch
 
 CHUNK_BYTES = 512 * 2**20
-
-
 CHOICE = "padded"  # the variant the product uses (VARIANTS, at the end)
 
 
