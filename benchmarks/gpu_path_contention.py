@@ -8,67 +8,91 @@ thread on a side stream doing one part of `--decode gpu`'s work without pause: n
 decode, torchvision's decode, the crops alone (gpu_images.crop_resize on decoded images), and the
 whole decode_batch. The thread runs faster than the step needs (its rate is printed beside what
 the step consumes), so the slowdown is an upper bound for that part.
+
+resnet50_step, time_steps and with_thread are imported by benchmarks/crop_resize_cost.py.
 """
 import sys, time, threading
-import torch, torchvision
-from multigpu.train import gpu_images, imagefolder, jpeg_decoders
+import torch
 
-dev = torch.device("cuda", 0)
-torch.backends.cudnn.benchmark = True
-model = torchvision.models.resnet50().to(dev, memory_format=torch.channels_last)
-opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-x = torch.randn(128, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
-y = torch.randint(0, 1000, (128,), device=dev)
 
-def step():
-    with torch.autocast("cuda", torch.bfloat16):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+def resnet50_step(dev, batch=128):
+    """One ResNet-50 training step (bf16 autocast, channels_last, SGD) on a fixed synthetic batch."""
+    import torchvision
 
-def steps(n=40):
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.resnet50().to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    return step
+
+
+def time_steps(step, n=40):
+    """Milliseconds a step, over n steps, synchronised at both ends."""
     torch.cuda.synchronize(); t = time.perf_counter()
     for _ in range(n): step()
     torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1000
 
-train = imagefolder.load_folder(sys.argv[1], 224).train
-train.on_gpu = True
-samples = [train[i][0] for i in range(1024)]
-samples = [s for s in samples if isinstance(s, gpu_images.EncodedImage)]
-batches = [gpu_images.ImageBatch(samples[i:i + 128]) for i in range(0, len(samples) - 127, 128)]
-files = [b.encoded() for b in batches]
-side = torch.cuda.Stream(dev)
-nv = jpeg_decoders.choose(dev); print("decoder", nv.name)
-tv = jpeg_decoders.TorchvisionDecoder()
-with torch.cuda.stream(side):
-    decoded = [nv.decode(f, dev) for f in files]
-torch.cuda.synchronize()
 
-def work_nv(k): nv.decode(files[k], dev)
-def work_tv(k): tv.decode(files[k], dev)
-def work_crops(k):
-    b = batches[k]
-    gpu_images.crop_resize(decoded[k], b.boxes, b.flips, 224)
-def work_full(k): gpu_images.decode_batch(batches[k], 224, dev, None)
-
-def with_thread(work):
+def with_thread(work, measure, dev, side, images_per_call=128):
+    """(measure(), images a second the thread did): measure runs while a thread calls work(k),
+    k = 0, 1, ..., on stream `side` without pause (synchronising the side stream after each)."""
     stop = threading.Event(); done = [0]
     def loop():
         with torch.cuda.device(dev), torch.cuda.stream(side):
             k = 0
             while not stop.is_set():
-                work(k % len(batches)); side.synchronize(); done[0] += 1; k += 1
+                work(k); side.synchronize(); done[0] += 1; k += 1
     t = threading.Thread(target=loop); t.start()
-    time.sleep(0.5)
-    start_done = done[0]; t0 = time.perf_counter()
-    ms = steps()
-    rate = (done[0] - start_done) * 128 / (time.perf_counter() - t0)
-    stop.set(); t.join()
-    return ms, rate
+    try:
+        time.sleep(0.5)
+        start_done = done[0]; t0 = time.perf_counter()
+        result = measure()
+        rate = (done[0] - start_done) * images_per_call / (time.perf_counter() - t0)
+    finally:
+        stop.set(); t.join()
+    return result, rate
 
-for _ in range(15): step()
-for rnd in range(int(sys.argv[2]) if len(sys.argv) > 2 else 1):
-    print(f"round {rnd}: alone {steps():.1f} ms/step", flush=True)
-    for name, work in (("nvimgcodec decode", work_nv), ("torchvision decode", work_tv), ("crops only", work_crops),
-                       ("decode_batch (nvimgcodec + crops)", work_full)):
-        ms, rate = with_thread(work)
-        print(f"  {name}: step {ms:.1f} ms; the thread {rate:.0f} img/s (the step needs {128000/ms:.0f})", flush=True)
+
+def main():
+    from multigpu.train import gpu_images, imagefolder, jpeg_decoders
+
+    dev = torch.device("cuda", 0)
+    step = resnet50_step(dev)
+    train = imagefolder.load_folder(sys.argv[1], 224).train
+    train.on_gpu = True
+    samples = [train[i][0] for i in range(1024)]
+    samples = [s for s in samples if isinstance(s, gpu_images.EncodedImage)]
+    batches = [gpu_images.ImageBatch(samples[i:i + 128]) for i in range(0, len(samples) - 127, 128)]
+    files = [b.encoded() for b in batches]
+    side = torch.cuda.Stream(dev)
+    nv = jpeg_decoders.choose(dev); print("decoder", nv.name)
+    tv = jpeg_decoders.TorchvisionDecoder()
+    with torch.cuda.stream(side):
+        decoded = [nv.decode(f, dev) for f in files]
+    torch.cuda.synchronize()
+
+    n = len(batches)
+    def work_nv(k): nv.decode(files[k % n], dev)
+    def work_tv(k): tv.decode(files[k % n], dev)
+    def work_crops(k):
+        b = batches[k % n]
+        gpu_images.crop_resize(decoded[k % n], b.boxes, b.flips, 224)
+    def work_full(k): gpu_images.decode_batch(batches[k % n], 224, dev, None)
+
+    for _ in range(15): step()
+    for rnd in range(int(sys.argv[2]) if len(sys.argv) > 2 else 1):
+        print(f"round {rnd}: alone {time_steps(step):.1f} ms/step", flush=True)
+        for name, work in (("nvimgcodec decode", work_nv), ("torchvision decode", work_tv), ("crops only", work_crops),
+                           ("decode_batch (nvimgcodec + crops)", work_full)):
+            ms, rate = with_thread(work, lambda: time_steps(step), dev, side)
+            print(f"  {name}: step {ms:.1f} ms; the thread {rate:.0f} img/s (the step needs {128000/ms:.0f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
