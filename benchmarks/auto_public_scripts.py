@@ -28,7 +28,7 @@ times: global batch / mean batch time, the first --warmup batches skipped, and t
 one-GPU run. Results: results.json, results.txt and every run's logs under --out.
 
 The one shim, the same for every run and said in results.json: torchvision's CIFAR10 checks that
-its batch files exist instead of their md5 (see auto_public_record/sitecustomize.py).
+its files exist instead of their md5 (see auto_public_record/sitecustomize.py).
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     results = [runs.collect(j, SAVED[j.name], args.warmup) for j in jobs]
     summary = runs.summarise(results)
     doc = {"scripts": provenance, "data_seconds": gen, "devices_kind": args.devices_kind,
-           "shims": ["torchvision CIFAR10._check_integrity: batch files exist (no md5), "
+           "shims": ["torchvision.datasets.cifar.check_integrity: the file exists (no md5), "
                      "auto_public_record/sitecustomize.py"],
            "env": runs.FIXED_ENV, "runs": results, "summary": summary}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
