@@ -55,7 +55,7 @@ SAVED = {"mnist": ["mnist_cnn.pt"], "cifar": ["resnet.ckpt"],
          "imagenet": ["checkpoint.pth.tar", "model_best.pth.tar"]}
 # (GPU machine, CPU smoke): sample counts (train, test) and the scripts' own arguments
 SIZES = {"mnist": ((60000, 10000), (512, 256)), "cifar": ((3000, 2000), (200, 100)),
-         "imagenet": ((10240, 512), (32, 16))}
+         "imagenet": ((20480, 512), (32, 16))}
 
 
 def script_args(name: str, args, seed: int | None, data_dir: Path) -> list[str]:
