@@ -224,6 +224,26 @@ def test_a_torch_save_that_fails_leaves_the_file_that_was_there(tmp_path):
     assert torch.equal(torch.load(tmp_path / "new.pt")["w"], torch.ones(3))
 
 
+def test_a_checkpoint_saved_without_prefixes_loads_back_into_the_script_s_dataparallel(tmp_path):
+    """pytorch/examples' ImageNet main.py saves `model.state_dict()` of its nn.DataParallel and
+    its --resume loads that file into the same DataParallel: with the prefixes --auto strips,
+    load_state_dict raised `Missing key(s) in state_dict: "module.0.weight", ...`."""
+    original_save, original_load = torch.save, nn.Module.load_state_dict
+    saving.install(DistEnv())
+    try:
+        trained = nn.DataParallel(nn.Sequential(nn.Linear(2, 3)))
+        torch.save({"state_dict": trained.state_dict(), "epoch": 1}, tmp_path / "ckpt.pth")
+        resumed = nn.DataParallel(nn.Sequential(nn.Linear(2, 3)))
+        resumed.load_state_dict(torch.load(tmp_path / "ckpt.pth")["state_dict"])
+        with pytest.raises(RuntimeError, match="Missing key"):  # a file that is not its own
+            resumed.load_state_dict({"other.weight": torch.zeros(3, 2)})
+    finally:
+        torch.save = torch.serialization.save = original_save
+        nn.Module.load_state_dict = original_load
+    assert list(torch.load(tmp_path / "ckpt.pth")["state_dict"]) == ["0.weight", "0.bias"]
+    torch.testing.assert_close(resumed.module[0].weight, trained.module[0].weight)
+
+
 @pytest.mark.parametrize("visible, local_rank, own", [("2,5", "1", "5"), (None, "3", "3"),
                                                       ("GPU-a,GPU-b", "0", "GPU-a")])
 def test_each_process_keeps_only_its_own_gpu(visible, local_rank, own):

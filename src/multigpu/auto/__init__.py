@@ -27,7 +27,8 @@ CHANGES = (
     ("optimizer", "the modules whose parameters it holds average their gradients over the "
                   "processes during backward, as DDP does; rank 0's weights first (gradients.py)"),
     ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "
-                              "others wait until the file exists (saving.py)"),
+                              "others wait until the file exists; such a file loads back into "
+                              "the script's DataParallel (saving.py)"),
     ("print, tqdm", "rank 0's on the console, the others' in their log files (the launcher)"),
     ("torch.distributed.init_process_group", "refused: the script is distributed already; run it "
                                              "with `multigpu run` without --auto (refusals.py)"),

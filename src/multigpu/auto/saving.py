@@ -11,6 +11,10 @@ script's own class: the replicated module's class is replicate's `DDP<cls>`, whi
 find by name, and its state holds a process group and a Reducer; plain_pickle() writes the module
 as a one-device run would, and torch.load gives back a model that runs anywhere.
 
+What the script saved it may load back into the wrapper it saved from (pytorch/examples'
+ImageNet --resume loads its DataParallel's checkpoint into its DataParallel): a wrapper's
+load_state_dict given exactly its inner module's keys, without the prefix, loads them there.
+
 The file appears whole or not at all (written beside it, then renamed): a save that fails midway
 leaves the script's previous file. Only paths (str, os.PathLike) are handled: a file object or an
 in-memory buffer the script opened itself is written by every process, as before. The barrier assumes what --auto keeps true: every
@@ -121,7 +125,28 @@ def write_whole(write, path) -> None:
     fileio.atomic_write(path, write)
 
 
+def wrapper_inner(module: nn.Module, state) -> nn.Module | None:
+    """The module a wrapper (DataParallel, DDP: a `.module` attribute) wraps, where `state` holds
+    exactly that module's keys, as a file --auto saved holds them; else None."""
+    inner = getattr(module, "module", None)
+    if not isinstance(inner, nn.Module) or not isinstance(state, Mapping) or not state:
+        return None
+    return inner if set(state) == set(inner.state_dict()) else None
+
+
+def install_loading() -> None:
+    load = nn.Module.load_state_dict
+
+    @functools.wraps(load)
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        inner = wrapper_inner(self, state_dict)
+        return load(self if inner is None else inner, state_dict, *args, **kwargs)
+
+    nn.Module.load_state_dict = load_state_dict
+
+
 def install(env) -> None:
+    install_loading()
     save = torch.save
 
     @functools.wraps(save)

@@ -1,0 +1,223 @@
+"""Starting, scheduling and reading the runs of benchmarks/auto_public_scripts.py.
+
+GPU machine: each run gets its GPUs through CUDA_VISIBLE_DEVICES (and its own lease folder, so
+that runs sharing a GPU do not refuse each other); MNIST and CIFAR runs share GPUs (--slots), the
+ImageNet runs, whose throughput is measured, run alone on the machine. CPU smoke: one after another.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIXED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+             "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "4"}
+RECORDER = Path(__file__).resolve().parent / "auto_public_record"
+ACCURACY = {  # the script's own last accuracy line: (regex, how to read it)
+    "mnist": (r"Test set: Average loss: [-\d.naif]+, Accuracy: (\d+)/(\d+)",
+              lambda m: 100.0 * int(m[0]) / int(m[1])),
+    "cifar": (r"Accuracy of the model on the test images: ([\d.]+) %", lambda m: float(m[0])),
+    "imagenet": (r"^ \* Acc@1 ([\d.]+)", lambda m: float(m[0])),
+}
+BATCH_TIME = re.compile(r"^Epoch: \[\d+\]\[\s*(\d+)/\s*\d+\]\tTime\s+([\d.]+)", re.M)
+
+
+@dataclass
+class Job:
+    name: str
+    script: Path
+    cwd: Path
+    devices: int
+    auto: bool
+    seed: int | None
+    alone: bool
+    data_dir: Path | None = None
+    args: list[str] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)
+    rc: int | None = None
+    wall_s: float | None = None
+
+
+def blob_id(path: Path) -> str:
+    body = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest()
+
+
+def check_scripts(pins: dict, folder: Path) -> dict:
+    out = {}
+    for name, (rel, blob) in pins.items():
+        path = folder / rel
+        found = blob_id(path) if path.is_file() else None
+        out[name] = {"path": str(path), "pinned_blob": blob, "blob": found,
+                     "unmodified": found == blob}
+    return out
+
+
+def command(job: Job, cpu: bool) -> list[str]:
+    if not job.auto:
+        return [sys.executable, str(job.script), *job.args]
+    spec = f"cpu:{job.devices}" if cpu else str(job.devices)
+    return [sys.executable, "-m", "multigpu", "run", "--auto", "--devices", spec,
+            "--min-free-memory", "0", "--log-dir", str(job.cwd / "ranklogs"),
+            str(job.script), *job.args]
+
+
+def environment(job: Job, cpu: bool, repo: Path) -> dict:
+    env = dict(os.environ) | FIXED_ENV
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(RECORDER), str(repo / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env["AUTO_PUBLIC_RECORD"] = str(job.cwd / "record")
+    env["AUTO_PUBLIC_CIFAR_NO_MD5"] = "1"
+    env["MULTIGPU_LEASE_DIR"] = str(job.cwd / "leases")
+    env["CUDA_VISIBLE_DEVICES"] = "" if cpu else ",".join(map(str, job.gpus))
+    return env
+
+
+def start(job: Job, cpu: bool, repo: Path) -> subprocess.Popen:
+    for sub in ("record", "leases"):
+        (job.cwd / sub).mkdir(parents=True, exist_ok=True)
+    log = open(job.cwd.parent / f"{job.cwd.name}.log", "w")
+    log.write(f"$ cd {job.cwd} && CUDA_VISIBLE_DEVICES={','.join(map(str, job.gpus))} "
+              f"{' '.join(command(job, cpu))}\n")
+    log.flush()
+    print(f"[start] {job.name} {job.cwd.name} gpus={job.gpus}", flush=True)
+    return subprocess.Popen(command(job, cpu), cwd=job.cwd, env=environment(job, cpu, repo),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_all(jobs: list[Job], *, cpu: bool, slots: int, timeout: int, repo: Path) -> None:
+    """Starts each job when its GPUs have a free slot (an `alone` job: the whole machine)."""
+    gpus = 1 if cpu else _gpu_count()
+    slots = 1 if cpu else slots
+    free = {g: slots for g in range(gpus)}
+    pending, running = list(jobs), []
+    while pending or running:
+        for job in list(pending):
+            whole = all(v == slots for v in free.values())
+            if job.alone and not whole:
+                break  # wait for the machine to empty
+            if any(j.alone for j, _, _ in running):
+                break
+            have = sorted((g for g in free if free[g] > 0), key=lambda g: (-free[g], g))
+            if len(have) < (1 if cpu else job.devices):
+                continue
+            job.gpus = [] if cpu else sorted(have[:job.devices])
+            for g in (job.gpus or [0]):
+                free[g] -= slots if job.alone else 1
+            running.append((job, start(job, cpu, repo), time.perf_counter()))
+            pending.remove(job)
+        time.sleep(0.2)
+        for item in list(running):
+            job, proc, began = item
+            if proc.poll() is None and time.perf_counter() - began < timeout:
+                continue
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)  # the run's whole session: the launcher and its ranks
+                proc.wait()
+            job.rc, job.wall_s = proc.returncode, round(time.perf_counter() - began, 1)
+            for g in (job.gpus or [0]):
+                free[g] += slots if job.alone else 1
+            running.remove(item)
+            print(f"[done] {job.name} {job.cwd.name} rc={job.rc} {job.wall_s} s", flush=True)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def samples(record: Path) -> dict:
+    """Per training pass (records made with grad on): over all ranks, how many indices were
+    fetched, how many distinct, missing and repeated, and whether every rank's pass ended."""
+    passes = collections.defaultdict(list)
+    for f in sorted(record.glob("samples-rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r["grad"]:
+                passes[(r["dataset"], r["pass"])].append(r)
+    out = []
+    for (dataset, n), recs in sorted(passes.items()):
+        counts = collections.Counter(i for r in recs for i in r["indices"])
+        size = recs[0]["len"]
+        total = sum(counts.values())
+        out.append({"dataset": dataset, "epoch": n, "len": size, "fetched": total,
+                    "ranks": len(recs), "missing": size - len(counts),
+                    "repeated": total - len(counts), "complete": all(r["complete"] for r in recs)})
+    return {"passes": out, "once_per_epoch": bool(out) and all(
+        p["missing"] == 0 and p["repeated"] == 0 and p["complete"] for p in out)}
+
+
+def throughput(text: str, batch: int, warmup: int) -> dict | None:
+    """images/s from the script's own printed batch times (rank 0's: every rank steps together)."""
+    times = [float(t) for i, t in BATCH_TIME.findall(text) if int(i) > warmup]
+    if not times:
+        return None
+    mean = statistics.fmean(times)
+    return {"batches_timed": len(times), "mean_batch_s": round(mean, 5),
+            "images_per_s": round(batch / mean, 1)}
+
+
+def collect(job: Job, expected: list[str], warmup: int) -> dict:
+    text = (job.cwd.parent / f"{job.cwd.name}.log").read_text(errors="replace")
+    regex, read = ACCURACY[job.name]
+    found = re.findall(regex, text, re.M)
+    saved = sorted(str(p.relative_to(job.cwd)) for p in job.cwd.rglob("*") if p.is_file()
+                   and p.relative_to(job.cwd).parts[0] not in ("record", "leases", "ranklogs"))
+    out = {"script": job.name, "run": job.cwd.name, "auto": job.auto, "devices": job.devices,
+           "gpus": job.gpus, "seed": job.seed, "rc": job.rc, "wall_s": job.wall_s,
+           "args": job.args, "accuracy": round(read(found[-1] if isinstance(found[-1], tuple)
+                                                    else (found[-1],)), 3) if found else None,
+           "saved": saved, "saved_once": sorted(saved) == sorted(expected),
+           "samples": samples(job.cwd / "record"),
+           "log": str(job.cwd.parent / f"{job.cwd.name}.log")}
+    if job.name == "imagenet":
+        out["throughput"] = throughput(text, int(job.args[job.args.index("-b") + 1]), warmup)
+    return out
+
+
+def summarise(results: list[dict]) -> dict:
+    """Per script: the one-GPU accuracies' range, each --auto run inside it or not; ImageNet's
+    speedups over its one-GPU run."""
+    out = {}
+    for name in sorted({r["script"] for r in results}):
+        mine = [r for r in results if r["script"] == name]
+        base = [r["accuracy"] for r in mine if not r["auto"] and r["accuracy"] is not None]
+        s = out[name] = {"one_gpu_accuracy": base}
+        one = next((r.get("throughput") for r in mine if not r["auto"]), None)
+        for r in (r for r in mine if r["auto"]):
+            v = s[f"auto-{r['devices']}"] = {
+                "accuracy": r["accuracy"], "rc": r["rc"], "saved_once": r["saved_once"],
+                "once_per_epoch": r["samples"]["once_per_epoch"],
+                "within_one_gpu_range": (bool(base) and r["accuracy"] is not None
+                                         and min(base) <= r["accuracy"] <= max(base))}
+            if one and r.get("throughput"):
+                v["speedup"] = round(r["throughput"]["images_per_s"] / one["images_per_s"], 2)
+    return out
+
+
+def table(results: list[dict], summary: dict) -> str:
+    rows = ["script   run        rc  wall_s  acc%     saved_once  once/epoch  img/s"]
+    for r in results:
+        tp = (r.get("throughput") or {}).get("images_per_s", "")
+        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
+        rows.append(f"{r['script']:<8} {r['run']:<10} {r['rc']!s:<3} {r['wall_s']!s:<7} "
+                    f"{acc:<8} {r['saved_once']!s:<11} {r['samples']['once_per_epoch']!s:<11} {tp}")
+    rows.append("")
+    for name, s in summary.items():
+        for key, v in s.items():
+            if key.startswith("auto-"):
+                rows.append(f"{name} {key}: accuracy {v['accuracy']} vs one-GPU "
+                            f"{s['one_gpu_accuracy']} -> within range: "
+                            f"{v['within_one_gpu_range']}; once per epoch: {v['once_per_epoch']}; "
+                            f"saved once: {v['saved_once']}"
+                            + (f"; speedup {v['speedup']}x" if "speedup" in v else ""))
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,154 @@
+"""`multigpu run --auto` on public one-GPU scripts that no one here wrote, unmodified: one command.
+
+    export PYTHONPATH=$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    python benchmarks/auto_public_scripts.py --out $OUT --gpus 2,4          # GPU machine
+    python benchmarks/auto_public_scripts.py --devices-kind cpu --out /tmp/apub   # CPU smoke
+
+The scripts are fetched, not committed: copy each, byte for byte, to `--scripts` (default
+.public/, git-ignored) as named here; the run checks each file's git blob id against the pinned one.
+- .public/mnist/main.py: github.com/pytorch/examples @ 77f55b912142e11fcfdf5b530231fb9c52f181e8,
+  mnist/main.py (blob dee5a384cb2c43acf7c7ce8e521330ccd01c6e92).
+- .public/imagenet/main.py: the same commit, imagenet/main.py (blob 42e5e9fa...), run in its
+  one-process GPU mode (no --gpu, no --world-size): it wraps the model in nn.DataParallel.
+- .public/cifar10_resnet/main.py: github.com/yunjey/pytorch-tutorial @
+  0500d3df5a2a8080ccfccbc00aca0eacc21818db, tutorials/02-intermediate/deep_residual_network/main.py
+  (blob 69dbe5fb...). Chosen because pytorch/tutorials' cifar10 tutorial trains on the CPU unless
+  the reader edits it; this one is the best known tutorial-style CIFAR-10 loop that is GPU-ready as
+  published (torch.device('cuda'), .to(device), shuffle=True, torch.save(state_dict)). It takes no
+  arguments: 80 epochs, batch 100, Adam 1e-3, as written.
+
+For each script: its data generated in the layout it reads (auto_public_data.py); 3 one-GPU runs
+(`python main.py ARGS`, seeds 1..3 where the script takes --seed) and one
+`multigpu run --auto --devices N main.py ARGS` for each N of --gpus, the same ARGS. Reported per run:
+exit code, wall time, the final test accuracy parsed from the script's own output, the files it
+saved (each expected one exactly once, nothing else), whether every training sample was fetched
+once per epoch over all ranks (auto_public_record/sitecustomize.py records the indices each
+process's loaders fetch), and for the ImageNet script its throughput from its own printed batch
+times: global batch / mean batch time, the first --warmup batches skipped, and the speedup over its
+one-GPU run. Results: results.json, results.txt and every run's logs under --out.
+
+The one shim, the same for every run and said in results.json: torchvision's CIFAR10 checks that
+its files exist instead of their md5 (see auto_public_record/sitecustomize.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import auto_public_data as data  # noqa: E402
+import auto_public_runs as runs  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name: (file under --scripts, git blob id of the pinned file, data folder relative to the run's cwd)
+SCRIPTS = {
+    "mnist": ("mnist/main.py", "dee5a384cb2c43acf7c7ce8e521330ccd01c6e92", "../data"),
+    "cifar": ("cifar10_resnet/main.py", "69dbe5fb0efa5e455c694af80c0378773fce19c7", "../../data"),
+    "imagenet": ("imagenet/main.py", "42e5e9fa64f023f019689ab871332d5e3ffa2ab8", "../../data"),
+}
+SAVED = {"mnist": ["mnist_cnn.pt"], "cifar": ["resnet.ckpt"],
+         "imagenet": ["checkpoint.pth.tar", "model_best.pth.tar"]}
+# (GPU machine, CPU smoke): sample counts (train, test) and the scripts' own arguments
+SIZES = {"mnist": ((60000, 10000), (512, 256)), "cifar": ((3000, 2000), (200, 100)),
+         "imagenet": ((20480, 512), (32, 16))}
+
+
+def script_args(name: str, args, seed: int | None, data_dir: Path) -> list[str]:
+    cpu = args.devices_kind == "cpu"
+    if name == "mnist":
+        extra = ["--seed", str(seed)] if seed is not None else []
+        return ["--epochs", "1" if cpu else str(args.mnist_epochs), "--save-model",
+                "--log-interval", "50"] + extra
+    if name == "cifar":
+        return []  # the script takes no arguments
+    return [str(data_dir), "-a", args.imagenet_arch, "--epochs", "1",
+            "-b", str(8 if cpu else args.imagenet_batch),
+            "-j", str(1 if cpu else args.imagenet_workers), "-p", "1"]
+
+
+def generate(name: str, root: Path, cpu: bool) -> float:
+    start = time.perf_counter()
+    train, test = SIZES[name][1 if cpu else 0]
+    writer = {"mnist": data.write_mnist, "cifar": data.write_cifar,
+              "imagenet": data.write_imagefolder}[name]
+    writer(root, train, test)
+    return time.perf_counter() - start
+
+
+def plan(args) -> list[runs.Job]:
+    """Every run, ImageNet's first (each alone on the machine: its throughput is measured)."""
+    jobs, out, scripts = [], Path(args.out).resolve(), Path(args.scripts).resolve()
+    counts = [int(n) for n in args.gpus.split(",") if n]
+    for name in sorted(args.only.split(","), key=lambda n: n != "imagenet"):
+        rel, blob, data_rel = SCRIPTS[name]
+        script = scripts / rel
+        seeds = [1, 2, 3] if name == "mnist" else [None] * 3
+        if name == "imagenet":
+            seeds = [None]
+        for i, seed in enumerate(seeds):
+            jobs.append(runs.Job(name, script, out / name / "runs" / f"1gpu-{i + 1}", 1, False,
+                                 seed, name == "imagenet"))
+        for n in counts:
+            jobs.append(runs.Job(name, script, out / name / "runs" / f"auto-{n}", n, True,
+                                 seeds[0], name == "imagenet"))
+    for job in jobs:
+        job.data_dir = (job.cwd / SCRIPTS[job.name][2]).resolve()
+        job.args = script_args(job.name, args, job.seed, job.data_dir)
+    return jobs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scripts", default=str(REPO / ".public"))
+    p.add_argument("--out", default=os.environ.get("OUT") or "auto_public_out")
+    p.add_argument("--gpus", default="2,4", help="process counts for --auto, e.g. 2,4")
+    p.add_argument("--devices-kind", choices=["gpu", "cpu"], default="gpu",
+                   help="cpu: a local smoke run (--devices cpu:N, tiny data, 1 epoch)")
+    p.add_argument("--only", default="mnist,cifar,imagenet")
+    p.add_argument("--mnist-epochs", type=int, default=2)
+    p.add_argument("--imagenet-arch", default="resnet18")
+    p.add_argument("--imagenet-batch", type=int, default=256)
+    p.add_argument("--imagenet-workers", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5, help="ImageNet batches not timed")
+    p.add_argument("--slots", type=int, default=2,
+                   help="runs sharing one GPU at once (not the ImageNet runs, which run alone)")
+    p.add_argument("--run-timeout", type=int, default=240)
+    args = p.parse_args(argv)
+    cpu = args.devices_kind == "cpu"
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.only.split(",")
+    provenance = runs.check_scripts({n: SCRIPTS[n][:2] for n in names}, Path(args.scripts))
+    if any(not v["unmodified"] for v in provenance.values()):
+        print(json.dumps(provenance, indent=1), file=sys.stderr)
+        print("auto_public_scripts: a script is missing or differs from its pinned blob; copy it "
+              "unmodified (see this file's docstring)", file=sys.stderr)
+        return 2
+    jobs = plan(args)
+    gen = {}
+    for name in names:
+        root = {j.data_dir for j in jobs if j.name == name}.pop()
+        gen[name] = round(generate(name, root, cpu), 1)
+        print(f"[data] {name}: {SIZES[name][int(cpu)]} samples in {root} ({gen[name]} s)",
+              flush=True)
+    runs.run_all(jobs, cpu=cpu, slots=args.slots, timeout=args.run_timeout, repo=REPO)
+    results = [runs.collect(j, SAVED[j.name], args.warmup) for j in jobs]
+    summary = runs.summarise(results)
+    doc = {"scripts": provenance, "data_seconds": gen, "devices_kind": args.devices_kind,
+           "shims": ["torchvision.datasets.cifar.check_integrity: the file exists (no md5), "
+                     "auto_public_record/sitecustomize.py"],
+           "env": runs.FIXED_ENV, "runs": results, "summary": summary}
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    table = runs.table(results, summary)
+    (out / "results.txt").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
