@@ -64,11 +64,15 @@ def runtime_finding(ran: bool) -> Finding:
 
 def _change(src: Source, check: str, nodes: list[ast.AST], effect: str, refusal: bool) -> Finding:
     """One line per change: its first place, the other lines, and what --auto does there."""
+    nodes = sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
     lines = sorted({n.lineno for n in nodes})
     also = f" (and line{'s' if len(lines) > 2 else ''} {', '.join(map(str, lines[1:]))})" \
         if len(lines) > 1 else ""
     effect = re.sub(r" \([\w.]+\.py\)$", "", effect)
-    level, verb = ("warn", "if it runs, --auto stops the script there: ") if refusal else ("ok", "--auto: ")
+    if refusal:
+        level, verb, effect = "warn", "if it runs, --auto refuses it there: ", effect.split(": ", 1)[-1]
+    else:
+        level, verb = "ok", "--auto: "
     return src.at(level, check, nodes[0], f"{_shown(nodes[0])}{also}: {verb}{effect}")
 
 
