@@ -68,3 +68,16 @@ def test_an_mnist_style_script_evaluates_its_shuffled_test_loader_whole(tmp_path
     assert "reloaded Net" in r.stdout and "multigpu: note:" not in r.stderr, r.stderr[-4000:]
     saved = torch.load(tmp_path / "mnist_cnn.pt", map_location="cpu")
     assert sorted(saved) == ["conv.bias", "conv.weight", "fc.bias", "fc.weight"]
+
+
+def test_doctor_auto_finds_the_mnist_style_training_loader_split_on_two_gpus(tmp_path, two_free_gpus):
+    """On CUDA the loaders' **kwargs shuffle: the reading leaves that to run time, and the run
+    under --auto shows the training loader split (64 global = 32 per GPU, 16 steps per epoch)."""
+    r = subprocess.run([sys.executable, "-m", "multigpu", "doctor", "--auto", "--devices", "2",
+                        str(MNIST_STYLE)],
+                       cwd=tmp_path, env=gpu_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert (f"ok    auto data      {MNIST_STYLE}:63: split by --auto: 16 batches per rank and "
+            "epoch, each of its 1024 samples once over the 2 ranks") in r.stdout.splitlines()
+    assert "32 samples per rank in the model's first forward; 64 over the 2 ranks" in r.stdout
+    assert "was not split" not in r.stdout and not list(tmp_path.iterdir())

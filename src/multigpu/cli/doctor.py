@@ -5,6 +5,9 @@
     multigpu doctor --devices 2 -- train.py --lr 0.1  a script for `multigpu run`: read, then run
                                                       up to its first optimizer step
     multigpu doctor --devices 2 -- -m pkg.train       the same for a module
+    multigpu doctor --auto --devices 2 train.py       what `multigpu run --auto` will change in
+                                                      a one-device script, then its first step
+                                                      under --auto
 
 With train options it checks the launch environment, the devices, the precision, what the last
 step of each epoch will be, the validation set's sharding, and runs one real training and
@@ -15,6 +18,9 @@ first optimizer step (--steps N: the N-th): the parameters without a gradient, t
 DataLoaders that are not sharded, the batch per rank and the peak memory, as the ranks saw them.
 What the script writes before that step stays (listed); nothing after it runs. A script that
 reaches no torch.optim step within --trial-timeout is stopped there. --no-step: read only.
+With --auto: each change of `multigpu run --auto` at its line in the script, the refusals its
+source shows (warn: --auto refuses what the script does when it runs, so the run decides), then
+the script under --auto up to its first optimizer step, where a refusal is a fail.
 Each line is ok, warn or fail, with the cause and the fix; the exit status is 1 when one failed.
 """
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import os
 from pathlib import Path
 
+from multigpu.auto import BATCH_MODES
 from multigpu.train import configfile
 from multigpu.core import console
 from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args
@@ -58,6 +65,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--scaling", action="store_true",
                    help="also time a few steps on 1 and on all the devices (trap 4; about 30 s "
                         "more, through multigpu bench)")
+    p.add_argument("--auto", action="store_true",
+                   help="with a script: say what `multigpu run --auto` will change in it, line by "
+                        "line, then run it under --auto up to its first optimizer step")
+    p.add_argument("--auto-batch", choices=BATCH_MODES, default=None,
+                   help="with --auto: as multigpu run --auto-batch (default global)")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- script.py ...",
                    help="a script to check as `multigpu run` would start it")
     configfile.read_config_first(p, on_note=console.info)
@@ -78,6 +90,12 @@ def main(args: argparse.Namespace) -> int:
     if not 0 < args.trial_timeout < float("inf"):
         raise UsageError(f"--trial-timeout {args.trial_timeout:g}: give the seconds a script may run "
                          "before its optimizer step, more than 0, e.g. --trial-timeout 300")
+    if args.auto_batch is not None and not args.auto:
+        raise UsageError(f"--auto-batch {args.auto_batch} is a choice of --auto: add --auto, or "
+                         "drop --auto-batch")
+    if args.auto and not script:
+        raise UsageError("--auto checks a one-device script for `multigpu run --auto`: give it, "
+                         "e.g. multigpu doctor --auto train.py ARGS")
     if not script and not args.model:
         raise UsageError("--model is required to check a multigpu train run (e.g. --model "
                          "resnet18 --data ...); for a script: multigpu doctor -- train.py ARGS")
@@ -114,6 +132,9 @@ def _script_checks(args, script: list[str]):
     else:  # GPUs asked for that are not here (a laptop, before the GPU box): check for them all
         gpus = not args.devices.strip().lower().startswith("cpu")
         nproc = int(args.devices) if args.devices.strip().isdigit() else 2
+    if args.auto:
+        failed = any(f.level == "fail" for f in findings)
+        return findings + _auto_checks(args, given, path, plan, nproc, failed=failed)
     findings += script_findings(path, nproc=nproc, gpus=gpus)
     for arg in script[1:]:  # a config or shell file handed to the script (trap 9)
         if os.path.isfile(arg) and (f := file_crlf_finding(Path(arg))) is not None:
@@ -145,6 +166,33 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args("auto", path))
     devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
     return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout)
+
+
+def _auto_checks(args, script: list[str], path: Path, plan, nproc: int, *, failed: bool):
+    """What --auto will change, read from the source; then the trial under --auto's worker."""
+    from multigpu.cli.run import auto_command
+    from multigpu.doctor.auto_checks import auto_findings
+    from multigpu.launcher.scripts import script_command
+
+    mode = args.auto_batch or BATCH_MODES[0]
+    cmd = script[:2] if script[0] == "-m" else script_command(path)[0]
+    worker = auto_command(script[0], cmd, script[0] == "-m" or script_command(path)[1], mode)
+    run = not args.no_step and plan is not None
+    findings = auto_findings(path, nproc=nproc, mode=mode, ran=run)
+    if not run:
+        return findings
+    if failed or any(f.level == "fail" for f in findings):
+        from multigpu.train.findings import Finding
+
+        return findings + [Finding("warn", "script run", "not run: a check above failed; fix "
+                                                         "it, then doctor runs the script under "
+                                                         "--auto up to its first optimizer step")]
+    from multigpu.doctor.auto_trial import auto_trial_findings
+    from multigpu.launcher import devices
+
+    devices.lease(plan, f"multigpu doctor --auto {script[0]}", args.min_free_memory)
+    rest = script[2:] if script[0] == "-m" else script[1:]
+    return findings + auto_trial_findings(worker + rest, plan, args.steps, args.trial_timeout)
 
 
 def _train_checks(args):

@@ -6,6 +6,8 @@
   pysource.py (its imports, bindings and calls, parsed with ast);
 - script_trial.py: then the script run through the launcher up to its first optimizer step(s),
   and what its ranks saw there (multigpu.launcher.trial in each worker);
+- auto_checks.py, auto_trial.py: `doctor --auto`: what `multigpu run --auto` will change in a
+  one-device script, at its lines, then the script's first step under --auto's own worker;
 - shell_checks.py: the same for a shell script or a file on a command line (CRLF, old launcher);
 - multigpu.train.setup_checks: the launch environment, the devices and the plan of a `multigpu
   train` run (in the train layer, below: the training loop says its last-step line with it);

@@ -20,10 +20,12 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 from multigpu.launcher import launch, trial
 from multigpu.train.findings import Finding
 
+LoaderFindings = Callable[[list, int], list]  # (records, ranks) -> findings
 GIB = 2**30
 BACKSTOP_GRACE = 15.0  # seconds past the ranks' own time limit (and their wait for each other)
 SNAPSHOT_LIMIT = 20000  # files under the working folder beyond which side effects are not listed
@@ -32,9 +34,11 @@ _FIX_UNUSED = ("remove the unused module, freeze it (requires_grad_(False)), or 
                "DistributedDataParallel(model, find_unused_parameters=True) (slower)")
 
 
-def trial_findings(cmd: list[str], plan, steps: int, timeout: float) -> list[Finding]:
+def trial_findings(cmd: list[str], plan, steps: int, timeout: float,
+                   loaders: LoaderFindings | None = None) -> list[Finding]:
     """Run `cmd` (a multigpu.launcher.worker command line) on every device of `plan` up to its `steps`-th
-    optimizer step, for `timeout` seconds at most; the findings of what its ranks recorded."""
+    optimizer step, for `timeout` seconds at most; the findings of what its ranks recorded
+    (`loaders`: how its training DataLoaders are told, when not as a distributed script's)."""
     folder = Path(tempfile.mkdtemp(prefix="multigpu-doctor-"))
     root = Path.cwd()
     before = snapshot(root, skip=folder)
@@ -55,7 +59,8 @@ def trial_findings(cmd: list[str], plan, steps: int, timeout: float) -> list[Fin
                 os.environ[k] = v
     records = _read_records(folder, plan.nproc)
     findings = record_findings(records, plan.nproc, steps, code, logs=folder / "logs",
-                               timeout=timeout, killed=backstop.fired)
+                               timeout=timeout, killed=backstop.fired,
+                               loaders=loaders or _loader_findings)
     findings.append(side_effect_finding(before, snapshot(root, skip=folder), root))
     if code == 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -101,7 +106,8 @@ def _read_records(folder: Path, ranks: int) -> list[dict]:
 
 
 def record_findings(records: list[dict], ranks: int, steps: int, code: int, logs: Path,
-                    timeout: float = 0.0, killed: bool = False) -> list[Finding]:
+                    timeout: float = 0.0, killed: bool = False,
+                    loaders: LoaderFindings | None = None) -> list[Finding]:
     """The findings of the ranks' records (trial.py): one line per check, as doctor prints them."""
     stopped = [r for r in records if "stopped_at" in r]
     errors = [r for r in records if r.get("error")]
@@ -130,7 +136,7 @@ def record_findings(records: list[dict], ranks: int, steps: int, code: int, logs
     if any(r["steps"] for r in records):  # judged at an optimizer's first step
         found.append(_unused_finding(records))
     if ranks > 1:
-        found += _loader_findings(records, ranks)
+        found += (loaders or _loader_findings)(records, ranks)
     found += [f for f in (_batch_finding(records, ranks), _memory_finding(records)) if f]
     return found
 

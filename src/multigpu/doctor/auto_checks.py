@@ -1,0 +1,210 @@
+"""What `multigpu run --auto` will change in a script, said before it runs: `multigpu doctor --auto`.
+
+Built from the two things doctor already does with a script, because neither alone can say it:
+
+- the source, read with ast (pysource.py), gives each change of multigpu.auto.CHANGES its place
+  (file:line) without running anything, and shows the refusals a source can show (an
+  init_process_group call, a batch_sampler of the script's own, a sampler that draws with
+  replacement, a global batch that does not divide, an IterableDataset without __len__);
+- but --auto judges by what the script does when it runs, not by its text: a line may never run,
+  and a `DataLoader(ds, **kwargs)` shuffles or not as the kwargs say at that moment
+  (pytorch/examples' MNIST shuffles only on GPUs). So a refusal read here is a warn worded "if
+  it runs", a loader whose shuffle the source does not show is "decided when it runs", and the
+  trial (auto_trial.py: the script under --auto's own worker, up to its first optimizer step)
+  decides for these arguments: a refusal there is a fail.
+
+Every check stays silent when it cannot tell, as script_checks.py's do.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+
+from multigpu.auto import CHANGES
+from multigpu.doctor.pysource import Source, code, const, dotted, kw, method
+from multigpu.train.findings import Finding
+
+_CUDA = re.compile(r"cuda(:\d+)?")
+_RANDOM = ("RandomSampler", "SubsetRandomSampler")
+_WRAPPING_CALLS = ("enumerate", "tqdm", "iter", "zip")
+
+
+def auto_findings(path: Path, *, nproc: int, mode: str, ran: bool) -> list[Finding]:
+    """What --auto changes in the Python script at `path` for `nproc` processes (mode: the
+    --auto-batch choice), line by line; then what is left to run time (ran: whether the trial
+    follows)."""
+    data = path.read_bytes()
+    try:
+        tree = ast.parse(data, filename=str(path))
+    except (SyntaxError, ValueError) as e:  # ValueError: a null byte
+        return [Finding("fail", "syntax", f"Python cannot parse it ({getattr(e, 'msg', e)}); fix "
+                        "this line", where=f"{path}:{getattr(e, 'lineno', None) or 1}")]
+    src = Source(path, tree, data.decode(errors="replace"))
+    found = []
+    for what, effect in CHANGES:
+        check, finder = FINDERS[what]
+        nodes = list(dict.fromkeys(finder(src)))
+        if nodes:
+            found.append(_change(src, check, nodes, effect, refusal="refused" in effect))
+    found += _unknown_shuffle(src)
+    found += [src.at("warn", "auto refuses", node, msg) for node, msg in _refusals(src, nproc, mode)]
+    found.sort(key=lambda f: int(f.where.rsplit(":", 1)[1]))
+    return found + [runtime_finding(ran)]
+
+
+def runtime_finding(ran: bool) -> Finding:
+    then = ("the run below shows it for these arguments" if ran else
+            "--no-step: not run; doctor --auto without it runs the script to its first step")
+    return Finding("ok", "auto run", "decided when the script runs, not by this reading: whether "
+                   "each line above runs, the shuffle of a DataLoader the source does not show, "
+                   f"and every refusal (--auto refuses what the script does, when it does it); {then}")
+
+
+def _change(src: Source, check: str, nodes: list[ast.AST], effect: str, refusal: bool) -> Finding:
+    """One line per change: its first place, the other lines, and what --auto does there."""
+    nodes = sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
+    lines = sorted({n.lineno for n in nodes})
+    also = f" (and line{'s' if len(lines) > 2 else ''} {', '.join(map(str, lines[1:]))})" \
+        if len(lines) > 1 else ""
+    effect = re.sub(r" \([\w.]+\.py\)$", "", effect)
+    if refusal:
+        level, verb, effect = "warn", "if it runs, --auto refuses it there: ", effect.split(": ", 1)[-1]
+    else:
+        level, verb = "ok", "--auto: "
+    return src.at(level, check, nodes[0], f"{_shown(nodes[0])}{also}: {verb}{effect}")
+
+
+def _shown(node: ast.AST) -> str:
+    if isinstance(node, ast.For):  # its header, not its body
+        target = node.target.elts if isinstance(node.target, ast.Tuple) else [node.target]
+        return f"for {', '.join(map(code, target))} in {code(node.iter)} under torch.no_grad()"
+    return code(node)
+
+
+# --- where each change applies --------------------------------------------------------------------
+
+def _devices(src: Source) -> Iterator[ast.AST]:
+    for node in src.nodes:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _CUDA.fullmatch(node.value):
+            yield node
+        elif isinstance(node, ast.Call) and (method(node) == "cuda" or src.wrapper_kind(node) == "dp"):
+            yield node
+
+
+def _loaders(src: Source) -> list[ast.Call]:
+    return [c for c in src.calls if src.qualname(c.func).rsplit(".", 1)[-1] == "DataLoader"]
+
+
+def _shuffle(src: Source, call: ast.Call) -> bool | None:
+    """Whether the DataLoader built by `call` shuffles: None when its source does not say."""
+    shuffle = kw(call, "shuffle") or (call.args[2] if len(call.args) > 2 else None)
+    sampler = kw(call, "sampler")
+    if sampler is not None:
+        built = src.value(sampler, call.lineno) if dotted(sampler) else sampler
+        name = src.qualname(built.func).rsplit(".", 1)[-1] if isinstance(built, ast.Call) else ""
+        return True if name in _RANDOM else None
+    if shuffle is not None:
+        return const(shuffle) if isinstance(const(shuffle), bool) else None
+    if any(k.arg is None for k in call.keywords) or kw(call, "batch_sampler") is not None:
+        return None  # DataLoader(ds, **kwargs): shuffle may be in there
+    return False
+
+
+def _shuffled(src: Source) -> Iterator[ast.AST]:
+    return (c for c in _loaders(src) if _shuffle(src, c) is True)
+
+
+def _whole(src: Source) -> Iterator[ast.AST]:
+    return (c for c in _loaders(src) if _shuffle(src, c) is False)
+
+
+def _no_grad_loops(src: Source) -> Iterator[ast.AST]:
+    """`for ... in loader` under torch.no_grad(): a loader by its name, or one built right there."""
+    for node in src.nodes:
+        if not isinstance(node, ast.For) or not src.in_no_grad(node.lineno):
+            continue
+        it = node.iter
+        while isinstance(it, ast.Call) and (dotted(it.func) or "").rsplit(".", 1)[-1] in _WRAPPING_CALLS \
+                and it.args:
+            it = it.args[0]
+        name = dotted(it) or ""
+        built = src.value(it, node.lineno) if name else None
+        if "loader" in name.lower() or (isinstance(built, ast.Call) and built in _loaders(src)):
+            yield node
+
+
+def _optimizers(src: Source) -> Iterator[ast.AST]:
+    for c in src.calls:
+        name = src.qualname(c.func)
+        if name.startswith("torch.optim.") and ".lr_scheduler." not in name \
+                and name.rsplit(".", 1)[-1][:1].isupper():
+            yield c
+
+
+def _saves(src: Source) -> Iterator[ast.AST]:
+    return (c for c in src.calls if src.qualname(c.func) == "torch.save")
+
+
+def _prints(src: Source) -> Iterator[ast.AST]:
+    return (c for c in src.calls if src.qualname(c.func) == "print" or
+            src.qualname(c.func).rsplit(".", 1)[-1] == "tqdm")
+
+
+def _init_process_group(src: Source) -> Iterator[ast.AST]:
+    return (c for c in src.calls if src.qualname(c.func).endswith("init_process_group"))
+
+
+# CHANGES' first words -> (the check's name, where in a source that change applies)
+FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
+    "CUDA": ("auto devices", _devices),
+    "DataLoader(shuffle=True)": ("auto data", _shuffled),
+    "DataLoader without shuffle": ("auto data", _whole),
+    "a shuffled DataLoader read under torch.no_grad()": ("auto eval", _no_grad_loops),
+    "optimizer": ("auto gradients", _optimizers),
+    "torch.save(obj, path)": ("auto save", _saves),
+    "print, tqdm": ("auto output", _prints),
+    "torch.distributed.init_process_group": ("auto refuses", _init_process_group),
+}
+
+
+def _unknown_shuffle(src: Source) -> list[Finding]:
+    return [src.at("ok", "auto data", c, f"{code(c)}: whether it shuffles is decided when it "
+                   "runs (the source does not show it): split over the processes if it shuffles "
+                   "then, whole on every process if not")
+            for c in _loaders(src) if _shuffle(src, c) is None and kw(c, "batch_sampler") is None]
+
+
+# --- the refusals a source shows ------------------------------------------------------------------
+
+def _refusals(src: Source, nproc: int, mode: str) -> Iterator[tuple[ast.AST, str]]:
+    for c in _loaders(src):
+        if kw(c, "batch_sampler") is not None:
+            yield c, ("a DataLoader with a batch_sampler of the script's own is refused when it "
+                      "is built: --auto makes the batches itself; give it batch_size and "
+                      "shuffle=True, or run without --auto")
+        size = kw(c, "batch_size") or (c.args[1] if len(c.args) > 1 else None)
+        if _shuffle(src, c) is True and mode == "global" and isinstance(const(size), int) \
+                and const(size) % nproc:
+            yield c, (f"batch_size={const(size)} is refused when this DataLoader is built: --auto "
+                      f"splits it as the global batch over {nproc} processes; give a multiple of "
+                      f"{nproc}, or --auto-batch per-gpu")
+    for c in src.calls:
+        name = src.qualname(c.func).rsplit(".", 1)[-1]
+        if name == "WeightedRandomSampler" or (name == "RandomSampler" and (
+                const(kw(c, "replacement")) is True or kw(c, "num_samples") is not None)):
+            yield c, (f"{code(c)} draws with replacement: a shuffled DataLoader given it is "
+                      "refused when it is built (an exact split has no meaning for it); use "
+                      "shuffle=True, or run without --auto")
+    for node in src.nodes:
+        if isinstance(node, ast.ClassDef) and _iterable_without_len(node):
+            yield node, (f"{node.name} is an IterableDataset without __len__: a DataLoader that "
+                         "reads it is refused when it is built (--auto can neither split it nor "
+                         "tell an epoch); give it __getitem__ and __len__, or run without --auto")
+
+
+def _iterable_without_len(node: ast.ClassDef) -> bool:
+    bases = [(dotted(b) or "").rsplit(".", 1)[-1] for b in node.bases]
+    methods = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return "IterableDataset" in bases and "__len__" not in methods

@@ -1,0 +1,102 @@
+"""`multigpu doctor --auto`, its reading of a script: each change of `multigpu run --auto` at its
+line, the refusals the source shows, and what is left to run time. Nothing here runs a script."""
+import textwrap
+from pathlib import Path
+
+from multigpu.auto import CHANGES
+from multigpu.doctor.auto_checks import FINDERS, auto_findings
+
+REPO = Path(__file__).resolve().parents[2]
+TUTORIAL = REPO / "tests/multiproc/scripts/auto_tutorial.py"
+MNIST = REPO / "tests/gpu/scripts/auto_mnist_style.py"
+CUDA = ("each process sees only its own GPU: .cuda(), 'cuda', 'cuda:0', torch.device('cuda') and "
+        "a DataParallel of its own all land on it")
+SPLIT = ("split over the processes, every sample once per epoch, a new order each epoch; "
+         "batch_size is the global batch unless --auto-batch per-gpu")
+WHOLE = "left whole on every process, so evaluation code and its metrics stay right"
+EVAL = "evaluation: read whole on every process, as a loader without shuffle"
+GRADS = ("the modules whose parameters it holds average their gradients over the processes "
+         "during backward, as DDP does; rank 0's weights first")
+SAVE = "written once, by rank 0, without module./_orig_mod. prefixes; the others wait until the file exists"
+OUTPUT = "rank 0's on the console, the others' in their log files (the launcher)"
+UNKNOWN = ("whether it shuffles is decided when it runs (the source does not show it): split over "
+           "the processes if it shuffles then, whole on every process if not")
+RUNTIME = ("ok    auto run       decided when the script runs, not by this reading: whether each "
+           "line above runs, the shuffle of a DataLoader the source does not show, and every "
+           "refusal (--auto refuses what the script does, when it does it); ")
+
+
+def lines(path, nproc=2, mode="global", ran=True):
+    return [f.line() for f in auto_findings(path, nproc=nproc, mode=mode, ran=ran)]
+
+
+def test_every_change_of_auto_has_its_place_in_a_source():
+    assert set(FINDERS) == {what for what, _ in CHANGES}
+
+
+def test_the_tutorial_script_each_change_at_its_line():
+    t = TUTORIAL
+    assert lines(t) == [
+        f"ok    auto devices   {t}:46: 'cuda' (and line 51): --auto: {CUDA}",
+        f"ok    auto data      {t}:47: DataLoader(Indexed(48, 1), batch_size=args.ba...: --auto: {SPLIT}",
+        f"ok    auto data      {t}:48: DataLoader(Indexed(16, 2), batch_size=8): --auto: {WHOLE}",
+        f"ok    auto gradients {t}:52: torch.optim.SGD(model.parameters(), lr=args.lr): --auto: {GRADS}",
+        f"ok    auto eval      {t}:67: for x, y, idx in test_loader under torch.no_grad(): --auto: {EVAL}",
+        f"ok    auto output    {t}:70: print(f'epoch {{epoch}}: test loss {{total / cou...: --auto: {OUTPUT}",
+        f"ok    auto save      {t}:72: torch.save(model.state_dict(), 'model.pt'): --auto: {SAVE}",
+        RUNTIME + "the run below shows it for these arguments"]
+
+
+def test_mnist_style_loaders_shuffled_through_kwargs_are_left_to_run_time():
+    m = MNIST
+    assert lines(m, ran=False) == [
+        f"ok    auto eval      {m}:37: for data, target in loader under torch.no_grad(): --auto: {EVAL}",
+        f"ok    auto output    {m}:41: print(f'Test set: Accuracy: {{correct}}/{{len(lo... (and line 72): --auto: {OUTPUT}",
+        f"ok    auto devices   {m}:50: 'cuda': --auto: {CUDA}",
+        f"ok    auto data      {m}:56: DataLoader(classes(1024, 1), **train_kwargs): {UNKNOWN}",
+        f"ok    auto data      {m}:57: DataLoader(classes(300, 2), **test_kwargs): {UNKNOWN}",
+        f"ok    auto gradients {m}:59: torch.optim.Adadelta(model.parameters(), lr=1.0): --auto: {GRADS}",
+        f"ok    auto save      {m}:70: torch.save(model.state_dict(), 'mnist_cnn.pt') (and line 71): --auto: {SAVE}",
+        RUNTIME + "--no-step: not run; doctor --auto without it runs the script to its first step"]
+
+
+def test_refusals_a_source_shows_are_warnings_worded_if_it_runs(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent("""\
+        import torch
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader, IterableDataset, WeightedRandomSampler
+
+        class Stream(IterableDataset):
+            def __iter__(self):
+                yield 1
+
+        def setup(distributed):
+            if distributed:
+                dist.init_process_group("nccl")
+
+        ds = list(range(30))
+        a = DataLoader(ds, batch_size=10, shuffle=True)
+        b = DataLoader(ds, batch_sampler=[[0, 1]])
+        c = WeightedRandomSampler([1.0] * 30, 30)
+        """))
+    warns = [f.line() for f in auto_findings(path, nproc=3, mode="global", ran=True)
+             if f.level == "warn"]
+    assert warns == [
+        f"warn  auto refuses   {path}:5: Stream is an IterableDataset without __len__: a DataLoader "
+        "that reads it is refused when it is built (--auto can neither split it nor tell an "
+        "epoch); give it __getitem__ and __len__, or run without --auto",
+        f"warn  auto refuses   {path}:11: dist.init_process_group('nccl'): if it runs, --auto "
+        "refuses it there: the script is distributed already; run it with `multigpu run` without "
+        "--auto",
+        f"warn  auto refuses   {path}:14: batch_size=10 is refused when this DataLoader is built: "
+        "--auto splits it as the global batch over 3 processes; give a multiple of 3, or "
+        "--auto-batch per-gpu",
+        f"warn  auto refuses   {path}:15: a DataLoader with a batch_sampler of the script's own is "
+        "refused when it is built: --auto makes the batches itself; give it batch_size and "
+        "shuffle=True, or run without --auto",
+        f"warn  auto refuses   {path}:16: WeightedRandomSampler([1.0] * 30, 30) draws with "
+        "replacement: a shuffled DataLoader given it is refused when it is built (an exact split "
+        "has no meaning for it); use shuffle=True, or run without --auto"]
+    per_gpu = auto_findings(path, nproc=3, mode="per-gpu", ran=True)
+    assert not any("global batch" in f.message for f in per_gpu if f.check == "auto refuses")
