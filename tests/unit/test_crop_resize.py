@@ -2,7 +2,6 @@
 on detailed pictures of the generated folder's sizes with the training crop's boxes, flipped or
 not, shrunk, enlarged and whole; and they agree with the product's variant to float rounding.
 Here in float32 on the CPU; tests/gpu/test_crop_resize_gpu.py runs them in half on a GPU."""
-import numpy as np
 import pytest
 import torch
 
@@ -10,7 +9,7 @@ from multigpu.bench import imagegen
 from multigpu.train import crop_resize, imagefolder
 
 SIZE = 56
-PIL_WEIGHTS = [name for name in crop_resize.VARIANTS if name != "roi_align"]
+PIL_WEIGHTS = list(crop_resize.VARIANTS)
 
 
 def pictures_and_crops(count=10, seed=0):
@@ -43,11 +42,10 @@ def test_each_variant_makes_pils_crops_to_a_level(variant):
     assert (ours - product).abs().max() < 1e-3
 
 
-def test_the_product_uses_the_padded_variant_until_the_gpu_measurement_says_otherwise():
-    assert crop_resize.CHOICE == "padded"
+def test_the_product_uses_the_banded_weights():
     _, tensors, boxes, flips = pictures_and_crops(count=4)
     assert torch.equal(crop_resize.crop_resize(tensors, boxes, flips, SIZE),
-                       crop_resize.crop_resize_padded(tensors, boxes, flips, SIZE))
+                       crop_resize.crop_resize_padded_band(tensors, boxes, flips, SIZE))
 
 
 def test_banded_weights_are_the_dense_ones():
@@ -63,27 +61,3 @@ def test_banded_weights_are_the_dense_ones():
     assert band.shape == dense.shape
     assert (band - dense).abs().max() < 1e-6
     assert torch.allclose(band.sum(-1), torch.ones(4, SIZE))
-
-
-def test_groups_pad_little_and_keep_every_image_once():
-    windows = [(300, 400), (120, 100), (298, 401), (118, 98), (600, 800), (121, 99)]
-    groups = crop_resize._groups(windows)
-    assert groups == [[4], [0, 2], [1, 5, 3]]  # by area, largest first
-    for group in groups:  # padded to the group's largest rows and columns: <= 25 % more pixels
-        padded = len(group) * max(windows[k][0] for k in group) * max(windows[k][1] for k in group)
-        assert padded <= 1.25 * sum(windows[k][0] * windows[k][1] for k in group)
-
-
-def test_roi_align_crops_the_same_box_and_flip_as_pil():
-    """roi_align averages bilinear samples over each output pixel's cell (a box filter), not
-    PIL's triangle: not a level from PIL, but its box and flip are PIL's (a box moved by a few
-    pixels or a flip missed is farther off)."""
-    pytest.importorskip("torchvision.ops")
-    pictures, tensors, boxes, flips = pictures_and_crops()
-    pil = pil_crops(pictures, boxes, flips)
-    ours = crop_resize.crop_resize_roi_align(tensors, boxes, flips, SIZE).round()
-    moved = [(left - 4 if left >= 4 else left + 4, top, w, h) for left, top, w, h in boxes]
-    shifted = pil_crops(pictures, moved, flips)
-    print(f"roi_align vs PIL: mean {(ours - pil).abs().mean():.3f}, max {(ours - pil).abs().max():.0f}")
-    assert (ours - pil).abs().mean() < 0.5 * (ours - shifted).abs().mean()
-    assert (ours - pil).abs().mean() < 0.5 * (ours - pil_crops(pictures, boxes, [not f for f in flips])).abs().mean()

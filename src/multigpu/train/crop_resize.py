@@ -11,17 +11,10 @@ image before: about six calls an image, and up to 5 levels from PIL's pixels).
 Memory: images are padded to the largest window of their chunk; chunks are cut so that a padded
 chunk stays under CHUNK_BYTES (very large photos among small ones do not pad the whole batch).
 
-Variants: the same crops made other ways, each a module-level function of crop_resize's signature
-(VARIANTS), for benchmarks/crop_resize_cost.py to weigh what each costs a training step beside it;
-CHOICE names the one the product uses. Where the padded batch wastes work: the weights are
-computed densely (every output pixel against every window pixel, in float64), and the zero-fill,
-copies and matrix products cover the largest window of the chunk, not each image's own.
-- padded_band: as padded, the weights built from each output pixel's few taps and scattered.
-- grouped: padded_band over groups of images of like window sizes (little padding).
-- per_image: no padding: all images converted to half in one buffer, then two GEMMs an image
-  reading the window in place (strided), writing into the output.
-- roi_align: torchvision's roi_align an image (adaptive sampling: a box filter over bilinear
-  samples, not PIL's triangle: farther from PIL's pixels; the benchmark says how far).
+The weights are built from each output pixel's few taps and scattered into a zeroed matrix
+(_band_weights): the dense form (_weights, every output pixel against every window pixel in
+float64) is the reference they are tested against. VARIANTS holds both ways, for
+benchmarks/crop_resize_cost.py to weigh what each costs a training step beside it.
 """
 from __future__ import annotations
 
@@ -30,14 +23,13 @@ import math
 import torch
 
 CHUNK_BYTES = 512 * 2**20
-CHOICE = "padded"  # the variant the product uses (VARIANTS, at the end)
 
 
 def crop_resize(images: list[torch.Tensor], boxes: list[tuple[int, int, int, int]],
                 flips: list[bool], size: int) -> torch.Tensor:
     """float (N, 3, size, size), unrounded: image k's box (left, top, width, height) resized to
     size x size, mirrored left-right where flips[k]. Images are uint8 (3, H, W) on one device."""
-    return VARIANTS[CHOICE](images, boxes, flips, size)
+    return crop_resize_padded_band(images, boxes, flips, size)
 
 
 def crop_resize_padded(images, boxes, flips, size: int) -> torch.Tensor:
@@ -50,53 +42,6 @@ def crop_resize_padded_band(images, boxes, flips, size: int) -> torch.Tensor:
     """As crop_resize_padded, the weights from each output pixel's taps alone (_band_weights)."""
     chunks = _chunks([im.shape[1] * im.shape[2] for im in images])
     return _by_chunks(images, boxes, flips, size, chunks, band=True)
-
-
-def crop_resize_grouped(images, boxes, flips, size: int) -> torch.Tensor:
-    """As crop_resize_padded_band over groups of like window sizes (_groups)."""
-    windows = [_window(im.shape[1:], box, size) for im, box in zip(images, boxes, strict=True)]
-    chunks = _groups([(r1 - r0, c1 - c0) for r0, r1, c0, c1 in windows])
-    return _by_chunks(images, boxes, flips, size, chunks, band=True)
-
-
-def crop_resize_per_image(images, boxes, flips, size: int) -> torch.Tensor:
-    """Two GEMMs an image over its own window, read in place from one half-precision copy of
-    all the images (one conversion for the batch, no padding, no copy an image)."""
-    device, dtype = images[0].device, _dtype(images[0].device)
-    windows = [_window(im.shape[1:], box, size) for im, box in zip(images, boxes, strict=True)]
-    rows = max(r1 - r0 for r0, r1, _, _ in windows)
-    cols = max(c1 - c0 for _, _, c0, c1 in windows)
-    wy, wx = _axis_weights(boxes, windows, flips, size, rows, cols, True, dtype, device)
-    flat = torch.cat([im.reshape(-1) for im in images]).to(dtype)
-    out = torch.empty((len(images), 3, size, size), dtype=dtype, device=device)
-    offset = 0
-    for k, (image, (r0, r1, c0, c1)) in enumerate(zip(images, windows, strict=True)):
-        _, height, width = image.shape
-        window = flat[offset:offset + 3 * height * width].view(3, height, width)[:, r0:r1, c0:c1]
-        offset += 3 * height * width
-        across = torch.bmm(window, wx[k, :, :c1 - c0].t().expand(3, -1, -1))  # (3, rows, size)
-        torch.bmm(wy[k, :, :r1 - r0].expand(3, -1, -1), across, out=out[k])
-    return out.float()
-
-
-def crop_resize_roi_align(images, boxes, flips, size: int) -> torch.Tensor:
-    """torchvision's roi_align an image (aligned, adaptive sampling: the mean of bilinear samples
-    over each output pixel's cell), flipped afterwards in one batched op."""
-    from torchvision.ops import roi_align
-
-    device, dtype = images[0].device, _dtype(images[0].device)
-    flat = torch.cat([im.reshape(-1) for im in images]).to(dtype)
-    rois = torch.tensor([(0, left, top, left + w, top + h) for left, top, w, h in boxes],
-                        dtype=dtype).to(device)
-    out = torch.empty((len(images), 3, size, size), dtype=dtype, device=device)
-    offset = 0
-    for k, image in enumerate(images):
-        _, height, width = image.shape
-        view = flat[offset:offset + 3 * height * width].view(1, 3, height, width)
-        offset += 3 * height * width
-        out[k] = roi_align(view, rois[k:k + 1], size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)[0]
-    flip = torch.tensor(flips, device=device).view(-1, 1, 1, 1)
-    return torch.where(flip, out.flip(-1), out).float()
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -123,22 +68,6 @@ def _chunks(areas: list[int]) -> list[list[int]]:
             current = []
         current.append(k)
     return chunks + ([current] if current else [])
-
-
-def _groups(windows: list[tuple[int, int]], waste: float = 0.25) -> list[list[int]]:
-    """Indices, largest window first, cut where padding the group to its largest rows and
-    columns would add more than `waste` of its pixels, or the padded group pass CHUNK_BYTES."""
-    order = sorted(range(len(windows)), key=lambda k: -windows[k][0] * windows[k][1])
-    groups, current, area, rows, cols = [], [], 0, 0, 0
-    for k in order:
-        r, c = windows[k]
-        padded = (len(current) + 1) * max(rows, r) * max(cols, c)
-        if current and (padded > (1 + waste) * (area + r * c) or padded * 6 > CHUNK_BYTES):
-            groups.append(current)
-            current, area, rows, cols = [], 0, 0, 0
-        current.append(k)
-        area, rows, cols = area + r * c, max(rows, r), max(cols, c)
-    return groups + ([current] if current else [])
 
 
 def _resize_chunk(images, boxes, flips, size: int, band: bool) -> torch.Tensor:
@@ -217,6 +146,4 @@ def _band_weights(start, length, extent, size: int, span: int, flip, taps: int, 
     return dense.scatter_(2, index, w.to(dtype))[..., :span]
 
 
-VARIANTS = {"padded": crop_resize_padded, "padded_band": crop_resize_padded_band,
-            "grouped": crop_resize_grouped, "per_image": crop_resize_per_image,
-            "roi_align": crop_resize_roi_align}
+VARIANTS = {"padded": crop_resize_padded, "padded_band": crop_resize_padded_band}
