@@ -182,7 +182,16 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_torch_save_of_a_whole_replicated_model_writes_the_script_s_class(tmp_path, one_rank_group):
+@pytest.fixture
+def saving_installed(monkeypatch):
+    """saving.install's patches (torch.save, nn.Module.load_state_dict), undone after the test."""
+    for owner, name in ((torch, "save"), (torch.serialization, "save"), (nn.Module, "load_state_dict")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    saving.install(DistEnv())
+
+
+def test_torch_save_of_a_whole_replicated_model_writes_the_script_s_class(tmp_path, one_rank_group,
+                                                                         saving_installed):
     """The PyTorch tutorial's `torch.save(model, PATH)`: pickling replicate's DDP<cls> failed
     (`Can't pickle <class '...replicate.DDPTiny'>`), and left a torn file at PATH."""
     from torch.distributed._composable import replicate
@@ -191,13 +200,8 @@ def test_torch_save_of_a_whole_replicated_model_writes_the_script_s_class(tmp_pa
     replicate(model)
     replicate(part.head)  # an optimizer of the head alone: a replicated child
     model(torch.ones(1, 2)).sum().backward()
-    original = torch.save
-    saving.install(DistEnv())
-    try:
-        torch.save(model, tmp_path / "model.pt")
-        torch.save({"model": part, "epoch": 3}, str(tmp_path / "part.pt"))
-    finally:
-        torch.save = torch.serialization.save = original
+    torch.save(model, tmp_path / "model.pt")
+    torch.save({"model": part, "epoch": 3}, str(tmp_path / "part.pt"))
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert type(loaded) is Tiny and loaded.__dict__.keys() == Tiny().__dict__.keys()
     assert not loaded._forward_pre_hooks and not loaded._forward_hooks
@@ -207,39 +211,29 @@ def test_torch_save_of_a_whole_replicated_model_writes_the_script_s_class(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "part.pt", "store"]
 
 
-def test_a_torch_save_that_fails_leaves_the_file_that_was_there(tmp_path):
+def test_a_torch_save_that_fails_leaves_the_file_that_was_there(tmp_path, saving_installed):
     """One process's torch.save truncates PATH first: a save that fails midway (an object pickle
     cannot write) lost the script's previous file."""
     (tmp_path / "model.pt").write_bytes(b"the previous epoch's weights")
-    original = torch.save
-    saving.install(DistEnv())
-    try:
-        with pytest.raises(Exception, match="lambda"):
-            torch.save({"w": torch.ones(3), "schedule": lambda epoch: 0.1}, tmp_path / "model.pt")
-        torch.save({"w": torch.ones(3)}, str(tmp_path / "new.pt"))
-    finally:
-        torch.save = torch.serialization.save = original
+    with pytest.raises(Exception, match="lambda"):
+        torch.save({"w": torch.ones(3), "schedule": lambda epoch: 0.1}, tmp_path / "model.pt")
+    torch.save({"w": torch.ones(3)}, str(tmp_path / "new.pt"))
     assert (tmp_path / "model.pt").read_bytes() == b"the previous epoch's weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "new.pt"]
     assert torch.equal(torch.load(tmp_path / "new.pt")["w"], torch.ones(3))
 
 
-def test_a_checkpoint_saved_without_prefixes_loads_back_into_the_script_s_dataparallel(tmp_path):
+def test_a_checkpoint_saved_without_prefixes_loads_back_into_the_script_s_dataparallel(tmp_path,
+                                                                                     saving_installed):
     """pytorch/examples' ImageNet main.py saves `model.state_dict()` of its nn.DataParallel and
     its --resume loads that file into the same DataParallel: with the prefixes --auto strips,
     load_state_dict raised `Missing key(s) in state_dict: "module.0.weight", ...`."""
-    original_save, original_load = torch.save, nn.Module.load_state_dict
-    saving.install(DistEnv())
-    try:
-        trained = nn.DataParallel(nn.Sequential(nn.Linear(2, 3)))
-        torch.save({"state_dict": trained.state_dict(), "epoch": 1}, tmp_path / "ckpt.pth")
-        resumed = nn.DataParallel(nn.Sequential(nn.Linear(2, 3)))
-        resumed.load_state_dict(torch.load(tmp_path / "ckpt.pth")["state_dict"])
-        with pytest.raises(RuntimeError, match="Missing key"):  # a file that is not its own
-            resumed.load_state_dict({"other.weight": torch.zeros(3, 2)})
-    finally:
-        torch.save = torch.serialization.save = original_save
-        nn.Module.load_state_dict = original_load
+    trained = nn.DataParallel(nn.Sequential(nn.Linear(2, 3)))
+    torch.save({"state_dict": trained.state_dict(), "epoch": 1}, tmp_path / "ckpt.pth")
+    resumed = nn.DataParallel(nn.Sequential(nn.Linear(2, 3)))
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pth")["state_dict"])
+    with pytest.raises(RuntimeError, match="Missing key"):  # a file that is not its own
+        resumed.load_state_dict({"other.weight": torch.zeros(3, 2)})
     assert list(torch.load(tmp_path / "ckpt.pth")["state_dict"]) == ["0.weight", "0.bias"]
     torch.testing.assert_close(resumed.module[0].weight, trained.module[0].weight)
 
