@@ -25,7 +25,13 @@ saved (each expected one exactly once, nothing else), whether every training sam
 once per epoch over all ranks (auto_public_record/sitecustomize.py records the indices each
 process's loaders fetch), and for the ImageNet script its throughput from its own printed batch
 times: global batch / mean batch time, the first --warmup batches skipped, and the speedup over its
-one-GPU run. Results: results.json, results.txt and every run's logs under --out.
+one-GPU run.
+
+Each invocation works in a folder of its own, `--out/call-K` (K: one more than the last), so a
+re-run into the same --out never mixes its runs' records, saved files or logs with an earlier
+one's: results.json, results.txt and every run's logs are there, and the latest call's
+results.json and results.txt are copied to --out. Only the ImageFolder, the costly data set, is
+shared between calls (`--out/data/imagenet-TRAINxVAL`, reused once complete).
 
 The one shim, the same for every run and said in results.json: torchvision's CIFAR10 checks that
 its files exist instead of their md5 (see auto_public_record/sitecustomize.py).
@@ -71,18 +77,45 @@ def script_args(name: str, args, seed: int | None, data_dir: Path) -> list[str]:
             "-j", str(1 if cpu else args.imagenet_workers), "-p", "1"]
 
 
-def generate(name: str, root: Path, cpu: bool) -> float:
-    start = time.perf_counter()
+def generate(name: str, root: Path, cpu: bool) -> float | None:
+    """Writes the data set into `root`; None when a shared one is there already, complete."""
     train, test = SIZES[name][1 if cpu else 0]
+    done = root / ".complete"
+    if done.is_file():
+        return None
+    start = time.perf_counter()
     writer = {"mnist": data.write_mnist, "cifar": data.write_cifar,
               "imagenet": data.write_imagefolder}[name]
     writer(root, train, test)
+    done.write_text(f"{train} {test}\n")
     return time.perf_counter() - start
 
 
-def plan(args) -> list[runs.Job]:
-    """Every run, ImageNet's first (each alone on the machine: its throughput is measured)."""
-    jobs, out, scripts = [], Path(args.out).resolve(), Path(args.scripts).resolve()
+def data_folder(name: str, cwd: Path, out: Path, cpu: bool) -> Path:
+    """Where a run reads its data: MNIST and CIFAR where the script looks (relative to its cwd,
+    in the call's folder, cheap to write); the ImageFolder shared by every call to --out."""
+    if name != "imagenet":
+        return (cwd / SCRIPTS[name][2]).resolve()
+    train, test = SIZES[name][1 if cpu else 0]
+    return out / "data" / f"imagenet-{train}x{test}"
+
+
+def claim_call_folder(out: Path) -> Path:
+    """A new, empty `out/call-K` for this invocation (K one more than the highest there)."""
+    taken = [int(p.name[5:]) for p in out.glob("call-*") if p.name[5:].isdigit()]
+    k = max(taken, default=0) + 1
+    while True:
+        try:
+            (out / f"call-{k}").mkdir(parents=True)
+            return out / f"call-{k}"
+        except FileExistsError:  # another invocation took it meanwhile
+            k += 1
+
+
+def plan(args, call: Path) -> list[runs.Job]:
+    """Every run, ImageNet's first (each alone on the machine: its throughput is measured), in
+    the call's own folder."""
+    jobs, out, scripts = [], call, Path(args.scripts).resolve()
     counts = [int(n) for n in args.gpus.split(",") if n]
     for name in sorted(args.only.split(","), key=lambda n: n != "imagenet"):
         rel, blob, data_rel = SCRIPTS[name]
@@ -97,7 +130,7 @@ def plan(args) -> list[runs.Job]:
             jobs.append(runs.Job(name, script, out / name / "runs" / f"auto-{n}", n, True,
                                  seeds[0], name == "imagenet"))
     for job in jobs:
-        job.data_dir = (job.cwd / SCRIPTS[job.name][2]).resolve()
+        job.data_dir = data_folder(job.name, job.cwd, call.parent, args.devices_kind == "cpu")
         job.args = script_args(job.name, args, job.seed, job.data_dir)
     return jobs
 
@@ -121,7 +154,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cpu = args.devices_kind == "cpu"
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",")
     provenance = runs.check_scripts({n: SCRIPTS[n][:2] for n in names}, Path(args.scripts))
     if any(not v["unmodified"] for v in provenance.values()):
@@ -129,13 +161,16 @@ def main(argv=None) -> int:
         print("auto_public_scripts: a script is missing or differs from its pinned blob; copy it "
               "unmodified (see this file's docstring)", file=sys.stderr)
         return 2
-    jobs = plan(args)
+    call = claim_call_folder(out)
+    print(f"[call] {call}", flush=True)
+    jobs = plan(args, call)
     gen = {}
     for name in names:
         root = {j.data_dir for j in jobs if j.name == name}.pop()
-        gen[name] = round(generate(name, root, cpu), 1)
-        print(f"[data] {name}: {SIZES[name][int(cpu)]} samples in {root} ({gen[name]} s)",
-              flush=True)
+        took = generate(name, root, cpu)
+        gen[name] = None if took is None else round(took, 1)
+        print(f"[data] {name}: {SIZES[name][int(cpu)]} samples in {root} "
+              f"({'reused' if took is None else f'{gen[name]} s'})", flush=True)
     runs.run_all(jobs, cpu=cpu, slots=args.slots, timeout=args.run_timeout, repo=REPO)
     results = [runs.collect(j, SAVED[j.name], args.warmup) for j in jobs]
     summary = runs.summarise(results)
@@ -143,9 +178,10 @@ def main(argv=None) -> int:
            "shims": ["torchvision.datasets.cifar.check_integrity: the file exists (no md5), "
                      "auto_public_record/sitecustomize.py"],
            "env": runs.FIXED_ENV, "runs": results, "summary": summary}
-    (out / "results.json").write_text(json.dumps(doc, indent=1))
     table = runs.table(results, summary)
-    (out / "results.txt").write_text(table)
+    for folder in (call, out):  # the call's own, and the latest call's at --out
+        (folder / "results.json").write_text(json.dumps(doc, indent=1))
+        (folder / "results.txt").write_text(table)
     print(table)
     return 0
 
