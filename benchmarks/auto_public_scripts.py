@@ -47,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import auto_public_data as data  # noqa: E402
+import auto_public_report as report  # noqa: E402
 import auto_public_runs as runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,20 +62,33 @@ SAVED = {"mnist": ["mnist_cnn.pt"], "cifar": ["resnet.ckpt"],
          "imagenet": ["checkpoint.pth.tar", "model_best.pth.tar"]}
 # (GPU machine, CPU smoke): sample counts (train, test) and the scripts' own arguments
 SIZES = {"mnist": ((60000, 10000), (512, 256)), "cifar": ((3000, 2000), (200, 100)),
-         "imagenet": ((20480, 512), (32, 16))}
+         "imagenet": ((40960, 512), (32, 16))}
+COMPARE_MODES = "auto,ddp,per-gpu,loader"
 
 
-def script_args(name: str, args, seed: int | None, data_dir: Path) -> list[str]:
+def script_args(job: runs.Job, args) -> list[str]:
     cpu = args.devices_kind == "cpu"
-    if name == "mnist":
-        extra = ["--seed", str(seed)] if seed is not None else []
+    if job.name == "mnist":
+        extra = ["--seed", str(job.seed)] if job.seed is not None else []
         return ["--epochs", "1" if cpu else str(args.mnist_epochs), "--save-model",
                 "--log-interval", "50"] + extra
-    if name == "cifar":
+    if job.name == "cifar":
         return []  # the script takes no arguments
-    return [str(data_dir), "-a", args.imagenet_arch, "--epochs", "1",
-            "-b", str(8 if cpu else args.imagenet_batch),
-            "-j", str(1 if cpu else args.imagenet_workers), "-p", "1"]
+    return imagenet_args(job, args, cpu)
+
+
+def imagenet_args(job: runs.Job, args, cpu: bool) -> list[str]:
+    """The same -b and -j (per process: what --auto makes of them) in every mode. Epochs grow
+    with the process count, so that each run times about as many seconds."""
+    epochs = 1 if cpu else args.imagenet_epochs_per_gpu * job.devices
+    batch, workers = (8, 1) if cpu else (args.imagenet_batch, args.imagenet_workers)
+    if job.mode == "loader":
+        return [str(job.data_dir), "--procs", str(job.devices), "-b", str(batch),
+                "-j", str(workers), "--epochs", str(epochs), "--warmup", str(args.warmup)]
+    if job.mode == "ddp":  # the script gives each process ceil(-j / N) workers and -b / N
+        workers *= job.devices
+    return [str(job.data_dir), "-a", args.imagenet_arch, "--epochs", str(epochs),
+            "-b", str(batch), "-j", str(workers), "-p", "1"]
 
 
 def generate(name: str, root: Path, cpu: bool) -> float | None:
@@ -115,23 +129,35 @@ def claim_call_folder(out: Path) -> Path:
 def plan(args, call: Path) -> list[runs.Job]:
     """Every run, ImageNet's first (each alone on the machine: its throughput is measured), in
     the call's own folder."""
-    jobs, out, scripts = [], call, Path(args.scripts).resolve()
+    jobs, scripts = [], Path(args.scripts).resolve()
     counts = [int(n) for n in args.gpus.split(",") if n]
     for name in sorted(args.only.split(","), key=lambda n: n != "imagenet"):
-        rel, blob, data_rel = SCRIPTS[name]
-        script = scripts / rel
-        seeds = [1, 2, 3] if name == "mnist" else [None] * 3
+        script = scripts / SCRIPTS[name][0]
+        runs_dir = call / name / "runs"
         if name == "imagenet":
-            seeds = [None]
+            jobs += imagenet_jobs(script, runs_dir, counts, args)
+            continue
+        seeds = [1, 2, 3] if name == "mnist" else [None] * 3
         for i, seed in enumerate(seeds):
-            jobs.append(runs.Job(name, script, out / name / "runs" / f"1gpu-{i + 1}", 1, False,
-                                 seed, name == "imagenet"))
+            jobs.append(runs.Job(name, script, runs_dir / f"1gpu-{i + 1}", 1, "1gpu", seed, False))
         for n in counts:
-            jobs.append(runs.Job(name, script, out / name / "runs" / f"auto-{n}", n, True,
-                                 seeds[0], name == "imagenet"))
+            jobs.append(runs.Job(name, script, runs_dir / f"auto-{n}", n, "auto", seeds[0], False))
     for job in jobs:
         job.data_dir = data_folder(job.name, job.cwd, call.parent, args.devices_kind == "cpu")
-        job.args = script_args(job.name, args, job.seed, job.data_dir)
+        job.args = script_args(job, args)
+    return jobs
+
+
+def imagenet_jobs(script: Path, runs_dir: Path, counts: list[int], args) -> list[runs.Job]:
+    """The one-GPU run, then each mode on each process count, in turns; --rounds times."""
+    modes = [m for m in args.imagenet_modes.split(",") if m]
+    jobs = []
+    for k in range(1, args.rounds + 1):
+        tag = f"-r{k}" if args.rounds > 1 else ""
+        plan = [("1gpu", 1)] + [("loader", 1)] * ("loader" in modes)
+        plan += [(mode, n) for n in counts for mode in modes]
+        jobs += [runs.Job("imagenet", script, runs_dir / f"{mode}-{n}{tag}", n, mode, None, True)
+                 for mode, n in plan]
     return jobs
 
 
@@ -147,11 +173,24 @@ def main(argv=None) -> int:
     p.add_argument("--imagenet-arch", default="resnet18")
     p.add_argument("--imagenet-batch", type=int, default=256)
     p.add_argument("--imagenet-workers", type=int, default=10)
+    p.add_argument("--imagenet-epochs-per-gpu", type=int, default=1,
+                   help="a run on N processes trains N times this many epochs")
+    p.add_argument("--imagenet-modes", default="auto",
+                   help=f"ImageNet runs beside the one-GPU one, of {','.join(runs.MODES[1:])}")
+    p.add_argument("--rounds", type=int, default=1, help="the ImageNet set, this many times")
+    p.add_argument("--compare", action="store_true",
+                   help=f"the ImageNet set only, on --gpus, in the modes {COMPARE_MODES}")
     p.add_argument("--warmup", type=int, default=5, help="ImageNet batches not timed")
     p.add_argument("--slots", type=int, default=2,
                    help="runs sharing one GPU at once (not the ImageNet runs, which run alone)")
     p.add_argument("--run-timeout", type=int, default=240)
     args = p.parse_args(argv)
+    if args.compare:
+        args.only, args.imagenet_modes = "imagenet", COMPARE_MODES
+    wrong = set(args.imagenet_modes.split(",")) - set(runs.MODES[1:])
+    if wrong:
+        p.error(f"--imagenet-modes: {','.join(sorted(wrong))} is not one of "
+                f"{','.join(runs.MODES[1:])}")
     cpu = args.devices_kind == "cpu"
     out = Path(args.out).resolve()
     names = args.only.split(",")
@@ -173,12 +212,12 @@ def main(argv=None) -> int:
               f"({'reused' if took is None else f'{gen[name]} s'})", flush=True)
     runs.run_all(jobs, cpu=cpu, slots=args.slots, timeout=args.run_timeout, repo=REPO)
     results = [runs.collect(j, SAVED[j.name], args.warmup) for j in jobs]
-    summary = runs.summarise(results)
+    summary = report.summarise(results)
     doc = {"scripts": provenance, "data_seconds": gen, "devices_kind": args.devices_kind,
            "shims": ["torchvision.datasets.cifar.check_integrity: the file exists (no md5), "
                      "auto_public_record/sitecustomize.py"],
            "env": runs.FIXED_ENV, "runs": results, "summary": summary}
-    table = runs.table(results, summary)
+    table = report.table(results, summary)
     for folder in (call, out):  # the call's own, and the latest call's at --out
         (folder / "results.json").write_text(json.dumps(doc, indent=1))
         (folder / "results.txt").write_text(table)
