@@ -10,6 +10,9 @@ How to read a --compare line (N processes, all against the one-GPU script run's 
   smaller per-process batch (steps too short to hide per-step costs) is what holds `auto` back.
 - `loader`, the data loading alone in N processes: below N x means the CPUs cannot feed N GPUs at
   the one-GPU rate, whatever the GPU step does.
+- NCCL channels: how NCCL connects the processes (P2P, SHM, NET), from its own start-up lines.
+  --auto narrows each process to its own GPU; a transport other than the ddp run's (SHM where
+  ddp has P2P) is a cost of --auto's on every gradient all-reduce.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ def summarise(results: list[dict]) -> dict:
                 "mode": r["mode"], "devices": r["devices"],
                 "accuracy": r["accuracy"], "rc": r["rc"], "saved_once": r["saved_once"],
                 "once_per_epoch": r["samples"]["once_per_epoch"],
+                "nccl_transports": r.get("nccl_transports"),
                 "within_one_gpu_range": (bool(base) and r["accuracy"] is not None
                                          and min(base) <= r["accuracy"] <= max(base))}
             if rates and _rate(r):
@@ -56,6 +60,11 @@ def compare_lines(summary: dict) -> list[str]:
         bar = f" (target {TARGET[n]}x)" if n in TARGET else ""
         lines.append(f"imagenet {n} process(es) vs the one-GPU run's "
                      f"{s['one_gpu_images_per_s']} img/s{bar}: " + ", ".join(parts))
+    links = [f"{k} {v['nccl_transports']}" for k, v in s.items()
+             if isinstance(v, dict) and v.get("nccl_transports")]
+    if links:
+        lines.append("imagenet NCCL channels (rank 0's under --auto, every rank's in ddp): "
+                     + "; ".join(links))
     return lines
 
 

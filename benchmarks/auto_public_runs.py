@@ -29,6 +29,11 @@ FIXED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 RECORDER = Path(__file__).resolve().parent / "auto_public_record"
 LOADER = Path(__file__).resolve().parent / "auto_public_loader.py"
 MODES = ("1gpu", "auto", "per-gpu", "ddp", "loader")
+# GPU runs of several processes say at start how NCCL connects them (P2P over NVLink or PCIe,
+# SHM through host memory, NET): under --auto each process sees only its own GPU, in the script's
+# own mode every GPU, and a slower transport for one of them would cost it every step.
+NCCL_TRACE = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+TRANSPORT = re.compile(r"NCCL INFO Channel \d+(?:/\d+)? : \d+\[[^\]]*\] -> \d+\[[^\]]*\] via (\S+)")
 ACCURACY = {  # the script's own last accuracy line: (regex, how to read it)
     "mnist": (r"Test set: Average loss: [-\d.naif]+, Accuracy: (\d+)/(\d+)",
               lambda m: 100.0 * int(m[0]) / int(m[1])),
@@ -107,6 +112,8 @@ def environment(job: Job, cpu: bool, repo: Path) -> dict:
     env["AUTO_PUBLIC_CIFAR_NO_MD5"] = "1"
     env["MULTIGPU_LEASE_DIR"] = str(job.cwd / "leases")
     env["CUDA_VISIBLE_DEVICES"] = "" if cpu else ",".join(map(str, job.gpus))
+    if not cpu and job.mode in ("auto", "per-gpu", "ddp"):
+        env |= NCCL_TRACE
     return env
 
 
@@ -219,6 +226,8 @@ def collect(job: Job, expected: list[str], warmup: int) -> dict:
            "saved_once": sorted(saved) == sorted([] if job.mode == "loader" else expected),
            "samples": samples(job.cwd / "record"),
            "log": str(job.cwd.parent / f"{job.cwd.name}.log")}
+    if job.mode in ("auto", "per-gpu", "ddp"):
+        out["nccl_transports"] = dict(collections.Counter(TRANSPORT.findall(text)))
     if job.mode == "loader":
         out["throughput"] = loader_throughput(text)
     elif job.name == "imagenet":

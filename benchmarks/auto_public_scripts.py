@@ -24,8 +24,28 @@ exit code, wall time, the final test accuracy parsed from the script's own outpu
 saved (each expected one exactly once, nothing else), whether every training sample was fetched
 once per epoch over all ranks (auto_public_record/sitecustomize.py records the indices each
 process's loaders fetch), and for the ImageNet script its throughput from its own printed batch
-times: global batch / mean batch time, the first --warmup batches skipped, and the speedup over its
-one-GPU run.
+times: global batch / mean batch time, the first --warmup batches of each epoch skipped, and the
+speedup over its one-GPU run. The ImageFolder has 40960 training JPEGs (160 batches of 256) and a
+run on N processes trains N epochs, so that every ImageNet run times at least about 10 s
+(the one-GPU resnet18 run: 155 timed batches at about 3600 img/s, 11 s; 4 GPUs at the 3.5x
+target: 620 batches, 12.5 s).
+
+Why the ImageNet speedup falls short, in one command (`--compare`: the ImageNet set alone, in
+turns on one machine): after the one-GPU run and its data loading alone (loader-1), for each N of
+--gpus: `auto-N` (--auto), `ddp-N` (the script's own --multiprocessing-distributed mode, given
+-j = workers x N so that each of its processes has --auto's batch -b/N and workers -j),
+`per-gpu-N` (--auto-batch per-gpu: -b per GPU) and `loader-N` (auto_public_loader.py: the same
+ImageFolder and transforms through a DataLoader per process, N processes at once, no GPU step).
+GPU runs of several processes also record how NCCL joined them (P2P, SHM, NET: its INFO lines).
+auto_public_report.py says how to read the lines it prints. On the GPU machine (4 GPUs), with
+.public/ carried; about 6-7 min for resnet18 (40 s of it the data, reused by a later call to
+the same --out), about 7 min for resnet50 -j 14:
+
+    export PYTHONPATH=$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    python benchmarks/auto_public_scripts.py --compare --gpus 2,4 --out /tmp/apub \
+        && cp /tmp/apub/results.* $OUT/ \
+        && tar czf $OUT/logs.tgz --exclude='*.pth.tar' -C /tmp/apub $(cd /tmp/apub && ls -d call-*)
+    (then, a second call: ... --compare --imagenet-arch resnet50 --imagenet-workers 14 ...)
 
 Each invocation works in a folder of its own, `--out/call-K` (K: one more than the last), so a
 re-run into the same --out never mixes its runs' records, saved files or logs with an earlier
