@@ -38,8 +38,8 @@ turns on one machine): after the one-GPU run and its data loading alone (loader-
 ImageFolder and transforms through a DataLoader per process, N processes at once, no GPU step).
 GPU runs of several processes also record how NCCL joined them (P2P, SHM, NET: its INFO lines).
 auto_public_report.py says how to read the lines it prints. On the GPU machine (4 GPUs), with
-.public/ carried; about 6-7 min for resnet18 (40 s of it the data, reused by a later call to
-the same --out), about 7 min for resnet50 -j 14:
+.public/ carried; about 6-7 min for resnet18 (the data: seconds, reused by a later call to the
+same --out), about 7 min for resnet50 -j 14, each within one 10-minute device command:
 
     export PYTHONPATH=$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     python benchmarks/auto_public_scripts.py --compare --gpus 2,4 --out /tmp/apub \
