@@ -24,8 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# PYTHONUNBUFFERED: each print written whole at once, as `multigpu run` has it: in ddp mode the N
+# processes share one log, and block-buffered 8 KiB writes would splice their lines mid-line
+# (a batch time read from another rank's half line).
 FIXED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-             "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "4"}
+             "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
 RECORDER = Path(__file__).resolve().parent / "auto_public_record"
 LOADER = Path(__file__).resolve().parent / "auto_public_loader.py"
 MODES = ("1gpu", "auto", "per-gpu", "ddp", "loader")

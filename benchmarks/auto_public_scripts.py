@@ -41,11 +41,8 @@ auto_public_report.py says how to read the lines it prints. On the GPU machine (
 .public/ carried; about 6-7 min for resnet18 (the data: seconds, reused by a later call to the
 same --out), about 7 min for resnet50 -j 14, each within one 10-minute device command:
 
-    export PYTHONPATH=$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    python benchmarks/auto_public_scripts.py --compare --gpus 2,4 --out /tmp/apub \
-        && cp /tmp/apub/results.* $OUT/ \
-        && tar czf $OUT/logs.tgz --exclude='*.pth.tar' -C /tmp/apub $(cd /tmp/apub && ls -d call-*)
-    (then, a second call: ... --compare --imagenet-arch resnet50 --imagenet-workers 14 ...)
+    bash benchmarks/auto_public_compare.sh                            # resnet18, -j 10
+    ARCH=resnet50 WORKERS=14 bash benchmarks/auto_public_compare.sh   # a second call
 
 Each invocation works in a folder of its own, `--out/call-K` (K: one more than the last), so a
 re-run into the same --out never mixes its runs' records, saved files or logs with an earlier
