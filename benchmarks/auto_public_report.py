@@ -69,12 +69,13 @@ def compare_lines(summary: dict) -> list[str]:
 
 
 def table(results: list[dict], summary: dict) -> str:
-    rows = ["script   run          rc  wall_s  acc%     saved_once  once/epoch  img/s"]
+    rows = ["script   run          rc  wall_s  acc%     saved_once  once/epoch  img/s     timed_s"]
     for r in results:
-        tp = _rate(r) or ""
+        tp, timed = _rate(r) or "", (r.get("throughput") or {}).get("seconds_timed", "")
         acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
         rows.append(f"{r['script']:<8} {r['run']:<12} {r['rc']!s:<3} {r['wall_s']!s:<7} "
-                    f"{acc:<8} {r['saved_once']!s:<11} {r['samples']['once_per_epoch']!s:<11} {tp}")
+                    f"{acc:<8} {r['saved_once']!s:<11} {r['samples']['once_per_epoch']!s:<11} "
+                    f"{tp!s:<9} {timed}")
     rows.append("")
     for name, s in summary.items():
         for key, v in s.items():

@@ -197,15 +197,17 @@ def samples(record: Path) -> dict:
         p["missing"] == 0 and p["repeated"] == 0 and p["complete"] for p in out)}
 
 
-def throughput(text: str, batch: int, warmup: int) -> dict | None:
+def throughput(text: str, batch: int, warmup: int, printers: int = 1) -> dict | None:
     """images/s from the script's own printed batch times, the first `warmup` batches of each
-    epoch not timed: rank 0's under --auto; every rank's in ddp mode, where each process prints
-    (they step together, so their times agree)."""
+    epoch not timed: rank 0's under --auto; in ddp mode every rank's (`printers`: each process
+    prints; they step together, so their times agree). seconds_timed: the time those batches
+    took, which should be 10 s or more for a steady mean."""
     times = [float(t) for i, t in BATCH_TIME.findall(text) if int(i) > warmup]
     if not times:
         return None
     mean = statistics.fmean(times)
-    return {"batches_timed": len(times), "mean_batch_s": round(mean, 5),
+    return {"batches_timed": len(times) // printers, "mean_batch_s": round(mean, 5),
+            "seconds_timed": round(sum(times) / printers, 1),
             "images_per_s": round(batch / mean, 1)}
 
 
@@ -234,5 +236,6 @@ def collect(job: Job, expected: list[str], warmup: int) -> dict:
     if job.mode == "loader":
         out["throughput"] = loader_throughput(text)
     elif job.name == "imagenet":
-        out["throughput"] = throughput(text, job.global_batch, warmup)
+        out["throughput"] = throughput(text, job.global_batch, warmup,
+                                       job.devices if job.mode == "ddp" else 1)
     return out
