@@ -1,7 +1,6 @@
 """benchmarks/auto_public_scripts.py's own harness, on CPU, with a stand-in for the public
 ImageNet script (torchvision is not needed): what it reports must be about the run it made."""
 import json
-import sys
 import textwrap
 from pathlib import Path
 
