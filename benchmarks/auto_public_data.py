@@ -32,7 +32,7 @@ def _shift(img: np.ndarray, rng: np.random.Generator, most: int) -> np.ndarray:
     return np.roll(np.roll(img, dy, axis=0), dx, axis=1)
 
 
-def _samples(protos: np.ndarray, n: int, seed: int, shift: int, mix: float,
+def _samples(protos: np.ndarray, n: int, seed: int | list[int], shift: int, mix: float,
              noise: float) -> tuple[np.ndarray, np.ndarray]:
     """n uint8 images (n, H, W[, C]) and their labels, balanced over the classes."""
     rng = np.random.default_rng(seed)
@@ -109,22 +109,24 @@ def _pickle_batch(path: Path, x: np.ndarray, y: np.ndarray) -> None:
 
 
 def _write_jpegs(job) -> None:
+    """One chunk of an ImageFolder split: its samples drawn here, in a pool process, from a seed
+    of its own, so that tens of thousands of images take seconds on a many-core machine."""
     from PIL import Image
 
-    folder, start, x, y = job
+    folder, start, n, seed, size = job
+    protos = _grating_protos(size, seed[0])
+    x, y = _samples(protos, n, seed, shift=size // 8, mix=0.7, noise=0.3)
     for i, (img, label) in enumerate(zip(x, y)):
         Image.fromarray(img).save(folder / f"class{label}" / f"{start + i:06d}.JPEG", quality=90)
 
 
 def write_imagefolder(root: Path, train: int, val: int, size: int = 112, seed: int = 0) -> None:
-    """JPEGs in class folders; written by a pool of processes (thousands of files)."""
-    protos = _grating_protos(size, seed)
-    jobs = []
+    """JPEGs in class folders; drawn and written by a pool of processes, 256 to a chunk."""
+    jobs, step = [], 256
     for split, n, s in (("train", train, seed + 1), ("val", val, seed + 2)):
         for c in range(CLASSES):
             (root / split / f"class{c}").mkdir(parents=True, exist_ok=True)
-        x, y = _samples(protos, n, s, shift=size // 8, mix=0.7, noise=0.3)
-        step = 256
-        jobs += [(root / split, i, x[i:i + step], y[i:i + step]) for i in range(0, n, step)]
+        jobs += [(root / split, i, min(step, n - i), [seed, s, i], size)
+                 for i in range(0, n, step)]
     with ProcessPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
         list(pool.map(_write_jpegs, jobs))

@@ -3,6 +3,11 @@
 GPU machine: each run gets its GPUs through CUDA_VISIBLE_DEVICES (and its own lease folder, so
 that runs sharing a GPU do not refuse each other); MNIST and CIFAR runs share GPUs (--slots), the
 ImageNet runs, whose throughput is measured, run alone on the machine. CPU smoke: one after another.
+
+A run's mode (MODES) says what it starts: the script itself on one GPU (1gpu), under
+`multigpu run --auto` (auto; per-gpu: with --auto-batch per-gpu), in its own multi-GPU mode (ddp:
+pytorch/examples' ImageNet script's --multiprocessing-distributed, which starts one process per
+visible GPU), or its training data loading alone (loader: auto_public_loader.py).
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -18,16 +24,27 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# PYTHONUNBUFFERED: each print written whole at once, as `multigpu run` has it: in ddp mode the N
+# processes share one log, and block-buffered 8 KiB writes would splice their lines mid-line
+# (a batch time read from another rank's half line).
 FIXED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-             "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "4"}
+             "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
 RECORDER = Path(__file__).resolve().parent / "auto_public_record"
+LOADER = Path(__file__).resolve().parent / "auto_public_loader.py"
+MODES = ("1gpu", "auto", "per-gpu", "ddp", "loader")
+# GPU runs of several processes say at start how NCCL connects them (P2P over NVLink or PCIe,
+# SHM through host memory, NET): under --auto each process sees only its own GPU, in the script's
+# own mode every GPU, and a slower transport for one of them would cost it every step.
+NCCL_TRACE = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+TRANSPORT = re.compile(r"NCCL INFO Channel \d+(?:/\d+)? : \d+\[[^\]]*\] -> \d+\[[^\]]*\] via (\S+)")
 ACCURACY = {  # the script's own last accuracy line: (regex, how to read it)
     "mnist": (r"Test set: Average loss: [-\d.naif]+, Accuracy: (\d+)/(\d+)",
               lambda m: 100.0 * int(m[0]) / int(m[1])),
     "cifar": (r"Accuracy of the model on the test images: ([\d.]+) %", lambda m: float(m[0])),
-    "imagenet": (r"^ \* Acc@1 ([\d.]+)", lambda m: float(m[0])),
+    "imagenet": (r"^ \*\s+Acc@1 ([\d.]+)", lambda m: float(m[0])),
 }
 BATCH_TIME = re.compile(r"^Epoch: \[\d+\]\[\s*(\d+)/\s*\d+\]\tTime\s+([\d.]+)", re.M)
+LOADER_LINE = re.compile(r"^loader-only: (\{.*\})$", re.M)
 
 
 @dataclass
@@ -36,7 +53,7 @@ class Job:
     script: Path
     cwd: Path
     devices: int
-    auto: bool
+    mode: str
     seed: int | None
     alone: bool
     data_dir: Path | None = None
@@ -44,6 +61,13 @@ class Job:
     gpus: list[int] = field(default_factory=list)
     rc: int | None = None
     wall_s: float | None = None
+    port: int | None = None  # ddp: the script's --dist-url port
+
+    @property
+    def global_batch(self) -> int:
+        """Images per step over all processes: the script's -b, times N under per-gpu."""
+        batch = int(self.args[self.args.index("-b") + 1])
+        return batch * self.devices if self.mode == "per-gpu" else batch
 
 
 def blob_id(path: Path) -> str:
@@ -62,12 +86,25 @@ def check_scripts(pins: dict, folder: Path) -> dict:
 
 
 def command(job: Job, cpu: bool) -> list[str]:
-    if not job.auto:
+    if job.mode == "1gpu":
         return [sys.executable, str(job.script), *job.args]
+    if job.mode == "loader":
+        return [sys.executable, str(LOADER), *job.args]
+    if job.mode == "ddp":  # the script's own: one process per visible GPU, rank 0 of 1 node
+        return [sys.executable, str(job.script), *job.args, "--multiprocessing-distributed",
+                "--world-size", "1", "--rank", "0", "--dist-url", f"tcp://127.0.0.1:{job.port}",
+                "--dist-backend", "gloo" if cpu else "nccl"]
     spec = f"cpu:{job.devices}" if cpu else str(job.devices)
-    return [sys.executable, "-m", "multigpu", "run", "--auto", "--devices", spec,
+    batch = ["--auto-batch", "per-gpu"] if job.mode == "per-gpu" else []
+    return [sys.executable, "-m", "multigpu", "run", "--auto", *batch, "--devices", spec,
             "--min-free-memory", "0", "--log-dir", str(job.cwd / "ranklogs"),
             str(job.script), *job.args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def environment(job: Job, cpu: bool, repo: Path) -> dict:
@@ -78,12 +115,16 @@ def environment(job: Job, cpu: bool, repo: Path) -> dict:
     env["AUTO_PUBLIC_CIFAR_NO_MD5"] = "1"
     env["MULTIGPU_LEASE_DIR"] = str(job.cwd / "leases")
     env["CUDA_VISIBLE_DEVICES"] = "" if cpu else ",".join(map(str, job.gpus))
+    if not cpu and job.mode in ("auto", "per-gpu", "ddp"):
+        env |= NCCL_TRACE
     return env
 
 
 def start(job: Job, cpu: bool, repo: Path) -> subprocess.Popen:
     for sub in ("record", "leases"):
         (job.cwd / sub).mkdir(parents=True, exist_ok=True)
+    if job.mode == "ddp":
+        job.port = free_port()
     log = open(job.cwd.parent / f"{job.cwd.name}.log", "w")
     log.write(f"$ cd {job.cwd} && CUDA_VISIBLE_DEVICES={','.join(map(str, job.gpus))} "
               f"{' '.join(command(job, cpu))}\n")
@@ -156,14 +197,24 @@ def samples(record: Path) -> dict:
         p["missing"] == 0 and p["repeated"] == 0 and p["complete"] for p in out)}
 
 
-def throughput(text: str, batch: int, warmup: int) -> dict | None:
-    """images/s from the script's own printed batch times (rank 0's: every rank steps together)."""
+def throughput(text: str, batch: int, warmup: int, printers: int = 1) -> dict | None:
+    """images/s from the script's own printed batch times, the first `warmup` batches of each
+    epoch not timed: rank 0's under --auto; in ddp mode every rank's (`printers`: each process
+    prints; they step together, so their times agree). seconds_timed: the time those batches
+    took, which should be 10 s or more for a steady mean."""
     times = [float(t) for i, t in BATCH_TIME.findall(text) if int(i) > warmup]
     if not times:
         return None
     mean = statistics.fmean(times)
-    return {"batches_timed": len(times), "mean_batch_s": round(mean, 5),
+    return {"batches_timed": len(times) // printers, "mean_batch_s": round(mean, 5),
+            "seconds_timed": round(sum(times) / printers, 1),
             "images_per_s": round(batch / mean, 1)}
+
+
+def loader_throughput(text: str) -> dict | None:
+    """What auto_public_loader.py printed last."""
+    found = LOADER_LINE.findall(text)
+    return json.loads(found[-1]) if found else None
 
 
 def collect(job: Job, expected: list[str], warmup: int) -> dict:
@@ -172,52 +223,19 @@ def collect(job: Job, expected: list[str], warmup: int) -> dict:
     found = re.findall(regex, text, re.M)
     saved = sorted(str(p.relative_to(job.cwd)) for p in job.cwd.rglob("*") if p.is_file()
                    and p.relative_to(job.cwd).parts[0] not in ("record", "leases", "ranklogs"))
-    out = {"script": job.name, "run": job.cwd.name, "auto": job.auto, "devices": job.devices,
+    out = {"script": job.name, "run": job.cwd.name, "mode": job.mode, "devices": job.devices,
            "gpus": job.gpus, "seed": job.seed, "rc": job.rc, "wall_s": job.wall_s,
            "args": job.args, "accuracy": round(read(found[-1] if isinstance(found[-1], tuple)
                                                     else (found[-1],)), 3) if found else None,
-           "saved": saved, "saved_once": sorted(saved) == sorted(expected),
+           "saved": saved,
+           "saved_once": sorted(saved) == sorted([] if job.mode == "loader" else expected),
            "samples": samples(job.cwd / "record"),
            "log": str(job.cwd.parent / f"{job.cwd.name}.log")}
-    if job.name == "imagenet":
-        out["throughput"] = throughput(text, int(job.args[job.args.index("-b") + 1]), warmup)
+    if job.mode in ("auto", "per-gpu", "ddp"):
+        out["nccl_transports"] = dict(collections.Counter(TRANSPORT.findall(text)))
+    if job.mode == "loader":
+        out["throughput"] = loader_throughput(text)
+    elif job.name == "imagenet":
+        out["throughput"] = throughput(text, job.global_batch, warmup,
+                                       job.devices if job.mode == "ddp" else 1)
     return out
-
-
-def summarise(results: list[dict]) -> dict:
-    """Per script: the one-GPU accuracies' range, each --auto run inside it or not; ImageNet's
-    speedups over its one-GPU run."""
-    out = {}
-    for name in sorted({r["script"] for r in results}):
-        mine = [r for r in results if r["script"] == name]
-        base = [r["accuracy"] for r in mine if not r["auto"] and r["accuracy"] is not None]
-        s = out[name] = {"one_gpu_accuracy": base}
-        one = next((r.get("throughput") for r in mine if not r["auto"]), None)
-        for r in (r for r in mine if r["auto"]):
-            v = s[f"auto-{r['devices']}"] = {
-                "accuracy": r["accuracy"], "rc": r["rc"], "saved_once": r["saved_once"],
-                "once_per_epoch": r["samples"]["once_per_epoch"],
-                "within_one_gpu_range": (bool(base) and r["accuracy"] is not None
-                                         and min(base) <= r["accuracy"] <= max(base))}
-            if one and r.get("throughput"):
-                v["speedup"] = round(r["throughput"]["images_per_s"] / one["images_per_s"], 2)
-    return out
-
-
-def table(results: list[dict], summary: dict) -> str:
-    rows = ["script   run        rc  wall_s  acc%     saved_once  once/epoch  img/s"]
-    for r in results:
-        tp = (r.get("throughput") or {}).get("images_per_s", "")
-        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
-        rows.append(f"{r['script']:<8} {r['run']:<10} {r['rc']!s:<3} {r['wall_s']!s:<7} "
-                    f"{acc:<8} {r['saved_once']!s:<11} {r['samples']['once_per_epoch']!s:<11} {tp}")
-    rows.append("")
-    for name, s in summary.items():
-        for key, v in s.items():
-            if key.startswith("auto-"):
-                rows.append(f"{name} {key}: accuracy {v['accuracy']} vs one-GPU "
-                            f"{s['one_gpu_accuracy']} -> within range: "
-                            f"{v['within_one_gpu_range']}; once per epoch: {v['once_per_epoch']}; "
-                            f"saved once: {v['saved_once']}"
-                            + (f"; speedup {v['speedup']}x" if "speedup" in v else ""))
-    return "\n".join(rows) + "\n"

@@ -24,8 +24,31 @@ exit code, wall time, the final test accuracy parsed from the script's own outpu
 saved (each expected one exactly once, nothing else), whether every training sample was fetched
 once per epoch over all ranks (auto_public_record/sitecustomize.py records the indices each
 process's loaders fetch), and for the ImageNet script its throughput from its own printed batch
-times: global batch / mean batch time, the first --warmup batches skipped, and the speedup over its
-one-GPU run. Results: results.json, results.txt and every run's logs under --out.
+times: global batch / mean batch time, the first --warmup batches of each epoch skipped, and the
+speedup over its one-GPU run. The ImageFolder has 40960 training JPEGs (160 batches of 256) and a
+run on N processes trains N epochs, so that every ImageNet run times at least about 10 s
+(the one-GPU resnet18 run: 155 timed batches at about 3600 img/s, 11 s; 4 GPUs at the 3.5x
+target: 620 batches, 12.5 s).
+
+Why the ImageNet speedup falls short, in one command (`--compare`: the ImageNet set alone, in
+turns on one machine): after the one-GPU run and its data loading alone (loader-1), for each N of
+--gpus: `auto-N` (--auto), `ddp-N` (the script's own --multiprocessing-distributed mode, given
+-j = workers x N so that each of its processes has --auto's batch -b/N and workers -j),
+`per-gpu-N` (--auto-batch per-gpu: -b per GPU) and `loader-N` (auto_public_loader.py: the same
+ImageFolder and transforms through a DataLoader per process, N processes at once, no GPU step).
+GPU runs of several processes also record how NCCL joined them (P2P, SHM, NET: its INFO lines).
+auto_public_report.py says how to read the lines it prints. On the GPU machine (4 GPUs), with
+.public/ carried; about 6-7 min for resnet18 (the data: seconds, reused by a later call to the
+same --out), about 7 min for resnet50 -j 14, each within one 10-minute device command:
+
+    bash benchmarks/auto_public_compare.sh                            # resnet18, -j 10
+    ARCH=resnet50 WORKERS=14 bash benchmarks/auto_public_compare.sh   # a second call
+
+Each invocation works in a folder of its own, `--out/call-K` (K: one more than the last), so a
+re-run into the same --out never mixes its runs' records, saved files or logs with an earlier
+one's: results.json, results.txt and every run's logs are there, and the latest call's
+results.json and results.txt are copied to --out. Only the ImageFolder, the costly data set, is
+shared between calls (`--out/data/imagenet-TRAINxVAL`, reused once complete).
 
 The one shim, the same for every run and said in results.json: torchvision's CIFAR10 checks that
 its files exist instead of their md5 (see auto_public_record/sitecustomize.py).
@@ -41,6 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import auto_public_data as data  # noqa: E402
+import auto_public_report as report  # noqa: E402
 import auto_public_runs as runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,50 +79,102 @@ SAVED = {"mnist": ["mnist_cnn.pt"], "cifar": ["resnet.ckpt"],
          "imagenet": ["checkpoint.pth.tar", "model_best.pth.tar"]}
 # (GPU machine, CPU smoke): sample counts (train, test) and the scripts' own arguments
 SIZES = {"mnist": ((60000, 10000), (512, 256)), "cifar": ((3000, 2000), (200, 100)),
-         "imagenet": ((20480, 512), (32, 16))}
+         "imagenet": ((40960, 512), (32, 16))}
+COMPARE_MODES = "auto,ddp,per-gpu,loader"
 
 
-def script_args(name: str, args, seed: int | None, data_dir: Path) -> list[str]:
+def script_args(job: runs.Job, args) -> list[str]:
     cpu = args.devices_kind == "cpu"
-    if name == "mnist":
-        extra = ["--seed", str(seed)] if seed is not None else []
+    if job.name == "mnist":
+        extra = ["--seed", str(job.seed)] if job.seed is not None else []
         return ["--epochs", "1" if cpu else str(args.mnist_epochs), "--save-model",
                 "--log-interval", "50"] + extra
-    if name == "cifar":
+    if job.name == "cifar":
         return []  # the script takes no arguments
-    return [str(data_dir), "-a", args.imagenet_arch, "--epochs", "1",
-            "-b", str(8 if cpu else args.imagenet_batch),
-            "-j", str(1 if cpu else args.imagenet_workers), "-p", "1"]
+    return imagenet_args(job, args, cpu)
 
 
-def generate(name: str, root: Path, cpu: bool) -> float:
-    start = time.perf_counter()
+def imagenet_args(job: runs.Job, args, cpu: bool) -> list[str]:
+    """The same -b and -j (per process: what --auto makes of them) in every mode. Epochs grow
+    with the process count, so that each run times about as many seconds."""
+    epochs = 1 if cpu else args.imagenet_epochs_per_gpu * job.devices
+    batch, workers = (8, 1) if cpu else (args.imagenet_batch, args.imagenet_workers)
+    if job.mode == "loader":
+        return [str(job.data_dir), "--procs", str(job.devices), "-b", str(batch),
+                "-j", str(workers), "--epochs", str(epochs), "--warmup", str(args.warmup)]
+    if job.mode == "ddp":  # the script gives each process ceil(-j / N) workers and -b / N
+        workers *= job.devices
+    return [str(job.data_dir), "-a", args.imagenet_arch, "--epochs", str(epochs),
+            "-b", str(batch), "-j", str(workers), "-p", "1"]
+
+
+def generate(name: str, root: Path, cpu: bool) -> float | None:
+    """Writes the data set into `root`; None when a shared one is there already, complete."""
     train, test = SIZES[name][1 if cpu else 0]
+    done = root / ".complete"
+    if done.is_file():
+        return None
+    start = time.perf_counter()
     writer = {"mnist": data.write_mnist, "cifar": data.write_cifar,
               "imagenet": data.write_imagefolder}[name]
     writer(root, train, test)
+    done.write_text(f"{train} {test}\n")
     return time.perf_counter() - start
 
 
-def plan(args) -> list[runs.Job]:
-    """Every run, ImageNet's first (each alone on the machine: its throughput is measured)."""
-    jobs, out, scripts = [], Path(args.out).resolve(), Path(args.scripts).resolve()
+def data_folder(name: str, cwd: Path, out: Path, cpu: bool) -> Path:
+    """Where a run reads its data: MNIST and CIFAR where the script looks (relative to its cwd,
+    in the call's folder, cheap to write); the ImageFolder shared by every call to --out."""
+    if name != "imagenet":
+        return (cwd / SCRIPTS[name][2]).resolve()
+    train, test = SIZES[name][1 if cpu else 0]
+    return out / "data" / f"imagenet-{train}x{test}"
+
+
+def claim_call_folder(out: Path) -> Path:
+    """A new, empty `out/call-K` for this invocation (K one more than the highest there)."""
+    taken = [int(p.name[5:]) for p in out.glob("call-*") if p.name[5:].isdigit()]
+    k = max(taken, default=0) + 1
+    while True:
+        try:
+            (out / f"call-{k}").mkdir(parents=True)
+            return out / f"call-{k}"
+        except FileExistsError:  # another invocation took it meanwhile
+            k += 1
+
+
+def plan(args, call: Path) -> list[runs.Job]:
+    """Every run, ImageNet's first (each alone on the machine: its throughput is measured), in
+    the call's own folder."""
+    jobs, scripts = [], Path(args.scripts).resolve()
     counts = [int(n) for n in args.gpus.split(",") if n]
     for name in sorted(args.only.split(","), key=lambda n: n != "imagenet"):
-        rel, blob, data_rel = SCRIPTS[name]
-        script = scripts / rel
-        seeds = [1, 2, 3] if name == "mnist" else [None] * 3
+        script = scripts / SCRIPTS[name][0]
+        runs_dir = call / name / "runs"
         if name == "imagenet":
-            seeds = [None]
+            jobs += imagenet_jobs(script, runs_dir, counts, args)
+            continue
+        seeds = [1, 2, 3] if name == "mnist" else [None] * 3
         for i, seed in enumerate(seeds):
-            jobs.append(runs.Job(name, script, out / name / "runs" / f"1gpu-{i + 1}", 1, False,
-                                 seed, name == "imagenet"))
+            jobs.append(runs.Job(name, script, runs_dir / f"1gpu-{i + 1}", 1, "1gpu", seed, False))
         for n in counts:
-            jobs.append(runs.Job(name, script, out / name / "runs" / f"auto-{n}", n, True,
-                                 seeds[0], name == "imagenet"))
+            jobs.append(runs.Job(name, script, runs_dir / f"auto-{n}", n, "auto", seeds[0], False))
     for job in jobs:
-        job.data_dir = (job.cwd / SCRIPTS[job.name][2]).resolve()
-        job.args = script_args(job.name, args, job.seed, job.data_dir)
+        job.data_dir = data_folder(job.name, job.cwd, call.parent, args.devices_kind == "cpu")
+        job.args = script_args(job, args)
+    return jobs
+
+
+def imagenet_jobs(script: Path, runs_dir: Path, counts: list[int], args) -> list[runs.Job]:
+    """The one-GPU run, then each mode on each process count, in turns; --rounds times."""
+    modes = [m for m in args.imagenet_modes.split(",") if m]
+    jobs = []
+    for k in range(1, args.rounds + 1):
+        tag = f"-r{k}" if args.rounds > 1 else ""
+        plan = [("1gpu", 1)] + [("loader", 1)] * ("loader" in modes)
+        plan += [(mode, n) for n in counts for mode in modes]
+        jobs += [runs.Job("imagenet", script, runs_dir / f"{mode}-{n}{tag}", n, mode, None, True)
+                 for mode, n in plan]
     return jobs
 
 
@@ -114,14 +190,26 @@ def main(argv=None) -> int:
     p.add_argument("--imagenet-arch", default="resnet18")
     p.add_argument("--imagenet-batch", type=int, default=256)
     p.add_argument("--imagenet-workers", type=int, default=10)
+    p.add_argument("--imagenet-epochs-per-gpu", type=int, default=1,
+                   help="a run on N processes trains N times this many epochs")
+    p.add_argument("--imagenet-modes", default="auto",
+                   help=f"ImageNet runs beside the one-GPU one, of {','.join(runs.MODES[1:])}")
+    p.add_argument("--rounds", type=int, default=1, help="the ImageNet set, this many times")
+    p.add_argument("--compare", action="store_true",
+                   help=f"the ImageNet set only, on --gpus, in the modes {COMPARE_MODES}")
     p.add_argument("--warmup", type=int, default=5, help="ImageNet batches not timed")
     p.add_argument("--slots", type=int, default=2,
                    help="runs sharing one GPU at once (not the ImageNet runs, which run alone)")
     p.add_argument("--run-timeout", type=int, default=240)
     args = p.parse_args(argv)
+    if args.compare:
+        args.only, args.imagenet_modes = "imagenet", COMPARE_MODES
+    wrong = set(args.imagenet_modes.split(",")) - set(runs.MODES[1:])
+    if wrong:
+        p.error(f"--imagenet-modes: {','.join(sorted(wrong))} is not one of "
+                f"{','.join(runs.MODES[1:])}")
     cpu = args.devices_kind == "cpu"
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",")
     provenance = runs.check_scripts({n: SCRIPTS[n][:2] for n in names}, Path(args.scripts))
     if any(not v["unmodified"] for v in provenance.values()):
@@ -129,23 +217,27 @@ def main(argv=None) -> int:
         print("auto_public_scripts: a script is missing or differs from its pinned blob; copy it "
               "unmodified (see this file's docstring)", file=sys.stderr)
         return 2
-    jobs = plan(args)
+    call = claim_call_folder(out)
+    print(f"[call] {call}", flush=True)
+    jobs = plan(args, call)
     gen = {}
     for name in names:
         root = {j.data_dir for j in jobs if j.name == name}.pop()
-        gen[name] = round(generate(name, root, cpu), 1)
-        print(f"[data] {name}: {SIZES[name][int(cpu)]} samples in {root} ({gen[name]} s)",
-              flush=True)
+        took = generate(name, root, cpu)
+        gen[name] = None if took is None else round(took, 1)
+        print(f"[data] {name}: {SIZES[name][int(cpu)]} samples in {root} "
+              f"({'reused' if took is None else f'{gen[name]} s'})", flush=True)
     runs.run_all(jobs, cpu=cpu, slots=args.slots, timeout=args.run_timeout, repo=REPO)
     results = [runs.collect(j, SAVED[j.name], args.warmup) for j in jobs]
-    summary = runs.summarise(results)
+    summary = report.summarise(results)
     doc = {"scripts": provenance, "data_seconds": gen, "devices_kind": args.devices_kind,
            "shims": ["torchvision.datasets.cifar.check_integrity: the file exists (no md5), "
                      "auto_public_record/sitecustomize.py"],
            "env": runs.FIXED_ENV, "runs": results, "summary": summary}
-    (out / "results.json").write_text(json.dumps(doc, indent=1))
-    table = runs.table(results, summary)
-    (out / "results.txt").write_text(table)
+    table = report.table(results, summary)
+    for folder in (call, out):  # the call's own, and the latest call's at --out
+        (folder / "results.json").write_text(json.dumps(doc, indent=1))
+        (folder / "results.txt").write_text(table)
     print(table)
     return 0
 

@@ -7,6 +7,7 @@ Run there with:  pytest -m gpu tests/gpu/test_auto_gpu.py
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,24 @@ def test_doctor_auto_finds_the_mnist_style_training_loader_split_on_two_gpus(tmp
             "epoch, each of its 1024 samples once over the 2 ranks") in r.stdout.splitlines()
     assert "32 samples per rank in the model's first forward; 64 over the 2 ranks" in r.stdout
     assert "was not split" not in r.stdout and not list(tmp_path.iterdir())
+
+
+def test_nccl_joins_auto_processes_peer_to_peer_where_their_gpus_can(tmp_path, two_free_gpus):
+    """--auto narrows each process to its own GPU (CUDA_VISIBLE_DEVICES); NCCL must still join
+    their GPUs directly (P2P, over NVLink or PCIe) where the GPUs can reach each other, not
+    through host memory (SHM): that would cost --auto on every all-reduce, against the same
+    script run with every GPU visible (benchmarks/auto_public_scripts.py --compare, ddp)."""
+    peers = subprocess.run([sys.executable, "-c", "import torch; n = torch.cuda.device_count(); "
+                            "print(n > 1 and all(torch.cuda.can_device_access_peer(a, b) "
+                            "for a in range(n) for b in range(n) if a != b))"],
+                           env=gpu_env(), capture_output=True, text=True, timeout=120)
+    if peers.stdout.strip() != "True":
+        pytest.skip(f"the GPUs here do not all reach each other peer to peer: {peers.stdout}")
+    env = gpu_env() | {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+    r = subprocess.run([sys.executable, "-m", "multigpu", "run", "--auto", "--devices", "2",
+                        str(TUTORIAL), "--batch", "8", "--epochs", "1"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    via = re.findall(r"NCCL INFO Channel \d+(?:/\d+)? : \S+ -> \S+ via (\S+)",
+                     r.stdout + r.stderr)
+    assert via and all(v.startswith("P2P") for v in via), sorted(set(via))
