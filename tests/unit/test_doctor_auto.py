@@ -17,7 +17,8 @@ WHOLE = "left whole on every process, so evaluation code and its metrics stay ri
 EVAL = "evaluation: read whole on every process, as a loader without shuffle"
 GRADS = ("the modules whose parameters it holds average their gradients over the processes "
          "during backward, as DDP does; rank 0's weights first")
-SAVE = "written once, by rank 0, without module./_orig_mod. prefixes; the others wait until the file exists"
+SAVE = ("written once, by rank 0, without module./_orig_mod. prefixes; the others wait until the "
+        "file exists; such a file loads back into the script's DataParallel")
 OUTPUT = "rank 0's on the console, the others' in their log files (the launcher)"
 UNKNOWN = ("whether it shuffles is decided when it runs (the source does not show it): split over "
            "the processes if it shuffles then, whole on every process if not")
