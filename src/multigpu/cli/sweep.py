@@ -317,12 +317,13 @@ def _on_slurm(spec, options: dict, folder) -> int:
         if not todo:
             sweep.write_summary()
             folder.event(f"nothing to submit: {len(runs) - waiting} of {len(runs)} runs done, "
-                         f"{waiting} queued or running on SLURM; follow them with: multigpu sweep "
-                         f"--status {folder.root}", print)
+                         f"{waiting} queued or running on SLURM; summary in "
+                         f"{folder.root / 'summary.md'}", print)
             return 0
         ids = slurm.submit(folder, todo, task, settings)
         sweep.write_summary()
-        folder.event(f"submitted {len(todo)} runs to SLURM as job array {ids[0].split('_')[0]} "
+        what = f"{len(todo)} runs" if len(todo) > 1 else "1 run"
+        folder.event(f"submitted {what} to SLURM as job array {ids[0].split('_')[0]} "
                      f"({settings.describe()}); follow it with: multigpu sweep --status "
                      f"{folder.root}", print)
         return 0

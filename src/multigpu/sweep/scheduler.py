@@ -224,7 +224,7 @@ class Sweep:
             self.folder.event(f"FAILED {st.name} after {took} ({st.note}); its log: "
                               f"{self.folder.run_log(st.name)}{indented}", self.echo)
         else:
-            self.folder.event(f"stopped {st.name} after {took}", self.echo)
+            self.folder.event(f"stopped {st.name} after {took}: {st.note}", self.echo)
 
     # ----------------------------------------------------------------------- stopping
 
