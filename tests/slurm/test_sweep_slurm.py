@@ -3,6 +3,8 @@ sweep's runs go through sbatch as one job array, and everything is read back fro
 folder, squeue and the runs' checkpoints."""
 import csv
 import json
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -137,3 +139,28 @@ def test_sigusr1_before_the_time_limit_requeues_the_run_and_it_ends_as_if_never_
     learnt = ("epoch", "train_loss", "val_loss", "val_accuracy")  # not the timings
     assert [{k: r[k] for k in learnt} for r in read_metrics(folder / "runs" / "seed=1")] == \
         [{k: r[k] for k in learnt} for r in read_metrics(ref)]
+
+
+def test_sbatch_refusals_are_one_line_with_the_flag_to_change(slurm_cluster, tmp_path):
+    """A partition the cluster lacks, and a controller that does not answer (this cluster's
+    slurm.conf with the controller's port closed): one line each, exit 2."""
+    args = ["--on", "slurm", "--devices-per-run", "cpu:1", "--grid", "lr=0.003,0.01", "--", *TRAIN]
+    proc = sweep(slurm_cluster, "--partition", "nosuch", "--out", "a", *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == ("multigpu: error: --on slurm: sbatch refused the job array: "
+                                   "Batch job submission failed: Invalid partition name specified; "
+                                   "check --partition, --time, --devices-per-run and --slurm-arg")
+    conf = Path(slurm_cluster.env["SLURM_CONF"])
+    closed = tmp_path / "closed.conf"
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    closed.write_text(re.sub(r"SlurmctldPort=\d+", f"SlurmctldPort={port}", conf.read_text()))
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "--out", "b", *args],
+                          cwd=tmp_path, env={**cli_env(), "SLURM_CONF": str(closed)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "multigpu: error: --on slurm: sbatch cannot reach the SLURM controller (slurmctld): Batch "
+        "job submission failed: Unable to contact slurm controller (connect failure); check that "
+        "it runs (scontrol ping) and that SLURM_CONF names this cluster")

@@ -304,6 +304,7 @@ def _on_slurm(spec, options: dict, folder) -> int:
         partition=options.get("partition"), extra=slurm.parse_slurm_args(options.get("slurm_arg")),
         max_parallel=_number(options, "max_parallel", int, None, 1))
     parse_per_run(settings.per_run)
+    slurm.check_ready()
     task = RunTask(str(folder.root.absolute()), os.getcwd(), settings.devices_arg(),
                    retries=_number(options, "retries", int, 0, 0),
                    timeout_s=parse_duration(options.get("timeout")))

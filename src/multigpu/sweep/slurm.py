@@ -146,11 +146,16 @@ def submit(folder: SweepFolder, runs, task, settings: SlurmSettings, echo=print)
     return [j.job_id for j in jobs]
 
 
-def _executor(folder: SweepFolder, settings: SlurmSettings, n_runs: int):
+def check_ready() -> None:
+    """submitit and sbatch are here: said in one line before the sweep folder is touched."""
     require("submitit", "multigpu sweep --on slurm", "slurm")
     if shutil.which("sbatch") is None:
         raise UsageError("--on slurm: sbatch is not on PATH; submit from a machine of the SLURM "
                          "cluster (a login node), or leave out --on slurm to run the sweep here")
+
+
+def _executor(folder: SweepFolder, settings: SlurmSettings, n_runs: int):
+    check_ready()
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # before submitit reads it
     from submitit.slurm.slurm import SlurmExecutor, SlurmJobEnvironment
 
