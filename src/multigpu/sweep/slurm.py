@@ -36,6 +36,8 @@ PREEMPT_SIGNAL = "USR1"  # what multigpu train stops on with a checkpoint (train
 SIGNAL_DELAY_S = 90
 MAX_REQUEUES = 100  # time limits a run may reach (submitit's max_num_timeout)
 DEFAULT_TIME_S = 3600.0
+RESERVED = {"setup", "use_srun", "additional_parameters", "signal_delay_s", "signal", "array",
+            "array_parallelism", "job_name", "output", "error", "srun_args", "open_mode"}
 
 
 @dataclass
@@ -59,8 +61,12 @@ class SlurmSettings:
         extra = {"requeue": True}
         valid = _valid_parameters()
         for key, value in self.extra.items():
-            if key.replace("-", "_") in valid and key.replace("-", "_") not in ("setup", "use_srun"):
-                params[key.replace("-", "_")] = value
+            name = key.replace("-", "_")
+            if name in RESERVED:
+                raise UsageError(f"--slurm-arg {key}: the sweep sets it itself (the job array, "
+                                 "its files, SIGUSR1 for the requeue); leave it out")
+            if name in valid:
+                params[name] = value
             else:
                 extra[key.replace("_", "-")] = value
         # B:, to the batch shell alone, which execs the task's Python (slurm_task.py says why)
