@@ -182,3 +182,29 @@ def test_a_program_that_does_not_exist_is_refused_once():
     _check_program("multigpu")
     with pytest.raises(UsageError, match="'pyhton' is not found on PATH; check its spelling"):
         _check_program("pyhton")
+
+
+def test_a_sweep_file_says_on_slurm_and_its_settings(tmp_path):
+    """`on: slurm` is the boolean True to YAML 1.1; it still reaches the options as `on`."""
+    path = tmp_path / "s.yaml"
+    path.write_text("command: multigpu train --model mlp\ngrid: {lr: [1, 2]}\non: slurm\n"
+                    "time: 4h\nslurm_arg: {account: abc}\n")
+    _, options = specs.from_mapping(read_mapping(str(path)), str(path))
+    assert options == {"on": "slurm", "time": "4h", "slurm_arg": {"account": "abc"}}
+
+
+def test_slurm_settings_become_sbatch_options():
+    from multigpu.sweep.slurm import SlurmSettings, parse_slurm_args
+
+    extra = parse_slurm_args(["account=abc", "cpus_per_task=8", "exclusive", "licenses=fs:1"])
+    params = SlurmSettings("2", 4 * 3600, "gpu", extra, max_parallel=3).parameters(18)
+    assert (params["gpus_per_node"], params["cpus_per_task"], params["time"]) == (2, "8", 240)
+    assert (params["partition"], params["array_parallelism"], params["use_srun"]) == ("gpu", 3, False)
+    assert (params["account"], params["exclusive"]) == ("abc", True)  # submitit's own names
+    assert params["additional_parameters"] == {"requeue": True, "licenses": "fs:1",
+                                               "signal": "B:USR1@90"}
+    assert SlurmSettings("cpu:4").parameters(2)["cpus_per_task"] == 4
+    with pytest.raises(UsageError, match=r"^--slurm-arg '=x': give sbatch's option as NAME=VALUE"):
+        parse_slurm_args(["=x"])
+    with pytest.raises(UsageError, match=r"^--slurm-arg signal: the sweep sets it itself"):
+        SlurmSettings("1", extra={"signal": "USR2@60"}).parameters(2)

@@ -7,6 +7,9 @@
                                               exclude:, and any of the options below)
     multigpu sweep --status sweeps/ts         where it stands
     multigpu sweep --resume sweeps/ts         go on with the sweep stored there
+    multigpu sweep --on slurm --partition gpu --time 4h sweep.yaml
+                                              the same runs as one SLURM job array (submitit);
+                                              --status, the summary and a re-run work the same
 
 Running the same command again skips the finished runs and resumes the others from their
 checkpoints. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish.
@@ -25,7 +28,7 @@ from multigpu.core.errors import UsageError
 
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
 OPTIONS = ("devices", "devices_per_run", "max_parallel", "timeout", "retries", "metric",
-           "min_free_memory", "out")
+           "min_free_memory", "out", "on", "partition", "time", "slurm_arg")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -52,6 +55,14 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="a GPU with less free memory counts as busy (default 2)")
     p.add_argument("--out", metavar="DIR", help="the sweep's folder (default: sweeps/<8 hex "
                    "digits of the sweep>, so the same command finds it again)")
+    p.add_argument("--on", choices=("local", "slurm"), help="where the runs go: this machine "
+                   "(default), or SLURM: one job array through submitit, each task a run with "
+                   "--devices-per-run (default 1 GPU); the folder must be shared with the nodes")
+    p.add_argument("--partition", metavar="P", help="--on slurm: the SLURM partition")
+    p.add_argument("--time", metavar="TIME", help="--on slurm: each job's time limit (default "
+                   "1h); a run stopped by it saves a checkpoint and is requeued to go on")
+    p.add_argument("--slurm-arg", action="append", metavar="NAME=VALUE",
+                   help="--on slurm: another sbatch option, e.g. account=abc, mem=64G; repeat")
     p.add_argument("--status", metavar="DIR", help="show where the sweep in DIR stands and exit")
     p.add_argument("--resume", metavar="DIR", help="go on with the sweep stored in DIR")
     p.add_argument("--detach", action="store_true", help="run in the background, also after "
@@ -71,6 +82,8 @@ def main(args: argparse.Namespace) -> int:
     folder = state.SweepFolder(root)
     if args.dry_run:
         return _dry_run(spec, options, folder)
+    if _where(options) == "slurm":
+        return _on_slurm(spec, options, folder)
     sweep = _build(spec, options, folder)
     if args.detach:
         return _detach(folder, sweep, options)
@@ -153,14 +166,7 @@ def _build(spec, options: dict, folder):
     from multigpu.sweep.scheduler import Options, Sweep
 
     runs = specs.expand(spec)
-    _check_program(spec.command[0])
-    record = folder.read_sweep()
-    if record is not None and record["spec"]["command"] != spec.command:
-        raise UsageError(f"{folder.root} holds another sweep (command: "
-                         f"{' '.join(record['spec']['command'])}); choose another --out")
-    if record is None and folder.root.is_dir() and any(folder.root.iterdir()):
-        raise UsageError(f"--out {folder.root} already holds files that are not a sweep's; "
-                         "multigpu never writes over them: choose another --out")
+    _check_folder(spec, folder)
     per_run = options.get("devices_per_run") or _default_per_run()
     min_free = _number(options, "min_free_memory", float, 2.0, 0)
     pool = make_pool(str(options.get("devices") or "auto"), str(per_run), min_free)
@@ -172,6 +178,25 @@ def _build(spec, options: dict, folder):
     opts = Options(max_parallel=max_parallel, timeout_s=parse_duration(options.get("timeout")),
                    retries=retries, metric=metric)
     return Sweep(spec, runs, folder, pool, opts)
+
+
+def _check_folder(spec, folder) -> None:
+    """The command can start, and --out is this sweep's folder or a new one."""
+    _check_program(spec.command[0])
+    record = folder.read_sweep()
+    if record is not None and record["spec"]["command"] != spec.command:
+        raise UsageError(f"{folder.root} holds another sweep (command: "
+                         f"{' '.join(record['spec']['command'])}); choose another --out")
+    if record is None and folder.root.is_dir() and any(folder.root.iterdir()):
+        raise UsageError(f"--out {folder.root} already holds files that are not a sweep's; "
+                         "multigpu never writes over them: choose another --out")
+
+
+def _where(options: dict) -> str:
+    where = str(options.get("on") or "local")
+    if where not in ("local", "slurm"):
+        raise UsageError(f"on: {where!r}: give local (this machine) or slurm")
+    return where
 
 
 def _number(options: dict, key: str, kind, default, least):
@@ -209,21 +234,22 @@ def _default_per_run() -> str:
         return "cpu:1"
 
 
-def parse_duration(text) -> float | None:
+def parse_duration(text, flag: str = "--timeout") -> float | None:
     if text is None:
         return None
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
     if not m or float(m.group(1)) <= 0:
-        raise UsageError(f"--timeout {text}: give a time like 90s, 30m or 2h")
+        raise UsageError(f"{flag} {text}: give a time like 90s, 30m or 2h")
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 # --------------------------------------------------------------------------- doing it
 
-def _record(sweep, options: dict) -> dict:
-    slots = len(sweep.pool.units) // sweep.pool.per_run
-    if sweep.options.max_parallel:
-        slots = min(slots, sweep.options.max_parallel)
+def _record(sweep, options: dict, slots: int | None = None) -> dict:
+    if slots is None:
+        slots = len(sweep.pool.units) // sweep.pool.per_run
+        if sweep.options.max_parallel:
+            slots = min(slots, sweep.options.max_parallel)
     return {"spec": sweep.spec.to_json(), "options": {k: v for k, v in options.items() if k != "out"},
             "cwd": os.getcwd(), "started": time.time(), "slots": max(1, slots)}
 
@@ -260,6 +286,50 @@ def _detach(folder, sweep, options: dict) -> int:
     print(f"sweep of {len(sweep.runs)} runs goes on in the background (pid {proc.pid}); "
           f"see where it stands: multigpu sweep --status {folder.root}; its log: {folder.log_path}")
     return 0
+
+
+def _on_slurm(spec, options: dict, folder) -> int:
+    """Submit the runs that are neither done nor still on SLURM's queue as one job array."""
+    from multigpu.sweep import slurm
+    from multigpu.sweep import spec as specs
+    from multigpu.sweep.pool import parse_per_run
+    from multigpu.sweep.scheduler import Options, Sweep
+    from multigpu.sweep.slurm_task import RunTask
+
+    runs = specs.expand(spec)
+    _check_folder(spec, folder)
+    settings = slurm.SlurmSettings(
+        per_run=str(options.get("devices_per_run") or "1"),
+        time_s=parse_duration(options.get("time"), "--time") or slurm.DEFAULT_TIME_S,
+        partition=options.get("partition"), extra=slurm.parse_slurm_args(options.get("slurm_arg")),
+        max_parallel=_number(options, "max_parallel", int, None, 1))
+    parse_per_run(settings.per_run)
+    slurm.check_ready()
+    task = RunTask(str(folder.root.absolute()), os.getcwd(), settings.devices_arg(),
+                   retries=_number(options, "retries", int, 0, 0),
+                   timeout_s=parse_duration(options.get("timeout")))
+    if not folder.lock():
+        raise UsageError(f"a sweep (pid {folder.holder_pid()}) is already working in {folder.root}; "
+                         f"follow it with: multigpu sweep --status {folder.root}")
+    try:
+        sweep = Sweep(spec, runs, folder, None, Options(metric=options.get("metric")))
+        todo, waiting = slurm.todo(folder, runs)
+        folder.write_sweep(_record(sweep, options, settings.max_parallel or len(runs)))
+        if not todo:
+            sweep.write_summary()
+            folder.event(f"nothing to submit: {len(runs) - waiting} of {len(runs)} runs done, "
+                         f"{waiting} queued or running on SLURM; summary in "
+                         f"{folder.root / 'summary.md'}", print)
+            return 0
+        ids = slurm.submit(folder, todo, task, settings)
+        sweep.write_summary()
+        what = f"{len(todo)} runs" if len(todo) > 1 else "1 run"
+        folder.event(f"submitted {what} to SLURM as job array {ids[0].split('_')[0]} "
+                     f"({settings.describe()}); follow it with: multigpu sweep --status "
+                     f"{folder.root}", print)
+        return 0
+    finally:
+        folder.unlock()
 
 
 def _dry_run(spec, options, folder) -> int:

@@ -18,6 +18,7 @@ EXTRAS = {
     "lightning": ("lightning", "bench"),
     "mlflow": ("mlflow", "mlflow"),
     "wandb": ("wandb", "wandb"),
+    "submitit": ("submitit", "slurm"),
 }
 
 

@@ -153,7 +153,7 @@ class Sweep:
                   "port": str(ports.free_port())}
         if self.pool.kind == "cuda":
             values["min_free_memory"] = f"{self.pool.min_free_memory:g}"
-        values["resume"] = self._prepare_folder(run, st.attempts)
+        values["resume"] = prepare_folder(self.folder, self.spec, run, st.attempts)
         argv = specs.multigpu_prefix(specs.argv_for(self.spec, run, values))
         env = {**os.environ, **self.pool.environment(units), "PYTHONUNBUFFERED": "1"}
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.folder.compile_cache.resolve()))
@@ -167,7 +167,7 @@ class Sweep:
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                        pass_fds=lease.fds(), preexec_fn=_child_setup(cores))
+                                        pass_fds=lease.fds(), preexec_fn=child_setup(cores))
             except (OSError, subprocess.SubprocessError) as exc:  # e.g. made non-executable since
                 log.write(f"cannot start {argv[0]}: {exc.strerror or exc}\n".encode())
                 proc = _Failed()
@@ -180,22 +180,6 @@ class Sweep:
                           self.echo)
         deadline = time.monotonic() + self.options.timeout_s if self.options.timeout_s else None
         return Active(run, proc, units, deadline, tries=tries)
-
-    def _prepare_folder(self, run: specs.Run, attempt: int) -> str | None:
-        """The run's folder before an attempt: the --resume value for a train run that has a
-        checkpoint; an attempt's folder without one is moved to attempts/ (kept, not reused)."""
-        out = self.folder.run_dir(run.name)
-        if specs.subcommand(self.spec.command) != "train":
-            out.mkdir(parents=True, exist_ok=True)
-            return None
-        if any(checkpoints_folder(out).glob("*.pt")):
-            return str(out)
-        if out.exists():
-            kept = self.folder.root / "attempts" / f"{run.name}-{attempt - 1}"
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            out.rename(kept)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return None
 
     def _finished(self, act: Active, queue) -> bool:
         """Watch one run; True once it has exited (its state written)."""
@@ -216,25 +200,19 @@ class Sweep:
             queue.append(act.run)
             st.note += f"; retrying ({act.tries}/{self.options.retries})"
         self.folder.write_state(st)
-        self._report(st, act)
+        self.report(st)
         self.write_summary()
         return True
 
     def _classify(self, st: RunState, act: Active, code: int) -> None:
-        if code == 0 and not act.timed_out:
-            st.status, st.note = "done", ""
-        elif self.stop_signal is not None:
-            st.status, st.note = "stopped", f"stopped by the sweep ({signal.Signals(self.stop_signal).name})"
-        elif act.timed_out:
-            st.status, st.note = "failed", f"timed out after {format_duration(self.options.timeout_s)}"
-        else:
-            why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-            line = last_error_line(log_tail(self.folder.run_log(act.run.name)))
-            st.status, st.note = "failed", f"{why}: {line}" if line else why
-        st.history.append({"attempt": st.attempts, "status": st.status,
-                           "duration_s": round(st.duration_s or 0, 1), "note": st.note})
+        stopped_by = None
+        if self.stop_signal is not None:
+            stopped_by = f"stopped by the sweep ({signal.Signals(self.stop_signal).name})"
+        classify(st, code, self.folder.run_log(act.run.name), timed_out=act.timed_out,
+                 timeout_s=self.options.timeout_s, stopped_by=stopped_by)
 
-    def _report(self, st: RunState, act: Active) -> None:
+    def report(self, st: RunState) -> None:
+        """The event line of a run that has ended."""
         took = format_duration(st.duration_s or 0)
         if st.status == "done":
             result = self.result(st)
@@ -246,7 +224,7 @@ class Sweep:
             self.folder.event(f"FAILED {st.name} after {took} ({st.note}); its log: "
                               f"{self.folder.run_log(st.name)}{indented}", self.echo)
         else:
-            self.folder.event(f"stopped {st.name} after {took}", self.echo)
+            self.folder.event(f"stopped {st.name} after {took}: {st.note}", self.echo)
 
     # ----------------------------------------------------------------------- stopping
 
@@ -310,10 +288,49 @@ class Sweep:
         return RunResult(st.name, st.params, st.status, duration, final, best, st.attempts, st.note)
 
     def write_summary(self) -> None:
+        with self.folder.summary_lock():
+            self._write_summary()
+
+    def _write_summary(self) -> None:
         results = [self.result(st) for st in self.states()]
         write_summary(self.folder.root, results, self.spec.keys(),
                       self.metric(), title=f"sweep {self.folder.root.name}: the best "
                       f"{split_metric(self.metric())[0]} of each run")
+
+
+def classify(st: RunState, code: int, log_path, *, timed_out: bool = False,
+             timeout_s: float | None = None, stopped_by: str | None = None) -> None:
+    """An attempt's end in `st`: done, stopped (`stopped_by` says by whom) or failed (why: the
+    timeout, the exit and the log's error line), and a line of its history."""
+    if code == 0 and not timed_out:
+        st.status, st.note = "done", ""
+    elif stopped_by is not None:
+        st.status, st.note = "stopped", stopped_by
+    elif timed_out:
+        st.status, st.note = "failed", f"timed out after {format_duration(timeout_s)}"
+    else:
+        why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+        line = last_error_line(log_tail(log_path))
+        st.status, st.note = "failed", f"{why}: {line}" if line else why
+    st.history.append({"attempt": st.attempts, "status": st.status,
+                       "duration_s": round(st.duration_s or 0, 1), "note": st.note})
+
+
+def prepare_folder(folder: SweepFolder, spec: specs.SweepSpec, run: specs.Run, attempt: int) -> str | None:
+    """The run's folder before an attempt: the --resume value for a train run that has a
+    checkpoint; an attempt's folder without one is moved to attempts/ (kept, not reused)."""
+    out = folder.run_dir(run.name)
+    if specs.subcommand(spec.command) != "train":
+        out.mkdir(parents=True, exist_ok=True)
+        return None
+    if any(checkpoints_folder(out).glob("*.pt")):
+        return str(out)
+    if out.exists():
+        kept = folder.root / "attempts" / f"{run.name}-{attempt - 1}"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        out.rename(kept)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return None
 
 
 def _alive(pgid: int | None) -> bool:
@@ -351,7 +368,7 @@ def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:
     return "val_loss"
 
 
-def _child_setup(cores: list[int] | None):
+def child_setup(cores: list[int] | None):
     """In the child, before exec: SIGTERM when the sweep dies; pinned to its cores (CPU runs)."""
     parent = os.getpid()
 

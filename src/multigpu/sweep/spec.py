@@ -80,7 +80,9 @@ def parse_grid_flag(text: str) -> tuple[str, list[str]]:
 def from_mapping(data: dict, where: str) -> tuple[SweepSpec, dict]:
     """A YAML file's mapping -> (spec, the sweep options it sets: devices_per_run, ...)."""
     known = {"command", "grid", "include", "exclude"}
-    options = {k.replace("-", "_"): v for k, v in data.items() if k not in known}
+    # YAML 1.1 reads the key `on:` (on: slurm) as the boolean True
+    options = {("on" if k is True else str(k)).replace("-", "_"): v for k, v in data.items()
+               if k not in known}
     if "command" not in data:
         raise UsageError(f"{where} has no `command:`; add the command each run executes, e.g. "
                          "command: multigpu train --model lstm --data {data}")

@@ -10,12 +10,15 @@
     DIR/attempts/NAME-K/  an attempt's folder that ended without a checkpoint to resume from
     DIR/compile-cache/    torch.compile's cache, shared by the runs
     DIR/summary.csv, summary.md, summary.png
+    DIR/slurm/            --on slurm: submitit's job scripts, pickles and each job's own log
 
 Only the process holding sweep.lock writes state files (atomically); `--status` reads them from
-anywhere. The lock is a flock, so a sweep killed with -9 leaves no stale lock.
+anywhere. The lock is a flock, so a sweep killed with -9 leaves no stale lock. On SLURM each
+array task writes its own run's state file and rewrites the summary under summary.lock.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -42,6 +45,7 @@ class RunState:
     note: str = ""  # why it failed or stopped, one line
     devices: str = ""
     pid: int | None = None
+    job: str = ""  # the SLURM job running it (--on slurm): 1234_5, an array's task
     history: list = field(default_factory=list)  # [{"attempt", "status", "duration_s", "note"}]
 
     @property
@@ -146,6 +150,18 @@ class SweepFolder:
         finally:
             os.close(fd)
         return None
+
+    @contextlib.contextmanager
+    def summary_lock(self):
+        """Held while reading every state and writing the summary: SLURM tasks that end together
+        would otherwise each write a summary missing the other's result."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / "summary.lock", os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def event(self, message: str, echo=None) -> None:
         """One line in sweep.log (and through `echo`, on the console)."""

@@ -18,17 +18,23 @@ def render(folder: SweepFolder, sweep) -> str:
     """The status report of `sweep` (a scheduler.Sweep built from the folder's sweep.json)."""
     states = sweep.states()
     holder = folder.holder_pid()
-    counts = {s: sum(st.status == s for st in states) for s in ("done", "running", "failed", "stopped", "pending")}
-    if holder is None:  # nobody runs them: a "running" state is left from a killed sweep
-        counts["stopped"] += counts.pop("running")
+    record = folder.read_sweep() or {}
+    running = {st.name for st in states if st.status == "running"}
+    if (record.get("options") or {}).get("on") == "slurm":
+        live, who = _on_slurm(folder, states)
+        stale = {n for n in running if live is not None and _job(states, n) not in live}
+    elif holder is None:  # nobody runs them: a "running" state is left from a killed sweep
+        stale, who = running, None
+    else:
+        stale, who = set(), f"running (pid {holder})"
+    shown = {st.name: "stopped" if st.name in stale else st.status for st in states}
+    counts = {s: sum(v == s for v in shown.values()) for s in ("done", "running", "failed", "stopped", "pending")}
+    if who is None:
         who = ("complete" if counts["done"] == len(states) else
                f"not running (run the same command again, or multigpu sweep --resume {folder.root}, "
                "to go on)")
-    else:
-        who = f"running (pid {holder})"
     parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     lines = [f"sweep {folder.root}: {len(states)} runs: {parts}; {who}"]
-    record = folder.read_sweep() or {}
     started = record.get("started")
     if started and holder is not None:
         left = _time_left(states, record.get("slots") or 1)
@@ -45,12 +51,31 @@ def render(folder: SweepFolder, sweep) -> str:
     lines.append("")
     lines.append(f"{'run':<44} {'status':<8} {'time':>8} {'tries':>5} {'final':>9} {'best':>9}  note")
     for r in results:
-        status = "stopped" if r.status == "running" and holder is None else r.status
+        status = shown[r.name]
         lines.append(f"{r.name[:44]:<44} {status:<8} {format_duration(r.duration_s):>8} {r.attempts:>5} "
                      f"{_num(r.final):>9} {_num(r.best):>9}  {r.note[:80]}")
     lines.append(f"\n({metric}: {'higher' if higher else 'lower'} is better; "
                  f"log: {folder.log_path})")
     return "\n".join(lines)
+
+
+def _job(states: list[RunState], name: str) -> str:
+    return next(st.job for st in states if st.name == name)
+
+
+def _on_slurm(folder: SweepFolder, states: list[RunState]) -> tuple[set | None, str]:
+    """(the sweep's array tasks SLURM still has, or None without squeue; the status line's end)."""
+    from multigpu.sweep.slurm import queued
+
+    live = queued(folder)
+    if live is None:
+        return None, "on SLURM (squeue does not answer here: states as the runs last wrote them)"
+    mine = sum(st.job in live for st in states if st.status != "done")
+    if mine:
+        return live, f"on SLURM: {mine} queued or running"
+    if all(st.status == "done" for st in states):
+        return live, "complete"
+    return live, "not on SLURM's queue (run the same command again to submit the rest)"
 
 
 def _time_left(states: list[RunState], slots: int) -> float | None:

@@ -1,0 +1,166 @@
+"""One run of a sweep inside a SLURM job: what each task of the sweep's job array executes.
+
+submitit unpickles a RunTask in the job and calls it with the run's name. It runs the run's
+command as the local sweep does (scheduler.py: the same command line, run folder, log and state
+file), and starts a failed run again up to --retries times, from its checkpoint.
+
+Before the job's time limit SLURM sends SIGUSR1 to this process alone (sbatch
+--signal=B:USR1@90, and the batch shell execs this Python): the run gets it once, saves a
+checkpoint and stops; then submitit's requeue protocol runs (its handler calls checkpoint() below,
+saves what it returns and calls `scontrol requeue`), and the task's next start resumes the run
+from that checkpoint. The signal is passed on exactly once because a second one stops
+`multigpu train` at once, without a checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from multigpu.core.errors import UsageError
+from multigpu.launcher import ports
+from multigpu.sweep import spec as specs
+from multigpu.sweep.scheduler import Options, Sweep, child_setup, classify, prepare_folder
+from multigpu.sweep.state import RunState, SweepFolder
+
+REQUEUED = "requeued by SLURM before its time limit (SIGUSR1); it resumes from its checkpoint"
+
+
+class RunFailed(RuntimeError):
+    """A run that failed every attempt: the SLURM task ends FAILED with its reason."""
+
+
+@dataclass
+class RunTask:
+    root: str
+    cwd: str  # the submitting command's directory: the command's relative paths start there
+    devices: str  # each run's --devices: "2" (GPUs SLURM gave the job) or "cpu:2"
+    retries: int = 0
+    timeout_s: float | None = None
+    grace_s: float = 60.0
+
+    def __call__(self, name: str) -> str:
+        if Path(self.cwd).is_dir():
+            os.chdir(self.cwd)
+        sweep = self._sweep()
+        run = next((r for r in sweep.runs if r.name == name), None)
+        if run is None:
+            raise UsageError(f"run {name} is not in the sweep of {self.root} any more")
+        self._proc, self._signalled = None, False
+        requeue = signal.signal(signal.SIGUSR1, self._on_signal)  # submitit's: called once stopped
+        for tries in range(1, self.retries + 2):
+            if self._signalled:  # between two attempts
+                break
+            st = self._attempt(sweep, run)
+            if st.status == "failed" and tries <= self.retries and not self._signalled:
+                st.note += f"; retrying ({tries}/{self.retries})"
+            sweep.folder.write_state(st)
+            sweep.report(st)
+            sweep.write_summary()
+            if st.status != "failed" or self._signalled:
+                break
+        if self._signalled and st.status != "done" and callable(requeue):
+            requeue(signal.SIGUSR1, None)  # checkpoint() then scontrol requeue; exits
+        if st.status == "failed":
+            raise RunFailed(f"{name}: {st.note}")
+        return st.status
+
+    def __getstate__(self) -> dict:
+        """Pickled without the run's process and the signal seen (checkpoint() pickles self)."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def checkpoint(self, name: str):
+        """submitit's requeue protocol: the same call again, after the requeue."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, name)
+
+    # ----------------------------------------------------------------------- one attempt
+
+    def _sweep(self) -> Sweep:
+        folder = SweepFolder(Path(self.root))
+        record = folder.read_sweep()
+        if record is None:
+            raise UsageError(f"{self.root}: no sweep.json; the sweep folder must be on a file "
+                             "system the SLURM nodes share")
+        spec = specs.SweepSpec(**record["spec"])
+        opts = Options(metric=record.get("options", {}).get("metric"), timeout_s=self.timeout_s)
+        return Sweep(spec, specs.expand(spec), folder, None, opts, echo=None)
+
+    def _attempt(self, sweep: Sweep, run: specs.Run) -> RunState:
+        folder = sweep.folder
+        st = folder.read_state(run.name) or RunState(run.name, run.params)
+        st.attempts += 1
+        values = {"out": str(folder.run_dir(run.name)), "devices": self.devices,
+                  "port": str(ports.free_port())}
+        values["resume"] = prepare_folder(folder, sweep.spec, run, st.attempts)
+        argv = specs.multigpu_prefix(specs.argv_for(sweep.spec, run, values))
+        job = _job_id()
+        where = f"SLURM job {job} on {socket.gethostname()}"
+        log_path = folder.run_log(run.name)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== attempt {st.attempts}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                      f"{where}: {shlex.join(argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, env=self._environment(folder),
+                                          start_new_session=True, preexec_fn=child_setup(None))
+        st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
+        st.pid, st.job, st.devices, st.note = None, job, f"{socket.gethostname()} ({self.devices})", ""
+        folder.write_state(st)
+        resumed = " (resuming from its checkpoint)" if values["resume"] else ""
+        folder.event(f"start {run.name} as {where}, attempt {st.attempts}{resumed}")
+        code, timed_out = self._wait()
+        st.ended, st.exit_code = time.time(), code
+        classify(st, code, log_path, timed_out=timed_out, timeout_s=self.timeout_s,
+                 stopped_by=REQUEUED if self._signalled and code != 0 else None)
+        return st
+
+    def _environment(self, folder: SweepFolder) -> dict:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder.compile_cache.resolve()))
+        if self.devices.startswith("cpu:"):  # as the local pool's CPU runs: no GPU, one thread each
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _wait(self) -> tuple[int, bool]:
+        """The run's exit code, and whether --timeout stopped it (SIGTERM, then SIGKILL after
+        the grace period)."""
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
+        timed_out, termed_at = False, None
+        while True:
+            try:
+                return self._proc.wait(timeout=1.0), timed_out
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if deadline is not None and now > deadline and termed_at is None:
+                timed_out, termed_at = True, now
+                self._signal_run(signal.SIGTERM)
+            elif termed_at is not None and now - termed_at > self.grace_s:
+                self._signal_run(signal.SIGKILL)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if not self._signalled:
+            self._signalled = True
+            self._signal_run(signum)
+
+    def _signal_run(self, sig: int) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _job_id() -> str:
+    """1234_5 for an array's task, else the job's id."""
+    array, index = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{index}" if array and index else os.environ.get("SLURM_JOB_ID", "?")
