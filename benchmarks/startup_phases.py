@@ -7,7 +7,9 @@ Each case is one `multigpu train --model resnet50 --epochs 1` (no --compile) on 
 on the folder, on each GPU count of --gpus, with the head start on and off (MULTIGPU_HEAD_START=1|0:
 the worker's imports and listing in a thread while its group forms, or all in line). Cases take
 turns, trial by trial, so that a drift of the machine spreads over all of them; the median trial
-is printed. The figures come from rank 0's `time:` line (train/timeline.py): `first_step_s` is
+is printed. --bare adds, on each GPU count, a bare torchrun script (startup_bare.py: torch,
+init_process_group, DDP, one step) in the same turns, the floor that every DDP script pays, and
+the same script with its workers forked from torchrun's agent (bare-fork: no second torch import). The figures come from rank 0's `time:` line (train/timeline.py): `first_step_s` is
 the command until the first optimizer step was done, `starting_s` until training could begin,
 `parts` the marked parts (they add up to starting_s), `meanwhile` the parts a thread did beside
 them. Every trial's line and figures go to --out/trials.jsonl, the medians to --out/summary.json.
@@ -23,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+BARE = Path(__file__).with_name("startup_bare.py")
+BARE_LINE = re.compile(r"bare: group at ([\d.]+) s, first step done at ([\d.]+) s")
 LINE = re.compile(r"time: ([\d.]+) s since the command: ([\d.]+) s starting \((.*)\), (?:first step "
                   r"done at ([\d.]+) s, )?([\d.]+) s training")
 
@@ -50,16 +54,46 @@ def cases(args) -> list[dict]:
     data = [("synthetic", f"synthetic:{args.synthetic}")]
     if args.folder:
         data.append(("folder", f"folder:{args.folder}"))
-    return [{"name": f"{gpus}gpu-{kind}-head{'on' if head else 'off'}", "gpus": gpus, "data": spec,
+    heads = {"both": (True, False), "on": (True,), "off": (False,)}[args.head_start]
+    runs = [{"name": f"{gpus}gpu-{kind}-head{'on' if head else 'off'}", "gpus": gpus, "data": spec,
              "head_start": head}
-            for gpus in args.gpus for kind, spec in data for head in (True, False)]
+            for gpus in args.gpus for kind, spec in data for head in heads]
+    bare = [{"name": f"{gpus}gpu-bare{'-fork' if fork else ''}", "gpus": gpus, "bare": True,
+             "fork": fork} for gpus in args.gpus for fork in (False, True)]
+    return runs + (bare if args.bare else [])
+
+
+def run_bare(case: dict, args) -> dict:
+    """startup_bare.py under plain torchrun (or its workers forked from the agent), its clock
+    started here, as the process starts."""
+    launcher = ([str(BARE), "--fork", str(case["gpus"])] if case["fork"] else
+                ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case['gpus']}",
+                 str(BARE)])
+    argv = [sys.executable, *launcher, "--model", args.model,
+            "--batch-size", str(args.batch_size), *(["--image-size", str(args.image_size)]
+                                                     if args.image_size else [])]
+    began = time.perf_counter()
+    env = dict(os.environ, BARE_STARTED_AT=repr(time.time()))
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
+    wall = time.perf_counter() - began
+    match = BARE_LINE.search(done.stdout)
+    if done.returncode != 0 or match is None:
+        return {**case, "ok": False, "code": done.returncode, "wall_s": wall,
+                "tail": (done.stdout + done.stderr)[-1500:]}
+    group, first = map(float, match.groups())
+    return {**case, "ok": True, "wall_s": wall, "whole_s": wall, "starting_s": group,
+            "first_step_s": first, "training_s": 0.0, "parts": {"process group": group},
+            "meanwhile": {}, "line": match.group(0)}
 
 
 def run_case(case: dict, args, work: Path) -> dict:
+    if case.get("bare"):
+        return run_bare(case, args)
     out = work / f"{case['name']}-{time.time_ns()}"
     argv = [sys.executable, "-m", "multigpu", "train", "--model", args.model, "--data", case["data"],
             "--devices", str(case["gpus"]) if args.accelerator == "cuda" else f"cpu:{case['gpus']}",
-            "--epochs", "1", "--batch-size", str(args.batch_size), "--out", str(out), *args.extra]
+            "--epochs", "1", "--batch-size", str(args.batch_size), "--out", str(out),
+            *(["--image-size", str(args.image_size)] if args.image_size else []), *args.extra]
     env = dict(os.environ, MULTIGPU_HEAD_START="1" if case["head_start"] else "0")
     began = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -110,6 +144,11 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--image-size", type=int, help="the runs' image size (default: the model's)")
+    p.add_argument("--head-start", choices=("both", "on", "off"), default="both",
+                   help="multigpu's runs with MULTIGPU_HEAD_START=1, =0, or both (default)")
+    p.add_argument("--bare", action="store_true",
+                   help="also a bare torchrun script (startup_bare.py) on each GPU count")
     p.add_argument("--synthetic", type=int, default=4096, help="samples of the synthetic case")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     p.add_argument("--out", required=True, help="folder for trials.jsonl and summary.json")
