@@ -49,6 +49,8 @@ def forked(nproc: int, argv: list[str]) -> None:
 
 
 def worker(argv: list[str]) -> None:
+    # torchrun sets OMP_NUM_THREADS=1 for the processes it starts; a fork has its OpenMP already
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     main(argv)
 
 
