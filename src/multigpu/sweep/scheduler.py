@@ -15,11 +15,9 @@ A run ends as:
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import shlex
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -28,12 +26,13 @@ from multigpu.launcher import ports
 from multigpu.core.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
+from multigpu.sweep import starter
+from multigpu.sweep.starter import child_setup  # noqa: F401 - slurm_task's
 from multigpu.sweep.pool import Pool, Unit
 from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
 from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
 
 POLL_SECONDS = 0.2
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -48,7 +47,7 @@ class Options:
 @dataclass
 class Active:
     run: specs.Run
-    proc: subprocess.Popen
+    proc: object  # subprocess.Popen, or starter.WarmRun: pid and poll()
     units: list[Unit]
     deadline: float | None
     signalled_at: float | None = None
@@ -67,6 +66,7 @@ class Sweep:
     stop_signal: int | None = None
     force: bool = False
     active: dict = field(default_factory=dict)
+    warm: starter.WarmStarter | None = None  # the fork server, from the first warm run
 
     # ----------------------------------------------------------------------- the loop
 
@@ -164,13 +164,7 @@ class Sweep:
                       f"{self.pool.label(units)}: {shlex.join(argv)}\n".encode())
             log.flush()
             cores = [int(u.token) for u in units] if self.pool.kind == "cpu" else None
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                        pass_fds=lease.fds(), preexec_fn=child_setup(cores))
-            except (OSError, subprocess.SubprocessError) as exc:  # e.g. made non-executable since
-                log.write(f"cannot start {argv[0]}: {exc.strerror or exc}\n".encode())
-                proc = _Failed()
+            proc = self._spawn(argv, env, log, lease.fds(), cores)
         lease.release()  # the child holds the lease now (inherited descriptors)
         st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
         st.pid, st.devices, st.note = proc.pid, self.pool.label(units), ""
@@ -180,6 +174,14 @@ class Sweep:
                           self.echo)
         deadline = time.monotonic() + self.options.timeout_s if self.options.timeout_s else None
         return Active(run, proc, units, deadline, tries=tries)
+
+    def _spawn(self, argv, env, log, keep_fds, cores):
+        args = starter.warm_args(argv, self.pool.per_run)
+        if args is None:
+            return starter.exec_run(argv, env, log, keep_fds, cores)
+        if self.warm is None:  # torch loads in the server with the runs' thread count
+            self.warm = starter.WarmStarter({k: env[k] for k in ("OMP_NUM_THREADS",) if k in env})
+        return self.warm.start(args, env, log.fileno(), keep_fds, cores)
 
     def _finished(self, act: Active, queue) -> bool:
         """Watch one run; True once it has exited (its state written)."""
@@ -231,11 +233,15 @@ class Sweep:
     def _signal(self, act: Active, sig: int) -> None:
         if act.signalled_at is None:
             act.signalled_at = time.monotonic()
+        if act.proc.pid <= 0:
+            return
         try:
-            if act.proc.pid > 0:
-                os.killpg(act.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+            os.killpg(act.proc.pid, sig)
+        except ProcessLookupError:  # a warm run forked an instant ago, not yet in its own session
+            try:
+                os.kill(act.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def _stop_all(self) -> None:
         """Ask every run to stop (they checkpoint), wait for them, kill those past the grace."""
@@ -346,15 +352,6 @@ def _alive(pgid: int | None) -> bool:
     return True
 
 
-class _Failed:
-    """A run whose process could not be started: it ends at once, as exit 127 (a shell's
-    "command not found")."""
-    pid = -1
-
-    def poll(self) -> int:
-        return 127
-
-
 def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:
     """The train command's validation metric: accuracy, else MAE, else the validation loss, as
     the first run with epochs shows."""
@@ -366,19 +363,3 @@ def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:
                 if name in keys:
                     return name
     return "val_loss"
-
-
-def child_setup(cores: list[int] | None):
-    """In the child, before exec: SIGTERM when the sweep dies; pinned to its cores (CPU runs)."""
-    parent = os.getpid()
-
-    def setup():
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent:  # the sweep died before prctl: no signal would come
-            os._exit(143)
-        if cores is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cores)
-    return setup
