@@ -67,6 +67,7 @@ class Sweep:
     force: bool = False
     active: dict = field(default_factory=dict)
     warm: starter.WarmStarter | None = None  # the fork server, from the first warm run
+    _peak_seen_at: float = 0.0
 
     # ----------------------------------------------------------------------- the loop
 
@@ -123,7 +124,8 @@ class Sweep:
         return todo
 
     def _start_ready(self, queue, tries) -> bool:
-        limit = self.options.max_parallel or len(self.pool.units)
+        self._learn_peak()
+        limit = self.options.max_parallel or self.pool.capacity()
         started = False
         while queue and len(self.active) < limit and self.stop_signal is None:
             got = self.pool.take(f"multigpu sweep {self.folder.root}")
@@ -134,6 +136,24 @@ class Sweep:
             self.active[run.name] = self._start(run, *got, tries[run.name])
             started = True
         return started
+
+    def _learn_peak(self) -> None:
+        """Auto runs a GPU: the peak memory a run of this sweep reported (at most once a second)."""
+        if self.pool.slots_given is not None or self.pool.kind != "cuda":
+            return
+        now = time.monotonic()
+        if now - self._peak_seen_at < 1.0:
+            return
+        self._peak_seen_at = now
+        peaks = [r.get("max_memory_gib") for act in self.active.values()
+                 for r in runfolder.read_metrics(self.folder.run_dir(act.run.name))]
+        peaks = [p for p in peaks if isinstance(p, (int, float))]
+        if peaks:
+            before = self.pool.slots
+            self.pool.learn_peak(max(peaks))
+            if self.pool.slots != before:
+                self.folder.event(f"runs peak at {max(peaks):.2f} GiB of GPU memory: up to "
+                                  f"{self.pool.slots} runs a GPU from now on", self.echo)
 
     def _note_waiting(self, since: float | None) -> float:
         now = time.monotonic()
@@ -151,17 +171,19 @@ class Sweep:
         st.attempts += 1
         values = {"out": str(self.folder.run_dir(run.name)), "devices": self.pool.devices_arg(units),
                   "port": str(ports.free_port())}
-        if self.pool.kind == "cuda":
-            values["min_free_memory"] = f"{self.pool.min_free_memory:g}"
+        if self.pool.kind == "cuda":  # 0 where it shares the GPU: the run's siblings are no one else
+            values["min_free_memory"] = "0" if self.pool.slots > 1 else f"{self.pool.min_free_memory:g}"
         values["resume"] = prepare_folder(self.folder, self.spec, run, st.attempts)
         argv = specs.multigpu_prefix(specs.argv_for(self.spec, run, values))
         env = {**os.environ, **self.pool.environment(units), "PYTHONUNBUFFERED": "1"}
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.folder.compile_cache.resolve()))
         log_path = self.folder.run_log(run.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        how = ", forked from the sweep's warm process" if starter.warm_args(argv, self.pool.per_run) else ""
         with open(log_path, "ab") as log:
             log.write(f"\n=== attempt {st.attempts}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                      f"{self.pool.label(units)}: {shlex.join(argv)}\n".encode())
+                      f"{self.pool.label(units)}{how}: "
+                      f"{shlex.join(argv)}\n".encode())
             log.flush()
             cores = [int(u.token) for u in units] if self.pool.kind == "cpu" else None
             proc = self._spawn(argv, env, log, lease.fds(), cores)
