@@ -5,6 +5,9 @@
         --seq-length {seq_length} --future-length {future_length}
     multigpu sweep sweep.yaml                 the same from a file (command:, grid:, include:,
                                               exclude:, and any of the options below)
+    multigpu sweep --runs-per-gpu 4 sweep.yaml
+                                              4 small runs share each GPU (default: as many as
+                                              the first runs' peak memory allows)
     multigpu sweep --status sweeps/ts         where it stands
     multigpu sweep --resume sweeps/ts         go on with the sweep stored there
     multigpu sweep --on slurm --partition gpu --time 4h sweep.yaml
@@ -12,7 +15,8 @@
                                               --status, the summary and a re-run work the same
 
 Running the same command again skips the finished runs and resumes the others from their
-checkpoints. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish.
+checkpoints. A `multigpu train` run on one device starts from a process that has imported torch
+already (forked), so a small run pays seconds less to start. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish.
 """
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ from multigpu.core.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep import starter
-from multigpu.sweep.starter import child_setup  # noqa: F401 - slurm_task's
 from multigpu.sweep.pool import Pool, Unit
 from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
 from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
@@ -203,7 +202,12 @@ class Sweep:
             return starter.exec_run(argv, env, log, keep_fds, cores)
         if self.warm is None:  # torch loads in the server with the runs' thread count
             self.warm = starter.WarmStarter({k: env[k] for k in ("OMP_NUM_THREADS",) if k in env})
-        return self.warm.start(args, env, log.fileno(), keep_fds, cores)
+        try:
+            return self.warm.start(args, env, log.fileno(), keep_fds, cores)
+        except (OSError, EOFError, RuntimeError) as exc:  # the server could not start or fork
+            log.write(f"the warm process could not fork the run ({exc}); starting it anew\n".encode())
+            log.flush()
+            return starter.exec_run(argv, env, log, keep_fds, cores)
 
     def _finished(self, act: Active, queue) -> bool:
         """Watch one run; True once it has exited (its state written)."""

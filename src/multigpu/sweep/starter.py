@@ -47,8 +47,6 @@ _PR_SET_PDEATHSIG = 1
 # What a `multigpu train` run imports before its first step, in the order it does.
 PRELOAD = ["multigpu.cli", "multigpu.cli.train", "multigpu.train.trainloop", "torch._dynamo",
            "torch.utils.tensorboard", "matplotlib.pyplot"]
-
-
 COLD_START_ENV = "MULTIGPU_SWEEP_COLD_START"
 
 
@@ -74,6 +72,7 @@ def exec_run(argv: list[str], env: dict, log, keep_fds: list[int], cores: list[i
 
 
 class _Failed:
+    """A run whose process could not be started: it ends at once, as exit 127."""
     pid = -1
 
     def poll(self) -> int:
@@ -166,6 +165,7 @@ class WarmStarter:
 def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int) -> None:
     """The run, in the forked child: set up as an exec'd run would be, then multigpu's main."""
     os.setsid()
+    _let_go_of_the_server()
     set_death_signal()  # when the fork server goes, which it does when the sweep goes
     if not _alive(sweep_pid):  # the sweep died before the line above: no signal would come
         os._exit(143)
@@ -197,6 +197,20 @@ def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int
                 except (OSError, ValueError):
                     pass
             os._exit(code if 0 <= code < 256 else 1)
+
+
+def _let_go_of_the_server() -> None:
+    """multiprocessing gives each forked child the sweep's end of the pipe whose closing tells the
+    fork server that the sweep is gone (so that a child could fork more); a run that kept it
+    would keep the server alive past a sweep killed with -9, and the server's death, which ends
+    the runs (PR_SET_PDEATHSIG), would never come."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # noqa: SLF001 - the same object _serve_one filled in
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
 
 
 def warm_check() -> None:
