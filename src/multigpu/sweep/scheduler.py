@@ -1,7 +1,8 @@
 """Running a sweep: as many runs at once as the free devices allow, each watched to its end.
 
 Each run is a child process in its own session (a Ctrl-C in the terminal reaches the sweep only,
-which then stops every run itself), with its output in DIR/logs/NAME.log. It is told to stop
+which then stops every run itself), with its output in DIR/logs/NAME.log; starter.py starts it,
+forked from a warm process for a one-device `multigpu train`, else as a new program. It is told to stop
 with SIGTERM to its process group: `multigpu train` then saves a checkpoint and exits, and the
 next attempt resumes from it. A run that outlives the grace period after that is killed.
 If the sweep itself dies, even by kill -9, the kernel sends each run SIGTERM (PR_SET_PDEATHSIG),

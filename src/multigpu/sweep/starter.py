@@ -130,7 +130,9 @@ class WarmStarter:
     def __init__(self, server_env: dict[str, str] | None = None):
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
-        self._server_env = dict(server_env or {})
+        # is_available() through NVML there, should anything ask: the CUDA runtime's own count
+        # initialises the driver, and a fork of that cannot use the GPU
+        self._server_env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(server_env or {})}
         self._running = False
 
     def _ensure_server(self) -> None:
