@@ -61,6 +61,9 @@ def test_auto_k_starts_at_one_and_follows_the_peak_memory(monkeypatch, tmp_path)
     assert (pool.slots, pool.capacity()) == (1, 4)  # nothing measured yet: one run a GPU
     pool.learn_peak(0.05)  # a small LSTM: 16 cores a GPU bound it, not the memory
     assert (pool.slots, pool.capacity()) == (16, 64)
+    pool.learn_peak(10)  # a larger run: K follows the largest peak seen, 78 / (1.25 x 10 + 1)
+    pool.learn_peak(0.05)
+    assert pool.slots == 5
     assert pools.make_pool("auto", "2").slots_given == 1  # runs of 2 GPUs are not packed
 
 

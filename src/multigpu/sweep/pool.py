@@ -55,6 +55,7 @@ class Pool:
         self.min_free_memory = min_free_memory
         self.slots_given = slots  # None: auto_slots decides (GPU runs)
         self.slots = slots or 1
+        self.peak_gib = 0.0  # the largest peak a run reported (auto K)
         self.in_use: collections.Counter[str] = collections.Counter()  # key -> runs on it
         self._held: dict[str, leases.Lease] = {}  # our lease of each device with runs on it
         if per_run > len(units):
@@ -136,12 +137,13 @@ class Pool:
         self._seen_at = 0.0
 
     def learn_peak(self, peak_gib: float) -> None:
-        """Auto K: a run's peak memory is known."""
+        """Auto K: a run's peak memory is known; K follows the largest peak seen (it may go down:
+        no new run then goes where K are)."""
         if self.slots_given is None and self.kind == "cuda":
+            self.peak_gib = max(self.peak_gib, peak_gib)
             total = min(u.info.memory_total for u in self.units) / devices.GIB
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            self.slots = max(self.slots, auto_slots(peak_gib, total, self.min_free_memory,
-                                                    cores // len(self.units)))
+            self.slots = auto_slots(self.peak_gib, total, self.min_free_memory, cores // len(self.units))
 
     def environment(self, units: list[Unit]) -> dict[str, str]:
         env = {leases.HELD_ENV: ",".join(u.key for u in units)}

@@ -137,22 +137,25 @@ class Sweep:
             started = True
         return started
 
-    def _learn_peak(self) -> None:
-        """Auto runs a GPU: the peak memory a run of this sweep reported (at most once a second)."""
+    def _learn_peak(self, ended: specs.Run | None = None) -> None:
+        """Auto runs a GPU: the peak memory the runs of this sweep reported, read at most once a
+        second from the running ones, and from each run as it ends (short runs may end between)."""
         if self.pool.slots_given is not None or self.pool.kind != "cuda":
             return
         now = time.monotonic()
-        if now - self._peak_seen_at < 1.0:
+        if ended is None and now - self._peak_seen_at < 1.0:
             return
-        self._peak_seen_at = now
-        peaks = [r.get("max_memory_gib") for act in self.active.values()
-                 for r in runfolder.read_metrics(self.folder.run_dir(act.run.name))]
+        if ended is None:
+            self._peak_seen_at = now
+        runs = [ended] if ended is not None else [act.run for act in self.active.values()]
+        peaks = [r.get("max_memory_gib") for run in runs
+                 for r in runfolder.read_metrics(self.folder.run_dir(run.name))]
         peaks = [p for p in peaks if isinstance(p, (int, float))]
         if peaks:
             before = self.pool.slots
             self.pool.learn_peak(max(peaks))
             if self.pool.slots != before:
-                self.folder.event(f"runs peak at {max(peaks):.2f} GiB of GPU memory: up to "
+                self.folder.event(f"runs peak at {self.pool.peak_gib:.2f} GiB of GPU memory: up to "
                                   f"{self.pool.slots} runs a GPU from now on", self.echo)
 
     def _note_waiting(self, since: float | None) -> float:
@@ -222,6 +225,7 @@ class Sweep:
                 self._signal(act, signal.SIGKILL)
             return False
         self.pool.give_back(act.units)
+        self._learn_peak(act.run)
         st = self.folder.read_state(act.run.name)
         st.ended, st.exit_code, st.pid = time.time(), code, None
         self._classify(st, act, code)
