@@ -15,8 +15,9 @@
                                               --status, the summary and a re-run work the same
 
 Running the same command again skips the finished runs and resumes the others from their
-checkpoints. A `multigpu train` run on one device starts from a process that has imported torch
-already (forked), so a small run pays seconds less to start. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish.
+checkpoints. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish. A
+`multigpu train` run on one device is forked from a process that has imported torch already, so
+a small run pays seconds less to start.
 """
 from __future__ import annotations
 

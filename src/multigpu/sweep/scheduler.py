@@ -2,9 +2,9 @@
 
 Each run is a child process in its own session (a Ctrl-C in the terminal reaches the sweep only,
 which then stops every run itself), with its output in DIR/logs/NAME.log; starter.py starts it,
-forked from a warm process for a one-device `multigpu train`, else as a new program. It is told to stop
-with SIGTERM to its process group: `multigpu train` then saves a checkpoint and exits, and the
-next attempt resumes from it. A run that outlives the grace period after that is killed.
+forked from a warm process for a one-device `multigpu train`, else as a new program. It is told
+to stop with SIGTERM to its process group: `multigpu train` then saves a checkpoint and exits,
+and the next attempt resumes from it. A run that outlives the grace period after that is killed.
 If the sweep itself dies, even by kill -9, the kernel sends each run SIGTERM (PR_SET_PDEATHSIG),
 so no run goes on unwatched, and its device lease lasts until it has exited.
 
@@ -182,11 +182,11 @@ class Sweep:
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.folder.compile_cache.resolve()))
         log_path = self.folder.run_log(run.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        how = ", forked from the sweep's warm process" if starter.warm_args(argv, self.pool.per_run) else ""
+        warm = starter.warm_args(argv, self.pool.per_run) is not None
+        how = ", forked from the sweep's warm process" if warm else ""
         with open(log_path, "ab") as log:
             log.write(f"\n=== attempt {st.attempts}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                      f"{self.pool.label(units)}{how}: "
-                      f"{shlex.join(argv)}\n".encode())
+                      f"{self.pool.label(units)}{how}: {shlex.join(argv)}\n".encode())
             log.flush()
             cores = [int(u.token) for u in units] if self.pool.kind == "cpu" else None
             proc = self._spawn(argv, env, log, lease.fds(), cores)
