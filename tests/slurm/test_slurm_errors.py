@@ -35,3 +35,13 @@ def test_without_sbatch_it_says_where_to_submit_from(tmp_path):
                                    "from a machine of the SLURM cluster (a login node), or leave "
                                    "out --on slurm to run the sweep here")
     assert not (tmp_path / "sw").exists()
+
+
+def test_runs_per_gpu_is_refused_on_slurm(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "--runs-per-gpu", "4", *COMMAND],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == ("multigpu: error: --runs-per-gpu packs runs onto this machine's "
+                                   "GPUs; on SLURM each run is a job of its own: leave it out, or "
+                                   "run the sweep here without --on slurm")
+    assert not (tmp_path / "sw").exists()

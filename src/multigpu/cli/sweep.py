@@ -5,6 +5,9 @@
         --seq-length {seq_length} --future-length {future_length}
     multigpu sweep sweep.yaml                 the same from a file (command:, grid:, include:,
                                               exclude:, and any of the options below)
+    multigpu sweep --runs-per-gpu 4 sweep.yaml
+                                              4 small runs share each GPU (default: as many as
+                                              the first runs' peak memory allows)
     multigpu sweep --status sweeps/ts         where it stands
     multigpu sweep --resume sweeps/ts         go on with the sweep stored there
     multigpu sweep --on slurm --partition gpu --time 4h sweep.yaml
@@ -12,7 +15,9 @@
                                               --status, the summary and a re-run work the same
 
 Running the same command again skips the finished runs and resumes the others from their
-checkpoints. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish.
+checkpoints. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish. A
+`multigpu train` run on one device is forked from a process that has imported torch already, so
+a small run pays seconds less to start.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from pathlib import Path
 from multigpu.core.errors import UsageError
 
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
-OPTIONS = ("devices", "devices_per_run", "max_parallel", "timeout", "retries", "metric",
+OPTIONS = ("devices", "devices_per_run", "runs_per_gpu", "max_parallel", "timeout", "retries", "metric",
            "min_free_memory", "out", "on", "partition", "time", "slurm_arg")
 
 
@@ -42,6 +47,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--devices-per-run", metavar="N|cpu:N",
                    help="GPUs per run (default 1), or cpu:N CPU processes (default on a machine "
                         "without GPUs: cpu:1)")
+    p.add_argument("--runs-per-gpu", type=int, metavar="K",
+                   help="K runs of one GPU each share a GPU (default: as many as fit, from the "
+                        "first run's peak memory; 1 for runs of several GPUs); with cpu:1 runs, K "
+                        "runs share a core (default 1)")
     p.add_argument("--max-parallel", type=int, metavar="K",
                    help="at most K runs at once (default: as many as the devices allow; 1: one "
                         "after another)")
@@ -169,7 +178,8 @@ def _build(spec, options: dict, folder):
     _check_folder(spec, folder)
     per_run = options.get("devices_per_run") or _default_per_run()
     min_free = _number(options, "min_free_memory", float, 2.0, 0)
-    pool = make_pool(str(options.get("devices") or "auto"), str(per_run), min_free)
+    slots = _number(options, "runs_per_gpu", int, None, 1)
+    pool = make_pool(str(options.get("devices") or "auto"), str(per_run), min_free, slots)
     max_parallel = _number(options, "max_parallel", int, None, 1)
     retries = _number(options, "retries", int, 0, 0)
     metric = options.get("metric")
@@ -247,7 +257,7 @@ def parse_duration(text, flag: str = "--timeout") -> float | None:
 
 def _record(sweep, options: dict, slots: int | None = None) -> dict:
     if slots is None:
-        slots = len(sweep.pool.units) // sweep.pool.per_run
+        slots = sweep.pool.capacity()
         if sweep.options.max_parallel:
             slots = min(slots, sweep.options.max_parallel)
     return {"spec": sweep.spec.to_json(), "options": {k: v for k, v in options.items() if k != "out"},
@@ -298,6 +308,9 @@ def _on_slurm(spec, options: dict, folder) -> int:
 
     runs = specs.expand(spec)
     _check_folder(spec, folder)
+    if options.get("runs_per_gpu") is not None:
+        raise UsageError("--runs-per-gpu packs runs onto this machine's GPUs; on SLURM each run is "
+                         "a job of its own: leave it out, or run the sweep here without --on slurm")
     settings = slurm.SlurmSettings(
         per_run=str(options.get("devices_per_run") or "1"),
         time_s=parse_duration(options.get("time"), "--time") or slurm.DEFAULT_TIME_S,

@@ -1,9 +1,10 @@
 """Running a sweep: as many runs at once as the free devices allow, each watched to its end.
 
 Each run is a child process in its own session (a Ctrl-C in the terminal reaches the sweep only,
-which then stops every run itself), with its output in DIR/logs/NAME.log. It is told to stop
-with SIGTERM to its process group: `multigpu train` then saves a checkpoint and exits, and the
-next attempt resumes from it. A run that outlives the grace period after that is killed.
+which then stops every run itself), with its output in DIR/logs/NAME.log; starter.py starts it,
+forked from a warm process for a one-device `multigpu train`, else as a new program. It is told
+to stop with SIGTERM to its process group: `multigpu train` then saves a checkpoint and exits,
+and the next attempt resumes from it. A run that outlives the grace period after that is killed.
 If the sweep itself dies, even by kill -9, the kernel sends each run SIGTERM (PR_SET_PDEATHSIG),
 so no run goes on unwatched, and its device lease lasts until it has exited.
 
@@ -15,11 +16,9 @@ A run ends as:
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import shlex
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -28,12 +27,12 @@ from multigpu.launcher import ports
 from multigpu.core.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
+from multigpu.sweep import starter
 from multigpu.sweep.pool import Pool, Unit
 from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
 from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
 
 POLL_SECONDS = 0.2
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -48,7 +47,7 @@ class Options:
 @dataclass
 class Active:
     run: specs.Run
-    proc: subprocess.Popen
+    proc: object  # subprocess.Popen, or starter.WarmRun: pid and poll()
     units: list[Unit]
     deadline: float | None
     signalled_at: float | None = None
@@ -67,6 +66,8 @@ class Sweep:
     stop_signal: int | None = None
     force: bool = False
     active: dict = field(default_factory=dict)
+    warm: starter.WarmStarter | None = None  # the fork server, from the first warm run
+    _peak_seen_at: float = 0.0
 
     # ----------------------------------------------------------------------- the loop
 
@@ -123,7 +124,8 @@ class Sweep:
         return todo
 
     def _start_ready(self, queue, tries) -> bool:
-        limit = self.options.max_parallel or len(self.pool.units)
+        self._learn_peak()
+        limit = self.options.max_parallel or self.pool.capacity()
         started = False
         while queue and len(self.active) < limit and self.stop_signal is None:
             got = self.pool.take(f"multigpu sweep {self.folder.root}")
@@ -134,6 +136,27 @@ class Sweep:
             self.active[run.name] = self._start(run, *got, tries[run.name])
             started = True
         return started
+
+    def _learn_peak(self, ended: specs.Run | None = None) -> None:
+        """Auto runs a GPU: the peak memory the runs of this sweep reported, read at most once a
+        second from the running ones, and from each run as it ends (short runs may end between)."""
+        if self.pool.slots_given is not None or self.pool.kind != "cuda":
+            return
+        now = time.monotonic()
+        if ended is None and now - self._peak_seen_at < 1.0:
+            return
+        if ended is None:
+            self._peak_seen_at = now
+        runs = [ended] if ended is not None else [act.run for act in self.active.values()]
+        peaks = [r.get("max_memory_gib") for run in runs
+                 for r in runfolder.read_metrics(self.folder.run_dir(run.name))]
+        peaks = [p for p in peaks if isinstance(p, (int, float))]
+        if peaks:
+            before = self.pool.slots
+            self.pool.learn_peak(max(peaks))
+            if self.pool.slots != before:
+                self.folder.event(f"runs peak at {self.pool.peak_gib:.2f} GiB of GPU memory: up to "
+                                  f"{self.pool.slots} runs a GPU from now on", self.echo)
 
     def _note_waiting(self, since: float | None) -> float:
         now = time.monotonic()
@@ -151,26 +174,22 @@ class Sweep:
         st.attempts += 1
         values = {"out": str(self.folder.run_dir(run.name)), "devices": self.pool.devices_arg(units),
                   "port": str(ports.free_port())}
-        if self.pool.kind == "cuda":
-            values["min_free_memory"] = f"{self.pool.min_free_memory:g}"
+        if self.pool.kind == "cuda":  # 0 where it shares the GPU: the run's siblings are no one else
+            values["min_free_memory"] = "0" if self.pool.slots > 1 else f"{self.pool.min_free_memory:g}"
         values["resume"] = prepare_folder(self.folder, self.spec, run, st.attempts)
         argv = specs.multigpu_prefix(specs.argv_for(self.spec, run, values))
         env = {**os.environ, **self.pool.environment(units), "PYTHONUNBUFFERED": "1"}
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.folder.compile_cache.resolve()))
         log_path = self.folder.run_log(run.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        warm = starter.warm_args(argv, self.pool.per_run) is not None
+        how = ", forked from the sweep's warm process" if warm else ""
         with open(log_path, "ab") as log:
             log.write(f"\n=== attempt {st.attempts}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                      f"{self.pool.label(units)}: {shlex.join(argv)}\n".encode())
+                      f"{self.pool.label(units)}{how}: {shlex.join(argv)}\n".encode())
             log.flush()
             cores = [int(u.token) for u in units] if self.pool.kind == "cpu" else None
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                        pass_fds=lease.fds(), preexec_fn=child_setup(cores))
-            except (OSError, subprocess.SubprocessError) as exc:  # e.g. made non-executable since
-                log.write(f"cannot start {argv[0]}: {exc.strerror or exc}\n".encode())
-                proc = _Failed()
+            proc = self._spawn(argv, env, log, lease.fds(), cores)
         lease.release()  # the child holds the lease now (inherited descriptors)
         st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
         st.pid, st.devices, st.note = proc.pid, self.pool.label(units), ""
@@ -180,6 +199,19 @@ class Sweep:
                           self.echo)
         deadline = time.monotonic() + self.options.timeout_s if self.options.timeout_s else None
         return Active(run, proc, units, deadline, tries=tries)
+
+    def _spawn(self, argv, env, log, keep_fds, cores):
+        args = starter.warm_args(argv, self.pool.per_run)
+        if args is None:
+            return starter.exec_run(argv, env, log, keep_fds, cores)
+        if self.warm is None:  # torch loads in the server with the runs' thread count
+            self.warm = starter.WarmStarter({k: env[k] for k in ("OMP_NUM_THREADS",) if k in env})
+        try:
+            return self.warm.start(args, env, log.fileno(), keep_fds, cores)
+        except (OSError, EOFError, RuntimeError) as exc:  # the server could not start or fork
+            log.write(f"the warm process could not fork the run ({exc}); starting it anew\n".encode())
+            log.flush()
+            return starter.exec_run(argv, env, log, keep_fds, cores)
 
     def _finished(self, act: Active, queue) -> bool:
         """Watch one run; True once it has exited (its state written)."""
@@ -193,6 +225,7 @@ class Sweep:
                 self._signal(act, signal.SIGKILL)
             return False
         self.pool.give_back(act.units)
+        self._learn_peak(act.run)
         st = self.folder.read_state(act.run.name)
         st.ended, st.exit_code, st.pid = time.time(), code, None
         self._classify(st, act, code)
@@ -231,11 +264,15 @@ class Sweep:
     def _signal(self, act: Active, sig: int) -> None:
         if act.signalled_at is None:
             act.signalled_at = time.monotonic()
+        if act.proc.pid <= 0:
+            return
         try:
-            if act.proc.pid > 0:
-                os.killpg(act.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+            os.killpg(act.proc.pid, sig)
+        except ProcessLookupError:  # a warm run forked an instant ago, not yet in its own session
+            try:
+                os.kill(act.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def _stop_all(self) -> None:
         """Ask every run to stop (they checkpoint), wait for them, kill those past the grace."""
@@ -346,15 +383,6 @@ def _alive(pgid: int | None) -> bool:
     return True
 
 
-class _Failed:
-    """A run whose process could not be started: it ends at once, as exit 127 (a shell's
-    "command not found")."""
-    pid = -1
-
-    def poll(self) -> int:
-        return 127
-
-
 def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:
     """The train command's validation metric: accuracy, else MAE, else the validation loss, as
     the first run with epochs shows."""
@@ -366,19 +394,3 @@ def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:
                 if name in keys:
                     return name
     return "val_loss"
-
-
-def child_setup(cores: list[int] | None):
-    """In the child, before exec: SIGTERM when the sweep dies; pinned to its cores (CPU runs)."""
-    parent = os.getpid()
-
-    def setup():
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent:  # the sweep died before prctl: no signal would come
-            os._exit(143)
-        if cores is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cores)
-    return setup

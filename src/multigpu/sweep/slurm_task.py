@@ -25,7 +25,8 @@ from pathlib import Path
 from multigpu.core.errors import UsageError
 from multigpu.launcher import ports
 from multigpu.sweep import spec as specs
-from multigpu.sweep.scheduler import Options, Sweep, child_setup, classify, prepare_folder
+from multigpu.sweep.scheduler import Options, Sweep, classify, prepare_folder
+from multigpu.sweep.starter import child_setup
 from multigpu.sweep.state import RunState, SweepFolder
 
 REQUEUED = "requeued by SLURM before its time limit (SIGUSR1); it resumes from its checkpoint"
