@@ -37,6 +37,7 @@ import ctypes
 import io
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -182,9 +183,10 @@ def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int
     try:
         warm_check()
         sys.argv = ["multigpu", *args]
-        from multigpu.cli import main
-
-        code = main(list(args))
+        # `python -m multigpu ARGS`, as an exec'd run: by the package's name, so that this layer
+        # below the CLI does not import it (the fork server preloaded it, by name too)
+        runpy.run_module("multigpu", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # as the interpreter would: the traceback, exit 1
