@@ -1,7 +1,10 @@
 """`multigpu sweep --on slurm` where it cannot submit: one line that says why and what to do,
 exit 2, and no sweep folder left behind. No SLURM is started: these are the machines without."""
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.multiproc.conftest import cli_env
 
@@ -44,4 +47,21 @@ def test_runs_per_gpu_is_refused_on_slurm(tmp_path):
     assert proc.stderr.strip() == ("multigpu: error: --runs-per-gpu packs runs onto this machine's "
                                    "GPUs; on SLURM each run is a job of its own: leave it out, or "
                                    "run the sweep here without --on slurm")
+    assert not (tmp_path / "sw").exists()
+
+
+def test_sbatch_without_a_slurm_configuration_says_where_to_submit_from(tmp_path):
+    """sbatch installed on a machine that is not part of a cluster (an empty slurm.conf here;
+    none at all gives another fatal line, said the same way): one line that says so, and the
+    sweep folder the failed submission began is gone."""
+    if shutil.which("sbatch") is None:
+        pytest.skip("sbatch is not installed (Debian: apt-get install slurm-wlm)")
+    conf = tmp_path / "empty.conf"
+    conf.write_text("")
+    proc = sweep(tmp_path, {**cli_env(), "SLURM_CONF": str(conf)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == ("multigpu: error: --on slurm: sbatch finds no SLURM cluster "
+                                   "from here (Unable to process configuration file); submit from "
+                                   "a login node of the cluster (or set SLURM_CONF to its "
+                                   "slurm.conf), or leave out --on slurm to run the sweep here")
     assert not (tmp_path / "sw").exists()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -321,6 +322,7 @@ def _on_slurm(spec, options: dict, folder) -> int:
     task = RunTask(str(folder.root.absolute()), os.getcwd(), settings.devices_arg(),
                    retries=_number(options, "retries", int, 0, 0),
                    timeout_s=parse_duration(options.get("timeout")))
+    fresh = not folder.root.exists()  # a first submission that fails leaves no folder behind
     if not folder.lock():
         raise UsageError(f"a sweep (pid {folder.holder_pid()}) is already working in {folder.root}; "
                          f"follow it with: multigpu sweep --status {folder.root}")
@@ -334,7 +336,12 @@ def _on_slurm(spec, options: dict, folder) -> int:
                          f"{waiting} queued or running on SLURM; summary in "
                          f"{folder.root / 'summary.md'}", print)
             return 0
-        ids = slurm.submit(folder, todo, task, settings)
+        try:
+            ids = slurm.submit(folder, todo, task, settings)
+        except UsageError:
+            if fresh:  # only what this command made: sweep.json, the lock, submitit's pickles
+                shutil.rmtree(folder.root, ignore_errors=True)
+            raise
         sweep.write_summary()
         what = f"{len(todo)} runs" if len(todo) > 1 else "1 run"
         folder.event(f"submitted {what} to SLURM as job array {ids[0].split('_')[0]} "

@@ -181,6 +181,12 @@ def _sbatch_error(exc: Exception) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     line = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else repr(exc))
     line = line.replace("sbatch: error: ", "")
+    fatal = next((ln for ln in lines if ln.startswith("sbatch: fatal: ")), None)
+    if fatal is not None and "configuration" in fatal:  # no slurm.conf: not a SLURM machine
+        return (f"--on slurm: sbatch finds no SLURM cluster from here "
+                f"({fatal.removeprefix('sbatch: fatal: ')}); submit from a login node of the "
+                "cluster (or set SLURM_CONF to its slurm.conf), or leave out --on slurm to run "
+                "the sweep here")
     if "contact slurm controller" in line.lower() or "connection refused" in line.lower():
         return (f"--on slurm: sbatch cannot reach the SLURM controller (slurmctld): {line}; "
                 "check that it runs (scontrol ping) and that SLURM_CONF names this cluster")
