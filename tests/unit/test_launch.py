@@ -512,6 +512,20 @@ def test_module_source(tmp_path, monkeypatch):
         scripts.module_source("no_such_module_xyz")
 
 
+def test_a_dotted_module_whose_package_is_nowhere_is_refused_before_any_process(tmp_path, monkeypatch):
+    """`multigpu run -m nopkg.train` (and doctor, --auto) said nothing and started every process,
+    each failing on the import; a package that is there, as a folder of the cwd or on sys.path,
+    is left to the run (its submodule may be an extension, or made by the package)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as err:
+        scripts.module_source("no_such_pkg_xyz.train")
+    assert str(err.value) == (f"-m no_such_pkg_xyz.train: no module of that name on sys.path "
+                              f"(cwd {tmp_path}); check the name, or run the script by its path")
+    (tmp_path / "pkg").mkdir()
+    assert scripts.module_source("pkg.not_a_file") is None
+    assert scripts.module_source("json.no_such_submodule") is None
+
+
 @pytest.mark.parametrize("value", ["-1", "0.5", "inf", "nan"])
 def test_a_bad_hang_timeout_is_one_line_with_the_fix(no_slurm, value):
     with pytest.raises(UsageError, match=r"--hang-timeout .*: give seconds \(at least 1, e.g. "

@@ -57,9 +57,17 @@ def module_source(module: str) -> Path | None:
         if spec and spec.origin and spec.origin.endswith(".py"):
             return Path(spec.origin)
         if spec is None:
-            raise UsageError(f"-m {module}: no module of that name on sys.path (cwd "
-                             f"{os.getcwd()}); check the name, or run the script by its path")
+            raise _no_module(module)
+    # pkg.train: finding the top package imports nothing; a missing one would otherwise start
+    # every process only for each to fail on the import
+    elif not Path(os.getcwd(), parts[0]).exists() and importlib.util.find_spec(parts[0]) is None:
+        raise _no_module(module)
     return None
+
+
+def _no_module(module: str) -> UsageError:
+    return UsageError(f"-m {module}: no module of that name on sys.path (cwd {os.getcwd()}); "
+                      "check the name, or run the script by its path")
 
 
 def detect_local_rank_flag(source: str) -> str:
