@@ -106,6 +106,16 @@ def test_auto_options_without_a_script_or_without_auto_are_one_line_errors(tmp_p
                          "--auto, or drop --auto-batch"),
                         (["doctor", "--auto", "--devices", "cpu:2", "t.sh"],
                          "multigpu: error: --auto makes a Python training script data-parallel, "
-                         "and t.sh is not one (not .py, no python shebang); run it without --auto")):
+                         "and t.sh is not one (not .py, no python shebang); run it without --auto"),
+                        (["doctor", "--auto", "nothing.py"],
+                         f"multigpu: error: script 'nothing.py' not found (in {tmp_path}); give "
+                         "the path of the script, e.g. multigpu doctor -- train.py, or -- -m "
+                         "package.module"),
+                        (["doctor", "--auto", "--scaling", "t.py"],
+                         "multigpu: error: --scaling times multigpu train's step on 1 and on all "
+                         "the devices; a script has no such step to time: leave --scaling out, or "
+                         "give train options, e.g. multigpu doctor --model resnet18 --data ... "
+                         "--scaling")):
         proc = multigpu(*args, cwd=tmp_path)
         assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [words], proc.stderr
+        assert proc.stdout == "", "the error alone, without the report's headline"

@@ -99,9 +99,14 @@ def main(args: argparse.Namespace) -> int:
     if not script and not args.model:
         raise UsageError("--model is required to check a multigpu train run (e.g. --model "
                          "resnet18 --data ...); for a script: multigpu doctor -- train.py ARGS")
+    if script and args.scaling:
+        raise UsageError("--scaling times multigpu train's step on 1 and on all the devices; a "
+                         "script has no such step to time: leave --scaling out, or give train "
+                         "options, e.g. multigpu doctor --model resnet18 --data ... --scaling")
+    if script:
+        return report(_script_checks(args, script))
     print(HEADLINE, flush=True)
-    findings = _script_checks(args, script) if script else _train_checks(args)
-    return report(findings)
+    return report(_train_checks(args))
 
 
 def _script_checks(args, script: list[str]):
@@ -123,6 +128,8 @@ def _script_checks(args, script: list[str]):
     if not path.is_file():
         raise UsageError(f"script {script[0]!r} not found (in {os.getcwd()}); give the path of "
                          "the script, e.g. multigpu doctor -- train.py, or -- -m package.module")
+    worker = _auto_worker(args, given, path) if args.auto else None  # refuses a non-Python file
+    print(HEADLINE, flush=True)  # after the mistakes that end in one line instead of a report
     findings = launch_env_findings(os.environ)
     found, plan = device_findings(args.devices, one_process=False,
                                   min_free_memory_gb=args.min_free_memory)
@@ -134,7 +141,7 @@ def _script_checks(args, script: list[str]):
         nproc = int(args.devices) if args.devices.strip().isdigit() else 2
     if args.auto:
         failed = any(f.level == "fail" for f in findings)
-        return findings + _auto_checks(args, given, path, plan, nproc, failed=failed)
+        return findings + _auto_checks(args, worker, given, path, plan, nproc, failed=failed)
     findings += script_findings(path, nproc=nproc, gpus=gpus)
     for arg in script[1:]:  # a config or shell file handed to the script (trap 9)
         if os.path.isfile(arg) and (f := file_crlf_finding(Path(arg))) is not None:
@@ -168,15 +175,22 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout)
 
 
-def _auto_checks(args, script: list[str], path: Path, plan, nproc: int, *, failed: bool):
-    """What --auto will change, read from the source; then the trial under --auto's worker."""
+def _auto_worker(args, script: list[str], path: Path) -> list[str]:
+    """The command of --auto's worker for the script (a UsageError for a file that is not Python)."""
     from multigpu.cli.run import auto_command
-    from multigpu.doctor.auto_checks import auto_findings
     from multigpu.launcher.scripts import script_command
 
     mode = args.auto_batch or BATCH_MODES[0]
     cmd = script[:2] if script[0] == "-m" else script_command(path)[0]
-    worker = auto_command(script[0], cmd, script[0] == "-m" or script_command(path)[1], mode)
+    return auto_command(script[0], cmd, script[0] == "-m" or script_command(path)[1], mode)
+
+
+def _auto_checks(args, worker: list[str], script: list[str], path: Path, plan, nproc: int, *,
+                 failed: bool):
+    """What --auto will change, read from the source; then the trial under --auto's worker."""
+    from multigpu.doctor.auto_checks import auto_findings
+
+    mode = args.auto_batch or BATCH_MODES[0]
     run = not args.no_step and plan is not None
     findings = auto_findings(path, nproc=nproc, mode=mode, ran=run)
     if not run:
