@@ -26,8 +26,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# Every CPU test, the extended ones too (about 4 minutes more than `make test` on 2 cores): what
-# CI runs (.ci/run).
+# Every CPU test, the extended ones and the localhost SLURM tier too (about 7 minutes more than
+# `make test` on 2 cores): what CI runs (.ci/run).
 test-all: $(STAMP)
 	$(PY) -m pytest -m 'not gpu'
 
