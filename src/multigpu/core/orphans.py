@@ -60,10 +60,10 @@ def watch_from_env() -> int | None:
     pid = launcher_pid()
     if pid is None or _State.thread is not None:
         return _State.launcher
-    if os.getppid() != pid and _alive(pid):
+    if os.getppid() != pid and alive(pid):
         return None
     _State.launcher = pid
-    _set_death_signal(signal.SIGKILL)
+    set_death_signal(signal.SIGKILL)
     # the launcher may have died before the line above: then no signal comes, and this sees it
     _check()
     _State.thread = threading.Thread(target=_watch, name="multigpu-orphan-watch", daemon=True)
@@ -77,7 +77,7 @@ def on_orphan(handler: Callable[[], None]) -> None:
     with _State.lock:
         _State.handler = handler
         if _State.launcher is not None:
-            _set_death_signal(0)
+            set_death_signal(0)
     _check()  # died just before: the handler now, not at the next poll
 
 
@@ -110,7 +110,7 @@ def _check() -> None:
     handler()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -127,7 +127,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _set_death_signal(sig: int) -> None:
+def set_death_signal(sig: int) -> None:
     """PR_SET_PDEATHSIG (Linux; elsewhere nothing): `sig` to this process when its parent thread
     exits, 0 for none."""
     if not sys.platform.startswith("linux"):

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from multigpu.core.environ import environ_set
 from multigpu.launcher import launch, trial
 from multigpu.train.findings import Finding
 
@@ -44,19 +45,10 @@ def trial_findings(cmd: list[str], plan, steps: int, timeout: float,
     before = snapshot(root, skip=folder)
     env = {trial.TRIAL_DIR_ENV: str(folder), trial.TRIAL_STEPS_ENV: str(steps),
            trial.TRIAL_TIMEOUT_ENV: f"{timeout:g}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     backstop = Backstop(timeout + (trial.PEERS_WAIT_SECONDS if plan.nproc > 1 else 0) + BACKSTOP_GRACE)
-    try:
-        with backstop:
-            code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
-                                 python=False)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ_set(env), backstop:
+        code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
+                             python=False)
     records = _read_records(folder, plan.nproc)
     findings = record_findings(records, plan.nproc, steps, code, logs=folder / "logs",
                                timeout=timeout, killed=backstop.fired,

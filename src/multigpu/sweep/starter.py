@@ -33,7 +33,6 @@ sweep dies, pinned to its cores (child_setup).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import io
 import multiprocessing
 import os
@@ -43,7 +42,8 @@ import subprocess
 import sys
 import traceback
 
-_PR_SET_PDEATHSIG = 1
+from multigpu.core.environ import environ_set
+from multigpu.core.orphans import alive, set_death_signal
 
 # What a `multigpu train` run imports before its first step, in the order it does.
 PRELOAD = ["multigpu.cli", "multigpu.cli.train", "multigpu.train.trainloop", "torch._dynamo",
@@ -85,7 +85,7 @@ def child_setup(cores: list[int] | None):
     parent = os.getpid()
 
     def setup():
-        set_death_signal()
+        set_death_signal(signal.SIGTERM)
         if os.getppid() != parent:  # the sweep died before prctl: no signal would come
             os._exit(143)
         if cores is not None and hasattr(os, "sched_setaffinity"):
@@ -141,16 +141,8 @@ class WarmStarter:
             return
         from multiprocessing import forkserver
 
-        saved = {k: os.environ.get(k) for k in self._server_env}
-        os.environ.update(self._server_env)
-        try:
+        with environ_set(self._server_env):
             forkserver.ensure_running()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self._running = True
 
     def start(self, args: list[str], env: dict[str, str], log_fd: int, keep_fds: list[int],
@@ -169,8 +161,8 @@ def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int
     """The run, in the forked child: set up as an exec'd run would be, then multigpu's main."""
     os.setsid()
     _let_go_of_the_server()
-    set_death_signal()  # when the fork server goes, which it does when the sweep goes
-    if not _alive(sweep_pid):  # the sweep died before the line above: no signal would come
+    set_death_signal(signal.SIGTERM)  # when the fork server goes, which it does when the sweep goes
+    if not alive(sweep_pid):  # the sweep died before the line above: no signal would come
         os._exit(143)
     if cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
@@ -241,21 +233,3 @@ def _redirect(log_fd: int) -> None:
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                   errors="backslashreplace")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def set_death_signal() -> None:
-    """SIGTERM to this process when its parent dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
