@@ -12,9 +12,16 @@ COMMAND = ["--on", "slurm", "--devices-per-run", "cpu:1", "--grid", "lr=0.003,0.
            "--", "multigpu", "train", "--model", "mlp", "--data", "digits"]
 
 
-def sweep(tmp_path, env):
-    return subprocess.run([sys.executable, "-m", "multigpu", "sweep", *COMMAND], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+def sweep(tmp_path, env, *extra):
+    return subprocess.run([sys.executable, "-m", "multigpu", "sweep", *extra, *COMMAND],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def assert_refused(proc, tmp_path, message: str) -> None:
+    """Exit 2, `message` as the one line on stderr, and no sweep folder left."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == message
+    assert not (tmp_path / "sw").exists()
 
 
 def test_without_submitit_it_names_the_extra(tmp_path):
@@ -24,30 +31,23 @@ def test_without_submitit_it_names_the_extra(tmp_path):
     env = cli_env()
     env["PYTHONPATH"] = f"{tmp_path / 'shadow'}:{env['PYTHONPATH']}"
     proc = sweep(tmp_path, env)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == ("multigpu: error: multigpu sweep --on slurm needs submitit, "
-                                   "which is not installed: pip install 'multigpu[slurm]' (or pip "
-                                   "install submitit)")
-    assert not (tmp_path / "sw").exists()
+    assert_refused(proc, tmp_path, ("multigpu: error: multigpu sweep --on slurm needs submitit, "
+                                    "which is not installed: pip install 'multigpu[slurm]' (or pip "
+                                    "install submitit)"))
 
 
 def test_without_sbatch_it_says_where_to_submit_from(tmp_path):
     proc = sweep(tmp_path, {**cli_env(), "PATH": str(tmp_path / "empty")})
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == ("multigpu: error: --on slurm: sbatch is not on PATH; submit "
-                                   "from a machine of the SLURM cluster (a login node), or leave "
-                                   "out --on slurm to run the sweep here")
-    assert not (tmp_path / "sw").exists()
+    assert_refused(proc, tmp_path, ("multigpu: error: --on slurm: sbatch is not on PATH; submit "
+                                    "from a machine of the SLURM cluster (a login node), or leave "
+                                    "out --on slurm to run the sweep here"))
 
 
 def test_runs_per_gpu_is_refused_on_slurm(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "--runs-per-gpu", "4", *COMMAND],
-                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == ("multigpu: error: --runs-per-gpu packs runs onto this machine's "
-                                   "GPUs; on SLURM each run is a job of its own: leave it out, or "
-                                   "run the sweep here without --on slurm")
-    assert not (tmp_path / "sw").exists()
+    proc = sweep(tmp_path, cli_env(), "--runs-per-gpu", "4")
+    assert_refused(proc, tmp_path, ("multigpu: error: --runs-per-gpu packs runs onto this "
+                                    "machine's GPUs; on SLURM each run is a job of its own: leave "
+                                    "it out, or run the sweep here without --on slurm"))
 
 
 def test_sbatch_without_a_slurm_configuration_says_where_to_submit_from(tmp_path):
@@ -59,9 +59,7 @@ def test_sbatch_without_a_slurm_configuration_says_where_to_submit_from(tmp_path
     conf = tmp_path / "empty.conf"
     conf.write_text("")
     proc = sweep(tmp_path, {**cli_env(), "SLURM_CONF": str(conf)})
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == ("multigpu: error: --on slurm: sbatch finds no SLURM cluster "
-                                   "from here (Unable to process configuration file); submit from "
-                                   "a login node of the cluster (or set SLURM_CONF to its "
-                                   "slurm.conf), or leave out --on slurm to run the sweep here")
-    assert not (tmp_path / "sw").exists()
+    assert_refused(proc, tmp_path, ("multigpu: error: --on slurm: sbatch finds no SLURM cluster "
+                                    "from here (Unable to process configuration file); submit from "
+                                    "a login node of the cluster (or set SLURM_CONF to its "
+                                    "slurm.conf), or leave out --on slurm to run the sweep here"))
