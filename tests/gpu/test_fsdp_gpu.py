@@ -51,10 +51,12 @@ def test_fsdp_steps_save_and_load_on_one_gpu(model, precision, extras, param_dty
 
 
 @one_gpu
-@pytest.mark.timeout(1200)  # ~5 billion parameters: AdamW steps on the CPU take tens of seconds
-def test_a_model_whose_state_exceeds_the_gpu_trains_on_it_with_cpu_offload(tmp_path):
+@pytest.mark.timeout(700)
+def test_a_model_whose_state_exceeds_the_gpu_memory_it_may_use_trains_with_cpu_offload(tmp_path):
+    # 24 GiB allowed of the card (torch's per-process fraction): ~1.7 billion parameters, whose
+    # AdamW steps on the CPU take seconds; the whole card would need 5-9 billion and minutes.
     proc = run_multigpu("run", "--devices", "1", "--log-dir", tmp_path,
-                        SCRIPTS / "fsdp_offload_big.py", timeout=1150)
+                        SCRIPTS / "fsdp_offload_big.py", "1.05", "24", timeout=650)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)

@@ -8,10 +8,7 @@ its own, also ahead of the step (prefetch_thread; folder: data decodes its JPEGs
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import signal
 import warnings
 from typing import Callable
 
@@ -22,6 +19,7 @@ from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableD
 
 from multigpu.core.data import ShardedBatchSampler, StepInfo, map_tensors, move_to_device
 from multigpu.core.errors import UsageError
+from multigpu.core.loader_workers import own_group_context
 from multigpu.core.prefetch_thread import finish_in_thread
 
 
@@ -153,8 +151,8 @@ def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_r
     rebuilt = DataLoader(
         served, batch_sampler=sampler, num_workers=workers,
         collate_fn=loader.collate_fn, pin_memory=device.type == "cuda" or loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=_WorkerInit(loader.worker_init_fn) if workers else None,
-        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn if workers else None,
+        multiprocessing_context=own_group_context(loader.multiprocessing_context) if workers else None,
         generator=loader.generator,
         prefetch_factor=loader.prefetch_factor if workers else None,
         persistent_workers=loader.persistent_workers if workers else False)
@@ -214,29 +212,6 @@ class PerSampleSeed(Dataset):
             return [self[k] for k in keys]
         self._seed(*keys[0])  # a batched dataset draws once per batch
         return batched([i for _, i in keys])
-
-
-class _WorkerInit:
-    """DataLoader workers leave stop signals to their rank's main process.
-
-    torchrun delivers a stop signal to the worker's whole process group, and a terminal's Ctrl-C
-    to the foreground one, loader workers included; a loader worker killed by it makes the rank
-    fail in the middle of the step it should finish before saving a checkpoint. So each loader
-    worker moves to a process group of its own and ignores SIGINT and SIGUSR1. SIGTERM sent to the
-    worker itself keeps its default: that is how torch ends a loader worker that does not stop.
-    The main process ends its workers itself when it stops, and they notice if it dies."""
-
-    def __init__(self, user_fn):
-        self.user_fn = user_fn
-
-    def __call__(self, worker_id: int) -> None:
-        with contextlib.suppress(OSError):
-            os.setpgid(0, 0)
-        for sig in (signal.SIGINT, getattr(signal, "SIGUSR1", None)):
-            if sig is not None:
-                signal.signal(sig, signal.SIG_IGN)
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
 
 
 def _dataset_and_order(loader: DataLoader):

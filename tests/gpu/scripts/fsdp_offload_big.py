@@ -1,8 +1,11 @@
 """A model whose fp32 weights, gradients and Adam state (16 bytes a parameter) exceed the GPU's
 memory, trained on ONE GPU under fsdp with CPU offload (the shards and the optimizer in host
-memory): `multigpu run --devices 1 fsdp_offload_big.py [FRACTION]`.
+memory): `multigpu run --devices 1 fsdp_offload_big.py [FRACTION [GIB]]`.
 
-FRACTION (default 1.05): 16 bytes x parameters as a multiple of the GPU's memory. The model is
+FRACTION (default 1.05): 16 bytes x parameters as a multiple of the GPU's memory. GIB: the GPU
+memory this process may allocate (torch's per-process fraction), in place of the whole card's; the
+same test in minutes on any card (a whole H200 needs ~9 billion parameters and AdamW steps of
+minutes on the CPU). The model is
 made in host memory, where it stays: fully_shard moves one block at a time to the GPU. Prints
 one JSON line with the sizes, the step times and the peak GPU memory.
 """
@@ -21,6 +24,10 @@ from wide_blocks import Block  # next to this script
 fraction = float(sys.argv[1]) if len(sys.argv) > 1 else 1.05
 rt = multigpu.setup("fsdp", "bf16", options=multigpu.FSDPOptions(cpu_offload=True))
 total = torch.cuda.get_device_properties(rt.device).total_memory
+if len(sys.argv) > 2:
+    cap = float(sys.argv[2]) * 2**30
+    torch.cuda.set_per_process_memory_fraction(cap / total, rt.device)
+    total = int(cap)
 width = 8192
 blocks = math.ceil(fraction * total / 16 / (2 * width * width))
 began = time.perf_counter()

@@ -1,0 +1,95 @@
+"""DataLoader worker processes that leave stop signals to their rank's main process, from birth.
+
+torchrun's agent stops a rank by sending SIGTERM to the rank's whole process group, a sweep stops
+a run the same way, and a terminal's Ctrl-C goes to its foreground group: loader workers included.
+A loader worker killed by it makes the rank fail in the middle of the step it should finish before
+saving a checkpoint ("DataLoader worker exited unexpectedly"). A worker that moved to a group of its
+own only once its `worker_init_fn` ran was still exposed while it started up: each epoch's start
+with workers that are not persistent, and a run's first batches.
+
+So the workers come from a multiprocessing context whose processes are started with the stop
+signals blocked (a blocked signal stays blocked through fork and exec) and, first thing in the new
+process, move to a process group of their own, drop any stop signal sent to the old group in the
+meantime, ignore SIGINT and SIGUSR1 and unblock. SIGTERM sent to the worker itself keeps its
+default: that is how torch ends a worker that does not stop. The main process ends its workers
+itself when it stops, and they notice if it dies. A context of the user's own class (not fork,
+spawn or forkserver) is kept as it is, and its workers share the rank's group.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+from multiprocessing import context as mp_context
+from multiprocessing import resource_tracker
+
+_IGNORED = (signal.SIGINT, signal.SIGUSR1)  # the rank's main process acts on them alone
+_BLOCKED = {signal.SIGTERM, *_IGNORED}
+
+
+class _OwnGroup:
+    """A multiprocessing Process mixin: started with the stop signals blocked, runs in its own
+    process group."""
+
+    def start(self) -> None:
+        if self._start_method != "fork":  # the tracker's start unblocks SIGTERM: start it first
+            resource_tracker.ensure_running()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        for sig in _IGNORED:
+            signal.signal(sig, signal.SIG_IGN)  # also discards one already pending
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # discard the old group's, then the default
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
+        super().run()
+
+
+class _ForkProcess(_OwnGroup, mp_context.ForkProcess):
+    pass
+
+
+class _SpawnProcess(_OwnGroup, mp_context.SpawnProcess):
+    pass
+
+
+class _ForkServerProcess(_OwnGroup, mp_context.ForkServerProcess):
+    pass
+
+
+class _ForkContext(mp_context.ForkContext):
+    Process = _ForkProcess
+
+
+class _SpawnContext(mp_context.SpawnContext):
+    Process = _SpawnProcess
+
+
+class _ForkServerContext(mp_context.ForkServerContext):
+    Process = _ForkServerProcess
+
+
+_OURS = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
+
+
+def own_group_context(context):
+    """The DataLoader `multiprocessing_context` to use in place of the user's (None, a method's
+    name or a context object): the same start method, with workers in their own process group."""
+    if os.name != "posix":
+        return context
+    if context is None:  # torch's default: multiprocessing's, left unset if nobody set it
+        method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    elif isinstance(context, str):
+        method = context
+    elif type(context) in (mp_context.ForkContext, mp_context.SpawnContext, mp_context.ForkServerContext):
+        method = context.get_start_method()
+    else:
+        return context
+    return _OURS[method]() if method in _OURS else context
