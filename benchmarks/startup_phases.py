@@ -169,6 +169,8 @@ def main() -> None:
                 said = (f"first step {result['first_step_s']:.1f} s" if result["ok"]
                         else f"FAILED (exit {result['code']})")
                 print(f"trial {trial + 1}/{args.trials} {case['name']}: {said}", flush=True)
+                if not result["ok"] and trial == 0:  # why, once, where a log is all that comes back
+                    print("    " + "\n    ".join(result["tail"].splitlines()[-8:]), flush=True)
     rows = summarise(trials)
     print()
     for row in rows:
