@@ -69,6 +69,9 @@ def test_package_exports_load_on_first_use():
     (["train", "--model", "mlp", "--epochz=3"], "multigpu train has no option --epochz; did you mean --epochs?"),
     (["bench", "--bogus"], "multigpu bench has no option --bogus; multigpu bench --help lists them"),
     (["--bogus", "gpus"], "multigpu has no option --bogus; multigpu --help lists them"),
+    (["doctor", "--auto", "-m", "mypkg.train"], "multigpu doctor: -m mypkg.train: a module to check "
+     "goes after --, as a script does: multigpu doctor [--auto] -- -m mypkg.train ARGS; multigpu doctor "
+     "--help lists the options"),
 ])
 def test_an_unknown_option_is_named_with_the_nearest_real_one(argv, said, capsys):
     from multigpu import cli

@@ -144,7 +144,12 @@ def _main(argv: list[str], started: float) -> int:
         return 2
     if unknown:  # a stray positional (or -x): named with the command it was given to
         prog = f"multigpu {args.command}" if getattr(args, "command", None) else "multigpu"
-        print(_parse_error(prog, f"unexpected argument {unknown[0]!r}"), file=sys.stderr)
+        said = f"unexpected argument {unknown[0]!r}"
+        if unknown[0] == "-m" and prog == "multigpu doctor":  # `run -m pkg` is how modules run
+            module = (unknown[1:] or getattr(args, "script", None) or ["pkg.train"])[0]
+            said = (f"-m {module}: a module to check goes after --, as a script does: "
+                    f"multigpu doctor [--auto] -- -m {module} ARGS")
+        print(_parse_error(prog, said), file=sys.stderr)
         return 2
     args.started_at = started
     if not getattr(args, "_main", None):
