@@ -4,6 +4,8 @@
 # one slurmd) started on localhost by tests/slurm/localslurm.py, the helper tests/slurm uses.
 # Needs root, Debian's slurm-wlm and munge, and submitit (pip install 'multigpu[slurm]').
 #   OUT=/tmp/sweep-outputs bash benchmarks/sweep_outputs.sh
+# The localhost node has CPUs only, so the SLURM sweep adds --devices-per-run cpu:1 (without it
+# each task asks for a GPU and sbatch refuses: $OUT/slurm-default-devices.txt keeps that answer).
 # Writes $OUT/laptop.txt, $OUT/laptop-status.txt, $OUT/slurm.txt, $OUT/slurm-status-queued.txt
 # (right after the submission), $OUT/slurm-status.txt (once SLURM has none of its jobs left),
 # $OUT/times.txt, and the sweep folders $OUT/laptop and $OUT/slurm. The SLURM daemons are
@@ -60,9 +62,17 @@ source "$CLUSTER/slurm.env"
 export SLURM_CONF
 echo "SLURM on localhost: SLURM_CONF=$SLURM_CONF, partition $PARTITION"
 
-t0=$(now)
+# The laptop's command plus --on slurm asks for a GPU a run (--devices-per-run 1 is the default,
+# whatever the submitting machine has); this node has none, so sbatch refuses it: kept as seen.
+set +e
 "$PY" -m multigpu sweep --on slurm --partition "$PARTITION" --time 10m --out "$OUT/slurm" \
-    examples/sweep_post002.yaml 2>&1 | tee "$OUT/slurm.txt"
+    examples/sweep_post002.yaml > "$OUT/slurm-default-devices.txt" 2>&1
+echo "exit status $?" >> "$OUT/slurm-default-devices.txt"
+set -e
+cat "$OUT/slurm-default-devices.txt"
+t0=$(now)
+"$PY" -m multigpu sweep --on slurm --partition "$PARTITION" --time 10m --devices-per-run cpu:1 \
+    --out "$OUT/slurm" examples/sweep_post002.yaml 2>&1 | tee "$OUT/slurm.txt"
 "$PY" -m multigpu sweep --status "$OUT/slurm" > "$OUT/slurm-status-queued.txt" 2>&1
 deadline=$((SECONDS + 1800))
 while [ -n "$(squeue -h -o %i --name sweep-slurm)" ]; do  # the array's job name: sweep-<folder>
