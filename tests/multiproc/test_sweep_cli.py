@@ -214,7 +214,8 @@ def test_detach_returns_at_once_and_the_sweep_completes(tmp_path, recorder):
     log = (folder / "sweep.log").read_text()
     assert "finished: 2 done, 0 failed" in log, log
     status = multigpu("sweep", "--status", "sw", cwd=tmp_path)
-    assert "2 done" in status.stdout and "best so far: v=1: val_loss 1" in status.stdout, status.stdout
+    assert "2 runs: 2 done; complete" in status.stdout, status.stdout
+    assert "\nbest: v=1: val_loss 1" in status.stdout, status.stdout  # not "so far": it is over
 
 
 def test_a_run_past_its_timeout_is_stopped_failed_and_retried(tmp_path, recorder):

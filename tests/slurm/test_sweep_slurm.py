@@ -150,6 +150,13 @@ def test_sbatch_refusals_are_one_line_with_the_flag_to_change(slurm_cluster, tmp
     assert proc.stderr.strip() == ("multigpu: error: --on slurm: sbatch refused the job array: "
                                    "Batch job submission failed: Invalid partition name specified; "
                                    "check --partition, --time, --devices-per-run and --slurm-arg")
+    gpus = [a if a != "cpu:1" else "1" for a in args]  # this cluster's node has no GPU
+    proc = sweep(slurm_cluster, "--out", "g", *gpus, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "multigpu: error: --on slurm: sbatch refused the job array: Invalid generic resource (gres) specification: each run asks for 1 GPU (--devices-per-run: "
+        "1 GPU unless given), which that partition's nodes do not offer; name a partition with GPUs "
+        "(--partition), or give CPU runs --devices-per-run cpu:N")
     conf = Path(slurm_cluster.env["SLURM_CONF"])
     closed = tmp_path / "closed.conf"
     with socket.socket() as s:  # a port nobody listens on

@@ -143,7 +143,7 @@ def submit(folder: SweepFolder, runs, task, settings: SlurmSettings, echo=print)
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's error too
             jobs = executor.map_array(task, [r.name for r in runs])
     except Exception as exc:  # submitit's FailedJobError carries sbatch's stderr
-        raise UsageError(_sbatch_error(exc)) from None
+        raise UsageError(_sbatch_error(exc, settings)) from None
     for run, job in zip(runs, jobs):
         st = folder.read_state(run.name) or RunState(run.name, run.params)
         st.status, st.job, st.pid = "pending", job.job_id, None
@@ -176,7 +176,7 @@ def _executor(folder: SweepFolder, settings: SlurmSettings, n_runs: int):
     return executor
 
 
-def _sbatch_error(exc: Exception) -> str:
+def _sbatch_error(exc: Exception, settings: SlurmSettings) -> str:
     text = str(exc).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     line = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else repr(exc))
@@ -190,6 +190,12 @@ def _sbatch_error(exc: Exception) -> str:
     if "contact slurm controller" in line.lower() or "connection refused" in line.lower():
         return (f"--on slurm: sbatch cannot reach the SLURM controller (slurmctld): {line}; "
                 "check that it runs (scontrol ping) and that SLURM_CONF names this cluster")
+    kind, n = parse_per_run(settings.per_run)
+    if kind == "cuda" and "generic resource" in line.lower():  # gres: no GPUs where it would go
+        return (f"--on slurm: sbatch refused the job array: {line}: each run asks for {n} "
+                f"GPU{'s' if n > 1 else ''} (--devices-per-run: 1 GPU unless given), "
+                "which that partition's nodes do not offer; name a partition with GPUs "
+                "(--partition), or give CPU runs --devices-per-run cpu:N")
     return (f"--on slurm: sbatch refused the job array: {line}; check --partition, --time, "
             "--devices-per-run and --slurm-arg")
 

@@ -47,12 +47,13 @@ def render(folder: SweepFolder, sweep) -> str:
     if ranked:
         best = ranked[0]
         label = ", ".join(f"{k}={v}" for k, v in best.params.items())
-        lines.append(f"best so far: {label}: {metric} {best.best:.4g}")
+        lines.append(f"{'best' if who == 'complete' else 'best so far'}: {label}: {metric} {best.best:.4g}")
     lines.append("")
-    lines.append(f"{'run':<44} {'status':<8} {'time':>8} {'tries':>5} {'final':>9} {'best':>9}  note")
+    width = max([3] + [len(r.name) for r in results])  # whole names: the varying key is last
+    lines.append(f"{'run':<{width}} {'status':<8} {'time':>8} {'tries':>5} {'final':>9} {'best':>9}  note")
     for r in results:
         status = shown[r.name]
-        lines.append(f"{r.name[:44]:<44} {status:<8} {format_duration(r.duration_s):>8} {r.attempts:>5} "
+        lines.append(f"{r.name:<{width}} {status:<8} {format_duration(r.duration_s):>8} {r.attempts:>5} "
                      f"{_num(r.final):>9} {_num(r.best):>9}  {r.note[:80]}")
     lines.append(f"\n({metric}: {'higher' if higher else 'lower'} is better; "
                  f"log: {folder.log_path})")
