@@ -42,6 +42,11 @@ def forked(nproc: int, argv: list[str]) -> None:
     """torchrun's agent in this process, its workers forked from it (see the docstring)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # LaunchConfig asks torch.cuda.is_available() (for its default NUMA binding), which initialises
+    # CUDA in this process unless the check goes through NVML; a worker forked from a process with
+    # CUDA initialised cannot use CUDA (on CPU machines nothing is initialised, so it worked there).
+    # The binding itself runs in each forked worker, which reads its GPU's properties there.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", run_id="bare-fork", max_restarts=0,
                           start_method="fork")
