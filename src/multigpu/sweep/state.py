@@ -28,6 +28,7 @@ from pathlib import Path
 
 from multigpu.core import fileio
 from multigpu.core.errors import UsageError
+from multigpu.core.orphans import alive
 
 SWEEP_JSON, LOCK, LOG = "sweep.json", "sweep.lock", "sweep.log"
 STATUSES = ("done", "running", "failed", "stopped", "pending")
@@ -174,6 +175,30 @@ class SweepFolder:
                 echo(line)
             except OSError:  # the console is gone (a closed terminal, a killed `| tee`)
                 pass
+
+
+def run_alive(pid: int | None, started: float | None = None) -> bool:
+    """Whether a process of the run whose state records `pid` (its process group: the run is a
+    session of its own) still lives, e.g. stopping after its sweep died. Checked by group, so that
+    what the run started counts too; by the pid alone for a forked run an instant before it has
+    its own session. A leader that began after the run's `started` is another process that got
+    the pid once the run had ended: not the run."""
+    if not pid or pid < 0:
+        return False
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return alive(pid)
+    except PermissionError:  # alive, though not ours to signal
+        return True
+    if started is not None:
+        import psutil
+
+        try:
+            return psutil.Process(pid).create_time() <= started + 1.0
+        except psutil.Error:  # the leader is gone, the rest of its group is not
+            pass
+    return True
 
 
 def log_tail(path: Path, lines: int = 8, width: int = 300) -> str:
