@@ -13,7 +13,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from .conftest import cli_env, multigpu, read_metrics
@@ -236,97 +235,3 @@ def test_a_run_past_its_timeout_is_stopped_failed_and_retried(tmp_path, recorder
     assert starts(tmp_path / "sw", "v=1") == 2
     assert "FAILED v=1" in proc.stdout and "retrying (1/1)" in proc.stdout
 
-
-# Imported by every Python the test starts; in the sweep's fork server alone (the one that
-# preloads multigpu's CLI), an exit handler that takes 30 s: the shutdown of an interpreter that
-# preloaded torch, as slow as a loaded machine makes it (the runs must not wait for that).
-SLOW_SERVER_EXIT = textwrap.dedent("""
-    import atexit, os, time
-    with open("/proc/self/cmdline", "rb") as f:
-        cmdline = f.read()
-    if b"multiprocessing.forkserver" in cmdline and b"multigpu.cli.train" in cmdline:
-        server = os.getpid()
-        atexit.register(lambda: os.getpid() == server and time.sleep(30))
-""")
-
-
-def pending_signals(pid: int) -> int:
-    """The signals sent to `pid` and not yet handled (a stopped process keeps them pending)."""
-    fields = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def test_kill_9_of_the_sweep_stops_its_forked_runs_at_once_and_status_says_stopping(tmp_path):
-    """A run forked from the sweep's warm process gets SIGTERM as soon as the sweep is killed with
-    -9 (its fork server's slow exit does not hold it up); while it lives, --status says it is
-    stopping, with its pid, and the same command refuses to start; then it ends with a checkpoint.
-    The run is held with SIGSTOP meanwhile, so that the SIGTERM stays pending where it can be seen."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_SERVER_EXIT)
-    cmd = ["--grid", "seed=1", "--devices", "cpu:1", "--devices-per-run", "cpu:1", "--out", "sw",
-           "--", "multigpu", "train", "--model", "mlp", "--data", "synthetic:40000", "--epochs", "3",
-           "--batch-size", "16", "--checkpoint-every", "0", "--logger", "csv", "--log-every", "10"]
-    env = {"MULTIGPU_LEASE_DIR": str(tmp_path / "leases"),
-           "PYTHONPATH": f"{site}{os.pathsep}{cli_env()['PYTHONPATH']}"}
-    sweep = sweep_popen(*cmd, cwd=tmp_path, env=env)
-    folder = tmp_path / "sw"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (folder / "runs" / "seed=1" / "steps.csv").exists():
-        time.sleep(0.1)
-    state = json.loads((folder / "state" / "seed=1.json").read_text())
-    assert state["status"] == "running" and state["pid"], state
-    pid = state["pid"]
-    run = psutil.Process(pid)
-    server = psutil.Process(run.ppid())
-    assert "warm process" in (folder / "logs" / "seed=1.log").read_text()  # forked, not exec'd
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        os.kill(sweep.pid, signal.SIGKILL)
-        sweep.wait()
-        killed = time.monotonic()
-        while time.monotonic() - killed < 2 and not pending_signals(pid) & (1 << (signal.SIGTERM - 1)):
-            time.sleep(0.01)
-        assert pending_signals(pid) & (1 << (signal.SIGTERM - 1)), "no SIGTERM 2 s after the sweep died"
-
-        status = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "--status", "sw"],
-                                cwd=tmp_path, env={**cli_env(), **env}, capture_output=True, text=True,
-                                timeout=120)
-        assert status.returncode == 0, status.stderr
-        lines = status.stdout.splitlines()
-        head, row = lines[0], next(ln for ln in lines if ln.startswith("seed=1 "))
-        assert head == (f"sweep sw: 1 runs: 1 stopping; not running, but 1 run of it is still "
-                        f"stopping (pid {pid}): wait for it before running the same command again")
-        assert row.split()[:2] == ["seed=1", "stopping"], status.stdout
-        assert row.endswith(f"pid {pid} is stopping (its sweep is gone)"), status.stdout
-
-        again = subprocess.run([sys.executable, "-m", "multigpu", "sweep", *cmd], cwd=tmp_path,
-                               env={**cli_env(), **env}, capture_output=True, text=True, timeout=120)
-        assert again.returncode == 2 and again.stdout == "", again.stdout + again.stderr
-        assert again.stderr == (f"multigpu: error: run seed=1 of an earlier sweep is still stopping "
-                                f"(process group {pid}); wait for it, or end it with: "
-                                f"kill -KILL -- -{pid}\n")
-        os.kill(pid, signal.SIGCONT)
-        run.wait(timeout=60)
-        deadline = time.monotonic() + 30  # and what it started (its loader workers' server)
-        while time.monotonic() < deadline and group_alive(pid):
-            time.sleep(0.05)
-        assert not group_alive(pid), "a process of the run outlived it by 30 s"
-    finally:  # nothing left behind when an assertion failed
-        for p in (run, server):
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-    assert "stopped by SIGTERM" in (folder / "logs" / "seed=1.log").read_text()
-    after = multigpu("sweep", "--status", "sw", cwd=tmp_path)
-    row = next(ln for ln in after.stdout.splitlines() if ln.startswith("seed=1 "))
-    assert row.split()[:2] == ["seed=1", "stopped"], after.stdout
