@@ -66,6 +66,9 @@ def test_two_runs_share_one_core_under_the_sweeps_lease(tmp_path, recorder):
     out, _ = sweep.communicate(timeout=120)
     assert sweep.returncode == 0, out
     assert "1 CPU core (0), 1 per run, up to 2 runs a core" in out
+    assert ("] --runs-per-gpu 2 on CPU cores: 2 runs take turns on each core, so training gains "
+            "nothing and each run takes about 2x as long; it helps only runs that mostly wait (on "
+            "files, the network). For 1 run a core, leave --runs-per-gpu out\n") in out
     (s1, e1, c1), (s2, e2, c2) = (json.loads((folder / "runs" / f"v={v}" / "record.json").read_text())
                                   for v in (1, 2))
     assert c1 == c2 == [0]

@@ -273,6 +273,8 @@ def _execute(folder, sweep, options: dict) -> int:
     folder.event(f"sweep of {len(sweep.runs)} runs on {sweep.pool.describe()}"
                  + (f", at most {sweep.options.max_parallel} at once" if sweep.options.max_parallel else "")
                  + f"; folder {folder.root}", echo)
+    if (shared := sweep.pool.shared_cores()) is not None:
+        folder.event(shared, echo)
     return sweep.execute()
 
 
