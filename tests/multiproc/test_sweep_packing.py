@@ -38,6 +38,18 @@ def recorder(tmp_path):
     return path
 
 
+def session(sid: int) -> list[int]:
+    """The live processes of the session `sid` (a run's: it calls setsid), its leader first."""
+    found = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return sorted(found, key=lambda q: q != sid)
+
+
 def wait_for(check, what: str, seconds: float = 120):
     deadline = time.time() + seconds
     while time.time() < deadline:
@@ -101,17 +113,24 @@ def test_runs_forked_from_the_warm_process_match_runs_alone_bit_for_bit(tmp_path
 
 
 def test_a_forked_run_killed_leaves_the_others_and_the_next_ones_finishing(tmp_path):
-    """kill -9 of one run while two train: it fails as killed, the other finishes, and the third
-    run, forked after the kill from the same warm process, finishes too."""
+    """kill -9 of one run while two train: it fails as killed, what it started (its loader
+    workers) ends too, the other finishes, and the third run, forked after the kill from the same
+    warm process, finishes too."""
     env = {"MULTIGPU_LEASE_DIR": str(tmp_path / "leases")}
     cmd = ["--grid", "f=1,2,4", "--devices", "cpu:2", "--devices-per-run", "cpu:1", "--out", "sw",
-           "--", *LONGER, "--epochs", "40"]
+           "--", *LONGER, "--epochs", "40", "--workers", "1"]
     sweep = sweep_popen(*cmd, cwd=tmp_path, env=env)
     folder = tmp_path / "sw"
     wait_for(lambda: all((folder / "runs" / f"f={f}" / "steps.csv").exists() for f in (1, 2)),
              "training step of both runs")
     pid = json.loads((folder / "state" / "f=1.json").read_text())["pid"]
+    wait_for(lambda: session(pid)[1:], "loader worker of the run")  # what must not outlive it
     os.kill(pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: not session(pid), "end of the killed run's loader workers", 30)
+    finally:
+        for left in session(pid):  # left behind by a failure
+            os.kill(left, signal.SIGKILL)
     out, _ = sweep.communicate(timeout=300)
     assert sweep.returncode == 1, out
     rows = {r["name"]: r for r in summary_rows(folder)}

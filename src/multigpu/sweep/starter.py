@@ -19,6 +19,8 @@ What a run sees is what an exec'd run sees:
 - the environment the sweep gives it, its CPU cores, stdin from /dev/null, stdout and stderr into
   its log, unbuffered; the device leases, passed over the server's socket (the same open files,
   so the same flocks);
+- multiprocessing's start method unset (the platform's default), so loader workers are started
+  as an exec'd run starts them;
 - exit status: main's return value, -N for death by signal N, 1 for an uncaught exception (its
   traceback in the log), exit handlers run.
 
@@ -175,6 +177,10 @@ def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int
     _redirect(log_fd)
     os.environ.clear()
     os.environ.update(env)
+    # multiprocessing's start method unset again, as in an exec'd run (fork, on Linux): the
+    # server's child is set to forkserver, and loader workers started through a server of the
+    # run's own watch that server, not the run, so they outlived a run killed with -9
+    multiprocessing.set_start_method(None, force=True)
     code = 1
     try:
         warm_check()
