@@ -178,27 +178,42 @@ class SweepFolder:
 
 
 def run_alive(pid: int | None, started: float | None = None) -> bool:
-    """Whether a process of the run whose state records `pid` (its process group: the run is a
-    session of its own) still lives, e.g. stopping after its sweep died. Checked by group, so that
-    what the run started counts too; by the pid alone for a forked run an instant before it has
-    its own session. A leader that began after the run's `started` is another process that got
-    the pid once the run had ended: not the run."""
+    """Whether a process of the run whose state records `pid` still lives, e.g. stopping after its
+    sweep died. The run is a session of its own (setsid), and what it started stays in it, in
+    another process group too (its loader workers): any live process of that session counts, and
+    the pid itself (a forked run an instant before its setsid). A process holding the pid that
+    began after the run's `started` is another one, that got the pid once the run had ended."""
     if not pid or pid < 0:
         return False
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return alive(pid)
-    except PermissionError:  # alive, though not ours to signal
-        return True
-    if started is not None:
+    if started is not None and alive(pid):
         import psutil
 
         try:
-            return psutil.Process(pid).create_time() <= started + 1.0
-        except psutil.Error:  # the leader is gone, the rest of its group is not
+            if psutil.Process(pid).create_time() > started + 1.0:
+                return False
+        except psutil.Error:
             pass
-    return True
+    return alive(pid) or _session_alive(pid)
+
+
+def _session_alive(sid: int) -> bool:
+    try:
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:  # no /proc (macOS): its process group
+        try:
+            os.killpg(sid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, though not ours to signal
+            pass
+        return True
+    for p in pids:
+        try:
+            if os.getsid(p) == sid and alive(p):
+                return True
+        except OSError:  # gone meanwhile
+            pass
+    return False
 
 
 def log_tail(path: Path, lines: int = 8, width: int = 300) -> str:
