@@ -234,4 +234,3 @@ def test_a_run_past_its_timeout_is_stopped_failed_and_retried(tmp_path, recorder
     assert state["note"] == "timed out after 3s"
     assert starts(tmp_path / "sw", "v=1") == 2
     assert "FAILED v=1" in proc.stdout and "retrying (1/1)" in proc.stdout
-
