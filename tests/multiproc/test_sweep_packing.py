@@ -6,15 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from multigpu.launcher import leases
 
-from .conftest import cli_env, read_metrics
+from .conftest import cli_env, multigpu, read_metrics
 from .test_sweep_cli import RECORDER, starts, summary_rows, sweep_popen
 
 pytestmark = pytest.mark.slow
@@ -34,6 +36,18 @@ def recorder(tmp_path):
     path = tmp_path / "recorder.py"
     path.write_text(RECORDER)
     return path
+
+
+def session(sid: int) -> list[int]:
+    """The live processes of the session `sid` (a run's: it calls setsid), its leader first."""
+    found = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return sorted(found, key=lambda q: q != sid)
 
 
 def wait_for(check, what: str, seconds: float = 120):
@@ -64,6 +78,9 @@ def test_two_runs_share_one_core_under_the_sweeps_lease(tmp_path, recorder):
     out, _ = sweep.communicate(timeout=120)
     assert sweep.returncode == 0, out
     assert "1 CPU core (0), 1 per run, up to 2 runs a core" in out
+    assert ("] --runs-per-gpu 2 on CPU cores: 2 runs take turns on each core, so training gains "
+            "nothing and each run takes about 2x as long; it helps only runs that mostly wait (on "
+            "files, the network). For 1 run a core, leave --runs-per-gpu out\n") in out
     (s1, e1, c1), (s2, e2, c2) = (json.loads((folder / "runs" / f"v={v}" / "record.json").read_text())
                                   for v in (1, 2))
     assert c1 == c2 == [0]
@@ -96,17 +113,24 @@ def test_runs_forked_from_the_warm_process_match_runs_alone_bit_for_bit(tmp_path
 
 
 def test_a_forked_run_killed_leaves_the_others_and_the_next_ones_finishing(tmp_path):
-    """kill -9 of one run while two train: it fails as killed, the other finishes, and the third
-    run, forked after the kill from the same warm process, finishes too."""
+    """kill -9 of one run while two train: it fails as killed, what it started (its loader
+    workers) ends too, the other finishes, and the third run, forked after the kill from the same
+    warm process, finishes too."""
     env = {"MULTIGPU_LEASE_DIR": str(tmp_path / "leases")}
     cmd = ["--grid", "f=1,2,4", "--devices", "cpu:2", "--devices-per-run", "cpu:1", "--out", "sw",
-           "--", *LONGER, "--epochs", "40"]
+           "--", *LONGER, "--epochs", "40", "--workers", "1"]
     sweep = sweep_popen(*cmd, cwd=tmp_path, env=env)
     folder = tmp_path / "sw"
     wait_for(lambda: all((folder / "runs" / f"f={f}" / "steps.csv").exists() for f in (1, 2)),
              "training step of both runs")
     pid = json.loads((folder / "state" / "f=1.json").read_text())["pid"]
+    wait_for(lambda: session(pid)[1:], "loader worker of the run")  # what must not outlive it
     os.kill(pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: not session(pid), "end of the killed run's loader workers", 30)
+    finally:
+        for left in session(pid):  # left behind by a failure
+            os.kill(left, signal.SIGKILL)
     out, _ = sweep.communicate(timeout=300)
     assert sweep.returncode == 1, out
     rows = {r["name"]: r for r in summary_rows(folder)}
@@ -116,25 +140,91 @@ def test_a_forked_run_killed_leaves_the_others_and_the_next_ones_finishing(tmp_p
     assert WARM in (folder / "logs" / "f=4.log").read_text()
 
 
-def test_kill_9_of_the_sweep_stops_its_forked_run_with_a_checkpoint(tmp_path):
-    """The sweep gone (kill -9): the fork server goes with it, and the run it forked gets SIGTERM
-    (PR_SET_PDEATHSIG), saves and stops."""
-    env = {"MULTIGPU_LEASE_DIR": str(tmp_path / "leases")}
-    cmd = ["--grid", "f=1", "--devices", "cpu:1", "--devices-per-run", "cpu:1", "--out", "sw",
-           "--", *LONGER, "--epochs", "500"]
+# Imported by every Python the test starts; in the sweep's fork server alone (the one that
+# preloads multigpu's CLI), an exit handler that takes 30 s: the shutdown of an interpreter that
+# preloaded torch, as slow as a loaded machine makes it (the runs must not wait for that).
+SLOW_SERVER_EXIT = textwrap.dedent("""
+    import atexit, os, time
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read()
+    if b"multiprocessing.forkserver" in cmdline and b"multigpu.cli.train" in cmdline:
+        server = os.getpid()
+        atexit.register(lambda: os.getpid() == server and time.sleep(30))
+""")
+
+
+def pending_signals(pid: int) -> int:
+    """The signals sent to `pid` and not yet handled (a stopped process keeps them pending)."""
+    fields = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_kill_9_of_the_sweep_stops_its_forked_runs_at_once_and_status_says_stopping(tmp_path):
+    """A run forked from the sweep's warm process gets SIGTERM as soon as the sweep is killed with
+    -9 (its fork server's slow exit does not hold it up); while it lives, --status says it is
+    stopping, with its pid, and the same command refuses to start; then it ends with a checkpoint.
+    The run is held with SIGSTOP meanwhile, so that the SIGTERM stays pending where it can be seen."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_SERVER_EXIT)
+    cmd = ["--grid", "seed=1", "--devices", "cpu:1", "--devices-per-run", "cpu:1", "--out", "sw",
+           "--", "multigpu", "train", "--model", "mlp", "--data", "synthetic:40000", "--epochs", "3",
+           "--batch-size", "16", "--checkpoint-every", "0", "--logger", "csv", "--log-every", "10"]
+    env = {"MULTIGPU_LEASE_DIR": str(tmp_path / "leases"),
+           "PYTHONPATH": f"{site}{os.pathsep}{cli_env()['PYTHONPATH']}"}
     sweep = sweep_popen(*cmd, cwd=tmp_path, env=env)
     folder = tmp_path / "sw"
-    wait_for(lambda: (folder / "runs" / "f=1" / "steps.csv").exists(), "training step")
-    pid = json.loads((folder / "state" / "f=1.json").read_text())["pid"]
-    os.kill(sweep.pid, signal.SIGKILL)
-    sweep.wait()
+    wait_for(lambda: (folder / "runs" / "seed=1" / "steps.csv").exists(), "training step", 180)
+    state = json.loads((folder / "state" / "seed=1.json").read_text())
+    assert state["status"] == "running" and state["pid"], state
+    pid = state["pid"]
+    run = psutil.Process(pid)
+    server = psutil.Process(run.ppid())
+    assert WARM in (folder / "logs" / "seed=1.log").read_text()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        os.kill(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+        killed = time.monotonic()
+        while time.monotonic() - killed < 2 and not pending_signals(pid) & (1 << (signal.SIGTERM - 1)):
+            time.sleep(0.01)
+        assert pending_signals(pid) & (1 << (signal.SIGTERM - 1)), "no SIGTERM 2 s after the sweep died"
 
-    def gone():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    wait_for(gone, "end of the run after its sweep died", 60)
-    log = (folder / "logs" / "f=1.log").read_text()
-    assert WARM in log and "stopped by SIGTERM" in log, log[-2000:]
+        status = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "--status", "sw"],
+                                cwd=tmp_path, env={**cli_env(), **env}, capture_output=True, text=True,
+                                timeout=120)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        head, row = lines[0], next(ln for ln in lines if ln.startswith("seed=1 "))
+        assert head == (f"sweep sw: 1 runs: 1 stopping; not running, but 1 run of it is still "
+                        f"stopping (pid {pid}): wait for it before running the same command again")
+        assert row.split()[:2] == ["seed=1", "stopping"], status.stdout
+        assert row.endswith(f"pid {pid} is stopping (its sweep is gone)"), status.stdout
+
+        again = subprocess.run([sys.executable, "-m", "multigpu", "sweep", *cmd], cwd=tmp_path,
+                               env={**cli_env(), **env}, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 2 and again.stdout == "", again.stdout + again.stderr
+        assert again.stderr == (f"multigpu: error: run seed=1 of an earlier sweep is still stopping "
+                                f"(process group {pid}); wait for it, or end it with: "
+                                f"kill -KILL -- -{pid}\n")
+        os.kill(pid, signal.SIGCONT)
+        run.wait(timeout=60)
+        wait_for(lambda: not group_alive(pid), "end of what the run started (its loader workers' server)", 30)
+    finally:  # nothing left behind when an assertion failed
+        for p in (run, server):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    assert "stopped by SIGTERM" in (folder / "logs" / "seed=1.log").read_text()
+    after = multigpu("sweep", "--status", "sw", cwd=tmp_path)
+    row = next(ln for ln in after.stdout.splitlines() if ln.startswith("seed=1 "))
+    assert row.split()[:2] == ["seed=1", "stopped"], after.stdout

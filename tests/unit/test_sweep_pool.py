@@ -75,3 +75,10 @@ def test_auto_k_starts_at_one_and_follows_the_peak_memory(monkeypatch, tmp_path)
 ])
 def test_auto_slots_rule(peak, total, min_free, cores, k):
     assert pools.auto_slots(peak, total, min_free, cores) == k
+
+
+def test_only_cpu_cores_shared_by_several_runs_get_the_line_about_taking_turns():
+    assert pools.make_pool("cpu:1", "cpu:1", slots=1).shared_cores() is None
+    assert pools.make_pool("cpu:1", "cpu:1").shared_cores() is None
+    assert pools.make_pool("cpu:1", "cpu:1", slots=3).shared_cores().startswith(
+        "--runs-per-gpu 3 on CPU cores: 3 runs take turns on each core")

@@ -268,10 +268,13 @@ def _record(sweep, options: dict, slots: int | None = None) -> dict:
 def _execute(folder, sweep, options: dict) -> int:
     echo = None if os.environ.get(DETACHED_ENV) else print
     sweep.echo = echo
+    sweep.refuse_while_stopping()
     folder.write_sweep(_record(sweep, options))
     folder.event(f"sweep of {len(sweep.runs)} runs on {sweep.pool.describe()}"
                  + (f", at most {sweep.options.max_parallel} at once" if sweep.options.max_parallel else "")
                  + f"; folder {folder.root}", echo)
+    if (shared := sweep.pool.shared_cores()) is not None:
+        folder.event(shared, echo)
     return sweep.execute()
 
 

@@ -76,6 +76,16 @@ class Pool:
         return f"{len(self.units)} {what}{'s' if len(self.units) != 1 else ''} ({ids}), " \
                f"{self.per_run} per run{shared}"
 
+    def shared_cores(self) -> str | None:
+        """The line a sweep says when K runs share each CPU core (--runs-per-gpu K): they take
+        turns on it, so runs that compute gain nothing and each takes about K times as long."""
+        if self.kind != "cpu" or self.slots <= 1:
+            return None
+        k = self.slots
+        return (f"--runs-per-gpu {k} on CPU cores: {k} runs take turns on each core, so training "
+                f"gains nothing and each run takes about {k}x as long; it helps only runs that "
+                "mostly wait (on files, the network). For 1 run a core, leave --runs-per-gpu out")
+
     def capacity(self) -> int:
         """Runs at once when every device is free."""
         return len(self.units) * self.slots // self.per_run

@@ -29,7 +29,8 @@ from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep import starter
 from multigpu.sweep.pool import Pool, Unit
-from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
+from multigpu.sweep.state import (RunState, SweepFolder, format_duration, last_error_line, log_tail,
+                                  run_alive)
 from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
 
 POLL_SECONDS = 0.2
@@ -105,16 +106,24 @@ class Sweep:
                           f"{self.folder.root / 'summary.md'}", self.echo)
         return 1 if failed else 0
 
+    def refuse_while_stopping(self) -> None:
+        """One line while a run that a dead sweep started still has a process: it got SIGTERM as
+        that sweep died and is saving its checkpoint; a second copy would share its folder. Called
+        by the sweep holding the folder's lock, before it says anything."""
+        for run in self.runs:
+            st = self.folder.read_state(run.name)
+            if st is not None and st.status == "running" and run_alive(st.pid, st.started):
+                raise UsageError(f"run {run.name} of an earlier sweep is still stopping (process "
+                                 f"group {st.pid}); wait for it, or end it with: "
+                                 f"kill -KILL -- -{st.pid}")
+
     def _todo(self) -> list[specs.Run]:
+        self.refuse_while_stopping()
         todo = []
         for run in self.runs:
             st = self.folder.read_state(run.name) or RunState(run.name, run.params)
             if st.status == "done":
                 continue
-            if st.status == "running" and _alive(st.pid):
-                raise UsageError(f"run {run.name} of an earlier sweep is still running (process "
-                                 f"group {st.pid}, stopping after SIGTERM); wait for it, or end it "
-                                 f"with: kill -KILL -- -{st.pid}")
             if st.status == "running":  # the sweep that ran it is gone
                 st.status, st.note = "stopped", "interrupted (the sweep ended while it ran)"
             elif st.status != "stopped":
@@ -368,19 +377,6 @@ def prepare_folder(folder: SweepFolder, spec: specs.SweepSpec, run: specs.Run, a
         out.rename(kept)
     out.parent.mkdir(parents=True, exist_ok=True)
     return None
-
-
-def _alive(pgid: int | None) -> bool:
-    """Whether a process group of ours still has a process in it."""
-    if not pgid or pgid < 0:
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, though not ours to signal
-        pass
-    return True
 
 
 def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:

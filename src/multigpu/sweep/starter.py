@@ -13,11 +13,14 @@ as before.
 What a run sees is what an exec'd run sees:
 - its own session (setsid), so the sweep's SIGTERM to the process group reaches it and a Ctrl-C
   in the terminal reaches only the sweep;
-- SIGTERM when its parent dies (PR_SET_PDEATHSIG): its parent is the fork server, which exits
-  when the sweep does, even by kill -9;
+- SIGTERM when its parent dies (PR_SET_PDEATHSIG): its parent is the fork server, which the
+  kernel kills with the sweep, even a sweep killed with -9 (forkserver_init.py: left to exit by
+  itself, the server would take seconds, tearing down what it preloaded, while its runs train on);
 - the environment the sweep gives it, its CPU cores, stdin from /dev/null, stdout and stderr into
   its log, unbuffered; the device leases, passed over the server's socket (the same open files,
   so the same flocks);
+- multiprocessing's start method unset (the platform's default), so loader workers are started
+  as an exec'd run starts them;
 - exit status: main's return value, -N for death by signal N, 1 for an uncaught exception (its
   traceback in the log), exit handlers run.
 
@@ -45,10 +48,12 @@ import traceback
 from multigpu.core.environ import environ_set
 from multigpu.core.orphans import alive, set_death_signal
 
-# What a `multigpu train` run imports before its first step, in the order it does.
-PRELOAD = ["multigpu.cli", "multigpu.cli.train", "multigpu.train.trainloop", "torch._dynamo",
-           "torch.utils.tensorboard", "matplotlib.pyplot"]
+# What a `multigpu train` run imports before its first step, in the order it does; first, what
+# makes the server die with the sweep.
+PRELOAD = ["multigpu.sweep.forkserver_init", "multigpu.cli", "multigpu.cli.train",
+           "multigpu.train.trainloop", "torch._dynamo", "torch.utils.tensorboard", "matplotlib.pyplot"]
 COLD_START_ENV = "MULTIGPU_SWEEP_COLD_START"
+SWEEP_PID_ENV = "MULTIGPU_SWEEP_PID"  # the server's alone: whose death kills it (forkserver_init)
 
 
 def warm_args(argv: list[str], devices_per_run: int) -> list[str] | None:
@@ -133,7 +138,8 @@ class WarmStarter:
         self._ctx.set_forkserver_preload(PRELOAD)
         # is_available() through NVML there, should anything ask: the CUDA runtime's own count
         # initialises the driver, and a fork of that cannot use the GPU
-        self._server_env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(server_env or {})}
+        self._server_env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(server_env or {}),
+                            SWEEP_PID_ENV: str(os.getpid())}
         self._running = False
 
     def _ensure_server(self) -> None:
@@ -161,7 +167,7 @@ def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int
     """The run, in the forked child: set up as an exec'd run would be, then multigpu's main."""
     os.setsid()
     _let_go_of_the_server()
-    set_death_signal(signal.SIGTERM)  # when the fork server goes, which it does when the sweep goes
+    set_death_signal(signal.SIGTERM)  # when the fork server goes: it is killed with the sweep
     if not alive(sweep_pid):  # the sweep died before the line above: no signal would come
         os._exit(143)
     if cores is not None and hasattr(os, "sched_setaffinity"):
@@ -171,6 +177,10 @@ def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int
     _redirect(log_fd)
     os.environ.clear()
     os.environ.update(env)
+    # multiprocessing's start method unset again, as in an exec'd run (fork, on Linux): the
+    # server's child is set to forkserver, and loader workers started through a server of the
+    # run's own watch that server, not the run, so they outlived a run killed with -9
+    multiprocessing.set_start_method(None, force=True)
     code = 1
     try:
         warm_check()

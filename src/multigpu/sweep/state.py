@@ -28,6 +28,7 @@ from pathlib import Path
 
 from multigpu.core import fileio
 from multigpu.core.errors import UsageError
+from multigpu.core.orphans import alive
 
 SWEEP_JSON, LOCK, LOG = "sweep.json", "sweep.lock", "sweep.log"
 STATUSES = ("done", "running", "failed", "stopped", "pending")
@@ -174,6 +175,45 @@ class SweepFolder:
                 echo(line)
             except OSError:  # the console is gone (a closed terminal, a killed `| tee`)
                 pass
+
+
+def run_alive(pid: int | None, started: float | None = None) -> bool:
+    """Whether a process of the run whose state records `pid` still lives, e.g. stopping after its
+    sweep died. The run is a session of its own (setsid), and what it started stays in it, in
+    another process group too (its loader workers): any live process of that session counts, and
+    the pid itself (a forked run an instant before its setsid). A process holding the pid that
+    began after the run's `started` is another one, that got the pid once the run had ended."""
+    if not pid or pid < 0:
+        return False
+    if started is not None and alive(pid):
+        import psutil
+
+        try:
+            if psutil.Process(pid).create_time() > started + 1.0:
+                return False
+        except psutil.Error:
+            pass
+    return alive(pid) or _session_alive(pid)
+
+
+def _session_alive(sid: int) -> bool:
+    try:
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:  # no /proc (macOS): its process group
+        try:
+            os.killpg(sid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, though not ours to signal
+            pass
+        return True
+    for p in pids:
+        try:
+            if os.getsid(p) == sid and alive(p):
+                return True
+        except OSError:  # gone meanwhile
+            pass
+    return False
 
 
 def log_tail(path: Path, lines: int = 8, width: int = 300) -> str:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import statistics
 import time
 
-from multigpu.sweep.state import RunState, SweepFolder, format_duration
+from multigpu.sweep.state import RunState, SweepFolder, format_duration, run_alive
 from multigpu.sweep.summary import sort_results, split_metric
+
+SHOWN = ("done", "running", "stopping", "failed", "stopped", "pending")
 
 
 def render(folder: SweepFolder, sweep) -> str:
@@ -19,16 +21,8 @@ def render(folder: SweepFolder, sweep) -> str:
     states = sweep.states()
     holder = folder.holder_pid()
     record = folder.read_sweep() or {}
-    running = {st.name for st in states if st.status == "running"}
-    if (record.get("options") or {}).get("on") == "slurm":
-        live, who = _on_slurm(folder, states)
-        stale = {n for n in running if live is not None and _job(states, n) not in live}
-    elif holder is None:  # nobody runs them: a "running" state is left from a killed sweep
-        stale, who = running, None
-    else:
-        stale, who = set(), f"running (pid {holder})"
-    shown = {st.name: "stopped" if st.name in stale else st.status for st in states}
-    counts = {s: sum(v == s for v in shown.values()) for s in ("done", "running", "failed", "stopped", "pending")}
+    shown, notes, who = _shown(folder, states, record, holder)
+    counts = {s: sum(v == s for v in shown.values()) for s in SHOWN}
     if who is None:
         who = ("complete" if counts["done"] == len(states) else
                f"not running (run the same command again, or multigpu sweep --resume {folder.root}, "
@@ -53,11 +47,37 @@ def render(folder: SweepFolder, sweep) -> str:
     lines.append(f"{'run':<{width}} {'status':<8} {'time':>8} {'tries':>5} {'final':>9} {'best':>9}  note")
     for r in results:
         status = shown[r.name]
+        note = notes.get(r.name, r.note)
         lines.append(f"{r.name:<{width}} {status:<8} {format_duration(r.duration_s):>8} {r.attempts:>5} "
-                     f"{_num(r.final):>9} {_num(r.best):>9}  {r.note[:80]}")
+                     f"{_num(r.final):>9} {_num(r.best):>9}  {note[:80]}")
     lines.append(f"\n({metric}: {'higher' if higher else 'lower'} is better; "
                  f"log: {folder.log_path})")
     return "\n".join(lines)
+
+
+def _shown(folder: SweepFolder, states: list[RunState], record: dict, holder: int | None):
+    """Each run's status as shown ({name: status}), notes that replace a run's own, and the end of
+    the first line (None: from the counts). A "running" state nobody runs any more is left from a
+    sweep that died: "stopped" once no process of the run lives, "stopping" (with its pid) while
+    one does (it got SIGTERM when the sweep died); starting the same command again then refuses."""
+    running = {st.name for st in states if st.status == "running"}
+    shown = {st.name: st.status for st in states}
+    if (record.get("options") or {}).get("on") == "slurm":  # its pids are on other machines
+        live, who = _on_slurm(folder, states)
+        shown.update({n: "stopped" for n in running if live is not None and _job(states, n) not in live})
+        return shown, {}, who
+    if holder is not None:
+        return shown, {}, f"running (pid {holder})"
+    pids = {st.name: st.pid for st in states if st.name in running and run_alive(st.pid, st.started)}
+    shown.update({n: "stopping" if n in pids else "stopped" for n in running})
+    notes = {n: f"pid {pid} is stopping (its sweep is gone)" for n, pid in pids.items()}
+    if not pids:
+        return shown, notes, None
+    one = len(pids) == 1
+    return shown, notes, (f"not running, but {len(pids)} run{'' if one else 's'} of it "
+                          f"{'is' if one else 'are'} still stopping (pid "
+                          f"{', '.join(map(str, pids.values()))}): wait for {'it' if one else 'them'} "
+                          "before running the same command again")
 
 
 def _job(states: list[RunState], name: str) -> str:
