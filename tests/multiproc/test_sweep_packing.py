@@ -159,14 +159,6 @@ def pending_signals(pid: int) -> int:
     return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_kill_9_of_the_sweep_stops_its_forked_runs_at_once_and_status_says_stopping(tmp_path):
     """A run forked from the sweep's warm process gets SIGTERM as soon as the sweep is killed with
     -9 (its fork server's slow exit does not hold it up); while it lives, --status says it is
@@ -213,11 +205,10 @@ def test_kill_9_of_the_sweep_stops_its_forked_runs_at_once_and_status_says_stopp
                                env={**cli_env(), **env}, capture_output=True, text=True, timeout=120)
         assert again.returncode == 2 and again.stdout == "", again.stdout + again.stderr
         assert again.stderr == (f"multigpu: error: run seed=1 of an earlier sweep is still stopping "
-                                f"(process group {pid}); wait for it, or end it with: "
-                                f"kill -KILL -- -{pid}\n")
+                                f"(session {pid}); wait for it, or end it with: pkill -KILL -s {pid}\n")
         os.kill(pid, signal.SIGCONT)
         run.wait(timeout=60)
-        wait_for(lambda: not group_alive(pid), "end of what the run started (its loader workers' server)", 30)
+        wait_for(lambda: not session(pid), "end of what the run started (its loader workers)", 30)
     finally:  # nothing left behind when an assertion failed
         for p in (run, server):
             try:
@@ -225,6 +216,44 @@ def test_kill_9_of_the_sweep_stops_its_forked_runs_at_once_and_status_says_stopp
             except psutil.Error:
                 pass
     assert "stopped by SIGTERM" in (folder / "logs" / "seed=1.log").read_text()
+    after = multigpu("sweep", "--status", "sw", cwd=tmp_path)
+    row = next(ln for ln in after.stdout.splitlines() if ln.startswith("seed=1 "))
+    assert row.split()[:2] == ["seed=1", "stopped"], after.stdout
+
+
+def test_ranks_of_a_two_process_run_left_by_a_dead_sweep_are_stopping_while_they_hold_its_folder(tmp_path):
+    """torch's agent starts each rank in a session of its own: once the sweep and the run's
+    launcher are gone, the ranks (still saving) are outside the run's session, and only the run
+    folder they hold says that the run is not over. Held with SIGSTOP here, as a slow save would."""
+    cmd = ["--grid", "seed=1", "--devices", "cpu:2", "--devices-per-run", "cpu:2", "--out", "sw",
+           "--", "multigpu", "train", "--model", "mlp", "--data", "synthetic:40000", "--epochs", "3",
+           "--batch-size", "16", "--checkpoint-every", "0", "--logger", "csv", "--log-every", "10"]
+    env = {"MULTIGPU_LEASE_DIR": str(tmp_path / "leases")}
+    sweep = sweep_popen(*cmd, cwd=tmp_path, env=env)
+    folder = tmp_path / "sw"
+    wait_for(lambda: (folder / "runs" / "seed=1" / "steps.csv").exists(), "training step", 180)
+    launcher = json.loads((folder / "state" / "seed=1.json").read_text())["pid"]
+    ranks = [p for p in psutil.Process(launcher).children(recursive=True)
+             if os.getsid(p.pid) == p.pid]  # the ranks: sessions of their own
+    assert len(ranks) == 2, ranks
+    try:
+        for rank in ranks:
+            rank.suspend()
+        os.kill(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+        os.killpg(launcher, signal.SIGKILL)  # the launcher's session: all that is left is the ranks
+        wait_for(lambda: not session(launcher), "end of the launcher's session", 30)
+        status = multigpu("sweep", "--status", "sw", cwd=tmp_path)
+        row = next(ln for ln in status.stdout.splitlines() if ln.startswith("seed=1 "))
+        assert row.split()[:2] == ["seed=1", "stopping"], status.stdout
+    finally:
+        for rank in ranks:
+            try:
+                rank.resume()
+            except psutil.Error:
+                pass
+    for rank in ranks:  # orphaned, they stop by themselves (orphans.GRACE_SECONDS)
+        rank.wait(timeout=120)
     after = multigpu("sweep", "--status", "sw", cwd=tmp_path)
     row = next(ln for ln in after.stdout.splitlines() if ln.startswith("seed=1 "))
     assert row.split()[:2] == ["seed=1", "stopped"], after.stdout

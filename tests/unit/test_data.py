@@ -295,7 +295,7 @@ def test_per_sample_seeding_draws_as_torch_manual_seed_and_queues_no_cuda_seedin
         assert torch.cuda._lazy_seed_tracker.get_calls() == queued
 
 
-@pytest.mark.parametrize("method,epochs", [("default", 20), ("spawn", 4)])
+@pytest.mark.parametrize("method,epochs", [("default", 20), ("spawn", 3)])
 def test_loader_workers_starting_while_sigterm_storms_the_group_do_not_die_of_it(method, epochs):
     """Workers that start after the stop signal to the group came (a sweep's or torchrun's stop in
     the first batches, or an epoch's start) must not die of it before the step is done."""

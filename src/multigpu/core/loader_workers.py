@@ -12,8 +12,13 @@ signals blocked (a blocked signal stays blocked through fork and exec) and, firs
 process, move to a process group of their own, drop any stop signal sent to the old group in the
 meantime, ignore SIGINT and SIGUSR1 and unblock. SIGTERM sent to the worker itself keeps its
 default: that is how torch ends a worker that does not stop. The main process ends its workers
-itself when it stops, and they notice if it dies. A context of the user's own class (not fork,
-spawn or forkserver) is kept as it is, and its workers share the rank's group.
+itself when it stops, and they notice if it dies; a SIGTERM that the rank sent while the worker
+started (torch's terminate() of a worker that does not stop) is kept and ends it. A context of the
+user's own class (not fork, spawn or forkserver) is kept as it is, and its workers share the
+rank's group. With forkserver, Python's fork server is started before the block (so that what the
+user starts from it later is not born with blocked signals) and stays in the rank's group: a stop
+sent to the group ends it, and its workers with it; fork (Linux's default) and spawn have no such
+process.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import multiprocessing
 import os
 import signal
 from multiprocessing import context as mp_context
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 
 _IGNORED = (signal.SIGINT, signal.SIGUSR1)  # the rank's main process acts on them alone
 _BLOCKED = {signal.SIGTERM, *_IGNORED}
@@ -35,6 +40,9 @@ class _OwnGroup:
     def start(self) -> None:
         if self._start_method != "fork":  # the tracker's start unblocks SIGTERM: start it first
             resource_tracker.ensure_running()
+        if self._start_method == "forkserver":  # a server born blocked would pass that on for life
+            forkserver.ensure_running()
+        self._starter = os.getpid()
         old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
         try:
             super().start()
@@ -46,10 +54,22 @@ class _OwnGroup:
             os.setpgid(0, 0)
         for sig in _IGNORED:
             signal.signal(sig, signal.SIG_IGN)  # also discards one already pending
+        told = _sigterm_pending_from(self._starter)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # discard the old group's, then the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
+        if told:  # the rank ended this worker while it started: end as torch expects
+            os.kill(os.getpid(), signal.SIGTERM)
         super().run()
+
+
+def _sigterm_pending_from(pid: int) -> bool:
+    """Whether a SIGTERM is pending here (blocked) that `pid` sent; takes it off the pending set.
+    One sent to the process group by anyone else does not count."""
+    if not hasattr(signal, "sigtimedwait"):  # (macOS) every pending one is dropped
+        return False
+    info = signal.sigtimedwait({signal.SIGTERM}, 0)
+    return info is not None and info.si_pid == pid
 
 
 class _ForkProcess(_OwnGroup, mp_context.ForkProcess):

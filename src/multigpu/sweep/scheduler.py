@@ -112,10 +112,10 @@ class Sweep:
         by the sweep holding the folder's lock, before it says anything."""
         for run in self.runs:
             st = self.folder.read_state(run.name)
-            if st is not None and st.status == "running" and run_alive(st.pid, st.started):
-                raise UsageError(f"run {run.name} of an earlier sweep is still stopping (process "
-                                 f"group {st.pid}); wait for it, or end it with: "
-                                 f"kill -KILL -- -{st.pid}")
+            if st is not None and st.status == "running" and \
+                    run_alive(st.pid, st.started, self.folder.run_dir(run.name)):
+                raise UsageError(f"run {run.name} of an earlier sweep is still stopping (session "
+                                 f"{st.pid}); wait for it, or end it with: pkill -KILL -s {st.pid}")
 
     def _todo(self) -> list[specs.Run]:
         self.refuse_while_stopping()

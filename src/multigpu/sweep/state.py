@@ -28,6 +28,7 @@ from pathlib import Path
 
 from multigpu.core import fileio
 from multigpu.core.errors import UsageError
+from multigpu.train import folder_users
 from multigpu.core.orphans import alive
 
 SWEEP_JSON, LOCK, LOG = "sweep.json", "sweep.lock", "sweep.log"
@@ -177,12 +178,16 @@ class SweepFolder:
                 pass
 
 
-def run_alive(pid: int | None, started: float | None = None) -> bool:
+def run_alive(pid: int | None, started: float | None = None, out: Path | None = None) -> bool:
     """Whether a process of the run whose state records `pid` still lives, e.g. stopping after its
     sweep died. The run is a session of its own (setsid), and what it started stays in it, in
     another process group too (its loader workers): any live process of that session counts, and
     the pid itself (a forked run an instant before its setsid). A process holding the pid that
-    began after the run's `started` is another one, that got the pid once the run had ended."""
+    began after the run's `started` is another one, that got the pid once the run had ended.
+    The ranks of a run of several processes are sessions of their own (torch's agent starts them
+    so); `multigpu train` ranks hold their run folder `out` while they live, which counts too."""
+    if out is not None and folder_users.in_use(out):
+        return True
     if not pid or pid < 0:
         return False
     if started is not None and alive(pid):

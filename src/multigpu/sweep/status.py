@@ -68,7 +68,8 @@ def _shown(folder: SweepFolder, states: list[RunState], record: dict, holder: in
         return shown, {}, who
     if holder is not None:
         return shown, {}, f"running (pid {holder})"
-    pids = {st.name: st.pid for st in states if st.name in running and run_alive(st.pid, st.started)}
+    pids = {st.name: st.pid for st in states
+            if st.name in running and run_alive(st.pid, st.started, folder.run_dir(st.name))}
     shown.update({n: "stopping" if n in pids else "stopped" for n in running})
     notes = {n: f"pid {pid} is stopping (its sweep is gone)" for n, pid in pids.items()}
     if not pids:

@@ -1,28 +1,29 @@
 """Loader workers start again and again while SIGTERM keeps coming to the whole process group (as
 torchrun's agent and a sweep send a stop): none may die of it. The main process counts the signals
-and goes on. Arguments: the start method (or default) and the epochs; prints the batches it got and whether any signal came."""
+and goes on. Arguments: the start method (or default) and the epochs; prints the batches it got
+and whether any signal came."""
 import os
 import signal
+import subprocess
 import sys
-import threading
-import time
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from multigpu.core.loaders import shard_loader
 
-def storm(stop: threading.Event) -> None:
-    while not stop.is_set():
-        os.killpg(0, signal.SIGTERM)
-        time.sleep(0.001)
+STORM = ("import os, signal, time\n"
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+         "while True:\n"
+         "    os.killpg(0, signal.SIGTERM)\n"
+         "    time.sleep(0.001)\n")
 
 
 def main(context: str | None, epochs: int) -> None:
     received = []
     signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-    stop = threading.Event()
-    threading.Thread(target=storm, args=(stop,), daemon=True).start()
+    # another process of the group sends them, as torchrun's agent or a sweep would
+    storm = subprocess.Popen([sys.executable, "-c", STORM])
     data = TensorDataset(torch.arange(64.0))
     batches = 0
     for epoch in range(epochs):  # workers that are not persistent start again each epoch
@@ -31,7 +32,7 @@ def main(context: str | None, epochs: int) -> None:
                               seed=0, on_step=lambda info: None)
         loader.set_epoch(epoch)
         batches += sum(1 for _ in loader)
-    stop.set()
+    storm.kill()
     print(batches, bool(received))
 
 

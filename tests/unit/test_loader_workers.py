@@ -1,0 +1,58 @@
+"""Loader worker processes in a process group of their own from birth (core/loader_workers.py):
+what still reaches them, and what the contexts leave to the user's own processes."""
+import multiprocessing
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from multigpu.core.loader_workers import own_group_context
+
+
+def test_a_worker_the_rank_ends_while_it_starts_ends():
+    """torch ends a worker that does not stop with terminate(); sent while a spawned worker still
+    starts (its stop signals blocked), it must still end it, not be dropped with the group's."""
+    proc = own_group_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    proc.terminate()
+    proc.join(30)
+    assert proc.exitcode == -signal.SIGTERM
+
+
+def test_a_worker_started_by_the_context_is_in_a_group_of_its_own_and_ignores_sigint():
+    ctx = own_group_context(None)
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_report, args=(queue,))
+    proc.start()
+    pid, pgid, sigint = queue.get(timeout=30)
+    proc.join(30)
+    assert pgid == pid and sigint == signal.SIG_IGN
+
+
+def _report(queue) -> None:
+    import os
+
+    queue.put((os.getpid(), os.getpgid(0), signal.getsignal(signal.SIGINT)))
+
+
+FORKSERVER_AFTER = """
+import multiprocessing, signal, time
+from multigpu.core.loader_workers import own_group_context
+ours = own_group_context("forkserver").Process(target=time.sleep, args=(0,))
+ours.start(); ours.join(30)
+theirs = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))
+theirs.start(); time.sleep(1); theirs.terminate(); theirs.join(30)
+print(theirs.exitcode)
+"""
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="POSIX only")
+def test_the_fork_server_it_starts_leaves_the_users_own_processes_their_signals():
+    """The fork server is shared by the whole process: what the user starts from it after a loader
+    did must get SIGTERM as usual (a server born with them blocked would pass that on)."""
+    done = subprocess.run([sys.executable, "-c", FORKSERVER_AFTER], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(-signal.SIGTERM)]
