@@ -3,10 +3,15 @@
 each, and the two `multigpu train` join through the launcher's SLURM support. Read back from the
 sweep folder and compared with the same training run as two processes on one machine."""
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -62,3 +67,95 @@ def test_a_run_of_two_nodes_trains_as_two_processes_on_one_machine(slurm_two_nod
         learnt = ("epoch", "train_loss", "val_loss", "val_accuracy")  # not the timings
         assert [{k: r[k] for k in learnt} for r in read_metrics(run)] == \
             [{k: r[k] for k in learnt} for r in read_metrics(ref)]
+
+
+LONG = ["multigpu", "train", "--model", "mlp", "--data", "synthetic:30000", "--epochs", "2",
+        "--batch-size", "16", "--checkpoint-every", "0", "--logger", "csv", "--log-every", "10",
+        "--deterministic"]
+
+
+def start_one_run(cluster, tmp_path, *extra) -> tuple[Path, str]:
+    """A sweep of one run of two nodes (LONG), once it trains: (its folder, its job)."""
+    folder = tmp_path / "sw"
+    first = sweep(cluster, "--on", "slurm", "--nodes-per-run", "2", "--devices-per-run", "cpu:1",
+                  "--grid", "seed=1", "--out", "sw", *extra, "--", *LONG, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    steps = folder / "runs" / "seed=1" / "steps.csv"
+    deadline = time.monotonic() + 180
+    while not steps.exists() and time.monotonic() < deadline:  # both nodes met, rank 0 trains
+        time.sleep(0.2)
+    assert steps.exists(), (folder / "logs" / "seed=1.log").read_text()
+    return folder, json.loads((folder / "state" / "seed=1.json").read_text())["job"]
+
+
+def test_sigusr1_stops_every_node_with_one_checkpoint_and_the_requeued_run_ends_as_never_stopped(
+        slurm_two_nodes, tmp_path):
+    """SIGUSR1 to the job's steps, as --signal=USR1@90 sends it before the time limit: every
+    node's task passes it to its part of the run, the ranks stop together with a checkpoint,
+    node 0 requeues the job, both nodes resume; the weights and metrics are those of the same
+    command as two CPU processes on one machine, never stopped."""
+    folder, job = start_one_run(slurm_two_nodes, tmp_path)
+    slurm_two_nodes.run("scancel", "--signal=USR1", job)  # every step's tasks, not the shell
+    wait_queue_empty(slurm_two_nodes, folder)
+
+    state = json.loads((folder / "state" / "seed=1.json").read_text())
+    assert [h["status"] for h in state["history"]] == ["stopped", "done"], state
+    assert state["job"] == job and state["attempts"] == 2
+    events = (folder / "sweep.log").read_text()
+    assert events.count("] start seed=1 as SLURM job ") == 2, events
+    assert ", attempt 2 (resuming from its checkpoint)" in events
+    for log in ("seed=1.log", "seed=1.node1.log"):
+        text = (folder / "logs" / log).read_text()
+        assert "multigpu: stopped by SIGUSR1 in epoch" in text, text
+        assert text.count("=== attempt ") == 2 and "=== attempt 2, " in text, text
+        assert "--resume " in text.split("=== attempt 2, ")[1].splitlines()[0]
+    record = slurm_two_nodes.run("scontrol", "show", "job", job).stdout
+    assert "Restarts=1 " in record and "JobState=COMPLETED " in record, record
+
+    ref = tmp_path / "ref"
+    alone = subprocess.run([sys.executable, "-m", *LONG, "--seed", "1", "--devices", "cpu:2",
+                            "--out", ref], cwd=tmp_path, capture_output=True, text=True,
+                           env={**cli_env(), "CUDA_VISIBLE_DEVICES": ""}, timeout=400)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    run = folder / "runs" / "seed=1"
+    swept = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    plain = torch.load(ref / "checkpoints" / "last.pt", weights_only=True)
+    for key, value in plain["model"].items():
+        assert torch.equal(swept["model"][key], value), key
+    learnt = ("epoch", "train_loss", "val_loss", "val_accuracy")
+    assert [{k: r[k] for k in learnt} for r in read_metrics(run)] == \
+        [{k: r[k] for k in learnt} for r in read_metrics(ref)]
+
+
+def node1_launcher(folder: Path) -> psutil.Process:
+    """Node 1's `multigpu train` of seed=1 (its environment says SLURM_NODEID=1)."""
+    out = str(folder / "runs" / "seed=1")
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "train" in cmd and out in cmd:
+            try:
+                if proc.environ().get("SLURM_NODEID") == "1" and "-m" in cmd:
+                    return proc
+            except psutil.Error:
+                continue
+    pytest.fail(f"no node-1 launcher of {out} found")
+
+
+def test_a_node_killed_fails_the_run_once(slurm_two_nodes, tmp_path):
+    """kill -9 of node 1's part of the run (its launcher's whole process group): node 0's part
+    fails with it, and the run is failed once: one failed attempt in its state, one start and
+    one failure in the sweep's log, the job FAILED."""
+    folder, job = start_one_run(slurm_two_nodes, tmp_path)
+    os.killpg(node1_launcher(folder).pid, signal.SIGKILL)
+    wait_queue_empty(slurm_two_nodes, folder)
+
+    state = json.loads((folder / "state" / "seed=1.json").read_text())
+    assert [h["status"] for h in state["history"]] == ["failed"], state
+    assert state["attempts"] == 1
+    events = (folder / "sweep.log").read_text()
+    assert events.count("] start seed=1 ") == 1 and events.count("] FAILED seed=1 ") == 1, events
+    node1 = (folder / "logs" / "seed=1.node1.log").read_text()
+    assert node1.count("=== attempt ") == 1, node1
+    assert summary_rows(folder)["seed=1"]["status"] == "failed"
+    record = slurm_two_nodes.run("scontrol", "show", "job", job).stdout
+    assert "JobState=FAILED " in record, record

@@ -69,7 +69,7 @@ class RunTask:
         for tries in range(1, self.retries + 2):
             if self._signalled:  # between two attempts
                 break
-            st = self._attempt(sweep, run, tries)
+            st = self._attempt(sweep, run)
             if st.status == "failed" and tries <= self.retries and not self._signalled:
                 st.note += f"; retrying ({tries}/{self.retries})"
             if self._node == 0:
@@ -106,10 +106,11 @@ class RunTask:
         opts = Options(metric=record.get("options", {}).get("metric"), timeout_s=self.timeout_s)
         return Sweep(spec, specs.expand(spec), folder, None, opts, echo=None)
 
-    def _attempt(self, sweep: Sweep, run: specs.Run, tries: int) -> RunState:
+    def _attempt(self, sweep: Sweep, run: specs.Run) -> RunState:
         folder = sweep.folder
         st = folder.read_state(run.name) or RunState(run.name, run.params)
-        st.attempts = st.attempts + 1 if self._node == 0 else tries
+        if self._node == 0 or not (st.status == "running" and st.job == _job_id()):
+            st.attempts += 1  # else node 0 has counted this attempt already
         argv, resume = self._command(sweep, run, st.attempts)
         job, where = _job_id(), self._where()
         log_path = self._log_path(folder, run.name)
