@@ -90,12 +90,13 @@ def start_one_run(cluster, tmp_path, *extra) -> tuple[Path, str]:
 
 def test_sigusr1_stops_every_node_with_one_checkpoint_and_the_requeued_run_ends_as_never_stopped(
         slurm_two_nodes, tmp_path):
-    """SIGUSR1 to the job's steps, as --signal=USR1@90 sends it before the time limit: every
-    node's task passes it to its part of the run, the ranks stop together with a checkpoint,
-    node 0 requeues the job, both nodes resume; the weights and metrics are those of the same
-    command as two CPU processes on one machine, never stopped."""
+    """SIGUSR2 to every process of the job's step, as --signal=USR2@90 sends it before the time
+    limit: every node's task passes one SIGUSR1 to its part of the run (each rank gets one: a
+    second would stop it at once, without a checkpoint), the ranks stop together with a
+    checkpoint, node 0 requeues the job, both nodes resume; the weights and metrics are those of
+    the same command as two CPU processes on one machine, never stopped."""
     folder, job = start_one_run(slurm_two_nodes, tmp_path)
-    slurm_two_nodes.run("scancel", "--signal=USR1", job)  # every step's tasks, not the shell
+    slurm_two_nodes.run("scancel", "--signal=USR2", job)  # every process of the step, not the shell
     wait_queue_empty(slurm_two_nodes, folder)
 
     state = json.loads((folder / "state" / "seed=1.json").read_text())
@@ -107,6 +108,7 @@ def test_sigusr1_stops_every_node_with_one_checkpoint_and_the_requeued_run_ends_
     for log in ("seed=1.log", "seed=1.node1.log"):
         text = (folder / "logs" / log).read_text()
         assert "multigpu: stopped by SIGUSR1 in epoch" in text, text
+        assert "again: stopping at once" not in text, text
         assert text.count("=== attempt ") == 2 and "=== attempt 2, " in text, text
         assert "--resume " in text.split("=== attempt 2, ")[1].splitlines()[0]
     record = slurm_two_nodes.run("scontrol", "show", "job", job).stdout

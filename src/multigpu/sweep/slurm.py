@@ -15,8 +15,11 @@ checkpoints, the task is requeued and resumes (slurm_task.py), up to MAX_REQUEUE
 --nodes-per-run N (N > 1): each task is a job of N nodes, and srun starts the run's task once
 per node (one task a node, submitit's use_srun); each node's `multigpu train|run` joins the
 others through the launcher's SLURM support (launcher/sysinfo.py). The batch shell then runs
-srun, not Python, so SIGUSR1 goes to every node's task (--signal=USR1@90, without B:), and
-each passes it to its own part of the run.
+srun, not Python, so the signal goes to the job's step (--signal=USR2@90, without B:), and SLURM
+gives it to every process of the step on every node: the run's launcher and ranks too. Had it
+been SIGUSR1, each rank would get it twice (from SLURM and from its launcher), and a second
+SIGUSR1 stops `multigpu train` at once, without a checkpoint. So it is SIGUSR2, which the run's
+processes ignore (slurm_task.py) and each node's task turns into one SIGUSR1 for its run.
 Anything else sbatch takes: --slurm-arg account=abc --slurm-arg constraint=h100.
 
 submitit is imported here only, so `multigpu` without the slurm extra is unchanged.
@@ -39,6 +42,7 @@ from multigpu.sweep.pool import parse_per_run
 from multigpu.sweep.state import RunState, SweepFolder, format_duration
 
 PREEMPT_SIGNAL = "USR1"  # what multigpu train stops on with a checkpoint (train/control.py)
+STEP_SIGNAL = "USR2"  # several nodes: SLURM's signal to the whole step, that the run ignores
 SIGNAL_DELAY_S = 90
 MAX_REQUEUES = 100  # time limits a run may reach (submitit's max_num_timeout)
 DEFAULT_TIME_S = 3600.0
@@ -62,7 +66,7 @@ class SlurmSettings:
         params = {"time": max(1, math.ceil(self.time_s / 60)), "nodes": self.nodes,
                   "ntasks_per_node": 1, "use_srun": self.nodes > 1, "signal_delay_s": SIGNAL_DELAY_S,
                   "array_parallelism": self.max_parallel or n_runs,
-                  "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}"]}
+                  "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={self.slurm_signal()}"]}
         params["cpus_per_task" if kind == "cpu" else "gpus_per_node"] = n
         if self.partition:
             params["partition"] = self.partition
@@ -81,11 +85,15 @@ class SlurmSettings:
             else:
                 extra[key.replace("_", "-")] = value
         # one node: B:, to the batch shell alone, which execs the task's Python (slurm_task.py
-        # says why); several: the shell runs srun, so to every node's task (the steps' tasks)
+        # says why); several: the shell runs srun, so to the step, every process of it
         to = "" if self.nodes > 1 else "B:"
-        extra["signal"] = f"{to}{PREEMPT_SIGNAL}@{SIGNAL_DELAY_S}"
+        extra["signal"] = f"{to}{self.slurm_signal()}@{SIGNAL_DELAY_S}"
         params["additional_parameters"] = extra
         return params
+
+    def slurm_signal(self) -> str:
+        """What SLURM sends before the time limit (the module's docstring says why two)."""
+        return STEP_SIGNAL if self.nodes > 1 else PREEMPT_SIGNAL
 
     def describe(self) -> str:
         """"each run 2 GPUs, time limit 4h 00m" for the sweep's log."""
@@ -177,10 +185,10 @@ def check_ready() -> None:
 
 def _executor(folder: SweepFolder, settings: SlurmSettings, n_runs: int):
     check_ready()
-    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # before submitit reads it
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = settings.slurm_signal()  # before submitit reads it
     from submitit.slurm.slurm import SlurmExecutor, SlurmJobEnvironment
 
-    SlurmJobEnvironment.USR_SIG = PREEMPT_SIGNAL  # the #SBATCH --signal line reads it
+    SlurmJobEnvironment.USR_SIG = settings.slurm_signal()  # the #SBATCH --signal line reads it
     # one node: the batch shell execs Python, so that SIGUSR1 (B:) reaches the task and nothing
     # else; several: srun starts Python on each node (srun cannot start the shell's `exec`)
     python = shlex.quote(sys.executable)

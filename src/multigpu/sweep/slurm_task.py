@@ -15,10 +15,12 @@ A run of several nodes (--nodes-per-run): srun starts this task once per node, a
 run's command, which joins the others through the launcher's SLURM support, at a port derived
 from the job's id (the same on every node without a word between them). Node 0 alone owns the
 sweep folder: it prepares the run folder, writes the state, the log, the events and the summary,
-and requeues the job. The others log into DIR/logs/NAME.nodeK.log. SIGUSR1 reaches every node's
-task (slurm.py), and each passes it to its own part of the run; a failure on any node fails the
-collective on the others, so each node's attempt ends failed, each starts the same retries, and
-node 0 records the failure once.
+and requeues the job. The others log into DIR/logs/NAME.nodeK.log. Before the time limit SLURM
+sends SIGUSR2 to every process of the step (slurm.py says why not SIGUSR1); the run's processes
+ignore it (set here before the exec, inherited by the launcher, its ranks and their loader
+workers), and each node's task passes one SIGUSR1 to its own part of the run. A failure on any
+node fails the collective on the others, so each node's attempt ends failed, each starts the
+same retries, and node 0 records the failure once.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ class RunTask:
         if run is None:
             raise UsageError(f"run {name} is not in the sweep of {self.root} any more")
         self._proc, self._signalled, self._node = None, False, node_rank(self.nodes)
-        requeue = signal.signal(signal.SIGUSR1, self._on_signal)  # submitit's: called once stopped
+        warned = signal.SIGUSR2 if self.nodes > 1 else signal.SIGUSR1  # slurm.SlurmSettings
+        requeue = signal.signal(warned, self._on_signal)  # submitit's: called once stopped
         for tries in range(1, self.retries + 2):
             if self._signalled:  # between two attempts
                 break
@@ -79,7 +82,7 @@ class RunTask:
             if st.status != "failed" or self._signalled:
                 break
         if self._signalled and st.status != "done" and callable(requeue):
-            requeue(signal.SIGUSR1, None)  # checkpoint() then scontrol requeue; exits (node 0)
+            requeue(warned, None)  # checkpoint() then scontrol requeue; exits (node 0)
         if st.status == "failed":
             raise RunFailed(f"{name}: {st.note}")
         return st.status
@@ -121,7 +124,7 @@ class RunTask:
             log.flush()
             self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env=self._environment(folder),
-                                          start_new_session=True, preexec_fn=child_setup(None))
+                                          start_new_session=True, preexec_fn=self._child_setup())
         st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
         st.pid, st.job, st.devices, st.note = None, job, self._devices_said(), ""
         if self._node == 0:
@@ -165,6 +168,16 @@ class RunTask:
             return f"{self._where()}, {self.devices} each"
         return f"{socket.gethostname()} ({self.devices})"
 
+    def _child_setup(self):
+        setup = child_setup(None)
+        if self.nodes == 1:
+            return setup
+
+        def deaf_to_the_step_signal():  # SLURM's SIGUSR2 is for this task alone
+            setup()
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        return deaf_to_the_step_signal
+
     def _environment(self, folder: SweepFolder) -> dict:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder.compile_cache.resolve()))
@@ -193,7 +206,7 @@ class RunTask:
     def _on_signal(self, signum, _frame) -> None:
         if not self._signalled:
             self._signalled = True
-            self._signal_run(signum)
+            self._signal_run(signal.SIGUSR1)  # what multigpu train stops on with a checkpoint
 
     def _signal_run(self, sig: int) -> None:
         if self._proc is not None and self._proc.poll() is None:
