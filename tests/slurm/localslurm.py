@@ -2,6 +2,14 @@
 .ci/run installs them), for the tests in tests/slurm (conftest.slurm_cluster) and for
 benchmarks/sweep_outputs.sh, which holds one up with `python -m tests.slurm.localslurm DIR`.
 
+With nodes=2 (conftest.slurm_two_nodes), two slurmd on this one machine make a cluster of two
+nodes, this machine's host name (127.0.0.1) and that name + "-n2" (127.0.0.2), each started
+with -N NAME and its own port, spool folder, pid and log file (slurm.conf's Port= and %n;
+Debian's slurmd takes them): a job of two nodes runs one task on each, as on two machines.
+Node 0's name must resolve (the launcher's rendezvous meets there) and come first in a sorted
+node list; `localhost` would, but slurmd refuses a second node beside a node of that name
+("Duplicated NodeHostName").
+
 Everything lives under one folder: the munge key and socket, slurm.conf (one node `localhost`
 with 4 CPUs whatever the machine has, config_overrides; no cgroups: proctrack/linuxproc,
 task/none; partition `debug`), state, spool, logs, and TCP ports picked free. The daemons run in
@@ -58,9 +66,13 @@ MpiDefault=none
 ReturnToService=2
 KillWait=5
 MailProg=/bin/true
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName={partition} Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName={partition} Nodes={node_names} Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def node_names(nodes: int) -> list[str]:
+    return ["localhost"] if nodes == 1 else [socket.gethostname(), f"{socket.gethostname()}-n2"]
 
 
 class SlurmStartError(RuntimeError):
@@ -78,7 +90,8 @@ class Cluster:
 
     def logs(self) -> str:
         parts = []
-        for name in ("munge/munged.log", "slurmctld.log", "slurmd.log"):
+        slurmd = sorted(p.name for p in self.root.glob("slurmd*.log")) or ["slurmd.log"]
+        for name in ("munge/munged.log", "slurmctld.log", *slurmd):
             path = self.root / name
             text = path.read_text(errors="replace") if path.exists() else "(none)"
             parts.append(f"--- {name} (last lines)\n" + "\n".join(text.splitlines()[-25:]))
@@ -111,26 +124,41 @@ def _check_can_start() -> None:
         raise SlurmStartError("slurmd must run as root to start jobs; run as root (CI does)")
 
 
-def _configure(root: Path) -> tuple:
+def _configure(root: Path, nodes: int = 1) -> tuple:
     """The munge key and slurm.conf under `root`; returns (key, conf)."""
-    for sub in ("munge", "state", "spool"):
+    names = node_names(nodes)
+    for sub in ("munge", "state", "spool", *(f"spool-{n}" for n in names if nodes > 1)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     conf = root / "slurm.conf"
-    conf.write_text(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port(),
-                                cpus=NODE_CPUS, partition=PARTITION))
+    text = CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port(),
+                       partition=PARTITION, node_lines=_node_lines(names),
+                       node_names=",".join(names))
+    if nodes > 1:  # each slurmd its own files: %n is the node's name
+        for item in ("SlurmdSpoolDir={r}/spool", "SlurmdPidFile={r}/slurmd", "SlurmdLogFile={r}/slurmd"):
+            text = text.replace(item.format(r=root), item.format(r=root) + "-%n")
+    conf.write_text(text)
     return key, conf
 
 
+def _node_lines(names) -> str:
+    if len(names) == 1:
+        return f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={NODE_CPUS} State=UNKNOWN"
+    return "\n".join(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.{i + 1} "
+                     f"Port={_free_port()} CPUs={NODE_CPUS} State=UNKNOWN"
+                     for i, name in enumerate(names))
+
+
 @contextmanager
-def local_slurm(root: Path) -> Iterator[Cluster]:
-    """munged, slurmctld and slurmd under `root` until the block ends; then the cluster's jobs
-    are cancelled and the daemons stopped (last started first), whatever ended the block."""
+def local_slurm(root: Path, nodes: int = 1) -> Iterator[Cluster]:
+    """munged, slurmctld and a slurmd per node (1 or 2) under `root` until the block ends; then
+    the cluster's jobs are cancelled and the daemons stopped (last started first), whatever
+    ended the block."""
     _check_can_start()
     root = Path(root).resolve()
-    key, conf = _configure(root)
+    key, conf = _configure(root, nodes)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     procs = [_start([sbin("munged"), "--foreground", "--force", f"--key-file={key}",
                      f"--socket={root}/munge/munge.socket", f"--log-file={root}/munge/munged.log",
@@ -139,8 +167,9 @@ def local_slurm(root: Path) -> Iterator[Cluster]:
     cluster = Cluster(root, env)
     try:
         procs.append(_start([sbin("slurmctld"), "-D", "-f", str(conf)], root / "slurmctld.console", env))
-        procs.append(_start([sbin("slurmd"), "-D", "-f", str(conf), "-N", "localhost"],
-                            root / "slurmd.console", env))
+        for name in node_names(nodes):
+            console = f"slurmd-{name}.console" if nodes > 1 else "slurmd.console"
+            procs.append(_start([sbin("slurmd"), "-D", "-f", str(conf), "-N", name], root / console, env))
         _wait_idle(cluster, procs)
         yield cluster
     finally:

@@ -63,3 +63,25 @@ def test_sbatch_without_a_slurm_configuration_says_where_to_submit_from(tmp_path
                                     "from here (Unable to process configuration file); submit from "
                                     "a login node of the cluster (or set SLURM_CONF to its "
                                     "slurm.conf), or leave out --on slurm to run the sweep here"))
+
+
+def test_nodes_per_run_without_slurm_or_below_one_is_refused(tmp_path):
+    """This machine is one node: --nodes-per-run (flag or sweep file) without --on slurm is one
+    line, as is a count below 1 with it; no sweep folder is made."""
+    local = [a for a in COMMAND if a not in ("--on", "slurm")]
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "--nodes-per-run", "2",
+                           *local], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert_refused(proc, tmp_path, ("multigpu: error: --nodes-per-run 2: runs of several nodes go "
+                                    "through SLURM, and this sweep runs on this one machine; add "
+                                    "--on slurm, or leave --nodes-per-run out"))
+    (tmp_path / "s.yaml").write_text("command: multigpu train --model mlp --data digits\n"
+                                     "grid: {lr: [0.1]}\nnodes_per_run: 4\nout: sw\n")
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "s.yaml"], cwd=tmp_path,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert_refused(proc, tmp_path, ("multigpu: error: --nodes-per-run 4: runs of several nodes go "
+                                    "through SLURM, and this sweep runs on this one machine; add "
+                                    "--on slurm, or leave --nodes-per-run out"))
+    proc = sweep(tmp_path, cli_env(), "--nodes-per-run", "0")
+    assert_refused(proc, tmp_path, ("multigpu: error: --nodes-per-run 0: give a whole number of at "
+                                    "least 1, e.g. --nodes-per-run 1"))

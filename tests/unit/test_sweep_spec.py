@@ -208,3 +208,58 @@ def test_slurm_settings_become_sbatch_options():
         parse_slurm_args(["=x"])
     with pytest.raises(UsageError, match=r"^--slurm-arg signal: the sweep sets it itself"):
         SlurmSettings("1", extra={"signal": "USR2@60"}).parameters(2)
+
+
+def test_runs_of_several_nodes_are_jobs_of_a_task_a_node_that_srun_starts(tmp_path):
+    """--nodes-per-run 2: the sbatch script submitit writes asks for 2 nodes, one task each,
+    starts Python on each through srun (no `exec`: srun would not find it), and SIGUSR2 goes to
+    the step (no B:: the batch shell is not the task any more; not SIGUSR1, which SLURM would
+    give every rank besides its launcher). One node keeps the batch shell's own Python and
+    B:USR1."""
+    pytest.importorskip("submitit")
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from multigpu.sweep.slurm import SlurmSettings
+
+    two = SlurmSettings("cpu:1", 600, nodes=2)
+    params = two.parameters(2)
+    assert (params["nodes"], params["ntasks_per_node"], params["use_srun"]) == (2, 1, True)
+    assert params["additional_parameters"]["signal"] == "USR2@90"
+    assert params["setup"] == ["export SUBMITIT_PREEMPT_SIGNAL=USR2"]
+    assert two.describe() == "each run 2 nodes, 1 CPU core each, time limit 10m 00s"
+    script = _make_sbatch_string(command="/venv/python -u -m submitit.core._submit F",
+                                 folder=str(tmp_path), **params)
+    lines = script.splitlines()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --signal=USR2@90",
+                 "#SBATCH --cpus-per-task=1", "#SBATCH --requeue"):
+        assert line in lines, script
+    command = [ln for ln in lines if "submitit.core._submit" in ln]
+    assert len(command) == 1 and command[0].startswith("srun --unbuffered ") and command[0].endswith(
+        " /venv/python -u -m submitit.core._submit F"), script
+    one = SlurmSettings("cpu:1", 600).parameters(2)
+    assert (one["nodes"], one["use_srun"], one["additional_parameters"]["signal"]) == (1, False, "B:USR1@90")
+    for key in ("nodes", "ntasks-per-node", "ntasks"):
+        with pytest.raises(UsageError, match=rf"^--slurm-arg {key}: each run is a job of "
+                                             r"--nodes-per-run nodes \(default 1\), one task a node; "
+                                             r"give --nodes-per-run N instead$"):
+            SlurmSettings("1", extra={key: "3"}).parameters(2)
+
+
+def test_every_node_of_a_run_meets_at_one_port_from_the_job_id(monkeypatch):
+    """The port is the same on every node without a word between them (the job's id), another
+    for each job, and reaches train and run as --master-port (and {port})."""
+    from multigpu.sweep.slurm_task import node_rank, shared_port
+
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert (shared_port(), node_rank(2), node_rank(1)) == (18456, 1, 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "123457")
+    assert shared_port() == 18457
+    run = specs.Run("lr=1", {"lr": 1})
+    values = {"out": "O", "devices": "cpu:1", "port": "18457", "master_port": "18457"}
+    train = specs.SweepSpec(["multigpu", "train", "--model", "mlp"], {"lr": [1]})
+    assert specs.argv_for(train, run, values)[:9] == [
+        "multigpu", "train", "--out", "O", "--devices", "cpu:1", "--master-port", "18457", "--lr"]
+    launch = specs.SweepSpec(["multigpu", "run", "t.py", "--p", "{port}"], {"lr": [1]})
+    assert specs.argv_for(launch, run, values) == [
+        "multigpu", "run", "--devices", "cpu:1", "--master-port", "18457", "t.py", "--p", "18457"]

@@ -13,6 +13,8 @@
     multigpu sweep --on slurm --partition gpu --time 4h sweep.yaml
                                               the same runs as one SLURM job array (submitit);
                                               --status, the summary and a re-run work the same
+    multigpu sweep --on slurm --nodes-per-run 2 --devices-per-run 8 sweep.yaml
+                                              each run on 2 nodes of 8 GPUs
 
 Running the same command again skips the finished runs and resumes the others from their
 checkpoints. Results: DIR/summary.csv, summary.md and summary.png, updated as runs finish. A
@@ -34,7 +36,7 @@ from multigpu.core.errors import UsageError
 
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
 OPTIONS = ("devices", "devices_per_run", "runs_per_gpu", "max_parallel", "timeout", "retries", "metric",
-           "min_free_memory", "out", "on", "partition", "time", "slurm_arg")
+           "min_free_memory", "out", "on", "partition", "time", "slurm_arg", "nodes_per_run")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -68,6 +70,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--on", choices=("local", "slurm"), help="where the runs go: this machine "
                    "(default), or SLURM: one job array through submitit, each task a run with "
                    "--devices-per-run (default 1 GPU); the folder must be shared with the nodes")
+    p.add_argument("--nodes-per-run", type=int, metavar="N", help="--on slurm: each run a job of N nodes "
+                   "(default 1), with --devices-per-run on each; its command starts once per node")
     p.add_argument("--partition", metavar="P", help="--on slurm: the SLURM partition")
     p.add_argument("--time", metavar="TIME", help="--on slurm: each job's time limit (default "
                    "1h); a run stopped by it saves a checkpoint and is requeued to go on")
@@ -90,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
         return _status(Path(args.status))
     spec, options, root = _resolve(args)
     folder = state.SweepFolder(root)
+    _check_nodes(options)
     if args.dry_run:
         return _dry_run(spec, options, folder)
     if _where(options) == "slurm":
@@ -210,6 +215,17 @@ def _where(options: dict) -> str:
     return where
 
 
+def _check_nodes(options: dict) -> int:
+    """--nodes-per-run: a whole number of at least 1, and only with --on slurm (here is one
+    machine); returns it (1 when not given)."""
+    nodes = _number(options, "nodes_per_run", int, 1, 1)
+    if options.get("nodes_per_run") is not None and _where(options) != "slurm":
+        raise UsageError(f"--nodes-per-run {options['nodes_per_run']}: runs of several nodes go "
+                         "through SLURM, and this sweep runs on this one machine; add --on slurm, "
+                         "or leave --nodes-per-run out")
+    return nodes
+
+
 def _number(options: dict, key: str, kind, default, least):
     """An option from the flags or the file, as `kind`, at least `least`; else one line."""
     value = options.get(key)
@@ -319,12 +335,12 @@ def _on_slurm(spec, options: dict, folder) -> int:
         per_run=str(options.get("devices_per_run") or "1"),
         time_s=parse_duration(options.get("time"), "--time") or slurm.DEFAULT_TIME_S,
         partition=options.get("partition"), extra=slurm.parse_slurm_args(options.get("slurm_arg")),
-        max_parallel=_number(options, "max_parallel", int, None, 1))
+        max_parallel=_number(options, "max_parallel", int, None, 1), nodes=_check_nodes(options))
     parse_per_run(settings.per_run)
     slurm.check_ready()
     task = RunTask(str(folder.root.absolute()), os.getcwd(), settings.devices_arg(),
                    retries=_number(options, "retries", int, 0, 0),
-                   timeout_s=parse_duration(options.get("timeout")))
+                   timeout_s=parse_duration(options.get("timeout")), nodes=settings.nodes)
     fresh = not folder.root.exists()  # a first submission that fails leaves no folder behind
     if not folder.lock():
         raise UsageError(f"a sweep (pid {folder.holder_pid()}) is already working in {folder.root}; "

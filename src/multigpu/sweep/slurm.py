@@ -11,6 +11,15 @@ nodes share. This command returns once the array is submitted; `--status` follow
 Each task asks for --devices-per-run: N GPUs (sbatch --gpus-per-node=N) or cpu:N
 (--cpus-per-task=N); --time is each job's time limit. SIGUSR1 comes 90 s before it; the run
 checkpoints, the task is requeued and resumes (slurm_task.py), up to MAX_REQUEUES times.
+
+--nodes-per-run N (N > 1): each task is a job of N nodes, and srun starts the run's task once
+per node (one task a node, submitit's use_srun); each node's `multigpu train|run` joins the
+others through the launcher's SLURM support (launcher/sysinfo.py). The batch shell then runs
+srun, not Python, so the signal goes to the job's step (--signal=USR2@90, without B:), and SLURM
+gives it to every process of the step on every node: the run's launcher and ranks too. Had it
+been SIGUSR1, each rank would get it twice (from SLURM and from its launcher), and a second
+SIGUSR1 stops `multigpu train` at once, without a checkpoint. So it is SIGUSR2, which the run's
+processes ignore (slurm_task.py) and each node's task turns into one SIGUSR1 for its run.
 Anything else sbatch takes: --slurm-arg account=abc --slurm-arg constraint=h100.
 
 submitit is imported here only, so `multigpu` without the slurm extra is unchanged.
@@ -33,9 +42,11 @@ from multigpu.sweep.pool import parse_per_run
 from multigpu.sweep.state import RunState, SweepFolder, format_duration
 
 PREEMPT_SIGNAL = "USR1"  # what multigpu train stops on with a checkpoint (train/control.py)
+STEP_SIGNAL = "USR2"  # several nodes: SLURM's signal to the whole step, that the run ignores
 SIGNAL_DELAY_S = 90
 MAX_REQUEUES = 100  # time limits a run may reach (submitit's max_num_timeout)
 DEFAULT_TIME_S = 3600.0
+NODE_OPTIONS = {"nodes", "ntasks_per_node", "ntasks"}  # --nodes-per-run sets them
 RESERVED = {"setup", "use_srun", "additional_parameters", "signal_delay_s", "signal", "array",
             "array_parallelism", "job_name", "output", "error", "srun_args", "open_mode"}
 
@@ -47,14 +58,15 @@ class SlurmSettings:
     partition: str | None = None
     extra: dict = field(default_factory=dict)  # --slurm-arg, sbatch's long option names
     max_parallel: int | None = None
+    nodes: int = 1  # --nodes-per-run
 
     def parameters(self, n_runs: int) -> dict:
         """submitit's SlurmExecutor parameters."""
         kind, n = parse_per_run(self.per_run)
-        params = {"time": max(1, math.ceil(self.time_s / 60)), "nodes": 1, "ntasks_per_node": 1,
-                  "use_srun": False, "signal_delay_s": SIGNAL_DELAY_S,
+        params = {"time": max(1, math.ceil(self.time_s / 60)), "nodes": self.nodes,
+                  "ntasks_per_node": 1, "use_srun": self.nodes > 1, "signal_delay_s": SIGNAL_DELAY_S,
                   "array_parallelism": self.max_parallel or n_runs,
-                  "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}"]}
+                  "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={self.slurm_signal()}"]}
         params["cpus_per_task" if kind == "cpu" else "gpus_per_node"] = n
         if self.partition:
             params["partition"] = self.partition
@@ -62,6 +74,9 @@ class SlurmSettings:
         valid = _valid_parameters()
         for key, value in self.extra.items():
             name = key.replace("-", "_")
+            if name in NODE_OPTIONS:
+                raise UsageError(f"--slurm-arg {key}: each run is a job of --nodes-per-run nodes "
+                                 "(default 1), one task a node; give --nodes-per-run N instead")
             if name in RESERVED:
                 raise UsageError(f"--slurm-arg {key}: the sweep sets it itself (the job array, "
                                  "its files, SIGUSR1 for the requeue); leave it out")
@@ -69,16 +84,24 @@ class SlurmSettings:
                 params[name] = value
             else:
                 extra[key.replace("_", "-")] = value
-        # B:, to the batch shell alone, which execs the task's Python (slurm_task.py says why)
-        extra["signal"] = f"B:{PREEMPT_SIGNAL}@{SIGNAL_DELAY_S}"
+        # one node: B:, to the batch shell alone, which execs the task's Python (slurm_task.py
+        # says why); several: the shell runs srun, so to the step, every process of it
+        to = "" if self.nodes > 1 else "B:"
+        extra["signal"] = f"{to}{self.slurm_signal()}@{SIGNAL_DELAY_S}"
         params["additional_parameters"] = extra
         return params
+
+    def slurm_signal(self) -> str:
+        """What SLURM sends before the time limit (the module's docstring says why two)."""
+        return STEP_SIGNAL if self.nodes > 1 else PREEMPT_SIGNAL
 
     def describe(self) -> str:
         """"each run 2 GPUs, time limit 4h 00m" for the sweep's log."""
         kind, n = parse_per_run(self.per_run)
         what = f"{n} GPU{'s' if n > 1 else ''}" if kind == "cuda" else f"{n} CPU core{'s' if n > 1 else ''}"
         where = f" on partition {self.partition}" if self.partition else ""
+        if self.nodes > 1:
+            what = f"{self.nodes} nodes, {what} each"
         return f"each run {what}{where}, time limit {format_duration(self.time_s)}"
 
     def devices_arg(self) -> str:
@@ -162,13 +185,15 @@ def check_ready() -> None:
 
 def _executor(folder: SweepFolder, settings: SlurmSettings, n_runs: int):
     check_ready()
-    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # before submitit reads it
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = settings.slurm_signal()  # before submitit reads it
     from submitit.slurm.slurm import SlurmExecutor, SlurmJobEnvironment
 
-    SlurmJobEnvironment.USR_SIG = PREEMPT_SIGNAL  # the #SBATCH --signal line reads it
-    # the batch shell execs Python, so that SIGUSR1 (B:) reaches the task and nothing else
+    SlurmJobEnvironment.USR_SIG = settings.slurm_signal()  # the #SBATCH --signal line reads it
+    # one node: the batch shell execs Python, so that SIGUSR1 (B:) reaches the task and nothing
+    # else; several: srun starts Python on each node (srun cannot start the shell's `exec`)
+    python = shlex.quote(sys.executable)
     executor = SlurmExecutor(folder=folder.root / "slurm", max_num_timeout=MAX_REQUEUES,
-                             python="exec " + shlex.quote(sys.executable))
+                             python=python if settings.nodes > 1 else "exec " + python)
     try:
         executor.update_parameters(job_name=job_name(folder), **settings.parameters(n_runs))
     except ValueError as exc:

@@ -10,6 +10,17 @@ checkpoint and stops; then submitit's requeue protocol runs (its handler calls c
 saves what it returns and calls `scontrol requeue`), and the task's next start resumes the run
 from that checkpoint. The signal is passed on exactly once because a second one stops
 `multigpu train` at once, without a checkpoint.
+
+A run of several nodes (--nodes-per-run): srun starts this task once per node, and each runs the
+run's command, which joins the others through the launcher's SLURM support, at a port derived
+from the job's id (the same on every node without a word between them). Node 0 alone owns the
+sweep folder: it prepares the run folder, writes the state, the log, the events and the summary,
+and requeues the job. The others log into DIR/logs/NAME.nodeK.log. Before the time limit SLURM
+sends SIGUSR2 to every process of the step (slurm.py says why not SIGUSR1); the run's processes
+ignore it (set here before the exec, inherited by the launcher, its ranks and their loader
+workers), and each node's task passes one SIGUSR1 to its own part of the run. A failure on any
+node fails the collective on the others, so each node's attempt ends failed, each starts the
+same retries, and node 0 records the failure once.
 """
 from __future__ import annotations
 
@@ -22,8 +33,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from multigpu.core.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.launcher import ports
+from multigpu.launcher.ports import DEFAULT_PORT
 from multigpu.sweep import spec as specs
 from multigpu.sweep.scheduler import Options, Sweep, classify, prepare_folder
 from multigpu.sweep.starter import child_setup
@@ -44,6 +57,7 @@ class RunTask:
     retries: int = 0
     timeout_s: float | None = None
     grace_s: float = 60.0
+    nodes: int = 1  # --nodes-per-run: srun starts this task on each of them
 
     def __call__(self, name: str) -> str:
         if Path(self.cwd).is_dir():
@@ -52,21 +66,23 @@ class RunTask:
         run = next((r for r in sweep.runs if r.name == name), None)
         if run is None:
             raise UsageError(f"run {name} is not in the sweep of {self.root} any more")
-        self._proc, self._signalled = None, False
-        requeue = signal.signal(signal.SIGUSR1, self._on_signal)  # submitit's: called once stopped
+        self._proc, self._signalled, self._node = None, False, node_rank(self.nodes)
+        warned = signal.SIGUSR2 if self.nodes > 1 else signal.SIGUSR1  # slurm.SlurmSettings
+        requeue = signal.signal(warned, self._on_signal)  # submitit's: called once stopped
         for tries in range(1, self.retries + 2):
             if self._signalled:  # between two attempts
                 break
             st = self._attempt(sweep, run)
             if st.status == "failed" and tries <= self.retries and not self._signalled:
                 st.note += f"; retrying ({tries}/{self.retries})"
-            sweep.folder.write_state(st)
-            sweep.report(st)
-            sweep.write_summary()
+            if self._node == 0:
+                sweep.folder.write_state(st)
+                sweep.report(st)
+                sweep.write_summary()
             if st.status != "failed" or self._signalled:
                 break
         if self._signalled and st.status != "done" and callable(requeue):
-            requeue(signal.SIGUSR1, None)  # checkpoint() then scontrol requeue; exits
+            requeue(warned, None)  # checkpoint() then scontrol requeue; exits (node 0)
         if st.status == "failed":
             raise RunFailed(f"{name}: {st.note}")
         return st.status
@@ -96,32 +112,71 @@ class RunTask:
     def _attempt(self, sweep: Sweep, run: specs.Run) -> RunState:
         folder = sweep.folder
         st = folder.read_state(run.name) or RunState(run.name, run.params)
-        st.attempts += 1
-        values = {"out": str(folder.run_dir(run.name)), "devices": self.devices,
-                  "port": str(ports.free_port())}
-        values["resume"] = prepare_folder(folder, sweep.spec, run, st.attempts)
-        argv = specs.multigpu_prefix(specs.argv_for(sweep.spec, run, values))
-        job = _job_id()
-        where = f"SLURM job {job} on {socket.gethostname()}"
-        log_path = folder.run_log(run.name)
+        if self._node == 0 or not (st.status == "running" and st.job == _job_id()):
+            st.attempts += 1  # else node 0 has counted this attempt already
+        argv, resume = self._command(sweep, run, st.attempts)
+        job, where = _job_id(), self._where()
+        log_path = self._log_path(folder, run.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             log.write(f"\n=== attempt {st.attempts}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                      f"{where}: {shlex.join(argv)}\n".encode())
+                      f"SLURM job {job} on {where}: {shlex.join(argv)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env=self._environment(folder),
-                                          start_new_session=True, preexec_fn=child_setup(None))
+                                          start_new_session=True, preexec_fn=self._child_setup())
         st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
-        st.pid, st.job, st.devices, st.note = None, job, f"{socket.gethostname()} ({self.devices})", ""
-        folder.write_state(st)
-        resumed = " (resuming from its checkpoint)" if values["resume"] else ""
-        folder.event(f"start {run.name} as {where}, attempt {st.attempts}{resumed}")
+        st.pid, st.job, st.devices, st.note = None, job, self._devices_said(), ""
+        if self._node == 0:
+            folder.write_state(st)
+            resumed = " (resuming from its checkpoint)" if resume else ""
+            folder.event(f"start {run.name} as SLURM job {job} on {where}, attempt "
+                         f"{st.attempts}{resumed}")
         code, timed_out = self._wait()
         st.ended, st.exit_code = time.time(), code
         classify(st, code, log_path, timed_out=timed_out, timeout_s=self.timeout_s,
                  stopped_by=REQUEUED if self._signalled and code != 0 else None)
         return st
+
+    def _command(self, sweep: Sweep, run: specs.Run, attempt: int) -> tuple[list[str], str | None]:
+        """(the run's command line on this node, its --resume). Node 0 prepares the run folder
+        (scheduler.prepare_folder); another node reads the same answer from it, without a change:
+        node 0 moves aside only a folder without checkpoints, which resumes nothing either way."""
+        folder = sweep.folder
+        out = folder.run_dir(run.name)
+        values = {"out": str(out), "devices": self.devices, "port": str(ports.free_port())}
+        if self.nodes > 1:
+            values["port"] = values["master_port"] = str(shared_port())
+        if self._node == 0:
+            values["resume"] = prepare_folder(folder, sweep.spec, run, attempt)
+        elif specs.subcommand(sweep.spec.command) == "train":
+            values["resume"] = str(out) if any(checkpoints_folder(out).glob("*.pt")) else None
+        argv = specs.multigpu_prefix(specs.argv_for(sweep.spec, run, values))
+        return argv, values.get("resume")
+
+    def _log_path(self, folder: SweepFolder, name: str) -> Path:
+        path = folder.run_log(name)
+        return path if self._node == 0 else path.with_name(f"{name}.node{self._node}.log")
+
+    def _where(self) -> str:
+        if self.nodes > 1:
+            return f"{self.nodes} nodes ({os.environ.get('SLURM_JOB_NODELIST', '?')})"
+        return socket.gethostname()
+
+    def _devices_said(self) -> str:
+        if self.nodes > 1:
+            return f"{self._where()}, {self.devices} each"
+        return f"{socket.gethostname()} ({self.devices})"
+
+    def _child_setup(self):
+        setup = child_setup(None)
+        if self.nodes == 1:
+            return setup
+
+        def deaf_to_the_step_signal():  # SLURM's SIGUSR2 is for this task alone
+            setup()
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        return deaf_to_the_step_signal
 
     def _environment(self, folder: SweepFolder) -> dict:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -151,7 +206,7 @@ class RunTask:
     def _on_signal(self, signum, _frame) -> None:
         if not self._signalled:
             self._signalled = True
-            self._signal_run(signum)
+            self._signal_run(signal.SIGUSR1)  # what multigpu train stops on with a checkpoint
 
     def _signal_run(self, sig: int) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -159,6 +214,19 @@ class RunTask:
                 os.killpg(self._proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def node_rank(nodes: int) -> int:
+    """This task's node in the job (SLURM_NODEID, as the launcher reads it); 0 for one node."""
+    return int(os.environ.get("SLURM_NODEID") or 0) if nodes > 1 else 0
+
+
+def shared_port() -> int:
+    """The rendezvous port of a run of several nodes: every node computes it alone from the
+    job's id, and two runs whose node 0 share a machine get different ones (15000 + the id's
+    last four digits, as Lightning's SLURM environment picks MASTER_PORT)."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return 15000 + int(job[-4:]) if job.isdigit() else DEFAULT_PORT
 
 
 def _job_id() -> str:

@@ -239,7 +239,8 @@ def train_flags(command: list[str]) -> set[str] | None:
 
 def argv_for(spec: SweepSpec, run: Run, values: dict) -> list[str]:
     """The run's command line: placeholders replaced (grid values, then `values`: out, name,
-    port, devices), and for multigpu train/run the flags the sweep sets."""
+    port, devices), and for multigpu train/run the flags the sweep sets (--master-port: the
+    port every node of a run of several nodes meets at)."""
     table = {**{k: str(v) for k, v in run.params.items()}, **values, "name": run.name}
     argv = [PLACEHOLDER.sub(lambda m: table.get(m.group(1), m.group(0)), a) for a in spec.command]
     used = {m for a in spec.command for m in PLACEHOLDER.findall(a)}
@@ -247,8 +248,9 @@ def argv_for(spec: SweepSpec, run: Run, values: dict) -> list[str]:
     if sub is None:
         return argv
     at = argv.index(sub) + 1
+    meet = ["--master-port", values["master_port"]] if values.get("master_port") else []
     if sub == "train":
-        extra = ["--out", values["out"], "--devices", values["devices"]]
+        extra = ["--out", values["out"], "--devices", values["devices"], *meet]
         if values.get("min_free_memory") is not None:  # the sweep's, so a shared GPU stays usable
             extra += ["--min-free-memory", values["min_free_memory"]]
         extra += [a for k, v in run.params.items() if k not in used
@@ -257,7 +259,7 @@ def argv_for(spec: SweepSpec, run: Run, values: dict) -> list[str]:
             extra += ["--resume", values["resume"]]
         return argv[:at] + extra + argv[at:]
     if sub == "run":
-        return argv[:at] + ["--devices", values["devices"]] + argv[at:]
+        return argv[:at] + ["--devices", values["devices"], *meet] + argv[at:]
     return argv
 
 
