@@ -299,12 +299,21 @@ def test_per_sample_seeding_draws_as_torch_manual_seed_and_queues_no_cuda_seedin
 def test_loader_workers_starting_while_sigterm_storms_the_group_do_not_die_of_it(method, epochs):
     """Workers that start after the stop signal to the group came (a sweep's or torchrun's stop in
     the first batches, or an epoch's start) must not die of it before the step is done."""
+    import os
+    import signal
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).parents[1] / "multiproc" / "scripts" / "loader_under_group_signals.py"
-    done = subprocess.run([sys.executable, str(script), method, str(epochs)], capture_output=True,
-                          text=True, timeout=300, start_new_session=True)  # a group to storm of its own
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [str(8 * epochs), "True"], "every batch, with signals coming"
+    proc = subprocess.Popen([sys.executable, str(script), method, str(epochs)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:  # the storm too, whatever became of the script
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split() == [str(8 * epochs), "True"], "every batch, with signals coming"
