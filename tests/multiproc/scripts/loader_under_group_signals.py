@@ -2,7 +2,6 @@
 torchrun's agent and a sweep send a stop): none may die of it. The main process counts the signals
 and goes on. Arguments: the start method (or default) and the epochs; prints the batches it got
 and whether any signal came."""
-import os
 import signal
 import subprocess
 import sys
