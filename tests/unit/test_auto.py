@@ -8,8 +8,8 @@ import collections
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, SubsetRandomSampler,
-                              TensorDataset, WeightedRandomSampler)
+from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler,
+                              SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
 
 from multigpu.auto import devices, gradients, loaders, saving
 from multigpu.core.data import ShardedBatchSampler
@@ -122,6 +122,43 @@ def test_a_shuffled_loader_read_under_no_grad_is_evaluation_and_stays_whole(patc
     assert evaluated == inferred == list(range(48))
     assert [len(t) for t in trained] == [24, 24] and trained[0] != trained[1]
     assert trained[0] == epoch(split(0, batch_size=8, shuffle=True)[1], 0)  # no epochs passed
+
+
+class WorkerGroups(Dataset):
+    """Each sample: the pid and process group of the worker that read it, and the worker id that
+    the script's worker_init_fn recorded there."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        import os
+        return torch.tensor([os.getpid(), os.getpgid(0), _INIT_SEEN.get("worker", -1)])
+
+
+_INIT_SEEN: dict = {}
+
+
+def record_worker(worker_id):
+    _INIT_SEEN["worker"] = worker_id
+
+
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_the_workers_of_a_split_loader_leave_the_ranks_process_group(patched_loader, context):
+    """torchrun and a sweep stop a rank by signalling its process group: a worker in it died of
+    the SIGTERM a script's own handler meant to finish its step on ("DataLoader worker ... exited
+    unexpectedly"), as workers of the library's prepared loaders no longer do."""
+    import os
+
+    loaders.install(RankZeroOfTwo(rank=0, world_size=2), "global")
+    loader = DataLoader(WorkerGroups(), batch_size=4, shuffle=True, num_workers=2,
+                        worker_init_fn=record_worker, multiprocessing_context=context)
+    rows = torch.cat(list(loader)).tolist()
+    assert len(rows) == 8 and len({pid for pid, _, _ in rows}) == 2
+    assert all(pgid == pid != os.getpgid(0) for pid, pgid, _ in rows), rows
+    assert sorted({w for _, _, w in rows}) == [0, 1], "the script's worker_init_fn ran in each"
+    if context:
+        assert loader.multiprocessing_context.get_start_method() == context, "the script's kept"
 
 
 @pytest.mark.parametrize("split_before", [0, 1])

@@ -16,6 +16,10 @@ evaluation too, and is read whole there: pytorch/examples' MNIST shuffles its te
 GPUs and divides its count of correct answers by len(test_loader.dataset); split, each process
 would print half the accuracy. Such a pass is no epoch of the split order.
 
+The workers of a split loader run in process groups of their own (multigpu.core.loader_workers),
+as the library's do: the stop that torchrun and a sweep send to a rank's group leaves them to the
+script, whose own SIGTERM handler can then finish its step and save.
+
 Refused in one line, when the loader is built: an IterableDataset without a length (--auto cannot
 split it, nor tell an epoch), a batch_sampler of the script's own, and random samplers that draw
 with replacement (an exact split has no meaning for them).
@@ -33,6 +37,7 @@ from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sample
 
 from multigpu.core.data import ShardedBatchSampler
 from multigpu.core.errors import UsageError
+from multigpu.core.loader_workers import own_group_context
 
 # DataLoader arguments that a batch_sampler replaces (DataLoader refuses them beside one)
 _REPLACED = ("batch_size", "shuffle", "sampler", "drop_last")
@@ -134,8 +139,10 @@ def sharded_arguments(given: dict, *, rank: int, world_size: int, mode: str,
                                     shuffle=True, seed=seed,
                                     drop_last=bool(given.get("drop_last", False)))
     sampler = positions if isinstance(subset, range) else IndexedBatches(positions, list(subset))
-    kwargs = {k: v for k, v in given.items() if k not in _REPLACED}
-    return kwargs | {"batch_sampler": sampler}, sampler
+    kwargs = {k: v for k, v in given.items() if k not in _REPLACED} | {"batch_sampler": sampler}
+    if given.get("num_workers"):  # out of the group that torchrun's and a sweep's stop reaches
+        kwargs["multiprocessing_context"] = own_group_context(given.get("multiprocessing_context"))
+    return kwargs, sampler
 
 
 def install(env, mode: str) -> list[None]:
