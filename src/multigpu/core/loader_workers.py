@@ -28,6 +28,7 @@ import os
 import signal
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, resource_tracker
+from multiprocessing import queues as mp_queues
 
 _IGNORED = (signal.SIGINT, signal.SIGUSR1)  # the rank's main process acts on them alone
 _BLOCKED = {signal.SIGTERM, *_IGNORED}
@@ -43,11 +44,18 @@ class _OwnGroup:
         if self._start_method == "forkserver":  # a server born blocked would pass that on for life
             forkserver.ensure_running()
         self._starter = os.getpid()
+        queues = [a for a in self._args if isinstance(a, mp_queues.Queue)]  # start() drops _args
         old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
         try:
             super().start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _hold_queues(self, queues)
+
+    def join(self, timeout=None) -> None:
+        super().join(timeout)
+        if _ended(self):
+            _HELD.pop(self, None)
 
     def run(self) -> None:
         with contextlib.suppress(OSError):
@@ -61,6 +69,29 @@ class _OwnGroup:
         if told:  # the rank ended this worker while it started: end as torch expects
             os.kill(os.getpid(), signal.SIGTERM)
         super().run()
+
+
+def _hold_queues(process, queues: list) -> None:
+    """Keep the queues a worker is started with reachable until it has ended. A loader iterator
+    dropped in a reference cycle (a stopped script's traceback holds one) is collected with its
+    queues, and the collector runs the queues' finalizers (which end their feeder threads) before
+    the iterator's __del__, whose "stop" to each worker is then never sent: torch waits 5 s for
+    each worker before it kills it. Workers in the rank's group had died of the stop signal by
+    then; ours ignore it, so the wait was theirs."""
+    for held in [p for p in _HELD if _ended(p)]:  # ended without a join (killed by torch)
+        _HELD.pop(held, None)
+    if queues:
+        _HELD[process] = queues
+
+
+_HELD: dict = {}  # a started worker's Process -> the queues it was given
+
+
+def _ended(process) -> bool:
+    try:
+        return process.exitcode is not None
+    except ValueError:  # closed: it had ended
+        return True
 
 
 def _sigterm_pending_from(pid: int) -> bool:
