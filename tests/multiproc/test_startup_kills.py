@@ -216,7 +216,11 @@ def test_kill_9_while_the_workers_set_up_their_process_group(tmp_path):
     assert_same_command_trains(out)
 
 
-def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_path):
+@pytest.mark.parametrize("resume", [False, True])
+def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_path, resume):
+    """Or the same with --resume, as a job script that resumes its --out (a requeued SLURM job)
+    runs it: refused ("no checkpoint there (no such file or folder)") once a stop during start-up
+    had removed the folder."""
     out = tmp_path / "run"
     run = Launch(out)
     workers = run.wait_for(run.workers())
@@ -225,7 +229,13 @@ def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_p
     assert run.proc.returncode == 128 + signal.SIGINT, said[-3000:]
     assert_workers_end(out, workers)
     assert not out.exists(), sorted(p.name for p in out.iterdir())
-    assert_same_command_trains(out)
+    if not resume:
+        assert_same_command_trains(out)
+        return
+    said = assert_same_command_trains(out, "--resume", str(out))
+    assert said.count(f"multigpu train: --resume {out}: nothing was trained there yet (no such "
+                      "folder: a run stopped while it started leaves none); starting from "
+                      "scratch in it") == 1, said[-3000:]
 
 
 def test_the_same_command_waits_for_the_stopping_workers_of_a_killed_launcher(tmp_path):

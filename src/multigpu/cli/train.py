@@ -222,15 +222,21 @@ def check_resume(cfg: TrainConfig) -> None:
 
 def _nothing_trained_in(cfg: TrainConfig) -> bool:
     """--resume of a run folder in which nothing was trained (a launch killed or stopped during
-    start-up): the run starts from scratch in it, said in one line; whether that is the case."""
+    start-up): the run starts from scratch in it, said in one line; whether that is the case.
+    A stop during start-up removes the folder it made, so --resume X --out X, the command a job
+    script repeats, also starts from scratch where X does not exist."""
     from multigpu.train import runfolder
 
     source = Path(cfg.checkpointing.resume)
-    if not (source.is_dir() and runfolder.untrained_run_folder(source)
-            and (not cfg.out or Path(cfg.out).resolve() == source.resolve())):
+    same = not cfg.out or Path(cfg.out).resolve() == source.resolve()
+    if source.is_dir() and runfolder.untrained_run_folder(source) and same:
+        why = "no checkpoint"
+    elif cfg.out and same and not source.exists() and not source.is_symlink():
+        why = "no such folder: a run stopped while it started leaves none"
+    else:
         return False
     console.info(f"multigpu train: --resume {cfg.checkpointing.resume}: nothing was trained "
-                 "there yet (no checkpoint); starting from scratch in it")
+                 f"there yet ({why}); starting from scratch in it")
     cfg.out, cfg.checkpointing.resume = cfg.out or cfg.checkpointing.resume, None
     return True
 
