@@ -112,6 +112,7 @@ def test_runs_forked_from_the_warm_process_match_runs_alone_bit_for_bit(tmp_path
                [[r[k] for k in keys] for r in read_metrics(alone)]
 
 
+@pytest.mark.extended  # 10-20 s on 2 cores: CI runs it (make test-all)
 def test_a_forked_run_killed_leaves_the_others_and_the_next_ones_finishing(tmp_path):
     """kill -9 of one run while two train: it fails as killed, what it started (its loader
     workers) ends too, the other finishes, and the third run, forked after the kill from the same
@@ -221,6 +222,7 @@ def test_kill_9_of_the_sweep_stops_its_forked_runs_at_once_and_status_says_stopp
     assert row.split()[:2] == ["seed=1", "stopped"], after.stdout
 
 
+@pytest.mark.extended  # 10-20 s on 2 cores: CI runs it (make test-all)
 def test_ranks_of_a_two_process_run_left_by_a_dead_sweep_are_stopping_while_they_hold_its_folder(tmp_path):
     """torch's agent starts each rank in a session of its own: once the sweep and the run's
     launcher are gone, the ranks (still saving) are outside the run's session, and only the run
