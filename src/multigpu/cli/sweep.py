@@ -94,11 +94,11 @@ def main(args: argparse.Namespace) -> int:
         return _status(Path(args.status))
     spec, options, root = _resolve(args)
     folder = state.SweepFolder(root)
-    _check_nodes(options)
+    nodes = _check_nodes(options)
     if args.dry_run:
         return _dry_run(spec, options, folder)
     if _where(options) == "slurm":
-        return _on_slurm(spec, options, folder)
+        return _on_slurm(spec, options, folder, nodes)
     sweep = _build(spec, options, folder)
     if args.detach:
         return _detach(folder, sweep, options)
@@ -318,7 +318,7 @@ def _detach(folder, sweep, options: dict) -> int:
     return 0
 
 
-def _on_slurm(spec, options: dict, folder) -> int:
+def _on_slurm(spec, options: dict, folder, nodes: int) -> int:
     """Submit the runs that are neither done nor still on SLURM's queue as one job array."""
     from multigpu.sweep import slurm
     from multigpu.sweep import spec as specs
@@ -335,7 +335,7 @@ def _on_slurm(spec, options: dict, folder) -> int:
         per_run=str(options.get("devices_per_run") or "1"),
         time_s=parse_duration(options.get("time"), "--time") or slurm.DEFAULT_TIME_S,
         partition=options.get("partition"), extra=slurm.parse_slurm_args(options.get("slurm_arg")),
-        max_parallel=_number(options, "max_parallel", int, None, 1), nodes=_check_nodes(options))
+        max_parallel=_number(options, "max_parallel", int, None, 1), nodes=nodes)
     parse_per_run(settings.per_run)
     slurm.check_ready()
     task = RunTask(str(folder.root.absolute()), os.getcwd(), settings.devices_arg(),

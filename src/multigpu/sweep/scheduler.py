@@ -29,8 +29,7 @@ from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep import starter
 from multigpu.sweep.pool import Pool, Unit
-from multigpu.sweep.state import (RunState, SweepFolder, format_duration, last_error_line, log_tail,
-                                  run_alive)
+from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
 from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
 
 POLL_SECONDS = 0.2
@@ -112,8 +111,7 @@ class Sweep:
         by the sweep holding the folder's lock, before it says anything."""
         for run in self.runs:
             st = self.folder.read_state(run.name)
-            if st is not None and st.status == "running" and \
-                    run_alive(st.pid, st.started, self.folder.run_dir(run.name)):
+            if st is not None and st.status == "running" and self.folder.run_lives(st):
                 raise UsageError(f"run {run.name} of an earlier sweep is still stopping (session "
                                  f"{st.pid}); wait for it, or end it with: pkill -KILL -s {st.pid}")
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from multigpu.core import fileio
 from multigpu.core.errors import UsageError
-from multigpu.train import folder_users
 from multigpu.core.orphans import alive
+from multigpu.train import folder_users
 
 SWEEP_JSON, LOCK, LOG = "sweep.json", "sweep.lock", "sweep.log"
 STATUSES = ("done", "running", "failed", "stopped", "pending")
@@ -65,6 +65,10 @@ class SweepFolder:
     # layout
     def run_dir(self, name: str) -> Path:
         return self.root / "runs" / name
+
+    def run_lives(self, st: RunState) -> bool:
+        """Whether a process of the run `st` records still lives (run_alive, with its folder)."""
+        return run_alive(st.pid, st.started, self.run_dir(st.name))
 
     def run_log(self, name: str) -> Path:
         return self.root / "logs" / f"{name}.log"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from multigpu.sweep.state import RunState, SweepFolder, format_duration, run_alive
+from multigpu.sweep.state import RunState, SweepFolder, format_duration
 from multigpu.sweep.summary import sort_results, split_metric
 
 SHOWN = ("done", "running", "stopping", "failed", "stopped", "pending")
@@ -68,8 +68,7 @@ def _shown(folder: SweepFolder, states: list[RunState], record: dict, holder: in
         return shown, {}, who
     if holder is not None:
         return shown, {}, f"running (pid {holder})"
-    pids = {st.name: st.pid for st in states
-            if st.name in running and run_alive(st.pid, st.started, folder.run_dir(st.name))}
+    pids = {st.name: st.pid for st in states if st.name in running and folder.run_lives(st)}
     shown.update({n: "stopping" if n in pids else "stopped" for n in running})
     notes = {n: f"pid {pid} is stopping (its sweep is gone)" for n, pid in pids.items()}
     if not pids:
