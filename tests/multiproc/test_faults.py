@@ -172,6 +172,7 @@ def test_resume_inside_an_epoch_on_another_process_count_trains_each_sample_once
     assert [(r["epoch"], r["train_samples"]) for r in read_metrics(out)] == [(3, N)]
 
 
+@pytest.mark.extended  # about 12 s on 2 cores: CI runs it (make test-all)
 def test_kill_9_of_a_worker_at_random_moments_restarts_and_ends_equal(reference, tmp_path):
     out = tmp_path / "killed"
     rng = random.Random(3)

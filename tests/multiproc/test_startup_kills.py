@@ -238,6 +238,7 @@ def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_p
                       "scratch in it") == 1, said[-3000:]
 
 
+@pytest.mark.extended  # about 12 s on 2 cores: CI runs it (make test-all)
 def test_the_same_command_waits_for_the_stopping_workers_of_a_killed_launcher(tmp_path):
     """Training has begun: the orphaned workers save and stop (which takes a while). Held still
     (SIGSTOP) until the next command says it waits for them, they are then let go."""

@@ -20,6 +20,7 @@ from .test_run_cli import SCRIPTS, clean_env, multigpu, procs, start  # noqa: F4
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.extended  # about 12 s on 2 cores: CI runs it (make test-all)
 def test_a_rank_that_skips_an_all_reduce_is_named_with_where_it_waits(tmp_path):
     began = time.monotonic()
     r = multigpu("--devices", "cpu:2", "--hang-timeout", "8", "--log-dir", str(tmp_path / "logs"),
