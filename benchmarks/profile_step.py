@@ -7,7 +7,7 @@ profiles a few steps with torch.profiler and reduces each rank's kernel timeline
 numbers per step:
 - wall_ms: the step as the host measures it (synchronised);
 - busy_ms: time at least one kernel runs (the union of kernel intervals);
-- compute_ms: summed duration of non-NCCL kernels (grows when NCCL steals SMs or bandwidth);
+- compute_ms: the training stream's busy time (grows when NCCL steals SMs or bandwidth);
 - nccl_ms: summed duration of NCCL kernels (includes time spent waiting for slower peers);
 - exposed_nccl_ms: NCCL time during which no compute kernel runs (not overlapped);
 - idle_ms: wall_ms - busy_ms (launch gaps, host overhead, waiting).
@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import multigpu
 from multigpu.train.engine import StepSettings, train_step
+from multigpu.train.step_profile import kernel_times
 from multigpu.bench.spec import DDP_VARIANTS
 from multigpu.train.models import build_model
 from multigpu.train.config import TrainConfig
@@ -33,41 +34,12 @@ from multigpu.train.training import ddp_options
 VARIANTS = ("default", *DDP_VARIANTS)
 
 
-def union_length(intervals):
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
-def overlap_free(nccl, compute):
-    """Length of NCCL intervals not covered by any compute interval."""
-    covered = union_length(compute)
-    both = union_length(nccl + compute)
-    return both - covered
-
-
 def summarise(trace_path: Path, steps: int, wall_ms: float) -> dict:
-    events = json.loads(trace_path.read_text())["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
-    compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
-    per = 1000.0 * steps  # trace times are in microseconds
-    busy = union_length(nccl + compute) / per
-    return {
-        "wall_ms": wall_ms,
-        "busy_ms": busy,
-        "compute_ms": sum(e - s for s, e in compute) / per,
-        "nccl_ms": sum(e - s for s, e in nccl) / per,
-        "exposed_nccl_ms": overlap_free(nccl, compute) / per,
-        "idle_ms": wall_ms - busy,
-        "kernels_per_step": len(kernels) / steps,
-    }
+    times = kernel_times(json.loads(trace_path.read_text())["traceEvents"], steps)
+    return {"wall_ms": wall_ms, "busy_ms": times["gpu_busy_ms"],
+            "compute_ms": times["training_stream_ms"], "nccl_ms": times["nccl_ms"],
+            "exposed_nccl_ms": times["nccl_exposed_ms"], "idle_ms": wall_ms - times["gpu_busy_ms"],
+            "kernels_per_step": times["kernels_per_step"]}
 
 
 def main():

@@ -102,3 +102,36 @@ def test_plot_draws_several_runs_and_never_replaces_a_file(run, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"multigpu: error: {tmp_path} holds no metrics.jsonl (no finished "
                                    "epoch yet?): give run folders made by multigpu train, e.g. runs/<name>")
+
+
+def test_a_profile_of_steps_30_to_34_is_said_and_written_by_every_rank(tmp_path):
+    """MULTIGPU_PROFILE_STEPS: the window (in the second epoch here) profiled on both ranks, each
+    rank's numbers in profile/, rank 0's trace beside them, one line on the console; a window
+    the run does not reach is said at its end."""
+    import subprocess
+    import sys
+
+    from .conftest import cli_env
+
+    def train(window, out):
+        return subprocess.run([sys.executable, "-m", "multigpu", "train", *ARGS[:5], "2", *ARGS[6:],
+                               "--logger", "none", "--out", str(out)], capture_output=True, text=True,
+                              timeout=240, env={**cli_env(), "MULTIGPU_PROFILE_STEPS": window})
+
+    proc = train("30-34", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("profile of")]
+    assert len(said) == 1 and said[0].startswith("profile of steps 30-34, rank 0: ")
+    assert f"trace: {tmp_path / 'run' / 'profile' / 'trace-rank0.json'}" in said[0]
+    ranks = [json.loads((tmp_path / "run" / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(n["rank"], n["first"], n["last"]) for n in ranks] == [(0, 30, 34), (1, 30, 34)]
+    assert all(n["step_ms"] > 0 for n in ranks)
+    assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == [
+        "rank0.json", "rank1.json", "trace-rank0.json"]
+    assert json.loads((tmp_path / "run" / "profile" / "trace-rank0.json").read_text())["traceEvents"]
+
+    proc = train("50-60", tmp_path / "short")  # 2 epochs of 26 steps
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("MULTIGPU_PROFILE_STEPS: steps 50-60 were not all trained in this run: no profile"
+            in proc.stdout + proc.stderr)
+    assert not (tmp_path / "short" / "profile").exists()

@@ -117,3 +117,22 @@ def test_bench_images_flag_picks_the_folder_kind():
     assert settings_from_args(args).images == "detailed"
     args = parser.parse_args(["bench", "--data", "real", "--devices", "cpu:1"])
     assert settings_from_args(args).images == "smooth"
+
+
+def test_a_folder_past_its_distinct_images_links_the_rest_to_them(tmp_path, monkeypatch):
+    """Image i past DISTINCT is image i % DISTINCT's file, in its own class folder: every file is
+    read and decoded as a distinct one is; the manifest says how many differ."""
+    from multigpu.bench import imagegen
+
+    monkeypatch.setattr(imagegen, "DISTINCT", 4)
+    folder = imagegen.write_folder(tmp_path / "f", "smooth", train=11, val=3, classes=3, shape=(40, 30), workers=1)
+    files = {int(f.stem): f for f in _files(folder)}
+    assert sorted(files) == list(range(11))
+    assert [f.parent.name for _, f in sorted(files.items())] == [f"class_{i % 3:02d}" for i in range(11)]
+    for i in range(4, 11):
+        assert files[i].read_bytes() == files[i % 4].read_bytes()
+    assert len({files[i].read_bytes() for i in range(4)}) == 4
+    val = sorted(int(f.stem) for f in _files(folder, "val"))
+    assert val == [11, 12, 13] and len({f.read_bytes() for f in _files(folder, "val")}) == 3
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (manifest["train_images"], manifest["distinct_train_images"]) == (11, 4)

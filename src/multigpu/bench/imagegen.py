@@ -10,12 +10,16 @@
 
 Both are labelled as generated in the folder's manifest.json (written last: its presence means
 the folder is complete). Image `seed` is the same file in every folder made with the same kind.
+A large folder holds DISTINCT different training images; the others are hard links to them (image
+i to image i % DISTINCT): every file is still read and decoded, at the cost of a distinct one, and
+a 120 000-image folder is made in seconds rather than minutes (4x H100's 64 cores: 264 s).
 """
 from __future__ import annotations
 
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor
+import shutil
 from pathlib import Path
 
 KINDS = ("smooth", "detailed")
@@ -26,6 +30,7 @@ GREY_EVERY, CMYK_EVERY = 33, 50  # image seeds i with i % N == 0 (grey) or 1 (CM
 SHAPES = ((500, 375), (500, 333), (500, 500), (400, 300), (640, 480), (800, 600), (300, 225), (800, 533))
 SHAPE_WEIGHTS = (0.42, 0.20, 0.06, 0.10, 0.08, 0.03, 0.07, 0.04)
 LANDSCAPE = 0.75
+DISTINCT = 8192  # different training images in a folder; the rest link to them
 
 
 def detailed_shape(seed: int) -> tuple[int, int]:
@@ -91,27 +96,39 @@ def write_image(job: tuple[str, str, int, tuple[int, int]]) -> None:
 def write_folder(root: str | Path, kind: str, train: int, val: int, classes: int = 10,
                  shape: tuple[int, int] = (500, 375), workers: int | None = None) -> Path:
     """`train` + `val` images of `kind` under root/train/class_NN/ and root/val/class_NN/ (image i
-    in class i % classes), then root/manifest.json. Training images are seeds 0..train-1, the
-    validation ones the next `val`."""
+    in class i % classes), then root/manifest.json. Training images are seeds 0..train-1 (past
+    DISTINCT, links: see above), the validation ones the next `val`."""
     if kind not in KINDS:
         raise ValueError(f"image kind {kind!r}: choose one of {', '.join(KINDS)}")
     root = Path(root)
-    jobs = []
+    paths = {}
     for split, first, count in (("train", 0, train), ("val", train, val)):
         for c in range(classes):
             (root / split / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
-        jobs += [(str(root / split / f"class_{i % classes:02d}" / f"{first + i:07d}.jpg"), kind,
-                  first + i, tuple(shape)) for i in range(count)]
-    workers = workers or max(1, min(32, os.cpu_count() or 1))
+        for i in range(count):
+            paths[split, i] = str(root / split / f"class_{i % classes:02d}" / f"{first + i:07d}.jpg")
+    jobs = [(path, kind, i + (train if split == "val" else 0), tuple(shape))
+            for (split, i), path in paths.items() if split == "val" or i < DISTINCT]
+    workers = workers or max(1, os.cpu_count() or 1)
     if workers == 1 or len(jobs) < 256:
         for job in jobs:
             write_image(job)
     else:
         with ProcessPoolExecutor(workers) as pool:
-            list(pool.map(write_image, jobs, chunksize=64))
+            list(pool.map(write_image, jobs, chunksize=16))
+    for i in range(DISTINCT, train):
+        _link(paths["train", i % DISTINCT], paths["train", i])
     manifest = {"generated": "by multigpu.bench.imagegen, not photographs", "kind": kind,
-                "train_images": train, "val_images": val, "classes": classes,
+                "train_images": train, "distinct_train_images": min(train, DISTINCT), "val_images": val,
+                "classes": classes,
                 "format": f"jpeg q{QUALITY}",
                 "shape": list(shape) if kind == "smooth" else "mixed, mean about 500x375"}
     (root / "manifest.json").write_text(json.dumps(manifest) + "\n")
     return root
+
+
+def _link(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(source, target)

@@ -55,10 +55,12 @@ def validate(cfg: TrainConfig) -> None:
     """What the parent checks beyond the values themselves (each component refused those when
     `cfg` was made): a folder that is not there costs one line instead of N crashing workers."""
     from multigpu.train.folder_layout import check_root
+    from multigpu.train.step_profile import window_from_env
 
     kind, _, path = cfg.input.data.partition(":")
     if kind == "folder" and path:
         check_root(path)  # a mistyped path: one line now, not one per worker after the launch
+    window_from_env()  # MULTIGPU_PROFILE_STEPS, if set
 
 
 def _finished_before_the_signal(code: int, out, epochs: int) -> int:

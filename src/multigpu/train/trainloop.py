@@ -44,6 +44,7 @@ from multigpu.train.runstate import RunState, resume_point
 from multigpu.core.runtime import Runtime, setup
 from multigpu.train.timeline import Timeline
 from multigpu.train.head_start import HeadStart
+from multigpu.train.step_profile import StepProfile
 from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cores_per_process, learning_rate,
                                      loader_workers, oom_message, strategy_options, resolved_config)
 
@@ -82,6 +83,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     saver = Checkpointer(rt, job, store, config)
     clock.mark("config")
     log = first_step = None
+    profile = StepProfile.from_env(out, rt)
     try:
         announce_run(cfg, rt, job, config, control, out)
         point = resume_point(rt.env, out, cfg.checkpointing.resume, cfg.checkpointing.keep)
@@ -95,13 +97,15 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         first_step = _stop_gracefully_once_trained(control, clock)
         with control.signal_handlers():
             record = _epochs(cfg, rt, job, run, control, saver, out,
-                             point.state.get(schema.METRICS) if point else None, log, clock)
+                             point.state.get(schema.METRICS) if point else None, log, clock, profile)
         began = time.perf_counter()
         saver.finish()
         clock.add("checkpoints", time.perf_counter() - began)
     finally:
         if first_step is not None:
             first_step.remove()
+        if profile is not None:
+            profile.close()
         saver.close()
         store.release()
         folder_users.release(out)  # a caller that trains on here in this process is no other user
@@ -201,7 +205,8 @@ def _train_epoch(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, epoch: 
 
 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
-            saver: Checkpointer, out: Path, last: dict | None, log: RunLog, clock: Timeline) -> dict:
+            saver: Checkpointer, out: Path, last: dict | None, log: RunLog, clock: Timeline,
+            profile: StepProfile | None) -> dict:
     record, bad_before = {}, 0
     first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
@@ -217,6 +222,8 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
             if job.decode is not None:
                 job.decode.after_step(cursor, rt.env)
             log.step(step, epoch, cursor, job.optimizer)
+            if profile is not None:
+                profile.after_step(step, cursor.waited)
             if saver.failed:
                 control.request_stop("checkpoint save failed")
             decision = control.after_step(step)
