@@ -6,9 +6,9 @@ profiles steps 100 to 119 of the run (counted from its first step, over resumes)
 torch.profiler's CUDA activity on every rank (the kernels' own timestamps: the host is not slowed
 down by the profiling of its own calls), and says on rank 0, once the window is done:
 
-    profile of steps 100-119, rank 0: 54.1 ms a step: GPU busy 39.8 ms (training stream 38.9,
-    other streams 2.3, all-reduce not overlapped 0.6), GPU idle 14.3 ms, waiting for data 2.1 ms;
-    slowest rank 3 at 54.4 ms; trace: OUT/profile/trace-rank0.json (Perfetto, chrome://tracing)
+    profile of steps 100-119, rank 0: S ms a step: GPU busy B ms (training stream T, other
+    streams O, all-reduce not overlapped N), GPU idle I ms, waiting for data W ms; slowest rank R
+    at S' ms; trace: OUT/profile/trace-rank0.json (Perfetto, chrome://tracing)
 
 A step whose GPU idles while the host does not wait for data is held up by the host (Python
 launching kernels, a CPU shared with loader workers); one whose GPU is busy the whole step is
