@@ -161,6 +161,22 @@ def test_the_workers_of_a_split_loader_leave_the_ranks_process_group(patched_loa
         assert loader.multiprocessing_context.get_start_method() == context, "the script's kept"
 
 
+@pytest.mark.parametrize("evaluation", ["no shuffle", "shuffled, under no_grad"])
+def test_the_workers_of_a_whole_loader_leave_the_ranks_process_group_too(patched_loader, evaluation):
+    """An evaluation loader (left whole) with workers: a stop sent to the rank's group during
+    evaluation killed them, and the script's handler could not finish and save."""
+    import os
+
+    loaders.install(RankZeroOfTwo(rank=0, world_size=2), "global")
+    loader = DataLoader(WorkerGroups(), batch_size=4, shuffle=evaluation != "no shuffle", num_workers=2,
+                        worker_init_fn=record_worker)
+    with torch.no_grad():
+        rows = torch.cat(list(loader)).tolist()
+    assert len(rows) == 16 and len({pid for pid, _, _ in rows}) == 2, "whole: every sample"
+    assert all(pgid == pid != os.getpgid(0) for pid, pgid, _ in rows), rows
+    assert sorted({w for _, _, w in rows}) == [0, 1]
+
+
 @pytest.mark.parametrize("split_before", [0, 1])
 def test_training_that_no_split_loader_feeds_is_said_at_the_first_step(capsys, split_before):
     """pytorch/examples' MNIST shuffles only on GPUs: on CPU processes its training loader stayed

@@ -16,9 +16,10 @@ evaluation too, and is read whole there: pytorch/examples' MNIST shuffles its te
 GPUs and divides its count of correct answers by len(test_loader.dataset); split, each process
 would print half the accuracy. Such a pass is no epoch of the split order.
 
-The workers of a split loader run in process groups of their own (multigpu.core.loader_workers),
-as the library's do: the stop that torchrun and a sweep send to a rank's group leaves them to the
-script, whose own SIGTERM handler can then finish its step and save.
+The workers of every loader the script builds, split or whole, run in process groups of their own
+(multigpu.core.loader_workers), as the library's do: the stop that torchrun and a sweep send to a
+rank's group leaves them to the script, whose own SIGTERM handler can then finish its step (or its
+evaluation) and save.
 
 Refused in one line, when the loader is built: an IterableDataset without a length (--auto cannot
 split it, nor tell an epoch), a batch_sampler of the script's own, and random samplers that draw
@@ -139,10 +140,16 @@ def sharded_arguments(given: dict, *, rank: int, world_size: int, mode: str,
                                     shuffle=True, seed=seed,
                                     drop_last=bool(given.get("drop_last", False)))
     sampler = positions if isinstance(subset, range) else IndexedBatches(positions, list(subset))
-    kwargs = {k: v for k, v in given.items() if k not in _REPLACED} | {"batch_sampler": sampler}
-    if given.get("num_workers"):  # out of the group that torchrun's and a sweep's stop reaches
-        kwargs["multiprocessing_context"] = own_group_context(given.get("multiprocessing_context"))
+    kwargs = {k: v for k, v in own_groups(given).items() if k not in _REPLACED} | {"batch_sampler": sampler}
     return kwargs, sampler
+
+
+def own_groups(given: dict) -> dict:
+    """`given` (DataLoader arguments by name) with workers out of the rank's process group, the
+    one torchrun's and a sweep's stop reaches."""
+    if not given.get("num_workers"):
+        return given
+    return given | {"multiprocessing_context": own_group_context(given.get("multiprocessing_context"))}
 
 
 def install(env, mode: str) -> list[None]:
@@ -161,7 +168,7 @@ def install(env, mode: str) -> list[None]:
         split = sharded_arguments(given, rank=env.rank, world_size=env.world_size, mode=mode,
                                   agree=agree, count=len(made))
         if split is None:
-            return init(self, *args, **kwargs)
+            return init(self, **own_groups(given))
         made.append(None)
         init(self, **split[0])
         self.__dict__["_multigpu_auto_sampler"] = split[1]
@@ -211,7 +218,7 @@ def whole_loader(init, given: dict) -> DataLoader:
     """The loader the script asked for, unsplit: built by DataLoader's own __init__, not the
     patched one, for the passes the script makes under no_grad."""
     loader = DataLoader.__new__(DataLoader)
-    init(loader, **given)
+    init(loader, **own_groups(given))
     return loader
 
 
