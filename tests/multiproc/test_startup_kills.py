@@ -229,6 +229,8 @@ def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_p
     assert run.proc.returncode == 128 + signal.SIGINT, said[-3000:]
     assert_workers_end(out, workers)
     assert not out.exists(), sorted(p.name for p in out.iterdir())
+    # its start said where the other ranks log: now gone with the folder, and said so
+    assert said.count(f"multigpu train: nothing was trained: {out} removed") == 1, said[-3000:]
     if not resume:
         assert_same_command_trains(out)
         return

@@ -114,11 +114,14 @@ def main(args: argparse.Namespace) -> int:
         try:  # bad input the workers found is said in one line (on_usage_error), and so is ours
             code = launch(argv, plan, opts, python=False, on_usage_error=clean_up,
                           next_step=lambda: _resume_line(out, typed))
-        except (UsageError, KeyboardInterrupt):
+        except UsageError:
             clean_up()
             raise
+        except KeyboardInterrupt:
+            _say_removed(clean_up(), out)
+            raise
         if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
-            clean_up()  # (nothing trained: only then) a start-up stopped, or failed unheard
+            _say_removed(clean_up(), out)  # (nothing trained: only then) a start-up stopped, or failed unheard
         return _finished_before_the_signal(code, out, cfg.epochs)
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
@@ -127,10 +130,21 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
                      launch=launch_facts, process_started=args.started_at)
-    except (UsageError, KeyboardInterrupt):
+    except UsageError:
         clean_up()
         raise
+    except KeyboardInterrupt:
+        _say_removed(clean_up(), out)
+        raise
     return 0
+
+
+def _say_removed(removed: str | None, out: Path) -> None:
+    """After a stop (or a failure) before anything was trained: what of the run folder went."""
+    if removed == "folder":
+        console.info(f"multigpu train: nothing was trained: {out} removed")
+    elif removed == "contents":
+        console.info(f"multigpu train: nothing was trained: what the run wrote in {out} removed")
 
 
 def _resume_line(out: Path, typed: list[str]) -> str | None:
@@ -157,11 +171,12 @@ def _resume_line(out: Path, typed: list[str]) -> str | None:
             f"{shlex.join([*argv, '--resume', str(out)])}")
 
 
-def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:
+def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], str | None]]:
     """The run folder, claimed, and what removes it again when the run stops on bad input, or
     is stopped by a signal, before its first epoch: the outermost folder of --out that is new, or the new folder under runs/
     (runs/ may be there already); of an empty folder the user made, only what the run wrote in
-    it. Never a run that trained, nor on several nodes (node 0 owns the shared folder)."""
+    it. Never a run that trained, nor on several nodes (node 0 owns the shared folder). The
+    remover returns "folder", "contents" (the user's folder kept) or None (nothing removed)."""
     from multigpu.train import runfolder
 
     target = runfolder.out_for(cfg)  # None: a new folder under runs/
@@ -175,10 +190,12 @@ def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], None]]:
         out = runfolder.reserve_out(cfg, nodes_log=opts.nnodes != "1")
     made = made or (out if target is None else None)
 
-    def clean_up() -> None:
+    def clean_up() -> str | None:
         if (opts.nnodes == "1" and (made is not None or emptied)
                 and runfolder.nothing_trained(out, logs=True)):
             runfolder.remove_untrained(out, up_to=made or out, keep=made is None)
+            return "contents" if made is None else "folder"
+        return None
     return out, clean_up
 
 
