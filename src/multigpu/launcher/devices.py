@@ -304,20 +304,25 @@ def resolve_devices(spec: str, *, one_process: bool = False,
                              "--devices 0,1 --min-free-memory 0 to share busy ones")
         return _gpu_plan(free[:value], one_process, cvd)
 
-    # kind == "ids"
+    return _named_plan(spec, value, vis, free, states, min_free_memory_gb, one_process, cvd)
+
+
+def _named_plan(spec: str, ids: list[int], vis: list, free: list, states: str, min_free_memory_gb: float,
+                one_process: bool, cvd) -> DevicePlan:
+    """--devices 0,3: those GPUs, each there and free (or a one-line refusal saying which not)."""
     by_id = {v.id: v for v in vis}
-    for i in value:
+    for i in ids:
         if i not in by_id:
             have = ", ".join(str(v.id) for v in vis)
             raise UsageError(f"--devices {spec}: GPU {i} does not exist: this machine has "
                              f"{len(vis)} GPU{'s' if len(vis) != 1 else ''} ({have})"
                              f"{_cvd_note(cvd)}")
-    busy = [i for i in value if busy_reason(by_id[i].info, min_free_memory_gb) is not None]
+    busy = [i for i in ids if busy_reason(by_id[i].info, min_free_memory_gb) is not None]
     if busy:
-        suggestion = [v.id for v in free][: len(value)]
-        ids = ",".join(map(str, suggestion)) + ("," if len(suggestion) == 1 else "")
-        fix = f"use --devices {ids}" if suggestion else "wait for a GPU to be free"
+        suggestion = [v.id for v in free][: len(ids)]
+        listed = ",".join(map(str, suggestion)) + ("," if len(suggestion) == 1 else "")
+        fix = f"use --devices {listed}" if suggestion else "wait for a GPU to be free"
         raise UsageError(f"--devices {spec}: GPU {', '.join(map(str, busy))} "
                          f"{'is' if len(busy) == 1 else 'are'} busy{_cvd_note(cvd)}: {states}; "
                          f"{fix}, or add --min-free-memory 0 to share it on purpose")
-    return _gpu_plan([by_id[i] for i in value], one_process, cvd)
+    return _gpu_plan([by_id[i] for i in ids], one_process, cvd)

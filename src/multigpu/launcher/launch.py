@@ -288,15 +288,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
                 say_next_step(next_step)
             return code
         except SignalException as exc:
-            at_once = kill_workers_left() or signals.signals > 1
-            wait = getattr(config, "shutdown_timeout", None) or AGENT_STOP_WAIT
-            waited_out = not at_once and signals.waited_out(wait)
-            err(f"stopped by {exc.sigval.name}; every rank of this node was stopped"
-                + (" (a second signal: killed at once)" if at_once else "")
-                + (f" (killed: they had not stopped {wait} s after the signal)" if waited_out else ""))
-            if at_once or waited_out:  # else the ranks stopped after a checkpoint and said so
-                say_next_step(next_step)
-            return 128 + int(exc.sigval)
+            return _stopped(exc.sigval, signals, getattr(config, "shutdown_timeout", None), next_step)
         except RendezvousTimeoutError:
             err(f"error: {rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())}")
             return 1
@@ -311,6 +303,20 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             kill_workers_left()
             return 1
 
+
+
+def _stopped(sig: signal.Signals, signals: "SecondSignalKills", shutdown_timeout: float | None,
+             next_step: Callable[[], str | None] | None) -> int:
+    """The agent was stopped by `sig` (and stopped the ranks): said in one line; the exit code."""
+    at_once = kill_workers_left() or signals.signals > 1
+    wait = shutdown_timeout or AGENT_STOP_WAIT
+    waited_out = not at_once and signals.waited_out(wait)
+    err(f"stopped by {sig.name}; every rank of this node was stopped"
+        + (" (a second signal: killed at once)" if at_once else "")
+        + (f" (killed: they had not stopped {wait} s after the signal)" if waited_out else ""))
+    if at_once or waited_out:  # else the ranks stopped after a checkpoint and said so
+        say_next_step(next_step)
+    return 128 + int(sig)
 
 # the modules `multigpu run` starts a Python script with (plain, and --auto), named, not imported
 OUR_WORKERS = ("multigpu.launcher.worker", "multigpu.auto.worker")
