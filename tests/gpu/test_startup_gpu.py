@@ -48,3 +48,29 @@ def test_two_gpus_on_folder_data_import_beside_the_group_and_train_as_in_line(tm
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_the_launcher_of_a_two_gpu_run_never_starts_the_cuda_driver(tmp_path):
+    """torchrun's LaunchConfig asks torch whether CUDA is available (for a NUMA default); asked
+    the default way, that starts the CUDA driver in the launcher, which never uses CUDA: seconds
+    of a start-up on some machines. NVML (libnvidia-ml) answers instead; libcuda stays unloaded."""
+    import time
+
+    env = gpu_env() | {"PYTHONPATH": str(REPO / "src")}
+    env.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    argv = [sys.executable, "-m", "multigpu", "train", "--model", "mlp", "--data", "digits",
+            "--devices", "0,1", "--min-free-memory", "0", "--epochs", "3", "--out", str(tmp_path / "run")]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mapped, looks = set(), 0
+    while proc.poll() is None:
+        try:
+            libs = {line.rsplit("/", 1)[-1] for line in open(f"/proc/{proc.pid}/maps") if ".so" in line}
+        except OSError:
+            break
+        mapped |= {lib for lib in libs if lib.startswith(("libcuda.so", "libnvidia-ml.so"))}
+        looks += 1
+        time.sleep(0.1)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert looks > 10 and "epoch 3" in out, out[-2000:]
+    assert not any(lib.startswith("libcuda.so") for lib in mapped), mapped

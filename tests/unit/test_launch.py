@@ -663,3 +663,23 @@ def test_a_rank_failing_as_rank_0_did_names_rank_0_s_error_instead_of_a_second_t
     assert code == 1 and "Traceback" not in err, err
     assert "multigpu: its error is the one rank 0 printed above: RuntimeError: Expected to have " \
            "finished reduction in the prior iteration before starting a new one." in err, err
+
+
+@pytest.mark.parametrize("users", [None, "0"])
+def test_torchruns_config_counts_gpus_through_nvml_and_the_ranks_do_not_inherit_that(users, tmp_path, monkeypatch):
+    """LaunchConfig asks torch.cuda.is_available() for a NUMA default; torch's default check
+    starts the CUDA driver in the launcher. The user's own PYTORCH_NVML_BASED_CUDA_CHECK stays."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: seen.append(os.environ.get(launch.NVML_CUDA_CHECK)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if users is None:
+        monkeypatch.delenv(launch.NVML_CUDA_CHECK, raising=False)
+    else:
+        monkeypatch.setenv(launch.NVML_CUDA_CHECK, users)
+    plan, opts = DevicePlan("cpu", (), 2), LaunchOptions()
+    argv = torchrun_argv(["-m", "multigpu", "train"], plan, opts, plan_rendezvous(opts), str(tmp_path))
+    launch.launch_config(argv, plan, opts, str(tmp_path))
+    assert seen == ["1" if users is None else users]
+    assert os.environ.get(launch.NVML_CUDA_CHECK) == users

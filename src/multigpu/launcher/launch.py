@@ -160,10 +160,30 @@ def launch_config(argv: list[str], plan: DevicePlan, opts: LaunchOptions, log_di
     args = torchrun.get_args_parser().parse_args(argv)
     if args.master_port is None:  # as torchrun.run does (only its static rendezvous reads it)
         args.master_port = 29500
-    config, entrypoint, entry_args = torchrun.config_from_args(args)
+    with _cuda_counted_by_nvml():
+        config, entrypoint, entry_args = torchrun.config_from_args(args)
     if not opts.tee and plan.nproc > 1:
         config.logs_specs = logs_specs(log_dir, plan.nproc)
     return config, entrypoint, entry_args
+
+
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+@contextlib.contextmanager
+def _cuda_counted_by_nvml():
+    """torch's CUDA checks through NVML while torchrun's LaunchConfig is made: it asks
+    torch.cuda.is_available() and device_count() to pick a default NUMA binding (none outside
+    Meta), and the default check starts the CUDA driver (cuInit) in the launcher, which never
+    uses CUDA. The user's own setting of the variable is kept; ours is not passed to the ranks."""
+    if NVML_CUDA_CHECK in os.environ:
+        yield
+        return
+    os.environ[NVML_CUDA_CHECK] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(NVML_CUDA_CHECK, None)
 
 
 def logs_specs(log_dir: str, nproc: int):
