@@ -135,3 +135,22 @@ def test_a_profile_of_steps_30_to_34_is_said_and_written_by_every_rank(tmp_path)
     assert ("MULTIGPU_PROFILE_STEPS: steps 50-60 were not all trained in this run: no profile"
             in proc.stdout + proc.stderr)
     assert not (tmp_path / "short" / "profile").exists()
+
+
+def test_a_profile_from_the_first_step_with_accumulate_profiles_the_optimizer_steps_that_hold_it(tmp_path):
+    """Steps 1-3 under --accumulate 2: no step 0 comes to start the profiler after, and the
+    optimizer steps end at steps 2 and 4, never at 3; the profile is of steps 1-4."""
+    import subprocess
+    import sys
+
+    from .conftest import cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "train", *ARGS[:5], "1", *ARGS[6:],
+                           "--accumulate", "2", "--logger", "none", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=240,
+                          env={**cli_env(), "MULTIGPU_PROFILE_STEPS": "1-3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("profile of")]
+    assert len(said) == 1 and said[0].startswith("profile of steps 1-4, rank 0: "), said
+    ranks = [json.loads((tmp_path / "run" / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(n["rank"], n["first"], n["last"]) for n in ranks] == [(0, 1, 4), (1, 1, 4)]

@@ -79,16 +79,20 @@ def kernel_times(events: list[dict], steps: int) -> dict:
 
 
 class StepProfile:
-    """after_step(step, waited) after every optimizer step: starts the profiler after step
-    first - 1 and ends it after step `last`. `waited`: the rank's seconds so far waiting for
-    batches (engine.EpochCursor.waited, which restarts each epoch: differences within a window
-    that spans an epoch's end leave out the epoch before it)."""
+    """begin(step) before this launch's first step, after_step(step, waited) after every
+    optimizer step: starts the profiler after the last optimizer step before step `first` and
+    ends it after the first one that reaches step `last`. Steps count batches, as the run's logs
+    do: with --accumulate N an optimizer step holds N of them and the window profiled is the
+    whole optimizer steps that hold it (its rank<r>.json says which). `waited`: the rank's
+    seconds so far waiting for batches (engine.EpochCursor.waited, which restarts each epoch:
+    differences within a window that spans an epoch's end leave out the epoch before it)."""
 
     def __init__(self, window: tuple[int, int], out: Path, rt):
         self.first, self.last = window
         self.out, self.rt = out / FOLDER, rt
         self._prof = None
         self._began = self._waited = 0.0
+        self._from = 0  # the step after which the profiler started
         self.done = False
 
     @classmethod
@@ -96,11 +100,16 @@ class StepProfile:
         window = window_from_env()
         return cls(window, out, rt) if window else None
 
+    def begin(self, step: int) -> None:
+        """Before the first step of this launch (`step`: those trained before it, a resume's)."""
+        self.after_step(step, 0.0)
+
     def after_step(self, step: int, waited: float) -> None:
-        if step == self.first - 1 and self._prof is None:
+        if self._prof is None and not self.done and self.first - self.rt.accumulate <= step < self.last:
+            self._from = step
             self._start(waited)
-        elif step == self.last and self._prof is not None:
-            self._stop(waited)
+        elif self._prof is not None and step >= self.last:
+            self._stop(step, waited)
 
     def _start(self, waited: float) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -117,15 +126,15 @@ class StepProfile:
         if self.rt.device.type == "cuda":
             torch.cuda.synchronize(self.rt.device)
 
-    def _stop(self, waited: float) -> None:
+    def _stop(self, step: int, waited: float) -> None:
         self._sync()
         seconds = time.perf_counter() - self._began
         self._prof.__exit__(None, None, None)
-        steps = self.last - self.first + 1
+        steps = step - self._from
         self.out.mkdir(parents=True, exist_ok=True)
         trace = self.out / f"trace-rank{self.rt.rank}.json"
         kept = self.rt.is_main
-        path = trace if kept else Path(tempfile.mkstemp(suffix=".json")[1])
+        path = trace if kept else _temporary_file()
         try:
             self._prof.export_chrome_trace(str(path))
             events = json.loads(path.read_text()).get("traceEvents", [])
@@ -133,7 +142,7 @@ class StepProfile:
             if not kept:
                 path.unlink(missing_ok=True)
         self._prof, self.done = None, True
-        numbers = {"rank": self.rt.rank, "first": self.first, "last": self.last,
+        numbers = {"rank": self.rt.rank, "first": self._from + 1, "last": step,
                    "step_ms": seconds * 1e3 / steps,
                    "waiting_for_data_ms": max(0.0, waited - self._waited) * 1e3 / steps,
                    **kernel_times(events, steps)}
@@ -150,6 +159,13 @@ class StepProfile:
             self._prof = None
         if not self.done and self.rt.is_main:
             console.warn(f"{ENV}: steps {self.first}-{self.last} were not all trained in this run: no profile")
+
+
+def _temporary_file() -> Path:
+    """A new empty file (its descriptor closed: the profiler writes it by name)."""
+    descriptor, name = tempfile.mkstemp(suffix=".json")
+    os.close(descriptor)
+    return Path(name)
 
 
 def summary(mine: dict, every: list[dict], trace: Path) -> str:

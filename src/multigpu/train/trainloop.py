@@ -96,6 +96,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         clock.mark_ready("logs")
         first_step = _stop_gracefully_once_trained(control, clock)
         with control.signal_handlers():
+            if profile is not None:
+                profile.begin(run.global_step)  # a window from this launch's first step
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get(schema.METRICS) if point else None, log, clock, profile)
         began = time.perf_counter()
