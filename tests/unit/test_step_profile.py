@@ -108,3 +108,14 @@ def test_a_rank_that_keeps_no_trace_leaves_no_file_and_no_open_descriptor(tmp_pa
     assert len(os.listdir("/proc/self/fd")) == open_before
     assert list((tmp_path / "tmp").iterdir()) == []
     assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == ["rank1.json"]
+
+
+def test_kernel_times_are_those_of_the_busiest_gpu_when_one_process_drives_several():
+    """--strategy dp: one process, its trace holds every GPU's kernels (the trace's pid is the
+    device). GPU 0 busy 0-300 on stream 7; GPU 1 busy 300-600 on its own stream 7 and a copy on
+    stream 9: GPU 0 is not busy while GPU 1 is, and GPU 1's streams are not GPU 0's others."""
+    events = [{**_span("conv", 0, 300, 7), "pid": 0}, {**_span("conv", 300, 500, 7), "pid": 1},
+              {**_span("Memcpy", 500, 600, 9, cat="gpu_memcpy"), "pid": 1}]
+    times = step_profile.kernel_times(events, steps=1)
+    assert times == {"gpu_busy_ms": pytest.approx(0.3), "training_stream_ms": pytest.approx(0.3),
+                     "other_streams_ms": 0, "nccl_ms": 0, "nccl_exposed_ms": 0, "kernels_per_step": 1}

@@ -59,11 +59,12 @@ def union_length(intervals) -> float:
 def kernel_times(events: list[dict], steps: int) -> dict:
     """Per step, in ms, from a chrome trace's events: the GPU busy (any kernel or copy running),
     the training stream's busy time (the stream with the most kernel time), the other streams',
-    NCCL's and NCCL's not overlapped by any computing kernel."""
+    NCCL's and NCCL's not overlapped by any computing kernel. Of one GPU, that of the training
+    stream: a process that drives several (dp) has every GPU's kernels in its trace (its "pid")."""
     spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    by_stream: dict = {}
-    for e in spans:
-        by_stream.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
+    busiest = max(_by_stream(spans).items(), key=lambda kv: sum(b - a for a, b in kv[1]), default=None)
+    spans = [e for e in spans if busiest is None or e.get("pid") == busiest[0][0]]
+    by_stream = {stream: ivs for (_, stream), ivs in _by_stream(spans).items()}
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in spans if "nccl" in e["name"].lower()]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in spans
                if e["cat"] == "kernel" and "nccl" not in e["name"].lower()]
@@ -76,6 +77,14 @@ def kernel_times(events: list[dict], steps: int) -> dict:
             "nccl_ms": sum(b - a for a, b in nccl) / per,
             "nccl_exposed_ms": (union_length(nccl + compute) - union_length(compute)) / per,
             "kernels_per_step": sum(1 for e in spans if e["cat"] == "kernel") / max(steps, 1)}
+
+
+def _by_stream(spans: list[dict]) -> dict:
+    """(device, stream) -> the (start, end) of its spans."""
+    streams: dict = {}
+    for e in spans:
+        streams.setdefault((e.get("pid"), e.get("args", {}).get("stream")), []).append((e["ts"], e["ts"] + e["dur"]))
+    return streams
 
 
 class StepProfile:
