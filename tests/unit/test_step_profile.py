@@ -119,3 +119,17 @@ def test_kernel_times_are_those_of_the_busiest_gpu_when_one_process_drives_sever
     times = step_profile.kernel_times(events, steps=1)
     assert times == {"gpu_busy_ms": pytest.approx(0.3), "training_stream_ms": pytest.approx(0.3),
                      "other_streams_ms": 0, "nccl_ms": 0, "nccl_exposed_ms": 0, "kernels_per_step": 1}
+
+
+def test_a_window_over_an_epochs_end_counts_the_wait_of_both_epochs_and_says_it_holds_the_end(tmp_path, capsys):
+    """Steps 3-6 of 4-step epochs: the cursor's wait restarts with epoch 2 (0.5 s waited before the
+    window, 0.7 s at epoch 1's end, 0.1 s in epoch 2): 0.3 s over the 4 steps, not 0.1 - 0.5 < 0."""
+    profile = step_profile.StepProfile((3, 6), tmp_path, _Rt())
+    for step, waited, epoch in [(1, 0.2, 1), (2, 0.5, 1), (3, 0.6, 1), (4, 0.7, 1), (5, 0.05, 2), (6, 0.1, 2)]:
+        profile.after_step(step, waited, epoch)
+    numbers = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    assert numbers["waiting_for_data_ms"] == pytest.approx(300 / 4)
+    assert numbers["epoch_ends"] == 1
+    said = capsys.readouterr()
+    assert ("the window holds the end of an epoch (its evaluation and checkpoint): profile steps "
+            "within one epoch for a step's own time") in said.out + said.err

@@ -93,8 +93,8 @@ class StepProfile:
     ends it after the first one that reaches step `last`. Steps count batches, as the run's logs
     do: with --accumulate N an optimizer step holds N of them and the window profiled is the
     whole optimizer steps that hold it (its rank<r>.json says which). `waited`: the rank's
-    seconds so far waiting for batches (engine.EpochCursor.waited, which restarts each epoch:
-    differences within a window that spans an epoch's end leave out the epoch before it)."""
+    seconds so far waiting for batches in `epoch` (engine.EpochCursor.waited, which restarts
+    each epoch: a window over an epoch's end adds the epoch's last to the next one's)."""
 
     def __init__(self, window: tuple[int, int], out: Path, rt):
         self.first, self.last = window
@@ -102,6 +102,7 @@ class StepProfile:
         self._prof = None
         self._began = self._waited = 0.0
         self._from = 0  # the step after which the profiler started
+        self._epoch, self._seen, self._ends = None, 0.0, 0  # the epoch and its wait at the last step
         self.done = False
 
     @classmethod
@@ -109,11 +110,15 @@ class StepProfile:
         window = window_from_env()
         return cls(window, out, rt) if window else None
 
-    def begin(self, step: int) -> None:
+    def begin(self, step: int, epoch: int | None = None) -> None:
         """Before the first step of this launch (`step`: those trained before it, a resume's)."""
-        self.after_step(step, 0.0)
+        self.after_step(step, 0.0, epoch)
 
-    def after_step(self, step: int, waited: float) -> None:
+    def after_step(self, step: int, waited: float, epoch: int | None = None) -> None:
+        if self._prof is not None and epoch != self._epoch:  # the cursor's wait restarted
+            self._waited -= self._seen
+            self._ends += 1
+        self._epoch, self._seen = epoch, waited
         if self._prof is None and not self.done and self.first - self.rt.accumulate <= step < self.last:
             self._from = step
             self._start(waited)
@@ -151,7 +156,7 @@ class StepProfile:
             if not kept:
                 path.unlink(missing_ok=True)
         self._prof, self.done = None, True
-        numbers = {"rank": self.rt.rank, "first": self._from + 1, "last": step,
+        numbers = {"rank": self.rt.rank, "first": self._from + 1, "last": step, "epoch_ends": self._ends,
                    "step_ms": seconds * 1e3 / steps,
                    "waiting_for_data_ms": max(0.0, waited - self._waited) * 1e3 / steps,
                    **kernel_times(events, steps)}
@@ -182,6 +187,9 @@ def summary(mine: dict, every: list[dict], trace: Path) -> str:
     head = f"profile of steps {mine['first']}-{mine['last']}, rank {mine['rank']}: {mine['step_ms']:.1f} ms a step"
     tail = (f"slowest rank {slowest['rank']} at {slowest['step_ms']:.1f} ms; trace: {trace} "
             "(Perfetto, chrome://tracing)")
+    if mine["epoch_ends"]:  # its time, kernels and waits are those of the steps and more
+        tail += ("; the window holds the end of an epoch (its evaluation and checkpoint): profile "
+                 "steps within one epoch for a step's own time")
     if not mine["kernels_per_step"]:  # a CPU run: its trace holds the host's operators
         return f"{head}, waiting for data {mine['waiting_for_data_ms']:.1f} ms; {tail}"
     return (f"{head}: GPU busy {mine['gpu_busy_ms']:.1f} ms (training stream "
