@@ -124,14 +124,41 @@ def test_a_profile_of_steps_30_to_34_is_said_and_written_by_every_rank(tmp_path)
     assert len(said) == 1 and said[0].startswith("profile of steps 30-34, rank 0: ")
     assert f"trace: {tmp_path / 'run' / 'profile' / 'trace-rank0.json'}" in said[0]
     ranks = [json.loads((tmp_path / "run" / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [(n["rank"], n["first"], n["last"]) for n in ranks] == [(0, 30, 34), (1, 30, 34)]
+    assert [(n["rank"], n["first"], n["last"], n["epoch_ends"]) for n in ranks] == [(0, 30, 34, 0), (1, 30, 34, 0)]
     assert all(n["step_ms"] > 0 for n in ranks)
     assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == [
         "rank0.json", "rank1.json", "trace-rank0.json"]
     assert json.loads((tmp_path / "run" / "profile" / "trace-rank0.json").read_text())["traceEvents"]
+
+    proc = train("25-28", tmp_path / "over")  # the end of epoch 1 (step 26) inside the window
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("profile of")]
+    assert len(said) == 1 and said[0].endswith("; the window holds the end of an epoch (its evaluation "
+                                               "and checkpoint): profile steps within one epoch for a "
+                                               "step's own time"), said
+    assert json.loads((tmp_path / "over" / "profile" / "rank1.json").read_text())["epoch_ends"] == 1
 
     proc = train("50-60", tmp_path / "short")  # 2 epochs of 26 steps
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("MULTIGPU_PROFILE_STEPS: steps 50-60 were not all trained in this run: no profile"
             in proc.stdout + proc.stderr)
     assert not (tmp_path / "short" / "profile").exists()
+
+
+def test_a_profile_from_the_first_step_with_accumulate_profiles_the_optimizer_steps_that_hold_it(tmp_path):
+    """Steps 1-3 under --accumulate 2: no step 0 comes to start the profiler after, and the
+    optimizer steps end at steps 2 and 4, never at 3; the profile is of steps 1-4."""
+    import subprocess
+    import sys
+
+    from .conftest import cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "train", *ARGS[:5], "1", *ARGS[6:],
+                           "--accumulate", "2", "--logger", "none", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=240,
+                          env={**cli_env(), "MULTIGPU_PROFILE_STEPS": "1-3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("profile of")]
+    assert len(said) == 1 and said[0].startswith("profile of steps 1-4, rank 0: "), said
+    ranks = [json.loads((tmp_path / "run" / "profile" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(n["rank"], n["first"], n["last"], n["epoch_ends"]) for n in ranks] == [(0, 1, 4, 0), (1, 1, 4, 0)]

@@ -136,3 +136,17 @@ def test_a_folder_past_its_distinct_images_links_the_rest_to_them(tmp_path, monk
     assert val == [11, 12, 13] and len({f.read_bytes() for f in _files(folder, "val")}) == 3
     manifest = json.loads((folder / "manifest.json").read_text())
     assert (manifest["train_images"], manifest["distinct_train_images"]) == (11, 4)
+
+
+def test_a_folder_written_again_over_its_links_is_made_again(tmp_path, monkeypatch):
+    """benchmarks/decode_pipeline.py --make DIR twice: the second write meets the links of the
+    first (os.link: file exists) and makes the same folder again."""
+    from multigpu.bench import imagegen
+
+    monkeypatch.setattr(imagegen, "DISTINCT", 4)
+    for _ in range(2):
+        folder = imagegen.write_folder(tmp_path / "f", "smooth", train=9, val=2, classes=3, shape=(40, 30), workers=1)
+    files = {int(f.stem): f for f in _files(folder)}
+    assert sorted(files) == list(range(9))
+    assert all(files[i].read_bytes() == files[i % 4].read_bytes() for i in range(4, 9))
+    assert all(files[i].stat().st_ino == files[i % 4].stat().st_ino for i in range(4, 9))

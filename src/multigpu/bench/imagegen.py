@@ -128,6 +128,8 @@ def write_folder(root: str | Path, kind: str, train: int, val: int, classes: int
 
 
 def _link(source: str, target: str) -> None:
+    if os.path.lexists(target):  # a folder written again: its image is made anew, as the others
+        os.unlink(target)
     try:
         os.link(source, target)
     except OSError:  # a file system without hard links

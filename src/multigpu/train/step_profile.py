@@ -59,11 +59,12 @@ def union_length(intervals) -> float:
 def kernel_times(events: list[dict], steps: int) -> dict:
     """Per step, in ms, from a chrome trace's events: the GPU busy (any kernel or copy running),
     the training stream's busy time (the stream with the most kernel time), the other streams',
-    NCCL's and NCCL's not overlapped by any computing kernel."""
+    NCCL's and NCCL's not overlapped by any computing kernel. Of one GPU, that of the training
+    stream: a process that drives several (dp) has every GPU's kernels in its trace (its "pid")."""
     spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    by_stream: dict = {}
-    for e in spans:
-        by_stream.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
+    busiest = max(_by_stream(spans).items(), key=lambda kv: sum(b - a for a, b in kv[1]), default=None)
+    spans = [e for e in spans if busiest is None or e.get("pid") == busiest[0][0]]
+    by_stream = {stream: ivs for (_, stream), ivs in _by_stream(spans).items()}
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in spans if "nccl" in e["name"].lower()]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in spans
                if e["cat"] == "kernel" and "nccl" not in e["name"].lower()]
@@ -78,17 +79,30 @@ def kernel_times(events: list[dict], steps: int) -> dict:
             "kernels_per_step": sum(1 for e in spans if e["cat"] == "kernel") / max(steps, 1)}
 
 
+def _by_stream(spans: list[dict]) -> dict:
+    """(device, stream) -> the (start, end) of its spans."""
+    streams: dict = {}
+    for e in spans:
+        streams.setdefault((e.get("pid"), e.get("args", {}).get("stream")), []).append((e["ts"], e["ts"] + e["dur"]))
+    return streams
+
+
 class StepProfile:
-    """after_step(step, waited) after every optimizer step: starts the profiler after step
-    first - 1 and ends it after step `last`. `waited`: the rank's seconds so far waiting for
-    batches (engine.EpochCursor.waited, which restarts each epoch: differences within a window
-    that spans an epoch's end leave out the epoch before it)."""
+    """begin(step) before this launch's first step, after_step(step, waited) after every
+    optimizer step: starts the profiler after the last optimizer step before step `first` and
+    ends it after the first one that reaches step `last`. Steps count batches, as the run's logs
+    do: with --accumulate N an optimizer step holds N of them and the window profiled is the
+    whole optimizer steps that hold it (its rank<r>.json says which). `waited`: the rank's
+    seconds so far waiting for batches in `epoch` (engine.EpochCursor.waited, which restarts
+    each epoch: a window over an epoch's end adds the epoch's last to the next one's)."""
 
     def __init__(self, window: tuple[int, int], out: Path, rt):
         self.first, self.last = window
         self.out, self.rt = out / FOLDER, rt
         self._prof = None
         self._began = self._waited = 0.0
+        self._from = 0  # the step after which the profiler started
+        self._epoch, self._seen, self._ends = None, 0.0, 0  # the epoch and its wait at the last step
         self.done = False
 
     @classmethod
@@ -96,11 +110,20 @@ class StepProfile:
         window = window_from_env()
         return cls(window, out, rt) if window else None
 
-    def after_step(self, step: int, waited: float) -> None:
-        if step == self.first - 1 and self._prof is None:
+    def begin(self, step: int, epoch: int | None = None) -> None:
+        """Before the first step of this launch (`step`: those trained before it, a resume's)."""
+        self.after_step(step, 0.0, epoch)
+
+    def after_step(self, step: int, waited: float, epoch: int | None = None) -> None:
+        if self._prof is not None and epoch != self._epoch:  # the cursor's wait restarted
+            self._waited -= self._seen
+            self._ends += 1
+        self._epoch, self._seen = epoch, waited
+        if self._prof is None and not self.done and self.first - self.rt.accumulate <= step < self.last:
+            self._from = step
             self._start(waited)
-        elif step == self.last and self._prof is not None:
-            self._stop(waited)
+        elif self._prof is not None and step >= self.last:
+            self._stop(step, waited)
 
     def _start(self, waited: float) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -117,15 +140,15 @@ class StepProfile:
         if self.rt.device.type == "cuda":
             torch.cuda.synchronize(self.rt.device)
 
-    def _stop(self, waited: float) -> None:
+    def _stop(self, step: int, waited: float) -> None:
         self._sync()
         seconds = time.perf_counter() - self._began
         self._prof.__exit__(None, None, None)
-        steps = self.last - self.first + 1
+        steps = step - self._from
         self.out.mkdir(parents=True, exist_ok=True)
         trace = self.out / f"trace-rank{self.rt.rank}.json"
         kept = self.rt.is_main
-        path = trace if kept else Path(tempfile.mkstemp(suffix=".json")[1])
+        path = trace if kept else _temporary_file()
         try:
             self._prof.export_chrome_trace(str(path))
             events = json.loads(path.read_text()).get("traceEvents", [])
@@ -133,7 +156,7 @@ class StepProfile:
             if not kept:
                 path.unlink(missing_ok=True)
         self._prof, self.done = None, True
-        numbers = {"rank": self.rt.rank, "first": self.first, "last": self.last,
+        numbers = {"rank": self.rt.rank, "first": self._from + 1, "last": step, "epoch_ends": self._ends,
                    "step_ms": seconds * 1e3 / steps,
                    "waiting_for_data_ms": max(0.0, waited - self._waited) * 1e3 / steps,
                    **kernel_times(events, steps)}
@@ -152,11 +175,21 @@ class StepProfile:
             console.warn(f"{ENV}: steps {self.first}-{self.last} were not all trained in this run: no profile")
 
 
+def _temporary_file() -> Path:
+    """A new empty file (its descriptor closed: the profiler writes it by name)."""
+    descriptor, name = tempfile.mkstemp(suffix=".json")
+    os.close(descriptor)
+    return Path(name)
+
+
 def summary(mine: dict, every: list[dict], trace: Path) -> str:
     slowest = max(every, key=lambda n: n["step_ms"])
     head = f"profile of steps {mine['first']}-{mine['last']}, rank {mine['rank']}: {mine['step_ms']:.1f} ms a step"
     tail = (f"slowest rank {slowest['rank']} at {slowest['step_ms']:.1f} ms; trace: {trace} "
             "(Perfetto, chrome://tracing)")
+    if mine["epoch_ends"]:  # its time, kernels and waits are those of the steps and more
+        tail += ("; the window holds the end of an epoch (its evaluation and checkpoint): profile "
+                 "steps within one epoch for a step's own time")
     if not mine["kernels_per_step"]:  # a CPU run: its trace holds the host's operators
         return f"{head}, waiting for data {mine['waiting_for_data_ms']:.1f} ms; {tail}"
     return (f"{head}: GPU busy {mine['gpu_busy_ms']:.1f} ms (training stream "

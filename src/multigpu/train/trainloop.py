@@ -96,6 +96,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         clock.mark_ready("logs")
         first_step = _stop_gracefully_once_trained(control, clock)
         with control.signal_handlers():
+            if profile is not None:
+                profile.begin(run.global_step, run.epoch)  # a window from this launch's first step
             record = _epochs(cfg, rt, job, run, control, saver, out,
                              point.state.get(schema.METRICS) if point else None, log, clock, profile)
         began = time.perf_counter()
@@ -223,7 +225,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
                 job.decode.after_step(cursor, rt.env)
             log.step(step, epoch, cursor, job.optimizer)
             if profile is not None:
-                profile.after_step(step, cursor.waited)
+                profile.after_step(step, cursor.waited, epoch)
             if saver.failed:
                 control.request_stop("checkpoint save failed")
             decision = control.after_step(step)
