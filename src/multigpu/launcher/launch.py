@@ -324,7 +324,6 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             return 1
 
 
-
 def _stopped(sig: signal.Signals, signals: "SecondSignalKills", shutdown_timeout: float | None,
              next_step: Callable[[], str | None] | None) -> int:
     """The agent was stopped by `sig` (and stopped the ranks): said in one line; the exit code."""
