@@ -240,6 +240,22 @@ def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_p
                       "scratch in it") == 1, said[-3000:]
 
 
+def test_sigint_during_start_up_keeps_an_empty_folder_the_user_made_and_says_so(tmp_path):
+    """--out an empty folder made before the run: what the run wrote in it goes, the folder
+    stays (it was the user's), and the line says both."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    run = Launch(out)
+    workers = run.wait_for(run.workers())
+    run.proc.send_signal(signal.SIGINT)
+    said = run.finish(timeout=60)
+    assert run.proc.returncode == 128 + signal.SIGINT, said[-3000:]
+    assert_workers_end(out, workers)
+    assert out.is_dir() and not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+    assert said.count(f"multigpu train: nothing was trained: what the run wrote in {out} removed; "
+                      f"{out} itself, made before the run, kept") == 1, said[-3000:]
+
+
 @pytest.mark.extended  # about 12 s on 2 cores: CI runs it (make test-all)
 def test_the_same_command_waits_for_the_stopping_workers_of_a_killed_launcher(tmp_path):
     """Training has begun: the orphaned workers save and stop (which takes a while). Held still

@@ -144,7 +144,8 @@ def _say_removed(removed: str | None, out: Path) -> None:
     if removed == "folder":
         console.info(f"multigpu train: nothing was trained: {out} removed")
     elif removed == "contents":
-        console.info(f"multigpu train: nothing was trained: what the run wrote in {out} removed")
+        console.info(f"multigpu train: nothing was trained: what the run wrote in {out} removed; "
+                     f"{out} itself, made before the run, kept")
 
 
 def _resume_line(out: Path, typed: list[str]) -> str | None:
