@@ -216,18 +216,25 @@ def test_kill_9_while_the_workers_set_up_their_process_group(tmp_path):
     assert_same_command_trains(out)
 
 
-@pytest.mark.parametrize("resume", [False, True])
-def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_path, resume):
-    """Or the same with --resume, as a job script that resumes its --out (a requeued SLURM job)
-    runs it: refused ("no checkpoint there (no such file or folder)") once a stop during start-up
-    had removed the folder."""
-    out = tmp_path / "run"
+def _sigint_once_the_workers_started(out) -> str:
+    """Ctrl-C to a run into `out` once its workers run, before its first step: what it said
+    (it exits 130, and its workers end)."""
     run = Launch(out)
     workers = run.wait_for(run.workers())
     run.proc.send_signal(signal.SIGINT)
     said = run.finish(timeout=60)
     assert run.proc.returncode == 128 + signal.SIGINT, said[-3000:]
     assert_workers_end(out, workers)
+    return said
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_path, resume):
+    """Or the same with --resume, as a job script that resumes its --out (a requeued SLURM job)
+    runs it: refused ("no checkpoint there (no such file or folder)") once a stop during start-up
+    had removed the folder."""
+    out = tmp_path / "run"
+    said = _sigint_once_the_workers_started(out)
     assert not out.exists(), sorted(p.name for p in out.iterdir())
     # its start said where the other ranks log: now gone with the folder, and said so
     assert said.count(f"multigpu train: nothing was trained: {out} removed") == 1, said[-3000:]
@@ -245,12 +252,7 @@ def test_sigint_during_start_up_keeps_an_empty_folder_the_user_made_and_says_so(
     stays (it was the user's), and the line says both."""
     out = tmp_path / "mine"
     out.mkdir()
-    run = Launch(out)
-    workers = run.wait_for(run.workers())
-    run.proc.send_signal(signal.SIGINT)
-    said = run.finish(timeout=60)
-    assert run.proc.returncode == 128 + signal.SIGINT, said[-3000:]
-    assert_workers_end(out, workers)
+    said = _sigint_once_the_workers_started(out)
     assert out.is_dir() and not any(out.iterdir()), sorted(p.name for p in out.iterdir())
     assert said.count(f"multigpu train: nothing was trained: what the run wrote in {out} removed; "
                       f"{out} itself, made before the run, kept") == 1, said[-3000:]
