@@ -36,6 +36,7 @@ from typing import Callable
 
 from multigpu.launcher import ports, sysinfo, watchdog
 from multigpu.core import orphans
+from multigpu.core.environ import environ_set
 from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, SecondSignalKills, kill_workers_left,
                                   quiet_torchelastic, restore_signal_handlers)
 from multigpu.launcher.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
@@ -170,20 +171,12 @@ def launch_config(argv: list[str], plan: DevicePlan, opts: LaunchOptions, log_di
 NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
-@contextlib.contextmanager
 def _cuda_counted_by_nvml():
     """torch's CUDA checks through NVML while torchrun's LaunchConfig is made: it asks
     torch.cuda.is_available() and device_count() to pick a default NUMA binding (none outside
     Meta), and the default check starts the CUDA driver (cuInit) in the launcher, which never
     uses CUDA. The user's own setting of the variable is kept; ours is not passed to the ranks."""
-    if NVML_CUDA_CHECK in os.environ:
-        yield
-        return
-    os.environ[NVML_CUDA_CHECK] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(NVML_CUDA_CHECK, None)
+    return environ_set({NVML_CUDA_CHECK: os.environ.get(NVML_CUDA_CHECK, "1")})
 
 
 def logs_specs(log_dir: str, nproc: int):
