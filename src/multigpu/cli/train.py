@@ -7,6 +7,7 @@ device. Inside a worker, only the training runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -111,15 +112,10 @@ def main(args: argparse.Namespace) -> int:
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
-        try:  # bad input the workers found is said in one line (on_usage_error), and so is ours
+        # bad input the workers found is said in one line (on_usage_error), and so is ours
+        with _untrained_removed(clean_up, out):
             code = launch(argv, plan, opts, python=False, on_usage_error=clean_up,
                           next_step=lambda: _resume_line(out, typed))
-        except UsageError:
-            clean_up()
-            raise
-        except KeyboardInterrupt:
-            _say_removed(clean_up(), out)
-            raise
         if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
             _say_removed(clean_up(), out)  # (nothing trained: only then) a start-up stopped, or failed unheard
         return _finished_before_the_signal(code, out, cfg.epochs)
@@ -127,16 +123,24 @@ def main(args: argparse.Namespace) -> int:
     # torch import, and a launch of several processes starts them without the training modules
     from multigpu.train.trainloop import run_training
 
-    try:
+    with _untrained_removed(clean_up, out):
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
                      launch=launch_facts, process_started=args.started_at)
+    return 0
+
+
+@contextlib.contextmanager
+def _untrained_removed(clean_up, out: Path):
+    """Bad input (said in one line) or Ctrl-C inside: the run folder goes if nothing was trained
+    (clean_up), and after a Ctrl-C the user is told so."""
+    try:
+        yield
     except UsageError:
         clean_up()
         raise
     except KeyboardInterrupt:
         _say_removed(clean_up(), out)
         raise
-    return 0
 
 
 def _say_removed(removed: str | None, out: Path) -> None:
