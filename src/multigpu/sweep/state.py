@@ -194,15 +194,18 @@ def run_alive(pid: int | None, started: float | None = None, out: Path | None = 
         return True
     if not pid or pid < 0:
         return False
-    if started is not None and alive(pid):
-        import psutil
+    if not alive(pid):
+        return _session_alive(pid)
+    return started is None or not _born_after(pid, started)
 
-        try:
-            if psutil.Process(pid).create_time() > started + 1.0:
-                return False
-        except psutil.Error:
-            pass
-    return alive(pid) or _session_alive(pid)
+
+def _born_after(pid: int, started: float) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time() > started + 1.0
+    except psutil.Error:
+        return False
 
 
 def _session_alive(sid: int) -> bool:
