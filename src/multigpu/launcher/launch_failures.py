@@ -137,9 +137,11 @@ class RestartsSaid:
 def restart_line(failures: dict, restart: int, total: int) -> str:
     """'rank R (pid N) was killed by SIGKILL; restarting all workers (restart 1 of 2)', for the
     rank that failed first of its own (not stopped by the agent's SIGTERM)."""
-    own = [(r, f) for r, f in failures.items() if f.exitcode != -signal.SIGTERM] or list(failures.items())
+    own = [(r, f) for r, f in failures.items()
+           if f.exitcode != -signal.SIGTERM or _stopped_after_its_error(f)] or list(failures.items())
     rank, first = min(own, key=lambda item: getattr(item[1], "timestamp", 0))
-    how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+    how = ("raised an error" if _stopped_after_its_error(first)
+           else f"was killed by {first.signal_name()}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
     return f"rank {rank} (pid {first.pid}) {how}; restarting all workers (restart {restart} of {total})"
 
@@ -194,12 +196,15 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
         return watchdog.EXIT_HANG
 
     def blame(item) -> tuple[int, int]:
-        """Lowest first: a rank's own error; killed by a signal other than the agent's SIGTERM
-        (the OOM killer's SIGKILL, a segfault); one we cannot read (on the console); a
+        """Lowest first: a rank's own error (also one the agent stopped while it exited after
+        writing its error: _stopped_after_its_error); killed by a signal other than the agent's
+        SIGTERM (the OOM killer's SIGKILL, a segfault); one we cannot read (on the console); a
         communication error, most often the echo of a crash elsewhere; stopped by the agent."""
         rank, f = item
         text = texts[rank]
-        if f.exitcode == -signal.SIGTERM:
+        if _stopped_after_its_error(f):
+            score = 0
+        elif f.exitcode == -signal.SIGTERM:
             score = 4
         elif f.exitcode < 0:
             score = 1
@@ -220,7 +225,9 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
         return 2
 
     rank, first = min(failures, key=blame)
-    what = _how(first).replace("exit", "exit code")
+    stopped_late = _stopped_after_its_error(first)
+    what = ("exit code 1, then the agent's SIGTERM as it exited" if stopped_late
+            else _how(first).replace("exit", "exit code"))
     on = f" on {node}" if node else ""
     lines = [f"rank {rank} failed first{on} ({what}, local rank {first.local_rank}, pid {first.pid})"]
     lines.append(_its_error(rank, first, failures, texts, launch, ours))
@@ -229,7 +236,21 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
         lines.append("also stopped: " + ", ".join(others))
     lines.append(f"logs of every rank: {log_dir}")
     err("\nmultigpu: ".join(lines))
+    if stopped_late:
+        return 1  # its uncaught exception's code, had it finished exiting
     return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
+
+
+def _stopped_after_its_error(failure) -> bool:
+    """A rank whose script raised (the worker wrote the traceback to its error file and exits 1)
+    and that the agent's SIGTERM reached while it was still exiting (tearing down its process
+    group, joining threads): its peers' echo of its lost connection ended them first. Its own
+    error, not an echo: it failed first. A rank stopped in the middle of its work writes no error
+    file of its own (a `multigpu: error:` line is _usage_error's)."""
+    if failure.exitcode != -signal.SIGTERM:
+        return False
+    text = _error_text(getattr(failure, "error_file_data", None) or {})
+    return bool(text) and text.lstrip().startswith("Traceback") and not is_echo(text)
 
 
 def _its_error(rank: int, first, failures: list, texts: dict, launch: list[Path], ours: bool) -> str:

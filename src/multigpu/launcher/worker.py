@@ -57,15 +57,19 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
         watchdog.write_error_file(f"multigpu: error: {exc}")  # the report: said on the console
         sys.exit(2)
     except BaseException as exc:
-        text = traceback.format_exc()
-        if (isinstance(exc, KeyboardInterrupt) or ended["sigint"]) and \
-                not os.environ.get("MULTIGPU_DEBUG"):
+        debug = bool(os.environ.get("MULTIGPU_DEBUG"))
+        tb = exc.__traceback__ if debug else _from_the_script(exc.__traceback__)
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        if (isinstance(exc, KeyboardInterrupt) or ended["sigint"]) and not debug:
             _stop_quietly(text)
         _leave_an_echo_to_the_report(text)
         # its own error: on the console (or its log) as Python prints it, and in its error file,
         # so that the report can tell another rank's same error from a new one
         watchdog.write_error_file(text.rstrip())
-        raise
+        if debug or not isinstance(exc, Exception):
+            raise
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the script's own hook, if set
+        sys.exit(1)  # as the uncaught exception ends `python script.py`
     ended["clean"] = True
 
 
@@ -123,6 +127,16 @@ def _finish_group(ended: dict, addr: str | None, port: str | None) -> None:
         destroy_distributed(wait_for_peers=ended["clean"], store=(addr, port))
     except Exception as exc:  # noqa: BLE001 - a teardown problem must not fail a finished rank
         print(f"multigpu: note: tearing down the script's process group: {exc}", file=sys.stderr)
+
+
+def _from_the_script(tb):
+    """The traceback from the script's first frame on: without this module's and runpy's frames,
+    as `python script.py` shows it (all of them with --debug)."""
+    ours = {__file__, runpy.__file__, "<frozen runpy>"}
+    start = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return tb if tb is not None else start
 
 
 def _run_watched(argv: list[str], on_trial) -> None:
