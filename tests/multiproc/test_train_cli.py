@@ -206,6 +206,10 @@ def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):
 
 @pytest.mark.extended
 def test_two_nodes_sharing_a_filesystem_train_into_one_folder(tmp_path):
+    """Also: MULTIGPU_PROFILE_STEPS set on the node started first, not on the other: both
+    ranks profile the window if global rank 0 (either node: the rendezvous numbers the ranks in
+    the order the nodes join) is on the node that asked for it, neither if not; one node profiling
+    alone left the other's ranks waiting for it in the profile's all-gather."""
     import socket
     import subprocess
     import sys
@@ -219,13 +223,19 @@ def test_two_nodes_sharing_a_filesystem_train_into_one_folder(tmp_path):
     common = ["--model", "linear", "--data", "synthetic:64", "--epochs", "1", "--workers", "0",
               "--devices", "cpu:1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--start-timeout", "90", "--out", str(out)]
+    env = {"1": {**cli_env(), "MULTIGPU_PROFILE_STEPS": "1-1"}, "0": cli_env()}
     nodes = [subprocess.Popen([sys.executable, "-m", "multigpu", "train", *common, "--node-rank", r],
-                              env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env[r], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in ("1", "0")]
     results = [n.communicate(timeout=200) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in results]
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     assert [m["train_samples"] for m in read_metrics(out)] == [64]
+    asked = "multigpu train: linear on" in results[0][0] + results[0][1]  # rank 0 on node-rank 1
+    said = ["profile of steps 1-1, rank 0: " in out_ + err_ for out_, err_ in results]
+    assert said == [asked, False], results
+    profiled = sorted(p.name for p in (out / "profile").glob("rank*.json")) if asked else []
+    assert profiled == (["rank0.json", "rank1.json"] if asked else []) and (out / "profile").exists() == asked
 
 
 @pytest.mark.extended

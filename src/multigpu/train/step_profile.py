@@ -107,8 +107,11 @@ class StepProfile:
 
     @classmethod
     def from_env(cls, out: Path, rt) -> "StepProfile | None":
-        window = window_from_env()
-        return cls(window, out, rt) if window else None
+        """Rank 0's window on every rank: a node started without the variable (or with another
+        window) profiles what rank 0 asked for, instead of leaving the others waiting for it in
+        the profile's all-gather."""
+        window = rt.env.broadcast_object(window_from_env())
+        return cls(tuple(window), out, rt) if window else None
 
     def begin(self, step: int, epoch: int | None = None) -> None:
         """Before the first step of this launch (`step`: those trained before it, a resume's)."""
