@@ -104,6 +104,7 @@ def test_plot_draws_several_runs_and_never_replaces_a_file(run, tmp_path):
                                    "epoch yet?): give run folders made by multigpu train, e.g. runs/<name>")
 
 
+@pytest.mark.extended  # make test stays under 15 minutes; CI runs it
 def test_a_profile_of_steps_30_to_34_is_said_and_written_by_every_rank(tmp_path):
     """MULTIGPU_PROFILE_STEPS: the window (in the second epoch here) profiled on both ranks, each
     rank's numbers in profile/, rank 0's trace beside them, one line on the console; a window

@@ -62,6 +62,54 @@ class SecondSignalKills:
             self._api._terminate_process_handler = self._original
 
 
+class LeftoversEnded:
+    """torch's agent ends each rank's process group when it stops the ranks, but only for ranks
+    still running: a rank that died (kill -9, the OOM killer, a crash) leaves its group to live
+    on. Most of its children notice and exit (DataLoader workers watch their parent), not all:
+    loader workers started through a fork server hold the server alive, and it them. Each such
+    group is ended here with SIGKILL once the agent has closed the attempt, after a restart's
+    stop and at the launch's end (private torch API, wrapped for the launch; without it, torch's
+    behaviour)."""
+
+    def __enter__(self):
+        from torch.distributed.elastic.multiprocessing import api
+
+        self._cls = getattr(api, "SubprocessContext", None)
+        self._original = self._cls.__dict__.get("_close") if self._cls is not None else None
+        if self._original is not None:
+            original = self._original
+
+            def close(pcontext, *args, **kwargs):
+                dead = [h.proc.pid for h in getattr(pcontext, "subprocess_handlers", {}).values()
+                        if h.proc.poll() not in (None, 0)]
+                try:
+                    return original(pcontext, *args, **kwargs)
+                finally:
+                    for pid in dead:
+                        end_group_left(pid)
+            self._cls._close = close
+        return self
+
+    def __exit__(self, *exc):
+        if self._original is not None:
+            self._cls._close = self._original
+
+
+def end_group_left(pgid: int) -> None:
+    """SIGKILL to what is left of the process group of a rank that has ended (torch starts each
+    rank in a session of its own: its pid names the group). Nothing if a process with that pid
+    lives: the rank's pid given to another process, which may lead a group of its own."""
+    try:
+        os.kill(pgid, 0)
+        return
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def quiet_torchelastic():
     """torchrun logs its own banners and failure dumps; we print one summary instead."""
