@@ -43,6 +43,7 @@ from multigpu.sweep.starter import child_setup
 from multigpu.sweep.state import RunState, SweepFolder
 
 REQUEUED = "requeued by SLURM before its time limit (SIGUSR1); it resumes from its checkpoint"
+NODE0_WAIT_S = 120.0  # how long another node waits for node 0's record of an attempt's end
 
 
 class RunFailed(RuntimeError):
@@ -67,19 +68,23 @@ class RunTask:
         if run is None:
             raise UsageError(f"run {name} is not in the sweep of {self.root} any more")
         self._proc, self._signalled, self._node = None, False, node_rank(self.nodes)
+        self._node0_gone = False
         warned = signal.SIGUSR2 if self.nodes > 1 else signal.SIGUSR1  # slurm.SlurmSettings
         requeue = signal.signal(warned, self._on_signal)  # submitit's: called once stopped
         for tries in range(1, self.retries + 2):
             if self._signalled:  # between two attempts
                 break
             st = self._attempt(sweep, run)
-            if st.status == "failed" and tries <= self.retries and not self._signalled:
+            if self._node > 0:  # node 0 decides; a node that retried alone would wait for it
+                st = self._as_node0_ended(sweep.folder, st)
+            retry = st.status == "failed" and tries <= self.retries and not self._signalled
+            if retry and not self._node0_gone:
                 st.note += f"; retrying ({tries}/{self.retries})"
             if self._node == 0:
                 sweep.folder.write_state(st)
                 sweep.report(st)
                 sweep.write_summary()
-            if st.status != "failed" or self._signalled:
+            if not retry or self._node0_gone:
                 break
         if self._signalled and st.status != "done" and callable(requeue):
             requeue(warned, None)  # checkpoint() then scontrol requeue; exits (node 0)
@@ -96,6 +101,27 @@ class RunTask:
         from submitit.helpers import DelayedSubmission
 
         return DelayedSubmission(self, name)
+
+    def _as_node0_ended(self, folder: SweepFolder, mine: RunState) -> RunState:
+        """This node's attempt `mine`, ended as node 0 recorded the same attempt: its status
+        decides the retry and the task's end on every node. The nodes' own outcomes can differ
+        (one node's run failed after the other's finished, a command that fails on one node
+        only), and a node retrying alone waits out the rendezvous for a node 0 that stopped.
+        Without node 0's record within NODE0_WAIT_S (its task is gone), this node's own outcome,
+        and no retry."""
+        deadline = time.monotonic() + NODE0_WAIT_S
+        while time.monotonic() < deadline:
+            node0 = folder.read_state(mine.name)
+            if node0 is not None and (node0.attempts > mine.attempts or (
+                    node0.attempts == mine.attempts and node0.status != "running")):
+                if node0.attempts == mine.attempts:  # else node 0 has started the next one
+                    mine.status, mine.note = node0.status, node0.note
+                else:
+                    mine.status = "failed"
+                return mine
+            time.sleep(0.5)
+        self._node0_gone = True
+        return mine
 
     # ----------------------------------------------------------------------- one attempt
 
