@@ -44,6 +44,23 @@ def test_a_script_s_traceback_is_the_one_python_prints(tmp_path):
     assert "runpy" in debug.stderr and alone.stderr.splitlines()[-1] in debug.stderr
 
 
+@pytest.mark.parametrize("source", [
+    "import asyncio\n\n\nasync def main():\n    raise asyncio.CancelledError()\n\nasyncio.run(main())\n",
+    "x = (\n"], ids=["a BaseException", "a line Python cannot parse"])
+def test_a_script_s_own_error_of_any_kind_is_printed_as_python_prints_it(tmp_path, source):
+    """asyncio's CancelledError is a BaseException, not an Exception; a script that does not
+    parse fails in runpy's compile, before any frame of its own: Python shows no frame for it."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    alone = subprocess.run([sys.executable, script], capture_output=True, text=True)
+    done = multigpu("run", "--devices", "cpu:1", "--log-dir", tmp_path / "logs", script)
+    assert done.returncode == alone.returncode == 1
+    expected, shown = alone.stderr.splitlines(), done.stderr.splitlines()
+    start = shown.index(expected[0]) if expected[0] in shown else -1
+    assert start >= 0 and shown[start:start + len(expected)] == expected, done.stderr
+    assert "runpy" not in done.stderr and "worker.py" not in done.stderr
+
+
 def test_the_rank_that_failed_first_comes_first_without_the_lost_peer_noise(tmp_path):
     done = multigpu("run", "--devices", "cpu:2", "--log-dir", tmp_path / "logs",
                     HERE / "scripts" / "fail_rank1_in_collective.py")

@@ -1,6 +1,7 @@
 """What a rank that died leaves behind is ended with it: torch's agent stops the process group of
 each rank still running, but not that of a rank already dead, whose loader workers started
 through a fork server hold the server alive, and it them (they watch their parent, the server)."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,10 +46,20 @@ def test_kill_9_of_a_rank_ends_its_fork_server_s_loader_workers_too(tmp_path):
     group = [p.pid for p in psutil.process_iter() if _in_group(p.pid, rank1)]
     assert set(workers) < set(group), group  # the server, the workers, the resource tracker
     os.kill(rank1, signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
-    assert f"rank 1 failed first (signal SIGKILL, local rank 1, pid {rank1})" in err, err[-3000:]
-    left = [pid for pid in group if _alive(pid)]
-    assert left == [], [psutil.Process(p).cmdline() for p in left if _alive(p)]
+    try:
+        _, err = proc.communicate(timeout=120)
+        assert f"rank 1 failed first (signal SIGKILL, local rank 1, pid {rank1})" in err, err[-3000:]
+        left = [pid for pid in group if _alive(pid)]
+        assert left == [], [psutil.Process(p).cmdline() for p in left if _alive(p)]
+    finally:
+        _end(group, rank1)  # where the test fails: they would hold each other alive for good
+
+
+def _end(pids: list[int], pgid: int) -> None:
+    for pid in pids:
+        if _alive(pid) and _in_group(pid, pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _in_group(pid: int, group: int) -> bool:
@@ -66,6 +77,7 @@ def test_with_max_restarts_the_dead_rank_s_leftovers_end_before_the_next_attempt
                              "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"),
                              str(HERE / "scripts" / "forkserver_loader.py"), str(pids)],
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    group, rank1 = [], 0
     try:
         rank1, *_ = _wait_for([pids / "rank1", pids / "rank1.worker0", pids / "rank1.worker1"], proc)
         group = [p.pid for p in psutil.process_iter() if _in_group(p.pid, rank1)]
@@ -78,4 +90,5 @@ def test_with_max_restarts_the_dead_rank_s_leftovers_end_before_the_next_attempt
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
+        _end(group, rank1)
     assert "rank 1 (pid " in err and "was killed by SIGKILL; restarting all workers (restart 1 of 1)" in err, err[-3000:]

@@ -468,6 +468,29 @@ def test_a_restarted_attempt_says_which_restart_what_failed_and_where(tmp_path):
     assert launch_failures.restart_note({}) is None
 
 
+@pytest.mark.parametrize("rank_1_ended, said", [
+    (-15, "raised an error"), (1, "exited with code 1"), (-9, "was killed by SIGKILL")])
+def test_the_restart_line_names_the_rank_that_failed_not_the_one_that_lost_it(tmp_path, rank_1_ended, said):
+    """Rank 1 raised (or was killed); rank 0 lost it in a collective and exited first, in the
+    same second (an error file's time is in whole seconds; a rank without one gets the time the
+    agent saw it end, later): the agent saw rank 0 first. Rank 1 is the one to name."""
+    import json
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    now = int(time.time())
+    echo, crash = tmp_path / "error0.json", tmp_path / "error1.json"
+    echo.write_text(json.dumps({"message": "Traceback (most recent call last):\n  x\nRuntimeError: "
+                                "[gloo] Connection closed by peer", "timestamp": now}))
+    if rank_1_ended != -9:
+        crash.write_text(json.dumps({"message": "Traceback (most recent call last):\n  y\n"
+                                     "ValueError: boom-rank-1", "timestamp": now}))
+    failures = {0: ProcessFailure(0, 100, 1, str(echo)), 1: ProcessFailure(1, 101, rank_1_ended, str(crash))}
+    assert launch_failures.restart_line(failures, 1, 2) == (
+        f"rank 1 (pid 101) {said}; restarting all workers (restart 1 of 2)")
+
+
 # ------------------------------------------------------------------------------- `run` helpers
 
 @pytest.mark.parametrize("source, flag", [

@@ -136,10 +136,13 @@ class RestartsSaid:
 
 def restart_line(failures: dict, restart: int, total: int) -> str:
     """'rank R (pid N) was killed by SIGKILL; restarting all workers (restart 1 of 2)', for the
-    rank that failed first of its own (not stopped by the agent's SIGTERM)."""
+    rank that failed first of its own (not stopped by the agent's SIGTERM) and, before the times,
+    not with an echo of it (is_echo): a peer that lost it in a collective often ends first, and
+    the times are whole seconds (a rank without an error file: when the agent saw it end)."""
     own = [(r, f) for r, f in failures.items()
            if f.exitcode != -signal.SIGTERM or _stopped_after_its_error(f)] or list(failures.items())
-    rank, first = min(own, key=lambda item: getattr(item[1], "timestamp", 0))
+    rank, first = min(own, key=lambda item: (
+        is_echo(_error_text(getattr(item[1], "error_file_data", None) or {})), getattr(item[1], "timestamp", 0)))
     how = ("raised an error" if _stopped_after_its_error(first)
            else f"was killed by {first.signal_name()}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")

@@ -58,7 +58,7 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
         sys.exit(2)
     except BaseException as exc:
         debug = bool(os.environ.get("MULTIGPU_DEBUG"))
-        tb = exc.__traceback__ if debug else _from_the_script(exc.__traceback__)
+        tb = exc.__traceback__ if debug else _from_the_script(exc)
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         if (isinstance(exc, KeyboardInterrupt) or ended["sigint"]) and not debug:
             _stop_quietly(text)
@@ -66,7 +66,7 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
         # its own error: on the console (or its log) as Python prints it, and in its error file,
         # so that the report can tell another rank's same error from a new one
         watchdog.write_error_file(text.rstrip())
-        if debug or not isinstance(exc, Exception):
+        if debug:  # (KeyboardInterrupt, without it, is _stop_quietly's)
             raise
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the script's own hook, if set
         sys.exit(1)  # as the uncaught exception ends `python script.py`
@@ -129,14 +129,16 @@ def _finish_group(ended: dict, addr: str | None, port: str | None) -> None:
         print(f"multigpu: note: tearing down the script's process group: {exc}", file=sys.stderr)
 
 
-def _from_the_script(tb):
+def _from_the_script(exc: BaseException):
     """The traceback from the script's first frame on: without this module's and runpy's frames,
-    as `python script.py` shows it (all of them with --debug)."""
+    as `python script.py` shows it (all of them with --debug). A script that does not parse has
+    no frame of its own (runpy's compile raised): none, as Python shows it; an error with no frame
+    of the script's otherwise is ours, kept whole."""
     ours = {__file__, runpy.__file__, "<frozen runpy>"}
-    start = tb
+    tb = start = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in ours:
         tb = tb.tb_next
-    return tb if tb is not None else start
+    return tb if tb is not None or isinstance(exc, SyntaxError) else start
 
 
 def _run_watched(argv: list[str], on_trial) -> None:
