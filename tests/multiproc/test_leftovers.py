@@ -35,15 +35,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_kill_9_of_a_rank_ends_its_fork_server_s_loader_workers_too(tmp_path):
+@pytest.mark.parametrize("auto", [[], ["--auto"]], ids=["script", "auto"])
+def test_kill_9_of_a_rank_ends_its_fork_server_s_loader_workers_too(tmp_path, auto):
+    """With --auto the loader workers sit in process groups of their own (loader_workers.py),
+    still in the rank's session."""
     pids = tmp_path / "pids"
     pids.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:2",
+    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "run", *auto, "--devices", "cpu:2",
                              "--log-dir", str(tmp_path / "logs"),
                              str(HERE / "scripts" / "forkserver_loader.py"), str(pids)],
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rank1, *workers = _wait_for([pids / "rank1", pids / "rank1.worker0", pids / "rank1.worker1"], proc)
-    group = [p.pid for p in psutil.process_iter() if _in_group(p.pid, rank1)]
+    group = [p.pid for p in psutil.process_iter() if _in_session(p.pid, rank1)]
     assert set(workers) < set(group), group  # the server, the workers, the resource tracker
     os.kill(rank1, signal.SIGKILL)
     try:
@@ -65,6 +68,13 @@ def _end(pids: list[int], pgid: int) -> None:
 def _in_group(pid: int, group: int) -> bool:
     try:
         return os.getpgid(pid) == group
+    except OSError:
+        return False
+
+
+def _in_session(pid: int, session: int) -> bool:
+    try:
+        return os.getsid(pid) == session
     except OSError:
         return False
 

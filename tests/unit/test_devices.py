@@ -63,6 +63,15 @@ def test_bad_grammar_lists_the_four_forms(spec):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize("spec, fix", [("cuda:7", "--devices 7, for GPU 7)"),
+                                       ("CUDA:0,3", "--devices 0,3 for GPUs 0,3)")])
+def test_torch_s_name_of_a_gpu_gets_the_form_to_write(spec, fix):
+    with pytest.raises(UsageError) as e:
+        devices.parse_devices(spec)
+    assert str(e.value).startswith(f"--devices {spec!r} is not understood (GPUs are named by "
+                                   f"their index alone: write {fix}; use auto (every free GPU)")
+
+
 def test_zero_is_not_gpu_zero():
     with pytest.raises(UsageError, match=r"--devices 0 asks for zero GPUs.*--devices 0, "):
         devices.parse_devices("0")

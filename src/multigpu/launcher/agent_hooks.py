@@ -64,12 +64,15 @@ class SecondSignalKills:
 
 class LeftoversEnded:
     """torch's agent ends each rank's process group when it stops the ranks, but only for ranks
-    still running: a rank that died (kill -9, the OOM killer, a crash) leaves its group to live
-    on. Most of its children notice and exit (DataLoader workers watch their parent), not all:
-    loader workers started through a fork server hold the server alive, and it them. Each such
-    group is ended here with SIGKILL once the agent has closed the attempt, after a restart's
-    stop and at the launch's end (private torch API, wrapped for the launch; without it, torch's
-    behaviour)."""
+    still running, and a group holds only part of what a rank started: a rank that died (kill -9,
+    the OOM killer, a crash) leaves its children to live on. Most notice and exit, not all, nor at
+    once: loader workers started through a fork server hold the server alive, and it them; the
+    loader workers of `--auto` and of multigpu's loaders (core/loader_workers.py) sit in process
+    groups of their own and look for their parent only every few seconds, into the next attempt,
+    and only between items. What is left of the session of each rank that did not end with 0 (torch
+    starts each rank in one of its own, and they stay in it) is ended here with SIGKILL once the
+    agent has closed the attempt, after a restart's stop and at the launch's end (private torch
+    API, wrapped for the launch; without it, torch's behaviour)."""
 
     def __enter__(self):
         from torch.distributed.elastic.multiprocessing import api
@@ -80,13 +83,12 @@ class LeftoversEnded:
             original = self._original
 
             def close(pcontext, *args, **kwargs):
-                dead = [h.proc.pid for h in getattr(pcontext, "subprocess_handlers", {}).values()
-                        if h.proc.poll() not in (None, 0)]
                 try:
                     return original(pcontext, *args, **kwargs)
-                finally:
-                    for pid in dead:
-                        end_group_left(pid)
+                finally:  # the ranks that failed, died or were stopped by the agent
+                    for h in getattr(pcontext, "subprocess_handlers", {}).values():
+                        if h.proc.poll() not in (None, 0):
+                            end_session_left(h.proc.pid)
             self._cls._close = close
         return self
 
@@ -95,19 +97,26 @@ class LeftoversEnded:
             self._cls._close = self._original
 
 
-def end_group_left(pgid: int) -> None:
-    """SIGKILL to what is left of the process group of a rank that has ended (torch starts each
-    rank in a session of its own: its pid names the group). Nothing if a process with that pid
-    lives: the rank's pid given to another process, which may lead a group of its own."""
+def end_session_left(sid: int) -> None:
+    """SIGKILL to what is left of the session of a rank that has ended (its pid names the session
+    and its process group): the group, and the groups its loader workers moved to. Nothing if a
+    process with that pid lives: the rank's pid given to another process, which may lead a
+    session of its own."""
+    import psutil
+
     try:
-        os.kill(pgid, 0)
+        os.kill(sid, 0)
         return
     except ProcessLookupError:
         pass
     except PermissionError:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(sid, signal.SIGKILL)  # first the fork server, which could start more
+    for proc in psutil.process_iter():
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to see
+            if os.getsid(proc.pid) == sid:
+                os.kill(proc.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -256,7 +256,18 @@ def parse_devices(spec: str) -> tuple[str, int | tuple[int, ...] | None]:
             raise UsageError(f"--devices {spec} names a GPU twice; name each GPU once, "
                              f"e.g. --devices {','.join(map(str, sorted(set(ids))))}")
         return "ids", ids
-    raise UsageError(f"--devices {spec!r} is not understood; use {GRAMMAR}")
+    raise UsageError(f"--devices {spec!r} is not understood{_torch_name_hint(s)}; use {GRAMMAR}")
+
+
+def _torch_name_hint(s: str) -> str:
+    """torch's own names for GPUs (cuda:7, cuda:0,1) are what a user of torch types first."""
+    m = re.fullmatch(r"cuda:(\d+(?:,\d+)*),?", s)
+    if m is None:
+        return ""
+    ids = m.group(1)
+    if "," in ids:
+        return f" (GPUs are named by their index alone: write --devices {ids} for GPUs {ids})"
+    return f" (GPUs are named by their index alone: write --devices {ids}, for GPU {ids})"
 
 
 def resolve_devices(spec: str, *, one_process: bool = False,

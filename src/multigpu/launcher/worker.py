@@ -59,7 +59,8 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
     except BaseException as exc:
         debug = bool(os.environ.get("MULTIGPU_DEBUG"))
         tb = exc.__traceback__ if debug else _from_the_script(exc)
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        text = _with_the_callers(exc) if debug else "".join(
+            traceback.format_exception(type(exc), exc, tb))
         if (isinstance(exc, KeyboardInterrupt) or ended["sigint"]) and not debug:
             _stop_quietly(text)
         _leave_an_echo_to_the_report(text)
@@ -139,6 +140,16 @@ def _from_the_script(exc: BaseException):
     while tb is not None and tb.tb_frame.f_code.co_filename in ours:
         tb = tb.tb_next
     return tb if tb is not None or isinstance(exc, SyntaxError) else start
+
+
+def _with_the_callers(exc: BaseException) -> str:
+    """--debug: every frame, main()'s callers (runpy, multigpu.auto.worker) included, as the
+    interpreter prints the error that main() raises again; the launcher's report shows this text,
+    and an exception's own traceback starts only where it was caught."""
+    caught = traceback.TracebackException.from_exception(exc)
+    callers = traceback.extract_stack(sys._getframe(2))  # 0: here, 1: main, 2: who called main
+    caught.stack = traceback.StackSummary.from_list([*callers, *caught.stack])
+    return "".join(caught.format())
 
 
 def _run_watched(argv: list[str], on_trial) -> None:

@@ -1,0 +1,38 @@
+"""The traceback a failing rank leaves for the launcher's report (its error file), from the worker
+that runs a script under `multigpu run`: the script's frames alone, as `python script.py` prints
+them; every frame with --debug, the worker's callers above it included."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "multiproc" / "scripts" / "raises_in_a_function.py"
+
+
+def _reported(tmp_path, debug: bool) -> str:
+    err = tmp_path / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(err)}
+    env.pop("MULTIGPU_DEBUG", None)
+    if debug:
+        env["MULTIGPU_DEBUG"] = "1"
+    done = subprocess.run([sys.executable, "-P", "-m", "multigpu.launcher.worker", str(SCRIPT)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    return json.loads(err.read_text())["message"]
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_the_reported_traceback_starts_at_the_script_or_at_the_first_frame(tmp_path, debug):
+    text = _reported(tmp_path, debug)
+    frames = [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    assert text.splitlines()[-1] == "KeyError: 'missing-column'"
+    assert frames[-2:] == [f'File "{SCRIPT}", line 8, in <module>',
+                           f'File "{SCRIPT}", line 5, in load']
+    if not debug:
+        assert len(frames) == 2, text
+    else:  # python -m: runpy's _run_module_as_main first, then the worker's own call of main
+        assert frames[0].endswith("in _run_module_as_main"), text
+        assert any("launcher/worker.py" in f and f.endswith("in <module>") for f in frames), text
