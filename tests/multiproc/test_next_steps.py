@@ -2,6 +2,7 @@
 go on: kill -9 of a worker, a second Ctrl-C while the ranks are stuck, each with a complete
 checkpoint on disk, end with the command that resumes from it; and with --max-restarts a restart
 says which rank died and how. Each fault is caused for real (2 CPU processes, gloo)."""
+import os
 import signal
 import subprocess
 import sys
@@ -66,6 +67,9 @@ def test_kill_9_of_a_worker_ends_with_the_command_that_resumes(tmp_path):
             "out-of-memory killer: `dmesg` says which)") in err, err
     assert err.splitlines()[-1] == resume_line(tmp_path, "3"), err
     assert err.count("--resume") == 1
+    # what a rank stopped by the agent's SIGTERM reads to say why (train/control.py)
+    reasons = list((tmp_path / "run" / "logs").glob("*/attempt_0/STOPPING"))
+    assert [p.read_text() for p in reasons] == ["local rank 1 was killed by SIGKILL\n"], reasons
 
 
 def test_a_second_ctrl_c_ends_with_the_command_that_resumes(tmp_path):

@@ -76,6 +76,31 @@ def test_the_first_signal_asks_for_a_stop_the_second_stops_at_once(capsys):
     signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.parametrize("written", [True, False])
+def test_the_agent_s_sigterm_after_a_failure_is_said_as_that_failure(tmp_path, monkeypatch, capsys,
+                                                                      written):
+    """Where the launcher wrote why it stops the ranks (stop_reason, beside this attempt's error
+    files), a SIGTERM says that; else it is a stop asked for, said as before."""
+    attempt = tmp_path / "run_x" / "attempt_0"
+    (attempt / "0").mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "0" / "error.json"))
+    if written:
+        from multigpu.launcher import stop_reason
+
+        stop_reason.write({0: str(attempt / "0" / "error.json"), 1: str(attempt / "1" / "error.json")},
+                          {1: -signal.SIGKILL})
+    control = Control(DistEnv(), Cadence())
+    with control.signal_handlers():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert control.stop_requested == "SIGTERM"
+    said = capsys.readouterr().err
+    if written:
+        assert said == ("multigpu: warning: stopping: local rank 1 was killed by SIGKILL, and the "
+                        "launcher stops every rank; the last complete checkpoint is kept\n")
+    else:
+        assert said.startswith("multigpu: warning: SIGTERM: the ranks stop together")
+
+
 def test_an_ignored_signal_stays_ignored():
     before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as under nohup
     try:

@@ -7,6 +7,9 @@ import contextlib
 import os
 import signal
 import time
+from typing import Callable
+
+from multigpu.launcher import stop_reason
 
 
 @contextlib.contextmanager
@@ -62,17 +65,26 @@ class SecondSignalKills:
             self._api._terminate_process_handler = self._original
 
 
-class LeftoversEnded:
-    """torch's agent ends each rank's process group when it stops the ranks, but only for ranks
-    still running, and a group holds only part of what a rank started: a rank that died (kill -9,
-    the OOM killer, a crash) leaves its children to live on. Most notice and exit, not all, nor at
-    once: loader workers started through a fork server hold the server alive, and it them; the
-    loader workers of `--auto` and of multigpu's loaders (core/loader_workers.py) sit in process
-    groups of their own and look for their parent only every few seconds, into the next attempt,
-    and only between items. What is left of the session of each rank that did not end with 0 (torch
-    starts each rank in one of its own, and they stay in it) is ended here with SIGKILL once the
-    agent has closed the attempt, after a restart's stop and at the launch's end (private torch
-    API, wrapped for the launch; without it, torch's behaviour)."""
+class AttemptClose:
+    """What the launcher adds to torch's agent closing an attempt (its ranks' SubprocessContext:
+    after a failure, before a `--max-restarts` restart, at the launch's end; private torch API,
+    wrapped for the launch; without it, torch's behaviour):
+
+    - before the agent's SIGTERM to the ranks of an attempt that failed, and that the launcher was
+      not asked to stop (`asked_to_stop()`), which local ranks ended and how, where the ranks can
+      read it (stop_reason): the SIGTERM is then said as the peer's failure, not as a stop asked for;
+    - after it, what is left of each failed or stopped rank. torch ends the process group of the
+      ranks still running only, and a group holds only part of what a rank started: a rank that
+      died (kill -9, the OOM killer, a crash) leaves its children to live on. Most notice and
+      exit, not all, nor at once: loader workers started through a fork server hold the server
+      alive, and it them; the loader workers of `--auto` and of multigpu's loaders
+      (core/loader_workers.py) sit in process groups of their own and look for their parent only
+      every few seconds, into the next attempt, and only between items. The session of each rank
+      that did not end with 0 (torch starts each rank in one of its own, and they stay in it) is
+      ended with SIGKILL."""
+
+    def __init__(self, asked_to_stop: Callable[[], bool] = lambda: False):
+        self.asked_to_stop = asked_to_stop
 
     def __enter__(self):
         from torch.distributed.elastic.multiprocessing import api
@@ -80,13 +92,18 @@ class LeftoversEnded:
         self._cls = getattr(api, "SubprocessContext", None)
         self._original = self._cls.__dict__.get("_close") if self._cls is not None else None
         if self._original is not None:
-            original = self._original
+            original, hooks = self._original, self
 
             def close(pcontext, *args, **kwargs):
+                handlers = getattr(pcontext, "subprocess_handlers", {})
+                ended = {rank: h.proc.returncode for rank, h in handlers.items()
+                         if h.proc.poll() not in (None, 0)}
+                if ended and not hooks.asked_to_stop():
+                    stop_reason.write(getattr(pcontext, "error_files", {}), ended)
                 try:
                     return original(pcontext, *args, **kwargs)
                 finally:  # the ranks that failed, died or were stopped by the agent
-                    for h in getattr(pcontext, "subprocess_handlers", {}).values():
+                    for h in handlers.values():
                         if h.proc.poll() not in (None, 0):
                             end_session_left(h.proc.pid)
             self._cls._close = close

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from multigpu.core import console
 from multigpu.core.errors import UsageError
+from multigpu.launcher import stop_reason
 
 if TYPE_CHECKING:  # `multigpu train` parses --checkpoint-every before torch is imported
     from multigpu.core.distributed import DistEnv
@@ -116,8 +117,13 @@ class Control:
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signum)
             return
-        console.warn(f"{name}: the ranks stop together at their next exchange (about a second of "
-                     f"steps), then save a checkpoint (send {name} again to stop at once)")
+        why = stop_reason.read() if signum == signal.SIGTERM else None
+        if why:  # the agent's SIGTERM after a rank of this node failed: no stop was asked for
+            console.warn(f"stopping: {why}, and the launcher stops every rank; the last complete "
+                         "checkpoint is kept")
+        else:
+            console.warn(f"{name}: the ranks stop together at their next exchange (about a second "
+                         f"of steps), then save a checkpoint (send {name} again to stop at once)")
         self.request_stop(name)
 
     # --- the decision, after each optimizer step ---------------------------------------------------

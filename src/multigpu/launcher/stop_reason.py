@@ -1,0 +1,53 @@
+"""Why the launcher's agent stops the ranks, for a rank that gets its SIGTERM to say.
+
+torch's agent stops every rank with SIGTERM when one rank failed, just as when the launcher was
+asked to stop (Ctrl-C, a scheduler's SIGTERM): the ranks cannot tell the two apart, and a rank
+that saves on SIGTERM said "SIGTERM: the ranks stop together ..." after a peer's crash that
+nobody had signalled. Before the agent stops the ranks of an attempt that failed, the launcher
+writes which local ranks ended and how beside the attempt's error files
+(<log dir>/<run id>/attempt_<n>/STOPPING); a rank that gets SIGTERM reads it from there (its
+TORCHELASTIC_ERROR_FILE is <attempt folder>/<local rank>/error.json). A stop the launcher was
+asked for writes nothing. Ranks of other nodes, stopped through the rendezvous, find nothing
+either. Torch-free.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+FILE = "STOPPING"
+
+
+def write(error_files: dict, ended: dict) -> None:
+    """`ended`: local rank -> exit code (negative: the signal) of the ranks that failed, said in
+    the attempt folder named by the agent's per-rank `error_files`."""
+    folders = {Path(p).parent.parent for p in error_files.values() if p and p != os.devnull}
+    if len(folders) != 1 or not ended:
+        return
+    said = ", ".join(f"local rank {rank} {_how(code)}" for rank, code in sorted(ended.items()))
+    try:  # the first close of the attempt says it; the agent closes it again at the launch's end
+        with open(folders.pop() / FILE, "x") as f:
+            f.write(said + "\n")
+    except OSError:  # there already, or not written: never a failed stop
+        pass
+
+
+def read(env=os.environ) -> str | None:
+    """What the launcher wrote for this rank's attempt, or None."""
+    here = env.get("TORCHELASTIC_ERROR_FILE")
+    if not here:
+        return None
+    try:
+        return (Path(here).parent.parent / FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
