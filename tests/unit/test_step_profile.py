@@ -63,6 +63,12 @@ def _steps(profile, steps, accumulate=1):
         profile.after_step(step, 0.0)
 
 
+def _profiled_steps(out) -> tuple[int, int]:
+    """(first, last) step of the profile rank 0 wrote under `out`."""
+    numbers = json.loads((out / "profile" / "rank0.json").read_text())
+    return numbers["first"], numbers["last"]
+
+
 def test_a_window_of_batches_between_the_optimizer_steps_of_accumulate_is_profiled(tmp_path):
     """--accumulate 2: after_step comes at steps 2, 4, 6, ...; steps 6-7 are in the optimizer
     steps that end at 6 and 8. The whole of those is profiled and said as the steps it holds."""
@@ -70,8 +76,7 @@ def test_a_window_of_batches_between_the_optimizer_steps_of_accumulate_is_profil
     _steps(profile, 12, accumulate=2)
     profile.close()
     assert profile.done
-    numbers = json.loads((tmp_path / "profile" / "rank0.json").read_text())
-    assert (numbers["first"], numbers["last"]) == (5, 8)
+    assert _profiled_steps(tmp_path) == (5, 8)
 
 
 def test_a_window_from_the_first_step_is_profiled(tmp_path):
@@ -80,8 +85,7 @@ def test_a_window_from_the_first_step_is_profiled(tmp_path):
     profile.begin(0)
     _steps(profile, 5)
     assert profile.done
-    numbers = json.loads((tmp_path / "profile" / "rank0.json").read_text())
-    assert (numbers["first"], numbers["last"]) == (1, 3)
+    assert _profiled_steps(tmp_path) == (1, 3)
 
 
 def test_a_run_resumed_just_before_its_window_profiles_it(tmp_path):
@@ -91,8 +95,7 @@ def test_a_run_resumed_just_before_its_window_profiles_it(tmp_path):
     for step in range(100, 105):
         profile.after_step(step, 0.0)
     assert profile.done
-    numbers = json.loads((tmp_path / "profile" / "rank0.json").read_text())
-    assert (numbers["first"], numbers["last"]) == (100, 102)
+    assert _profiled_steps(tmp_path) == (100, 102)
 
 
 def test_a_rank_that_keeps_no_trace_leaves_no_file_and_no_open_descriptor(tmp_path, monkeypatch):

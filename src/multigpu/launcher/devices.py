@@ -265,9 +265,9 @@ def _torch_name_hint(s: str) -> str:
     if m is None:
         return ""
     ids = m.group(1)
-    if "," in ids:
-        return f" (GPUs are named by their index alone: write --devices {ids} for GPUs {ids})"
-    return f" (GPUs are named by their index alone: write --devices {ids}, for GPU {ids})"
+    several = "," in ids  # one id alone is written with a comma: `7` is a count of GPUs
+    return (f" (GPUs are named by their index alone: write --devices {ids}{'' if several else ','} "
+            f"for GPU{'s' if several else ''} {ids})")
 
 
 def resolve_devices(spec: str, *, one_process: bool = False,

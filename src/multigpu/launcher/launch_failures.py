@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from multigpu.launcher import ports, watchdog
 from multigpu.launcher.ports import Rendezvous, parse_nnodes
+from multigpu.launcher.stop_reason import how_it_ended
 
 if TYPE_CHECKING:
     from multigpu.launcher.launch_options import LaunchOptions
@@ -143,9 +144,7 @@ def restart_line(failures: dict, restart: int, total: int) -> str:
            if f.exitcode != -signal.SIGTERM or _stopped_after_its_error(f)] or list(failures.items())
     rank, first = min(own, key=lambda item: (
         is_echo(_error_text(getattr(item[1], "error_file_data", None) or {})), getattr(item[1], "timestamp", 0)))
-    how = ("raised an error" if _stopped_after_its_error(first)
-           else f"was killed by {first.signal_name()}" if first.exitcode < 0
-           else f"exited with code {first.exitcode}")
+    how = "raised an error" if _stopped_after_its_error(first) else how_it_ended(first.exitcode)
     return f"rank {rank} (pid {first.pid}) {how}; restarting all workers (restart {restart} of {total})"
 
 

@@ -25,7 +25,7 @@ def write(error_files: dict, ended: dict) -> None:
     folders = {Path(p).parent.parent for p in error_files.values() if p and p != os.devnull}
     if len(folders) != 1 or not ended:
         return
-    said = ", ".join(f"local rank {rank} {_how(code)}" for rank, code in sorted(ended.items()))
+    said = ", ".join(f"local rank {rank} {how_it_ended(code)}" for rank, code in sorted(ended.items()))
     try:  # the first close of the attempt says it; the agent closes it again at the launch's end
         with open(folders.pop() / FILE, "x") as f:
             f.write(said + "\n")
@@ -44,7 +44,8 @@ def read(env=os.environ) -> str | None:
         return None
 
 
-def _how(code: int) -> str:
+def how_it_ended(code: int) -> str:
+    """'was killed by SIGKILL' or 'exited with code 1', from a process's exit code."""
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"

@@ -77,14 +77,15 @@ class RunTask:
             st = self._attempt(sweep, run)
             if self._node > 0:  # node 0 decides; a node that retried alone would wait for it
                 st = self._as_node0_ended(sweep.folder, st)
-            retry = st.status == "failed" and tries <= self.retries and not self._signalled
-            if retry and not self._node0_gone:
+            retry = (st.status == "failed" and tries <= self.retries and not self._signalled
+                     and not self._node0_gone)
+            if retry:
                 st.note += f"; retrying ({tries}/{self.retries})"
             if self._node == 0:
                 sweep.folder.write_state(st)
                 sweep.report(st)
                 sweep.write_summary()
-            if not retry or self._node0_gone:
+            if not retry:
                 break
         if self._signalled and st.status != "done" and callable(requeue):
             requeue(warned, None)  # checkpoint() then scontrol requeue; exits (node 0)
@@ -112,12 +113,11 @@ class RunTask:
         deadline = time.monotonic() + NODE0_WAIT_S
         while time.monotonic() < deadline:
             node0 = folder.read_state(mine.name)
-            if node0 is not None and (node0.attempts > mine.attempts or (
-                    node0.attempts == mine.attempts and node0.status != "running")):
-                if node0.attempts == mine.attempts:  # else node 0 has started the next one
-                    mine.status, mine.note = node0.status, node0.note
-                else:
-                    mine.status = "failed"
+            if node0 is not None and node0.attempts > mine.attempts:  # node 0 started the next
+                mine.status = "failed"
+                return mine
+            if node0 is not None and node0.attempts == mine.attempts and node0.status != "running":
+                mine.status, mine.note = node0.status, node0.note
                 return mine
             time.sleep(0.5)
         self._node0_gone = True
