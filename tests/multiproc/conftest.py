@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -34,6 +35,15 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 _STARTED: list[psutil.Process] = []
+
+
+def suspend(proc: psutil.Process) -> None:
+    """SIGSTOP `proc` and wait until it is stopped: the stop takes effect only when the process is
+    next scheduled, and a signal sent to it before then (SIGINT, SIGTERM: lower numbers) is taken
+    first, not left pending."""
+    proc.suspend()
+    while proc.status() != psutil.STATUS_STOPPED:
+        time.sleep(0.01)
 
 
 def track(proc: subprocess.Popen) -> None:

@@ -2,7 +2,6 @@
 go on: kill -9 of a worker, a second Ctrl-C while the ranks are stuck, each with a complete
 checkpoint on disk, end with the command that resumes from it; and with --max-restarts a restart
 says which rank died and how. Each fault is caused for real (2 CPU processes, gloo)."""
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from multigpu.train.checkpoint_store import CheckpointStore
 
-from .conftest import cli_env
+from .conftest import cli_env, suspend
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +76,7 @@ def test_a_second_ctrl_c_ends_with_the_command_that_resumes(tmp_path):
     try:
         workers = after_the_first_checkpoint(tmp_path, launcher)
         for pid in workers.values():  # stuck ranks: only a second Ctrl-C ends them
-            psutil.Process(pid).suspend()
+            suspend(psutil.Process(pid))
         launcher.send_signal(signal.SIGINT)  # asks for a stop: the launcher passes it on
         deadline = time.monotonic() + 60
         while not any(stop_pending(pid) for pid in workers.values()):

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .conftest import cli_env, read_metrics, track
+from .conftest import cli_env, read_metrics, suspend, track
 
 pytestmark = pytest.mark.slow
 
@@ -267,7 +267,7 @@ def test_the_same_command_waits_for_the_stopping_workers_of_a_killed_launcher(tm
     workers = run.wait_for(run.workers())
     run.wait_for(lambda: list(out.glob("checkpoints/*.pt")))
     for w in workers:
-        w.suspend()
+        suspend(w)
     kill_9(run)
     again = Launch(out, "--epochs", "3", "--checkpoint-every", "10", "--resume", str(out))
     pids = ", ".join(str(w.pid) for w in sorted(workers, key=lambda w: w.pid))

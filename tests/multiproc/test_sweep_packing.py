@@ -16,7 +16,7 @@ import torch
 
 from multigpu.launcher import leases
 
-from .conftest import cli_env, multigpu, read_metrics
+from .conftest import cli_env, multigpu, read_metrics, suspend
 from .test_sweep_cli import RECORDER, starts, summary_rows, sweep_popen
 
 pytestmark = pytest.mark.slow
@@ -240,7 +240,7 @@ def test_ranks_of_a_two_process_run_left_by_a_dead_sweep_are_stopping_while_they
     assert len(ranks) == 2, ranks
     try:
         for rank in ranks:
-            rank.suspend()
+            suspend(rank)
         os.kill(sweep.pid, signal.SIGKILL)
         sweep.wait()
         os.killpg(launcher, signal.SIGKILL)  # the launcher's session: all that is left is the ranks
