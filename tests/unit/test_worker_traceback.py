@@ -36,3 +36,20 @@ def test_the_reported_traceback_starts_at_the_script_or_at_the_first_frame(tmp_p
     else:  # python -m: runpy's _run_module_as_main first, then the worker's own call of main
         assert frames[0].endswith("in _run_module_as_main"), text
         assert any("launcher/worker.py" in f and f.endswith("in <module>") for f in frames), text
+
+
+def test_a_keyboard_interrupt_the_script_raises_itself_is_its_error_not_a_stop(tmp_path):
+    """No SIGINT came: the error is the script's, with its traceback on the console and in the
+    report, exit 1 (a Ctrl-C's stop is exit 130 and one line of the launcher's)."""
+    script = SCRIPT.with_name("raises_keyboard_interrupt.py")
+    err = tmp_path / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(err)}
+    env.pop("MULTIGPU_DEBUG", None)
+    done = subprocess.run([sys.executable, "-P", "-m", "multigpu.launcher.worker", str(script)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = done.stderr.splitlines()
+    assert said[0] == "Traceback (most recent call last):", done.stderr
+    assert said[-1] == "KeyboardInterrupt: cancelled by the script", done.stderr
+    assert f'File "{script}", line 5, in cancel' in done.stderr
+    assert json.loads(err.read_text())["message"].splitlines()[-1] == said[-1]

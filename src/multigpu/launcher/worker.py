@@ -61,7 +61,7 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
         tb = exc.__traceback__ if debug else _from_the_script(exc)
         text = _with_the_callers(exc) if debug else "".join(
             traceback.format_exception(type(exc), exc, tb))
-        if (isinstance(exc, KeyboardInterrupt) or ended["sigint"]) and not debug:
+        if _stopped_by_sigint(exc, ended) and not debug:
             _stop_quietly(text)
         _leave_an_echo_to_the_report(text)
         # its own error: on the console (or its log) as Python prints it, and in its error file,
@@ -87,6 +87,18 @@ def _note_sigint(ended: dict) -> None:
         signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as without multigpu
 
     signal.signal(signal.SIGINT, on_sigint)
+    ended["noted_by"] = on_sigint
+
+
+def _stopped_by_sigint(exc: BaseException, ended: dict) -> bool:
+    """Whether the rank's error is the stop of a SIGINT (said by the launcher in one line): one
+    noted, or a KeyboardInterrupt where none could be noted (the script handles SIGINT itself).
+    A KeyboardInterrupt the script raises without a signal is its own error, shown as such."""
+    if ended["sigint"]:
+        return True
+    noting = ended.get("noted_by")
+    return isinstance(exc, KeyboardInterrupt) and (
+        noting is None or signal.getsignal(signal.SIGINT) is not noting)
 
 
 def _stop_quietly(text: str) -> None:
