@@ -147,6 +147,8 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal
     assert re.search(r"stopped by SIGTERM (in epoch \d+, \d+ samples in|after epoch \d+), step \d+: checkpoint ",
                      output) and "is complete; run the same command with --resume" in output
     assert "Received 15 death signal" not in output
+    # rank 0 said where it stopped and how to go on: the launcher does not add a line of its own
+    assert "every rank of this node was stopped" not in output, output[-3000:]
     out = tmp_path / "run"
     shutil.copytree(folder, out)
     proc = start(out, "--resume", out)

@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
         # bad input the workers found is said in one line (on_usage_error), and so is ours
         with _untrained_removed(clean_up, out):
             code = launch(argv, plan, opts, python=False, on_usage_error=clean_up,
-                          next_step=lambda: _resume_line(out, typed))
+                          next_step=lambda: _resume_line(out, typed), ranks_say_their_stop=True)
         if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
             _say_removed(clean_up(), out)  # (nothing trained: only then) a start-up stopped, or failed unheard
         return _finished_before_the_signal(code, out, cfg.epochs)

@@ -85,6 +85,7 @@ class AttemptClose:
 
     def __init__(self, asked_to_stop: Callable[[], bool] = lambda: False):
         self.asked_to_stop = asked_to_stop
+        self.exit_codes: dict[int, int | None] = {}  # local rank -> exit code, at the last close
 
     def __enter__(self):
         from torch.distributed.elastic.multiprocessing import api
@@ -103,6 +104,7 @@ class AttemptClose:
                 try:
                     return original(pcontext, *args, **kwargs)
                 finally:  # the ranks that failed, died or were stopped by the agent
+                    hooks.exit_codes = {rank: h.proc.poll() for rank, h in handlers.items()}
                     for h in handlers.values():
                         if h.proc.poll() not in (None, 0):
                             end_session_left(h.proc.pid)

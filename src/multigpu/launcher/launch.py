@@ -261,13 +261,17 @@ def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None
 
 def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True,
            on_usage_error: Callable[[], None] | None = None,
-           next_step: Callable[[], str | None] | None = None) -> int:
+           next_step: Callable[[], str | None] | None = None,
+           ranks_say_their_stop: bool = False) -> int:
     """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`, through
     torch.distributed.run; returns the exit code (non-zero when any rank failed).
     `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2);
     only for a `cmd` that is one of multigpu's own commands (launch_failures.report_child_failed).
     `next_step`: the line (if any) that says how to go on after a failure the ranks could not
-    say themselves (a rank killed, a second signal that killed them at once)."""
+    say themselves (a rank killed, a second signal that killed them at once).
+    `ranks_say_their_stop`: rank 0 says how the ranks stopped after a stop signal (multigpu
+    train: where, and the checkpoint to go on from); then the launcher of rank 0's node adds no
+    line of its own when every rank of the node stopped by itself."""
     rdzv = plan_rendezvous(opts)
     if rdzv.named_port:
         ports.check_named_port(*rdzv.named_port)
@@ -285,7 +289,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     ports.OBSERVER.reset()
     with child_environment(plan, opts, log_dir), restore_signal_handlers(), quiet_torchelastic(), \
             SecondSignalKills() as signals, RestartsSaid(opts.max_restarts), \
-            AttemptClose(asked_to_stop=lambda: signals.signals > 0):
+            AttemptClose(asked_to_stop=lambda: signals.signals > 0) as close:
         config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
         ours = on_usage_error is not None or _runs_our_worker(cmd)
         if ours:  # multigpu's own workers: leave their echoes to the report
@@ -302,7 +306,10 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
                 say_next_step(next_step)
             return code
         except SignalException as exc:
-            return _stopped(exc.sigval, signals, getattr(config, "shutdown_timeout", None), next_step)
+            said = ranks_say_their_stop and _shows_rank_0(opts) and _each_stopped_by(
+                exc.sigval, close.exit_codes)
+            return _stopped(exc.sigval, signals, getattr(config, "shutdown_timeout", None),
+                            next_step, said_by_the_ranks=said)
         except RendezvousTimeoutError:
             err(f"error: {rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())}")
             return 1
@@ -319,11 +326,14 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
 
 
 def _stopped(sig: signal.Signals, signals: "SecondSignalKills", shutdown_timeout: float | None,
-             next_step: Callable[[], str | None] | None) -> int:
-    """The agent was stopped by `sig` (and stopped the ranks): said in one line; the exit code."""
+             next_step: Callable[[], str | None] | None, said_by_the_ranks: bool = False) -> int:
+    """The agent was stopped by `sig` (and stopped the ranks): said in one line, unless the ranks
+    said it (`said_by_the_ranks`) and stopped in time; the exit code."""
     at_once = kill_workers_left() or signals.signals > 1
     wait = shutdown_timeout or AGENT_STOP_WAIT
     waited_out = not at_once and signals.waited_out(wait)
+    if said_by_the_ranks and not (at_once or waited_out):
+        return 128 + int(sig)
     err(f"stopped by {sig.name}; every rank of this node was stopped"
         + (" (a second signal: killed at once)" if at_once else "")
         + (f" (killed: they had not stopped {wait} s after the signal)" if waited_out else ""))
@@ -338,6 +348,17 @@ OUR_WORKERS = ("multigpu.launcher.worker", "multigpu.auto.worker")
 def _runs_our_worker(cmd: list[str]) -> bool:
     """Whether `cmd` is `multigpu run`'s python_command(one of OUR_WORKERS, ...)."""
     return any(w in cmd[:6] and cmd[cmd.index(w) - 1] == "-m" for w in OUR_WORKERS)
+
+
+def _shows_rank_0(opts: LaunchOptions) -> bool:
+    """Whether this node's console shows rank 0: one machine, or the node given rank 0 (a node
+    whose rank the rendezvous decides is not known to)."""
+    return parse_nnodes(opts.nnodes)[1] == 1 or opts.node_rank == 0
+
+
+def _each_stopped_by(sig: signal.Signals, exit_codes: dict) -> bool:
+    """Whether every rank of the attempt exited by itself on `sig` (multigpu train's 128 + N)."""
+    return bool(exit_codes) and all(code == 128 + int(sig) for code in exit_codes.values())
 
 
 def _node_name(opts: LaunchOptions) -> str | None:
