@@ -2,6 +2,7 @@
 go on: kill -9 of a worker, a second Ctrl-C while the ranks are stuck, each with a complete
 checkpoint on disk, end with the command that resumes from it; and with --max-restarts a restart
 says which rank died and how. Each fault is caused for real (2 CPU processes, gloo)."""
+import os
 import signal
 import subprocess
 import sys
@@ -108,3 +109,23 @@ def test_a_restart_says_which_rank_died_and_how(tmp_path):
     assert said == [f"multigpu: warning: rank 1 (pid {workers[1]}) was killed by SIGKILL; "
                     "restarting all workers (restart 1 of 1)"], err
     assert "--resume" not in err  # it went on by itself
+
+
+def test_a_stop_signal_sent_to_one_rank_stops_every_rank_as_a_stop_not_a_failure(tmp_path):
+    """`kill PID` of rank 1: the ranks stop together and save, and rank 0 says where and how to go
+    on; the launcher reports no failure, and writes no reason for an agent's stop."""
+    launcher = start(tmp_path, "--epochs", "3")
+    try:
+        workers = after_the_first_checkpoint(tmp_path, launcher)
+        os.kill(workers[1], signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    newest = CheckpointStore(tmp_path / "run" / "checkpoints").entries()[-1].file
+    last = err.splitlines()[-1]
+    assert last.startswith("multigpu: stopped by SIGTERM ") and last.endswith(
+        f"checkpoint run/checkpoints/{newest} is complete; run the same command with --resume run "
+        "to go on"), err
+    assert "failed" not in err and err.count("--resume") == 1, err
+    assert not list((tmp_path / "run" / "logs").glob("*/attempt_0/STOPPING"))

@@ -69,7 +69,7 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
     SIGTERM) while its ranks were only exiting, every epoch and the last checkpoint complete,
     finished: exit 0, saying so. A rank's own death by a signal keeps its code."""
     from multigpu.train import runfolder
-    from multigpu.launcher.launch import stopped_by_signal
+    from multigpu.launcher.stop_reason import stopped_by_signal
 
     if not stopped_by_signal(code) or (done := runfolder.finished_checkpoint(out, epochs)) is None:
         return code
@@ -81,7 +81,8 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.train.setup_checks import refuse_stale_worker_env
-    from multigpu.launcher.launch import in_worker, launch, options_from_args, python_command, stopped_by_signal
+    from multigpu.launcher.launch import in_worker, launch, options_from_args, python_command
+    from multigpu.launcher.stop_reason import stopped_by_signal
     from multigpu.train import runfolder
     from multigpu.train.folder_users import OUT_RESERVED_ENV
 

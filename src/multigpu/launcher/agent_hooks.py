@@ -98,7 +98,8 @@ class AttemptClose:
             def close(pcontext, *args, **kwargs):
                 handlers = getattr(pcontext, "subprocess_handlers", {})
                 ended = {rank: h.proc.returncode for rank, h in handlers.items()
-                         if h.proc.poll() not in (None, 0)}
+                         if h.proc.poll() not in (None, 0)}  # a stop on a signal: no failure
+                ended = {} if all(map(stop_reason.stopped_by_signal, ended.values())) else ended
                 if ended and not hooks.asked_to_stop():
                     stop_reason.write(getattr(pcontext, "error_files", {}), ended)
                 try:

@@ -41,6 +41,7 @@ from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, AttemptClose, Second
                                   quiet_torchelastic, restore_signal_handlers)
 from multigpu.launcher.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
+from multigpu.launcher.stop_reason import STOP_SIGNALS, stopped_by_signal
 from multigpu.core.errors import UsageError
 from multigpu.launcher.launch_options import AGENT_STARTED_ENV, LaunchOptions
 from multigpu.launcher.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
@@ -187,16 +188,6 @@ def logs_specs(log_dir: str, nproc: int):
     return DefaultLogsSpecs(log_dir=log_dir, redirects={r: Std.ALL for r in range(1, nproc)})
 
 
-STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-
-
-def stopped_by_signal(code: int) -> bool:
-    """Whether launch()'s exit code says one of the stop signals it handles stopped it (128 + N),
-    not a rank's own death by a signal (SIGKILL, SIGSEGV, SIGABRT)."""
-    names = {s.value: s.name for s in signal.Signals}
-    return code > 128 and names.get(code - 128) in STOP_SIGNALS.split(",")
-
-
 def _torchrun_has(option: str) -> bool:
     import torch.distributed.run as torchrun
 
@@ -300,14 +291,16 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             elastic_launch(config, entrypoint)(*entry_args)
             return 0
         except ChildFailedError as exc:
+            if ranks_say_their_stop and (code := _each_stopped_by_itself(close.exit_codes)):
+                return _stopped_by_the_ranks(code, opts)
             code = report_child_failed(exc, log_dir, node=_node_name(opts),
                                        on_usage_error=on_usage_error, since=began, ours=ours)
             if code != 2:  # 2: bad input, said in one line; nothing to go on from
                 say_next_step(next_step)
             return code
         except SignalException as exc:
-            said = ranks_say_their_stop and _shows_rank_0(opts) and _each_stopped_by(
-                exc.sigval, close.exit_codes)
+            said = ranks_say_their_stop and _shows_rank_0(opts) and \
+                _each_stopped_by_itself(close.exit_codes) == 128 + int(exc.sigval)
             return _stopped(exc.sigval, signals, getattr(config, "shutdown_timeout", None),
                             next_step, said_by_the_ranks=said)
         except RendezvousTimeoutError:
@@ -356,9 +349,20 @@ def _shows_rank_0(opts: LaunchOptions) -> bool:
     return parse_nnodes(opts.nnodes)[1] == 1 or opts.node_rank == 0
 
 
-def _each_stopped_by(sig: signal.Signals, exit_codes: dict) -> bool:
-    """Whether every rank of the attempt exited by itself on `sig` (multigpu train's 128 + N)."""
-    return bool(exit_codes) and all(code == 128 + int(sig) for code in exit_codes.values())
+def _each_stopped_by_itself(exit_codes: dict) -> int | None:
+    """The exit code 128 + N by which every rank of the attempt stopped on a stop signal N (the
+    ranks of multigpu train, after saving), or None."""
+    codes = set(exit_codes.values())
+    return codes.pop() if len(codes) == 1 and stopped_by_signal(next(iter(codes))) else None
+
+
+def _stopped_by_the_ranks(code: int, opts: LaunchOptions) -> int:
+    """A stop signal sent to a rank, not to the launcher (`kill PID`): the ranks stopped together
+    and rank 0 said where and how to go on; another node's launcher says what its ranks did."""
+    if not _shows_rank_0(opts):
+        err(f"stopped: every rank of this node stopped on {signal.Signals(code - 128).name} (sent "
+            "to a rank); rank 0's node says where and how to go on")
+    return code
 
 
 def _node_name(opts: LaunchOptions) -> str | None:

@@ -17,6 +17,16 @@ import signal
 from pathlib import Path
 
 FILE = "STOPPING"
+# the signals that ask a launch to stop (passed on to the ranks), not a death of their own
+STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def stopped_by_signal(code: int | None) -> bool:
+    """Whether an exit code says one of the stop signals stopped the process by its own exit
+    (128 + N: a launch, a rank that saved and stopped), not a death by a signal (SIGKILL,
+    SIGSEGV, SIGABRT; a negative code)."""
+    names = {s.value: s.name for s in signal.Signals}
+    return code is not None and code > 128 and names.get(code - 128) in STOP_SIGNALS.split(",")
 
 
 def write(error_files: dict, ended: dict) -> None:
