@@ -24,6 +24,7 @@ same retries, and node 0 records the failure once.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -43,7 +44,8 @@ from multigpu.sweep.starter import child_setup
 from multigpu.sweep.state import RunState, SweepFolder
 
 REQUEUED = "requeued by SLURM before its time limit (SIGUSR1); it resumes from its checkpoint"
-NODE0_WAIT_S = 120.0  # how long another node waits for node 0's record of an attempt's end
+NODE0_WAIT_S = 120.0  # how long another node waits on a record of node 0's that stands still
+HEARTBEAT_S = 20.0  # node 0 refreshes its record this often while its part of the run lives
 
 
 class RunFailed(RuntimeError):
@@ -68,7 +70,7 @@ class RunTask:
         if run is None:
             raise UsageError(f"run {name} is not in the sweep of {self.root} any more")
         self._proc, self._signalled, self._node = None, False, node_rank(self.nodes)
-        self._node0_gone = False
+        self._node0_gone, self._record = False, None
         warned = signal.SIGUSR2 if self.nodes > 1 else signal.SIGUSR1  # slurm.SlurmSettings
         requeue = signal.signal(warned, self._on_signal)  # submitit's: called once stopped
         for tries in range(1, self.retries + 2):
@@ -108,10 +110,15 @@ class RunTask:
         decides the retry and the task's end on every node. The nodes' own outcomes can differ
         (one node's run failed after the other's finished, a command that fails on one node
         only), and a node retrying alone waits out the rendezvous for a node 0 that stopped.
-        Without node 0's record within NODE0_WAIT_S (its task is gone), this node's own outcome,
-        and no retry."""
-        deadline = time.monotonic() + NODE0_WAIT_S
+        Node 0's attempt can end minutes after this node's (its ranks wait out --hang-timeout for
+        a peer of this node that died): node 0 refreshes its record while its run lives
+        (HEARTBEAT_S), and only a record that stands still for NODE0_WAIT_S (node 0's task gone)
+        ends the wait, with this node's own outcome and no retry."""
+        deadline, seen = time.monotonic() + NODE0_WAIT_S, None
         while time.monotonic() < deadline:
+            now_seen = _stat(folder.state_file(mine.name))
+            if now_seen != seen:  # node 0 wrote or refreshed it: its task lives
+                deadline, seen = time.monotonic() + NODE0_WAIT_S, now_seen
             node0 = folder.read_state(mine.name)
             if node0 is not None and node0.attempts > mine.attempts:  # node 0 started the next
                 mine.status = "failed"
@@ -155,6 +162,7 @@ class RunTask:
         st.pid, st.job, st.devices, st.note = None, job, self._devices_said(), ""
         if self._node == 0:
             folder.write_state(st)
+            self._record = folder.state_file(run.name) if self.nodes > 1 else None
             resumed = " (resuming from its checkpoint)" if resume else ""
             folder.event(f"start {run.name} as SLURM job {job} on {where}, attempt "
                          f"{st.attempts}{resumed}")
@@ -216,13 +224,17 @@ class RunTask:
         """The run's exit code, and whether --timeout stopped it (SIGTERM, then SIGKILL after
         the grace period)."""
         deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
-        timed_out, termed_at = False, None
+        timed_out, termed_at, beat = False, None, time.monotonic()
         while True:
             try:
-                return self._proc.wait(timeout=1.0), timed_out
+                return self._proc.wait(timeout=min(1.0, HEARTBEAT_S)), timed_out
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
+            if self._record is not None and now - beat >= HEARTBEAT_S:  # the other nodes wait on it
+                beat = now
+                with contextlib.suppress(OSError):
+                    os.utime(self._record)
             if deadline is not None and now > deadline and termed_at is None:
                 timed_out, termed_at = True, now
                 self._signal_run(signal.SIGTERM)
@@ -253,6 +265,16 @@ def shared_port() -> int:
     last four digits, as Lightning's SLURM environment picks MASTER_PORT)."""
     job = os.environ.get("SLURM_JOB_ID", "")
     return 15000 + int(job[-4:]) if job.isdigit() else DEFAULT_PORT
+
+
+def _stat(path: Path) -> tuple | None:
+    """What changes when node 0 writes or refreshes its record (each node's own clock compares
+    nothing: only a change is looked for)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_ino, st.st_size
 
 
 def _job_id() -> str:
