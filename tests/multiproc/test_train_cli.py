@@ -177,8 +177,11 @@ def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_an
 
 
 def test_resume_of_a_missing_checkpoint_is_one_line(tmp_path):
-    proc = multigpu("train", "--model", "mlp", "--resume", tmp_path / "nothing")
-    assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
+    proc = multigpu("train", "--model", "mlp", "--resume", tmp_path / "nothing", cwd=tmp_path)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"multigpu: error: --resume {tmp_path / 'nothing'}: no checkpoint there "
+                           "(no such file or folder); give a checkpoint file or a run folder\n")
+    assert list(tmp_path.iterdir()) == [], "refused before a run folder is made under runs/"
 
 
 def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):
