@@ -101,9 +101,13 @@ def test_two_process_checkpoint_loads_into_a_bare_model(one_and_two_process_runs
     state = torch.load(two / "checkpoints" / "last.pt", weights_only=True)
     model = build_model("mlp", (32,), 10)
     model.load_state_dict(state["model"])  # strict: no `module.` prefix, nothing missing
-    model.load_state_dict({"module." + k: v for k, v in state["model"].items()}, strict=False)
+    # the same weights as hand-written DDP code saves them (`module.` keys), into a fresh model
     import multigpu
-    multigpu.load_model_state(model, {"module." + k: v for k, v in state["model"].items()})
+    fresh = build_model("mlp", (32,), 10)
+    multigpu.load_model_state(fresh, {"module." + k: v for k, v in state["model"].items()})
+    assert fresh.state_dict().keys() == state["model"].keys()
+    different = [k for k, v in fresh.state_dict().items() if not torch.equal(v, state["model"][k])]
+    assert not different, different
 
 
 def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
