@@ -125,8 +125,11 @@ def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "resnet19"], "unknown model 'resnet19'"),
-    (["--model", "mlp", "--data", "folder:/no/such/dir"], "does not exist"),
-    (["--model", "mlp", "--devices", "0,9"], "GPU"),
+    (["--model", "mlp", "--data", "folder:/no/such/dir"],
+     "multigpu: error: data folder '/no/such/dir' does not exist: check the path in "
+     "--data folder:/no/such/dir"),
+    # the rest of the line says what this machine has (no GPU here, fewer than 10 on a GPU machine)
+    (["--model", "mlp", "--devices", "0,9"], "multigpu: error: --devices 0,9: "),
     (["--model", "mlp", "--epochs", "0"], "--epochs 0 must be a number at least 1, e.g. --epochs 1"),
     (["--model", "cnn", "--compile", "reduce-overhead", "--devices", "cpu:2"],
      "--compile reduce-overhead records CUDA graphs, which need GPUs; on cpu use --compile default"),
