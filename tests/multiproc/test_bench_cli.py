@@ -38,7 +38,9 @@ def test_every_method_available_on_cpu_has_a_row(smoke):
     static = next(r for r in data["rows"] if r["method"] == "multigpu-ddp:static")
     assert (static["variant"], ddp2["variant"], single["variant"]) == ("static", None, None)
     assert static["wrapper"] == "DistributedDataParallel" and static["strategy"].startswith("ddp (2")
-    assert static["scaling_efficiency"] is not None
+    # each row against the one-GPU row: img/s over (GPUs x its img/s), the static variant's too
+    for r in data["rows"]:
+        assert r["scaling_efficiency"] == pytest.approx(r["img_per_s"] / (r["gpus"] * single["img_per_s"])), r
 
 
 def test_methods_at_the_same_batch_and_gpus_take_turns_trial_by_trial(smoke):

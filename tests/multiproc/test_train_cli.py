@@ -101,9 +101,13 @@ def test_two_process_checkpoint_loads_into_a_bare_model(one_and_two_process_runs
     state = torch.load(two / "checkpoints" / "last.pt", weights_only=True)
     model = build_model("mlp", (32,), 10)
     model.load_state_dict(state["model"])  # strict: no `module.` prefix, nothing missing
-    model.load_state_dict({"module." + k: v for k, v in state["model"].items()}, strict=False)
+    # the same weights as hand-written DDP code saves them (`module.` keys), into a fresh model
     import multigpu
-    multigpu.load_model_state(model, {"module." + k: v for k, v in state["model"].items()})
+    fresh = build_model("mlp", (32,), 10)
+    multigpu.load_model_state(fresh, {"module." + k: v for k, v in state["model"].items()})
+    assert fresh.state_dict().keys() == state["model"].keys()
+    different = [k for k, v in fresh.state_dict().items() if not torch.equal(v, state["model"][k])]
+    assert not different, different
 
 
 def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
@@ -121,8 +125,11 @@ def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "resnet19"], "unknown model 'resnet19'"),
-    (["--model", "mlp", "--data", "folder:/no/such/dir"], "does not exist"),
-    (["--model", "mlp", "--devices", "0,9"], "GPU"),
+    (["--model", "mlp", "--data", "folder:/no/such/dir"],
+     "multigpu: error: data folder '/no/such/dir' does not exist: check the path in "
+     "--data folder:/no/such/dir"),
+    # the rest of the line says what this machine has (no GPU here, fewer than 10 on a GPU machine)
+    (["--model", "mlp", "--devices", "0,9"], "multigpu: error: --devices 0,9: "),
     (["--model", "mlp", "--epochs", "0"], "--epochs 0 must be a number at least 1, e.g. --epochs 1"),
     (["--model", "cnn", "--compile", "reduce-overhead", "--devices", "cpu:2"],
      "--compile reduce-overhead records CUDA graphs, which need GPUs; on cpu use --compile default"),
@@ -177,8 +184,11 @@ def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_an
 
 
 def test_resume_of_a_missing_checkpoint_is_one_line(tmp_path):
-    proc = multigpu("train", "--model", "mlp", "--resume", tmp_path / "nothing")
-    assert proc.returncode == 2 and "no checkpoint there" in proc.stderr
+    proc = multigpu("train", "--model", "mlp", "--resume", tmp_path / "nothing", cwd=tmp_path)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"multigpu: error: --resume {tmp_path / 'nothing'}: no checkpoint there "
+                           "(no such file or folder); give a checkpoint file or a run folder\n")
+    assert list(tmp_path.iterdir()) == [], "refused before a run folder is made under runs/"
 
 
 def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):

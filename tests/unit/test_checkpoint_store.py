@@ -81,11 +81,20 @@ def test_a_changed_byte_is_caught_by_the_checksum(store):
 
 
 def test_when_every_checkpoint_is_damaged_the_error_names_them(store):
+    why = {}
     for step in (1, 2):
         path = _write(store, step)
+        why[path.name] = f"16 bytes, the manifest says {path.stat().st_size}: truncated or overwritten"
         path.write_bytes(b"not a checkpoint")
-    with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint"):
-        store.load_newest(lambda _: None)
+    warnings = []
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        store.load_newest(warnings.append)
+    newest, first = step_file_name(2), step_file_name(1)
+    assert str(error.value) == (f"no readable checkpoint in {store.folder}: {newest}: {why[newest]}; "
+                                f"{first}: {why[first]}")
+    assert warnings == [
+        f"checkpoint {store.folder / newest} is damaged ({why[newest]}); trying the one before it",
+        f"checkpoint {store.folder / first} is damaged ({why[first]}); it was the last one"]
 
 
 SHARD_FILES = {".metadata": 40, "__0_0.distcp": 300, "__1_0.distcp": 300}

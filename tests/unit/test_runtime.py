@@ -63,8 +63,13 @@ def test_single_strategy_refuses_dp_on_cpu_and_unknown_names():
 def test_eval_forward_with_grad_enabled_warns_once():
     rt = multigpu.setup("single", accelerator="cpu")
     model = rt.prepare(nn.Linear(2, 2)).eval()
-    with pytest.warns(UserWarning, match="torch.no_grad"):
-        model(torch.randn(1, 2))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # Python's own filter, as a user's script runs under
+        for batch in (4, 4, 3):  # an evaluation loop, its last batch smaller: one warning
+            model(torch.randn(batch, 2))
+    assert [(w.category, str(w.message)) for w in seen] == [
+        (UserWarning, "the model ran in eval mode with gradients enabled, which keeps activations in "
+                      "memory for nothing; wrap validation in torch.no_grad()")]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():

@@ -175,13 +175,20 @@ def test_the_error_line_of_a_log_tail():
         "multigpu: error: --lr -1 must be more than 0"
 
 
-def test_a_program_that_does_not_exist_is_refused_once():
+def test_a_program_that_does_not_exist_is_refused_once(tmp_path, capsys):
+    from multigpu import cli
     from multigpu.cli.sweep import _check_program
 
     _check_program(sys.executable)
     _check_program("multigpu")
-    with pytest.raises(UsageError, match="'pyhton' is not found on PATH; check its spelling"):
-        _check_program("pyhton")
+    # the sweep says it once, before any of its 3 runs starts or its folder is made
+    argv = ["sweep", "--grid", "lr=1,2,3", "--devices", "cpu:1", "--out", str(tmp_path / "sw"),
+            "--", "pyhton", "fit.py", "{lr}"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr() == ("", "multigpu: error: the command's program 'pyhton' is not "
+                                   "found on PATH; check its spelling, or give its path (e.g. "
+                                   "python3, ./train.sh)\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_file_says_on_slurm_and_its_settings(tmp_path):
