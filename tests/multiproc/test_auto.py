@@ -2,6 +2,7 @@
 started as a user starts it; and the one-line refusals of what --auto cannot split."""
 from __future__ import annotations
 
+import copy
 import json
 import runpy
 import signal
@@ -18,25 +19,28 @@ SCRIPTS = Path(__file__).parent / "scripts"
 TUTORIAL = SCRIPTS / "auto_tutorial.py"
 
 
-def replayed_weights(steps: list[list], lr: float) -> dict[str, torch.Tensor]:
-    """The tutorial's model trained in this one process on the same global batches in the same
-    order (`steps`: each step's sample indices, rank 0's share then rank 1's), from the weights
-    its torch.manual_seed(0) gives: what 2 processes averaging their gradients must reach."""
+def replayed_weights(steps: list[list], lr: float) -> tuple[dict, dict]:
+    """The tutorial's model and its EMA copy trained in this one process on the same global
+    batches in the same order (`steps`: each step's sample indices, rank 0's share then rank
+    1's), from the weights its torch.manual_seed(0) gives: what 2 processes averaging their
+    gradients must reach."""
     script = runpy.run_path(str(TUTORIAL))  # its classes, not its main
     data = script["Indexed"](48, 1)
     torch.manual_seed(0)
     model = script["build_model"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    ema = copy.deepcopy(model)
     for indices in steps:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(data.x[indices]), data.y[indices]).backward()
         optimizer.step()
-    return model.state_dict()
+        script["update_ema"](ema, model)
+    return model.state_dict(), ema.state_dict()
 
 
 def test_tutorial_script_runs_data_parallel_unmodified(tmp_path):
     r = multigpu("--auto", "--devices", "cpu:2", str(TUTORIAL), "--batch", "8", "--epochs", "2",
-                 "--dataparallel", cwd=tmp_path)
+                 "--dataparallel", "--ema", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     seen = {rank: json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)}
 
@@ -63,10 +67,30 @@ def test_tutorial_script_runs_data_parallel_unmodified(tmp_path):
     # equal weights on both ranks, and those of one process on the same global batches
     assert seen[0]["weights"] == seen[1]["weights"]
     steps = [a + b for (_, a), (_, b) in zip(seen[0]["steps"], seen[1]["steps"])]
-    expected = replayed_weights(steps, lr=0.1)
+    expected, expected_ema = replayed_weights(steps, lr=0.1)
     for key, value in expected.items():
         torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-5)
         assert torch.equal(saved[key], torch.tensor(seen[0]["weights"]["module." + key]))
+
+    # copy.deepcopy of the replicated model (an EMA copy, made after the optimizer): the script's
+    # own DataParallel, equal on both ranks, as one process's
+    assert seen[0]["ema_class"] == seen[1]["ema_class"] == "DataParallel"
+    assert seen[0]["ema"] == seen[1]["ema"]
+    for key, value in expected_ema.items():
+        torch.testing.assert_close(torch.tensor(seen[0]["ema"]["module." + key]), value,
+                                   rtol=0, atol=1e-5)
+
+
+def test_a_model_loaded_whole_then_copied_has_its_gradients_averaged(tmp_path):
+    """Modules made without setting attributes (torch.load of a whole model, copy.deepcopy) are
+    found when the optimizer gets their parameters: equal weights on both ranks, each having
+    trained on its own half of every batch."""
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_copied_model.py"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    weights = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert weights[0] == weights[1]
+    start = torch.load(tmp_path / "whole.pt", weights_only=False).state_dict()
+    assert all(not torch.equal(torch.tensor(weights[0][k]), v) for k, v in start.items())
 
 
 @pytest.mark.parametrize("script, args, line", [

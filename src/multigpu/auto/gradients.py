@@ -10,18 +10,21 @@ backward runs.
 Which module to replicate is decided when the script gives parameters to an optimizer
 (Optimizer.add_param_group, which the optimizer's __init__ calls): the outermost modules that hold
 those parameters. Modules are known from torch's global registration hooks (a parameter or a
-submodule set on a module), so no model class is patched. The module the script calls must be
+submodule set on a module), so no model class is patched; a module made without them (a
+copy.deepcopy, a whole model unpickled by torch.load) is found among the interpreter's objects. The module the script calls must be
 that outermost one (a model, or its DataParallel): its forward is where DDP's hooks run. The
 first optimizer step checks it, and refuses in one line a module whose forward never ran.
 """
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 
 import torch
 from torch import nn
 
+from multigpu.auto.plain import plain_deepcopy, script_class
 from multigpu.core.errors import UsageError
 
 
@@ -46,12 +49,6 @@ class ModuleRegistry:
         torch_module.register_module_module_registration_hook(on_submodule)
 
 
-def script_class(module: nn.Module) -> type:
-    """The script's own class of a replicated module: replicate() makes the module's class a
-    DDP<cls> whose bases are (replicate's DDP, cls)."""
-    return type(module).__mro__[2]
-
-
 def outermost_owners(params, modules) -> list[nn.Module]:
     """The modules of `modules` that hold any of `params` and are inside no other such module."""
     wanted = {id(p) for p in params}
@@ -72,9 +69,11 @@ class GradientAveraging:
         params = [p for p in group["params"] if p.requires_grad and id(p) not in self.covered]
         if not params:
             return
-        roots = outermost_owners(params, self.registry.modules)
-        held = {id(p) for r in roots for p in r.parameters()}
-        loose = [p for p in params if id(p) not in held]
+        roots, loose = self._owners(params)
+        if loose:  # modules made without registering (copy.deepcopy, torch.load of a whole model)
+            self.registry.modules.update(  # type(), not isinstance: no __class__ property runs
+                o for o in gc.get_objects() if issubclass(type(o), nn.Module))
+            roots, loose = self._owners(params)
         if loose:
             raise UsageError(f"the script's {type(optimizer).__name__} holds {len(loose)} "
                              f"tensor(s) (shape {tuple(loose[0].shape)}) that belong to no "
@@ -85,8 +84,15 @@ class GradientAveraging:
 
         for root in roots:
             replicate(root)
+            type(root).__deepcopy__ = plain_deepcopy  # a class of its own: EMA copies, snapshots
             self.covered |= {id(p) for p in root.parameters()}
         self.pending.setdefault(optimizer, []).extend(roots)
+
+    def _owners(self, params) -> tuple[list[nn.Module], list]:
+        """The outermost known modules that hold `params`, and the parameters none holds."""
+        roots = outermost_owners(params, self.registry.modules)
+        held = {id(p) for r in roots for p in r.parameters()}
+        return roots, [p for p in params if id(p) not in held]
 
     def before_step(self, optimizer, args, kwargs) -> None:
         """At an optimizer's first step: each module it replicated has run its forward."""

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from multigpu.core import fileio
-from multigpu.auto.gradients import script_class
+from multigpu.auto.plain import plain_reduction, replicated_parts
 from multigpu.core.wrappers import clean_state_dict
 
 
@@ -68,36 +68,6 @@ def without_prefixes(obj):
         out = {k: strip_prefixes(v) if is_state_dict(v) else v for k, v in obj.items()}
         return out if any(out[k] is not obj[k] for k in obj) else obj
     return obj
-
-
-def replicated_parts(module: nn.Module):
-    """The state that replicate() added to `module` (its keys in the module's __dict__, and the
-    hooks it registered), or None for a module that was not replicated."""
-    try:  # private names (docs/torch-api.md): without them, pickle fails as it would before
-        from torch.distributed._composable import replicate
-        from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
-        from torch.distributed._composable.replicate import DDP
-    except ImportError:
-        return None
-    if not isinstance(module, DDP):
-        return None
-    state = replicate.state(module)
-    return (STATE_KEY, REGISTRY_KEY), state
-
-
-def plain_reduction(module: nn.Module, parts) -> tuple:
-    """How pickle writes a replicated module: as the class under replicate's DDP<cls>, without
-    replicate's state and hooks."""
-    keys, state = parts
-    dump = {k: v for k, v in module.__getstate__().items() if k not in keys}
-    for hooks, flags in (("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
-                         ("_forward_hooks", "_forward_hooks_with_kwargs")):
-        dropped = {i for i, h in dump[hooks].items() if getattr(h, "__self__", None) is state}
-        dump[hooks] = collections.OrderedDict(
-            (i, h) for i, h in dump[hooks].items() if i not in dropped)
-        dump[flags] = {i: v for i, v in dump.get(flags, {}).items() if i not in dropped}
-    # object.__new__(cls), not copyreg.__newobj__: pickle checks that one's class is type(module)
-    return object.__new__, (script_class(module),), dump
 
 
 class PlainPickler(pickle.Pickler):
