@@ -25,7 +25,9 @@ CHANGES = (
                                                          "process, as a loader without shuffle "
                                                          "(loaders.py)"),
     ("optimizer", "the modules whose parameters it holds average their gradients over the "
-                  "processes during backward, as DDP does; rank 0's weights first (gradients.py)"),
+                  "processes during backward, as DDP does; rank 0's weights first; every "
+                  "trainable parameter must get a gradient each step unless --auto-unused "
+                  "(gradients.py)"),
     ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "
                               "others wait until the file exists; such a file loads back into "
                               "the script's DataParallel (saving.py)"),
@@ -35,3 +37,5 @@ CHANGES = (
 )
 
 BATCH_MODES = ("global", "per-gpu")
+# `multigpu run --auto-unused`, to every process: DDP looks for parameters unused in each step
+FIND_UNUSED_ENV = "MULTIGPU_AUTO_FIND_UNUSED"

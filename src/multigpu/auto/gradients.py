@@ -60,8 +60,8 @@ def outermost_owners(params, modules) -> list[nn.Module]:
 class GradientAveraging:
     """Replicates (composable DDP) the outermost modules of each optimizer's parameters, once."""
 
-    def __init__(self, registry: ModuleRegistry):
-        self.registry = registry
+    def __init__(self, registry: ModuleRegistry, find_unused: bool = False):
+        self.registry, self.find_unused = registry, find_unused
         self.covered: set[int] = set()  # ids of parameters whose gradients are averaged already
         self.pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> roots
 
@@ -83,7 +83,7 @@ class GradientAveraging:
         from torch.distributed._composable import replicate
 
         for root in roots:
-            replicate(root)
+            replicate(root, **({"find_unused_parameters": True} if self.find_unused else {}))
             type(root).__deepcopy__ = plain_deepcopy  # a class of its own: EMA copies, snapshots
             self.covered |= {id(p) for p in root.parameters()}
         self.pending.setdefault(optimizer, []).extend(roots)
@@ -108,12 +108,28 @@ class GradientAveraging:
                                  f"forward never ran: --auto averages gradients in the forward "
                                  f"of the outermost module that holds them; call the {name} "
                                  "itself, or run without --auto")
+            if not self.find_unused:
+                refuse_unused(root)
 
 
-def install() -> GradientAveraging:
+def refuse_unused(root: nn.Module) -> None:
+    """At the first optimizer step: trainable parameters of a replicated module that got no
+    gradient stop DDP at the next forward, in a long message; said here in one line instead."""
+    unused = [n for n, p in root.named_parameters() if p.requires_grad and p.grad is None]
+    if not unused:
+        return
+    shown = ", ".join(unused[:4]) + (f" (+{len(unused) - 4} more)" if len(unused) > 4 else "")
+    raise UsageError(f"{len(unused)} trainable parameter(s) of the {script_class(root).__name__} "
+                     f"got no gradient in the first step ({shown}): --auto averages gradients as "
+                     "DDP does, which needs every trainable parameter in each step's loss; freeze "
+                     "what the loss does not use (requires_grad_(False)), or run with "
+                     "--auto-unused (DDP then looks for unused parameters each step: slower)")
+
+
+def install(find_unused: bool = False) -> GradientAveraging:
     registry = ModuleRegistry()
     registry.install()
-    averaging = GradientAveraging(registry)
+    averaging = GradientAveraging(registry, find_unused)
     add_param_group = torch.optim.Optimizer.add_param_group
 
     @functools.wraps(add_param_group)

@@ -11,13 +11,14 @@ handle said in one line (`multigpu: error: ...`, exit 2).
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from multigpu.core import orphans
 
 orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
 
-from multigpu.auto import BATCH_MODES, devices  # noqa: E402
+from multigpu.auto import BATCH_MODES, FIND_UNUSED_ENV, devices  # noqa: E402
 from multigpu.core.errors import UsageError  # noqa: E402
 from multigpu.launcher import worker  # noqa: E402
 
@@ -32,7 +33,7 @@ def prepare(mode: str) -> None:
     refusals.install()
     split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
-        gradients.install()
+        gradients.install(find_unused=os.environ.get(FIND_UNUSED_ENV) == "1")
         loaders.note_unsplit_training(env, split)
     saving.install(env)
     if env.rank == 0:

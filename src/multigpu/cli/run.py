@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from multigpu.launcher import devices, launch
-from multigpu.auto import BATCH_MODES
+from multigpu.auto import BATCH_MODES, FIND_UNUSED_ENV
 from multigpu.core.errors import UsageError
 from multigpu.launcher.scripts import local_rank_args, module_source, script_command
 
@@ -55,6 +55,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="with --auto: the script's DataLoader batch_size is the global batch "
                         "(global, the default: each of N processes takes batch_size/N) or each "
                         "process's (per-gpu)")
+    p.add_argument("--auto-unused", action="store_true",
+                   help="with --auto: for a model with parameters some steps do not use (a head "
+                        "or branch the loss leaves out): DDP looks for them each step "
+                        "(find_unused_parameters; slower)")
     launch.add_launch_arguments(p)
     p.add_argument("-m", "--module", action="store_true",
                    help="TARGET is a module, run as python -m TARGET")
@@ -80,9 +84,11 @@ def main(args) -> int:
         cmd, python = script_command(source)
     if args.auto:
         cmd = auto_command(target, cmd, python, args.auto_batch)
-    elif args.auto_batch is not None:
-        raise UsageError(f"--auto-batch {args.auto_batch} is a choice of --auto: add --auto, or "
-                         "drop --auto-batch")
+        if args.auto_unused:
+            os.environ[FIND_UNUSED_ENV] = "1"  # every process of the launch
+    elif args.auto_batch is not None or args.auto_unused:
+        flag = f"--auto-batch {args.auto_batch}" if args.auto_batch else "--auto-unused"
+        raise UsageError(f"{flag} is a choice of --auto: add --auto, or drop {flag.split()[0]}")
     elif python:  # through multigpu.launcher.worker: the hang watchdog, then the script as python runs it
         cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)

@@ -13,8 +13,9 @@ from __future__ import annotations
 from multigpu.doctor.script_trial import trial_findings
 from multigpu.train.findings import Finding
 
-_FIX_UNUSED = ("use it in the forward, or freeze it (requires_grad_(False)); --auto cannot "
-               "find unused parameters")
+_FIX_UNUSED = ("use it in the forward, or freeze it (requires_grad_(False)), or run with "
+               "`multigpu run --auto --auto-unused` (DDP then looks for unused parameters each "
+               "step: slower)")
 
 
 def auto_trial_findings(cmd: list[str], plan, steps: int, timeout: float) -> list[Finding]:
