@@ -136,11 +136,8 @@ def _resolve(args):
     if file_path:
         from multigpu.train.configfile import read_mapping
 
-        spec, options = specs.from_mapping(read_mapping(file_path, "sweep file"), file_path)
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise UsageError(f"{file_path}: unknown setting {unknown[0]!r}; a sweep file holds "
-                             f"command, grid, include, exclude and {', '.join(OPTIONS)}")
+        spec, options = specs.from_mapping(read_mapping(file_path, "sweep file"), file_path,
+                                           allowed=OPTIONS)
     if command:
         spec.command = command
     for text in args.grid:
