@@ -171,6 +171,7 @@ def test_kill_9_of_the_sweep_ends_its_runs_and_a_rerun_finishes_only_what_was_mi
                            env={**cli_env(), **env, "SLEEP": "0"}, capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
+    assert "] sweep of 4 runs (1 done already, not run again) on 1 CPU core" in again.stdout
     assert [starts(folder, f"v={v}") for v in (1, 2, 3, 4)] == [1, 2, 1, 1]
     assert [r["status"] for r in summary_rows(folder)] == ["done"] * 4
     assert [r["name"] for r in summary_rows(folder)] == ["v=1", "v=2", "v=3", "v=4"]  # lowest val_loss first

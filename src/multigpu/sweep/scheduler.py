@@ -320,6 +320,12 @@ class Sweep:
 
     # ----------------------------------------------------------------------- results
 
+    def runs_phrase(self) -> str:
+        """"18 runs (3 done already, not run again)": a re-run says at once what it skips."""
+        done = sum(st.status == "done" for st in self.states())
+        return (f"{len(self.runs)} run{'' if len(self.runs) == 1 else 's'}"
+                + (f" ({done} done already, not run again)" if done else ""))
+
     def states(self) -> list[RunState]:
         return [self.folder.read_state(r.name) or RunState(r.name, r.params) for r in self.runs]
 
