@@ -280,15 +280,21 @@ def test_every_node_of_a_run_meets_at_one_port_from_the_job_id(monkeypatch):
      "s.yaml: grid key 'lr': [0.1, 0.01] is not a value; give a list of numbers or words"),
     ("command: multigpu train --model mlp\ngrid:\n  lr:\n",
      "s.yaml: grid key 'lr' has no values; give a list, e.g. lr: [0.001, 0.01]"),
+    ("", "sweep file s.yaml is empty; write one setting per line, e.g. `command: multigpu train "
+         "--model cnn --lr {lr}`\n"),
+    (None, "sweep file s.yaml: no such file; give the path of a YAML or JSON file, e.g. "
+           "multigpu sweep sweep.yaml\n"),
 ])
 def test_a_sweep_file_mistake_is_named_before_any_run(tmp_path, monkeypatch, capsys, text, message):
     """A misspelt key is named as such (not as a missing `command:`), with the close name; a
-    grid value that is a mapping, a list or empty is refused instead of run as its text."""
+    grid value that is a mapping, a list or empty is refused instead of run as its text; a
+    missing or empty file is shown how a sweep file is given (not train's --config)."""
     from multigpu import cli
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "s.yaml").write_text(text)
+    if text is not None:
+        (tmp_path / "s.yaml").write_text(text)
     assert cli.main(["sweep", "--dry-run", "s.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"multigpu: error: {message}") and err.count("\n") == 1, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["s.yaml"] if text is not None else [])

@@ -136,8 +136,9 @@ def _resolve(args):
     if file_path:
         from multigpu.train.configfile import read_mapping
 
-        spec, options = specs.from_mapping(read_mapping(file_path, "sweep file"), file_path,
-                                           allowed=OPTIONS)
+        data = read_mapping(file_path, "sweep file", examples=(
+            "multigpu sweep sweep.yaml", "`command: multigpu train --model cnn --lr {lr}`"))
+        spec, options = specs.from_mapping(data, file_path, allowed=OPTIONS)
     if command:
         spec.command = command
     for text in args.grid:
