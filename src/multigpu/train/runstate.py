@@ -120,7 +120,9 @@ def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
         state = verify_and_load(path, listed.get(path.name))
         return checkpoint.as_checkpoint(state, str(path)), path
     except checkpoint.CheckpointError as exc:
-        raise checkpoint.CheckpointError(f"{flag} {exc}") from None
+        said = str(exc)  # the manifest's checks say what is wrong, torch's reader also where
+        said = said if said.startswith(str(path)) else f"{resume}: {said}"
+        raise checkpoint.CheckpointError(f"{flag} {said}") from None
 
 
 def _why_no_checkpoint(path: Path, inside: Path) -> str:
