@@ -30,7 +30,8 @@ from multigpu.sweep import spec as specs
 from multigpu.sweep import starter
 from multigpu.sweep.pool import Pool, Unit
 from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
-from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
+from multigpu.sweep.summary import (RunResult, absent_metric, metric_values, split_metric,
+                                    write_summary)
 
 POLL_SECONDS = 0.2
 
@@ -256,7 +257,9 @@ class Sweep:
         took = format_duration(st.duration_s or 0)
         if st.status == "done":
             result = self.result(st)
-            value = "" if result.final is None else f": {self.metric()} {result.final:.4g} (best {result.best:.4g})"
+            absent = absent_metric(runfolder.read_metrics(self.folder.run_dir(st.name)), self.metric())
+            value = (f": {absent}" if absent else "") if result.final is None else \
+                f": {self.metric()} {result.final:.4g} (best {result.best:.4g})"
             self.folder.event(f"done {st.name} in {took}{value}", self.echo)
         elif st.status == "failed":
             tail = log_tail(self.folder.run_log(st.name))
