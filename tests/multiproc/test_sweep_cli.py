@@ -6,6 +6,7 @@ on which core they ran (RECORDER), so that packing and leases can be checked fro
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -171,6 +172,7 @@ def test_kill_9_of_the_sweep_ends_its_runs_and_a_rerun_finishes_only_what_was_mi
                            env={**cli_env(), **env, "SLEEP": "0"}, capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
+    assert "] sweep of 4 runs (1 done already, not run again) on 1 CPU core" in again.stdout
     assert [starts(folder, f"v={v}") for v in (1, 2, 3, 4)] == [1, 2, 1, 1]
     assert [r["status"] for r in summary_rows(folder)] == ["done"] * 4
     assert [r["name"] for r in summary_rows(folder)] == ["v=1", "v=2", "v=3", "v=4"]  # lowest val_loss first
@@ -235,3 +237,18 @@ def test_a_run_past_its_timeout_is_stopped_failed_and_retried(tmp_path, recorder
     assert state["note"] == "timed out after 3s"
     assert starts(tmp_path / "sw", "v=1") == 2
     assert "FAILED v=1" in proc.stdout and "retrying (1/1)" in proc.stdout
+
+
+def test_a_metric_no_run_logs_is_said_with_the_nearest_name(tmp_path, recorder):
+    """--metric val_los: each run's line says its metrics.jsonl has no such value and names the
+    nearest (the summary ranks nothing), instead of ending 'done v=1 in 1s' without a word."""
+    env = {"MULTIGPU_LEASE_DIR": str(tmp_path / "leases"), "SLEEP": "0"}
+    proc = subprocess.run([sys.executable, "-m", "multigpu", "sweep", "--grid", "v=1,2",
+                           "--devices-per-run", "cpu:1", "--max-parallel", "1", "--out", "sw",
+                           "--metric", "val_los", "--", sys.executable, recorder, "{out}", "{v}"],
+                          cwd=tmp_path, env={**cli_env(), **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = re.findall(r"\] done (v=\d) in \d+s(.*)\n", proc.stdout)
+    assert said == [(f"v={v}", ": no val_los in its metrics.jsonl; did you mean --metric "
+                                "val_loss?") for v in (1, 2)], proc.stdout

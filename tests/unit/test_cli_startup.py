@@ -4,6 +4,7 @@ Each case runs in a fresh interpreter, since this test process has torch loaded 
 itself is measured by benchmarks/cli_startup.py, not asserted here.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -110,3 +111,17 @@ def test_a_data_spec_of_no_form_is_one_line_before_any_launch(tmp_path, spec, sa
     assert result == {"code": 2, "loaded": []}, done.stderr
     assert done.stderr == f"multigpu: error: {said}\n"
     assert sorted(tmp_path.rglob("*")) == before, "no run folder"
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`multigpu sweep --dry-run ... | head` where head has gone: no traceback, and the status a
+    shell shows for a program that SIGPIPE ended (141), not 1. (argparse's --help is quiet
+    already.)"""
+    argv = ["sweep", "--dry-run", "--grid", "v=1,2,3", "--", "echo", "{v}"]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    done = subprocess.run([sys.executable, "-m", "multigpu", *argv], stdout=write,
+                          stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=60)
+    os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+    assert list(tmp_path.iterdir()) == []

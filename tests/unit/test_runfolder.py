@@ -64,8 +64,12 @@ def test_an_empty_folder_is_taken_one_with_anything_in_it_is_not(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
-    with pytest.raises(UsageError, match="already exists and is not empty.*add --resume"):
+    with pytest.raises(UsageError) as refused:
         runfolder.reserve(str(mine), model="m", data="d", continuing=False)
+    assert str(refused.value) == (  # not "add --resume": a folder of the user's has no checkpoint
+        f"--out {mine} already exists and is not empty; multigpu never overwrites a run: choose "
+        f"another --out, or leave it out for a new timestamped folder ({mine} is no run folder: "
+        "it holds notes.txt, left as they are)")
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="is a file"):
@@ -78,7 +82,8 @@ def test_a_run_folder_is_taken_again_only_to_continue_it(tmp_path):
     folder_users.release(run)  # as a run's end does: this process trains on there next
     assert runfolder.reserve(str(run), model="m", data="d", continuing=True) == run
     runfolder.append_metrics(run, {"epoch": 1})  # an epoch trained: the folder is a run's now
-    with pytest.raises(UsageError, match="already exists and is not empty"):
+    with pytest.raises(UsageError, match=r"already exists and is not empty.*\(to continue that "
+                       r"run, add --resume\)$"):
         runfolder.reserve(str(run), model="m", data="d", continuing=False)
     assert json.loads((run / "config.json").read_text()) == {"model": "m"}  # left as it was
 

@@ -270,3 +270,38 @@ def test_every_node_of_a_run_meets_at_one_port_from_the_job_id(monkeypatch):
     launch = specs.SweepSpec(["multigpu", "run", "t.py", "--p", "{port}"], {"lr": [1]})
     assert specs.argv_for(launch, run, values) == [
         "multigpu", "run", "--devices", "cpu:1", "--master-port", "18457", "t.py", "--p", "18457"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("comand: multigpu train --model mlp\ngrid: {lr: [0.1]}\n",
+     "s.yaml: unknown setting 'comand'; did you mean 'command'?"),
+    ("command: multigpu train --model mlp\ngrid: {lr: [0.1]}\nmax_paralel: 2\n",
+     "s.yaml: unknown setting 'max_paralel'; did you mean 'max_parallel'?"),
+    ("command: multigpu train --model mlp\ngrid: {lr: [0.1]}\nzzz: 2\n",
+     "s.yaml: unknown setting 'zzz'; a sweep file holds command, grid, include, exclude and "
+     "devices, devices_per_run, runs_per_gpu,"),
+    ("command: multigpu train --model mlp\ngrid:\n  lr: [{a: 1}, 0.01]\n",
+     "s.yaml: grid key 'lr': {'a': 1} is not a value; give a list of numbers or words, "
+     "e.g. lr: [0.001, 0.01]"),
+    ("command: multigpu train --model mlp\ngrid:\n  lr: [[0.1, 0.01]]\n",
+     "s.yaml: grid key 'lr': [0.1, 0.01] is not a value; give a list of numbers or words"),
+    ("command: multigpu train --model mlp\ngrid:\n  lr:\n",
+     "s.yaml: grid key 'lr' has no values; give a list, e.g. lr: [0.001, 0.01]"),
+    ("", "sweep file s.yaml is empty; write one setting per line, e.g. `command: multigpu train "
+         "--model cnn --lr {lr}`\n"),
+    (None, "sweep file s.yaml: no such file; give the path of a YAML or JSON file, e.g. "
+           "multigpu sweep sweep.yaml\n"),
+])
+def test_a_sweep_file_mistake_is_named_before_any_run(tmp_path, monkeypatch, capsys, text, message):
+    """A misspelt key is named as such (not as a missing `command:`), with the close name; a
+    grid value that is a mapping, a list or empty is refused instead of run as its text; a
+    missing or empty file is shown how a sweep file is given (not train's --config)."""
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    if text is not None:
+        (tmp_path / "s.yaml").write_text(text)
+    assert cli.main(["sweep", "--dry-run", "s.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"multigpu: error: {message}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["s.yaml"] if text is not None else [])

@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("multigpu: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `multigpu sweep --dry-run ... | head`: the reader has gone
+        if os.environ.get("MULTIGPU_DEBUG"):
+            raise
+        # what is still buffered would raise again as the interpreter flushes it at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # as a program ended by SIGPIPE, which Python turns into this error
 
 
 def _main(argv: list[str], started: float) -> int:

@@ -136,11 +136,9 @@ def _resolve(args):
     if file_path:
         from multigpu.train.configfile import read_mapping
 
-        spec, options = specs.from_mapping(read_mapping(file_path, "sweep file"), file_path)
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise UsageError(f"{file_path}: unknown setting {unknown[0]!r}; a sweep file holds "
-                             f"command, grid, include, exclude and {', '.join(OPTIONS)}")
+        data = read_mapping(file_path, "sweep file", examples=(
+            "multigpu sweep sweep.yaml", "`command: multigpu train --model cnn --lr {lr}`"))
+        spec, options = specs.from_mapping(data, file_path, allowed=OPTIONS)
     if command:
         spec.command = command
     for text in args.grid:
@@ -286,7 +284,7 @@ def _execute(folder, sweep, options: dict) -> int:
     sweep.echo = echo
     sweep.refuse_while_stopping()
     folder.write_sweep(_record(sweep, options))
-    folder.event(f"sweep of {len(sweep.runs)} runs on {sweep.pool.describe()}"
+    folder.event(f"sweep of {sweep.runs_phrase()} on {sweep.pool.describe()}"
                  + (f", at most {sweep.options.max_parallel} at once" if sweep.options.max_parallel else "")
                  + f"; folder {folder.root}", echo)
     if (shared := sweep.pool.shared_cores()) is not None:
@@ -313,7 +311,7 @@ def _detach(folder, sweep, options: dict) -> int:
 
             raise UsageError(f"the sweep did not start: {log_tail(folder.log_path, 1)}")
         time.sleep(0.1)
-    print(f"sweep of {len(sweep.runs)} runs goes on in the background (pid {proc.pid}); "
+    print(f"sweep of {sweep.runs_phrase()} goes on in the background (pid {proc.pid}); "
           f"see where it stands: multigpu sweep --status {folder.root}; its log: {folder.log_path}")
     return 0
 

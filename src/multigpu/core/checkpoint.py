@@ -122,9 +122,17 @@ def _is_legacy(path) -> bool:
         return False
 
 
+def _starts_as_zip(path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
 def _why_unreadable(path, exc: Exception) -> str:
     text = str(exc)
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and exc.filename is not None:  # opening it failed, not its bytes
         return f"cannot be read ({exc.strerror or text})"
     legacy = _is_legacy(path)
     if "Weights only load failed" in text and (legacy or zipfile.is_zipfile(path)):
@@ -141,7 +149,8 @@ def _why_unreadable(path, exc: Exception) -> str:
         return (f"truncated or corrupt ({size} bytes): a file of torch.save's legacy format "
                 f"that torch cannot read to its end ({first})")
     if not zipfile.is_zipfile(path):
-        if "zip archive" in text:
+        # torch 2.13 reads some cut archives to an OSError (EINVAL) rather than a zip message
+        if "zip archive" in text or _starts_as_zip(path):
             return f"truncated or corrupt ({size} bytes): torch cannot find the end of its archive"
         return "not a checkpoint: torch.save writes a zip archive and this file is none"
     first = (text.strip().splitlines() or [type(exc).__name__])[0]

@@ -30,7 +30,8 @@ from multigpu.sweep import spec as specs
 from multigpu.sweep import starter
 from multigpu.sweep.pool import Pool, Unit
 from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
-from multigpu.sweep.summary import RunResult, metric_values, split_metric, write_summary
+from multigpu.sweep.summary import (RunResult, absent_metric, metric_values, split_metric,
+                                    write_summary)
 
 POLL_SECONDS = 0.2
 
@@ -256,7 +257,9 @@ class Sweep:
         took = format_duration(st.duration_s or 0)
         if st.status == "done":
             result = self.result(st)
-            value = "" if result.final is None else f": {self.metric()} {result.final:.4g} (best {result.best:.4g})"
+            absent = absent_metric(runfolder.read_metrics(self.folder.run_dir(st.name)), self.metric())
+            value = (f": {absent}" if absent else "") if result.final is None else \
+                f": {self.metric()} {result.final:.4g} (best {result.best:.4g})"
             self.folder.event(f"done {st.name} in {took}{value}", self.echo)
         elif st.status == "failed":
             tail = log_tail(self.folder.run_log(st.name))
@@ -319,6 +322,12 @@ class Sweep:
         return _Handlers()
 
     # ----------------------------------------------------------------------- results
+
+    def runs_phrase(self) -> str:
+        """"18 runs (3 done already, not run again)": a re-run says at once what it skips."""
+        done = sum(st.status == "done" for st in self.states())
+        return (f"{len(self.runs)} run{'' if len(self.runs) == 1 else 's'}"
+                + (f" ({done} done already, not run again)" if done else ""))
 
     def states(self) -> list[RunState]:
         return [self.folder.read_state(r.name) or RunState(r.name, r.params) for r in self.runs]

@@ -18,6 +18,7 @@ enough for `multigpu train`).
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import itertools
 import json
@@ -77,12 +78,17 @@ def parse_grid_flag(text: str) -> tuple[str, list[str]]:
     return key, [v.strip() for v in values.split(",") if v.strip()]
 
 
-def from_mapping(data: dict, where: str) -> tuple[SweepSpec, dict]:
-    """A YAML file's mapping -> (spec, the sweep options it sets: devices_per_run, ...)."""
-    known = {"command", "grid", "include", "exclude"}
+def from_mapping(data: dict, where: str, allowed: tuple[str, ...] | None = None
+                 ) -> tuple[SweepSpec, dict]:
+    """A YAML file's mapping -> (spec, the sweep options it sets: devices_per_run, ...).
+    `allowed`: the option names a file may set; an unknown key is refused first, so that a
+    misspelt `comand:` is named as such rather than reported as a missing `command:`."""
+    known = ("command", "grid", "include", "exclude")
     # YAML 1.1 reads the key `on:` (on: slurm) as the boolean True
     options = {("on" if k is True else str(k)).replace("-", "_"): v for k, v in data.items()
                if k not in known}
+    if allowed is not None:
+        _refuse_unknown(where, options, known + tuple(allowed))
     if "command" not in data:
         raise UsageError(f"{where} has no `command:`; add the command each run executes, e.g. "
                          "command: multigpu train --model lstm --data {data}")
@@ -97,11 +103,36 @@ def from_mapping(data: dict, where: str) -> tuple[SweepSpec, dict]:
     if not grids or not all(isinstance(g, dict) for g in grids):
         raise UsageError(f"{where}: `grid:` must map names to lists of values, e.g. "
                          "grid: {seq_length: [40, 60, 80]} (or be a list of such maps)")
-    grids = [{str(k): v if isinstance(v, list) else [v] for k, v in g.items()} for g in grids]
+    grids = [{str(k): _values(where, str(k), v) for k, v in g.items()} for g in grids]
     grid = grids if isinstance(grid, list) else grids[0]
     spec = SweepSpec([str(a) for a in command], grid, _combos(data, "include", where),
                      _combos(data, "exclude", where))
     return spec, options
+
+
+def _refuse_unknown(where: str, options: dict, names: tuple[str, ...]) -> None:
+    unknown = [k for k in options if k not in names]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], names, n=1, cutoff=0.6)
+    hint = (f"did you mean {close[0]!r}?" if close
+            else f"a sweep file holds {', '.join(names[:4])} and {', '.join(names[4:])}")
+    raise UsageError(f"{where}: unknown setting {unknown[0]!r}; {hint}")
+
+
+def _values(where: str, key: str, values) -> list:
+    """A grid key's values as a list (one value alone is a list of one). Each becomes text in a
+    command line, so a mapping, a list or an empty value is a mistake of the file's layout,
+    refused here rather than run as the text "{'a': 1}" or "None"."""
+    example = f"e.g. {key}: [0.001, 0.01]"
+    if values is None:
+        raise UsageError(f"{where}: grid key {key!r} has no values; give a list, {example}")
+    values = values if isinstance(values, list) else [values]
+    for v in values:
+        if v is None or isinstance(v, (dict, list)):
+            raise UsageError(f"{where}: grid key {key!r}: {v!r} is not a value; give a list of "
+                             f"numbers or words, {example}")
+    return values
 
 
 def _combos(data: dict, key: str, where: str) -> list[dict]:

@@ -26,6 +26,7 @@ is skipped without it, since the table already says everything.
 """
 from __future__ import annotations
 
+import difflib
 import io
 import itertools
 import math
@@ -75,6 +76,18 @@ def metric_values(records: list[dict], metric: str) -> tuple[float | None, float
     if not values:
         return None, None
     return values[-1], (max(values) if higher else min(values))
+
+
+def absent_metric(records: list[dict], metric: str) -> str | None:
+    """What a run that logged epochs, none with `metric`, logged instead: a misspelt --metric
+    (val_acc) would otherwise leave every run unranked without a word."""
+    name, _ = split_metric(metric)
+    logged = sorted({k for r in records for k, v in r.items() if _number(v) is not None} - {"epoch"})
+    if not logged or name in logged:
+        return None
+    close = difflib.get_close_matches(name, logged, n=1, cutoff=0.5)
+    return (f"no {name} in its metrics.jsonl; "
+            + (f"did you mean --metric {close[0]}?" if close else f"it logs {', '.join(logged)}"))
 
 
 def sort_results(results: list[RunResult], higher_is_better: bool) -> list[RunResult]:

@@ -111,16 +111,18 @@ def load(path: str, actions: dict[str, argparse.Action]) -> tuple[dict, str | No
     return values, note
 
 
-def read_mapping(path: str, what: str = FLAG) -> dict:
+def read_mapping(path: str, what: str = FLAG,
+                 examples: tuple[str, str] = (f"{FLAG} run.yaml", "`model: mlp`")) -> dict:
     """The file as a mapping: YAML (which also reads JSON), UTF-8 with or without a BOM, any line
     endings. Missing, unreadable, unparsable or not a mapping: one line that names it as
-    `what` (the flag that gave it)."""
+    `what` (the flag that gave it); `examples`: how such a file is given, and a line of it."""
     where = f"{what} {path}"
+    given, line = examples
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise UsageError(f"{where}: no such file; give the path of a YAML or JSON file, e.g. "
-                         f"{what} run.yaml") from None
+                         f"{given}") from None
     except OSError as exc:
         raise UsageError(f"{where} cannot be read: {exc.strerror or exc}") from None
     try:
@@ -130,10 +132,10 @@ def read_mapping(path: str, what: str = FLAG) -> dict:
                          ) from None
     data = _parse(text, where)
     if data is None:
-        raise UsageError(f"{where} is empty; write one setting per line, e.g. `model: mlp`")
+        raise UsageError(f"{where} is empty; write one setting per line, e.g. {line}")
     if not isinstance(data, dict):
         raise UsageError(f"{where} holds a {type(data).__name__}, not a mapping of settings; "
-                         "write one `key: value` per line, e.g. `model: mlp`")
+                         f"write one `key: value` per line, e.g. {line}")
     return data
 
 

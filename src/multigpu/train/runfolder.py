@@ -114,7 +114,17 @@ def reserve(out: str | None, *, model: str, data: str, continuing: bool, nodes_l
                          "remove it; or choose another --out")
     raise UsageError(f"--out {out} already exists and is not empty; multigpu never overwrites "
                      "a run: choose another --out, or leave it out for a new timestamped folder "
-                     "(to continue that run, add --resume)")
+                     + _what_is_there(path, out))
+
+
+def _what_is_there(path: Path, out: str) -> str:
+    """The end of the refusal: --resume continues a run, but only misleads for a folder of the
+    user's own files (it holds no checkpoint)."""
+    if is_run_folder(path):
+        return "(to continue that run, add --resume)"
+    names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"({out} is no run folder: it holds {shown}, left as they are)"
 
 
 def untrained_run_folder(path: Path) -> bool:

@@ -20,7 +20,7 @@ from multigpu.core import checkpoint_schema as schema
 from multigpu.train.checkpoint_store import CheckpointStore, verify_and_load
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import UsageError
-from multigpu.train.runfolder import missing_resume
+from multigpu.train.runfolder import is_run_folder, missing_resume
 
 
 @dataclass
@@ -111,8 +111,7 @@ def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
         store = CheckpointStore(inside if inside.is_dir() else path)
         found = store.load_newest(warn) if store.has_checkpoints() else None
         if not found:
-            raise UsageError(f"{flag} {resume}: no checkpoint there (expected a .pt file, or a "
-                             "run folder with checkpoints/)")
+            raise UsageError(f"{flag} {resume}: {_why_no_checkpoint(path, inside)}")
         return found
     if not path.is_file():
         raise missing_resume(resume, flag)
@@ -121,7 +120,21 @@ def load_source(resume: str, warn: Callable[[str], None] = lambda _: None,
         state = verify_and_load(path, listed.get(path.name))
         return checkpoint.as_checkpoint(state, str(path)), path
     except checkpoint.CheckpointError as exc:
-        raise checkpoint.CheckpointError(f"{flag} {exc}") from None
+        said = str(exc)  # the manifest's checks say what is wrong, torch's reader also where
+        said = said if said.startswith(str(path)) else f"{resume}: {said}"
+        raise checkpoint.CheckpointError(f"{flag} {said}") from None
+
+
+def _why_no_checkpoint(path: Path, inside: Path) -> str:
+    """Why a folder gave no checkpoint: a run folder whose checkpoints/ was deleted or holds
+    none yet is told apart from a folder that is no run, whose fix differs."""
+    if inside.is_dir():
+        return (f"no checkpoint there: {inside} holds none (the run saved none yet, or they were "
+                "deleted); give a checkpoint file, or another run folder")
+    if is_run_folder(path):
+        return (f"no checkpoint there: a run folder without its {inside.name}/ folder (deleted?); "
+                "give a checkpoint file, or another run folder")
+    return "no checkpoint there (expected a .pt file, or a run folder with checkpoints/)"
 
 
 def _same(a: Path, b: Path) -> bool:
