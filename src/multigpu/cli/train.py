@@ -108,7 +108,8 @@ def main(args: argparse.Namespace) -> int:
     typed = getattr(args, "command_line", None) or ["multigpu", "train", *config_to_argv(cfg)]
     launch_facts = provenance.launch_facts(typed)
     os.environ.update(provenance.to_env(launch_facts))  # workers are started with other argv
-    if plan.nproc > 1 or opts.nnodes != "1":  # the launcher's first line names the devices
+    console.info(f"multigpu train: {plan.describe()}")
+    if plan.nproc > 1 or opts.nnodes != "1":
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
                               *config_to_argv(cfg))
@@ -119,7 +120,6 @@ def main(args: argparse.Namespace) -> int:
         if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
             _say_removed(clean_up(), out)  # (nothing trained: only then) a start-up stopped, or failed unheard
         return _finished_before_the_signal(code, out, cfg.epochs)
-    console.info(f"multigpu train: {plan.describe()}")
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
     from multigpu.train.trainloop import run_training
