@@ -2,7 +2,6 @@
 started as a user starts it; and the one-line refusals of what --auto cannot split."""
 from __future__ import annotations
 
-import copy
 import json
 import runpy
 import signal
@@ -19,28 +18,25 @@ SCRIPTS = Path(__file__).parent / "scripts"
 TUTORIAL = SCRIPTS / "auto_tutorial.py"
 
 
-def replayed_weights(steps: list[list], lr: float) -> tuple[dict, dict]:
-    """The tutorial's model and its EMA copy trained in this one process on the same global
-    batches in the same order (`steps`: each step's sample indices, rank 0's share then rank
-    1's), from the weights its torch.manual_seed(0) gives: what 2 processes averaging their
-    gradients must reach."""
+def replayed_weights(steps: list[list], lr: float) -> dict[str, torch.Tensor]:
+    """The tutorial's model trained in this one process on the same global batches in the same
+    order (`steps`: each step's sample indices, rank 0's share then rank 1's), from the weights
+    its torch.manual_seed(0) gives: what 2 processes averaging their gradients must reach."""
     script = runpy.run_path(str(TUTORIAL))  # its classes, not its main
     data = script["Indexed"](48, 1)
     torch.manual_seed(0)
     model = script["build_model"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    ema = copy.deepcopy(model)
     for indices in steps:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(data.x[indices]), data.y[indices]).backward()
         optimizer.step()
-        script["update_ema"](ema, model)
-    return model.state_dict(), ema.state_dict()
+    return model.state_dict()
 
 
 def test_tutorial_script_runs_data_parallel_unmodified(tmp_path):
     r = multigpu("--auto", "--devices", "cpu:2", str(TUTORIAL), "--batch", "8", "--epochs", "2",
-                 "--dataparallel", "--ema", cwd=tmp_path)
+                 "--dataparallel", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     seen = {rank: json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)}
 
@@ -67,30 +63,25 @@ def test_tutorial_script_runs_data_parallel_unmodified(tmp_path):
     # equal weights on both ranks, and those of one process on the same global batches
     assert seen[0]["weights"] == seen[1]["weights"]
     steps = [a + b for (_, a), (_, b) in zip(seen[0]["steps"], seen[1]["steps"])]
-    expected, expected_ema = replayed_weights(steps, lr=0.1)
+    expected = replayed_weights(steps, lr=0.1)
     for key, value in expected.items():
         torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-5)
         assert torch.equal(saved[key], torch.tensor(seen[0]["weights"]["module." + key]))
 
-    # copy.deepcopy of the replicated model (an EMA copy, made after the optimizer): the script's
-    # own DataParallel, equal on both ranks, as one process's
-    assert seen[0]["ema_class"] == seen[1]["ema_class"] == "DataParallel"
-    assert seen[0]["ema"] == seen[1]["ema"]
-    for key, value in expected_ema.items():
-        torch.testing.assert_close(torch.tensor(seen[0]["ema"]["module." + key]), value,
-                                   rtol=0, atol=1e-5)
 
-
-def test_a_model_loaded_whole_then_copied_has_its_gradients_averaged(tmp_path):
+def test_a_model_loaded_whole_then_copied_has_its_gradients_averaged_and_an_ema_copy(tmp_path):
     """Modules made without setting attributes (torch.load of a whole model, copy.deepcopy) are
     found when the optimizer gets their parameters: equal weights on both ranks, each having
-    trained on its own half of every batch."""
+    trained on its own half of every batch; a copy.deepcopy of the replicated model (an EMA
+    copy, made after the optimizer) is a plain copy of the script's class, equal on both ranks."""
     r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_copied_model.py"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    weights = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert weights[0] == weights[1]
+    seen = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0]["student"] == seen[1]["student"]
     start = torch.load(tmp_path / "whole.pt", weights_only=False).state_dict()
-    assert all(not torch.equal(torch.tensor(weights[0][k]), v) for k, v in start.items())
+    assert all(not torch.equal(torch.tensor(seen[0]["student"][k]), v) for k, v in start.items())
+    assert seen[0]["ema_class"] == seen[1]["ema_class"] == "Sequential"
+    assert seen[0]["ema"] == seen[1]["ema"] and seen[0]["ema"] != seen[0]["student"]
 
 
 @pytest.mark.parametrize("script, args, line", [
@@ -102,6 +93,12 @@ def test_a_model_loaded_whole_then_copied_has_its_gradients_averaged(tmp_path):
      "multigpu: error: DataLoader(batch_size=7) cannot be split evenly over 2 processes: --auto "
      "takes batch_size as the global batch, batch_size / 2 per process; give a multiple of 2, or "
      "run with --auto-batch per-gpu to keep 7 per process"),
+    ("auto_unused_head.py", [],
+     "multigpu: error: 2 trainable parameter(s) of the TwoHeads got no gradient in the first step "
+     "(spare_head.weight, spare_head.bias): --auto averages gradients as DDP does, which needs "
+     "every trainable parameter in each step's loss; freeze what the loss does not use "
+     "(requires_grad_(False)), or run with --auto-unused (DDP then looks for unused parameters "
+     "each step: slower)"),
 ])
 def test_what_auto_cannot_split_is_refused_in_one_line(tmp_path, script, args, line):
     r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / script), *args, cwd=tmp_path)
@@ -110,7 +107,19 @@ def test_what_auto_cannot_split_is_refused_in_one_line(tmp_path, script, args, l
     assert "Traceback" not in r.stderr and not (tmp_path / "model.pt").exists()
 
 
+def test_auto_unused_trains_a_model_with_a_head_the_loss_leaves_out(tmp_path):
+    r = multigpu("--auto", "--auto-unused", "--devices", "cpu:2", str(SCRIPTS / "auto_unused_head.py"),
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    weights = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert weights[0] == weights[1]  # each rank trained on its half: the gradients were averaged
+    assert sorted(weights[0]) == ["body.bias", "body.weight", "head.bias", "head.weight",
+                                  "spare_head.bias", "spare_head.weight"]
+
+
 @pytest.mark.parametrize("args, line", [
+    (["--auto-unused", "x.py"],
+     "multigpu: error: --auto-unused is a choice of --auto: add --auto, or drop --auto-unused"),
     (["--auto-batch", "per-gpu", "x.py"],
      "multigpu: error: --auto-batch per-gpu is a choice of --auto: add --auto, or drop --auto-batch"),
     (["--auto", "x.sh"],

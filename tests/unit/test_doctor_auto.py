@@ -16,7 +16,8 @@ SPLIT = ("split over the processes, every sample once per epoch, a new order eac
 WHOLE = "left whole on every process, so evaluation code and its metrics stay right"
 EVAL = "evaluation: read whole on every process, as a loader without shuffle"
 GRADS = ("the modules whose parameters it holds average their gradients over the processes "
-         "during backward, as DDP does; rank 0's weights first")
+         "during backward, as DDP does; rank 0's weights first; every trainable parameter must "
+         "get a gradient each step unless --auto-unused")
 SAVE = ("written once, by rank 0, without module./_orig_mod. prefixes; the others wait until the "
         "file exists; such a file loads back into the script's DataParallel")
 OUTPUT = "rank 0's on the console, the others' in their log files (the launcher)"

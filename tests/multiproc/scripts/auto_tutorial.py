@@ -7,7 +7,6 @@ indices, the evaluation's sample count, the final weights, the GPUs it saw); a s
 would not, and nothing in it depends on being distributed.
 """
 import argparse
-import copy
 import json
 import os
 
@@ -35,19 +34,12 @@ def build_model():
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def update_ema(ema, model, decay=0.5):
-    with torch.no_grad():
-        for e, m in zip(ema.parameters(), model.parameters()):
-            e.mul_(decay).add_(m, alpha=1 - decay)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--dataparallel", action="store_true", help="wrap the model in nn.DataParallel")
-    p.add_argument("--ema", action="store_true", help="keep an exponential moving average copy")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -58,7 +50,6 @@ def main():
     if args.dataparallel:
         model = nn.DataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    ema = copy.deepcopy(model) if args.ema else None  # as timm's ModelEma makes it
 
     steps = []
     for epoch in range(args.epochs):
@@ -70,8 +61,6 @@ def main():
             loss.backward()
             optimizer.step()
             steps.append([epoch, idx.tolist()])
-            if ema is not None:
-                update_ema(ema, model)
         model.eval()
         total, count = 0.0, 0
         with torch.no_grad():
@@ -84,8 +73,6 @@ def main():
 
     record = {"steps": steps, "test_count": count,
               "weights": {k: v.cpu().tolist() for k, v in model.state_dict().items()},
-              "ema": None if ema is None else {k: v.cpu().tolist() for k, v in ema.state_dict().items()},
-              "ema_class": type(ema).__name__,
               "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
               "device_count": torch.cuda.device_count(),
               "param_device": str(next(model.parameters()).device)}
