@@ -199,7 +199,7 @@ def test_on_a_second_node_the_failed_rank_is_named_by_its_global_rank_and_node(t
     procs.append(start(*common, "--node-rank", "0", *script, cwd=tmp_path))
     procs.append(start(*common, "--node-rank", "1", *script, cwd=tmp_path))
     _, err = procs[1].communicate(timeout=150)
-    assert procs[1].returncode != 0
+    assert procs[1].returncode == 1, err
     assert "this node's local rank 0 shown here" in err
     assert f"rank 3 failed first on node 1 ({socket.gethostname()}) (exit code 1, local rank 1" in err
     assert "ValueError: boom-rank-3" in err
@@ -210,7 +210,7 @@ def test_start_timeout_when_second_node_never_comes(tmp_path):
     r = multigpu("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
                  f"127.0.0.1:{free_port()}", "--start-timeout", "6", "--devices", "cpu:1",
                  str(SCRIPTS / "report_env.py"), str(tmp_path), cwd=tmp_path, timeout=90)
-    assert r.returncode != 0
+    assert r.returncode == 1, r.stderr
     assert "did not complete within --start-timeout 6 s: 1 of 2 nodes joined" in r.stderr
     assert "--node-rank" in r.stderr and "Traceback" not in r.stderr
     assert time.monotonic() - t0 < 60

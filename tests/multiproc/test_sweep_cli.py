@@ -127,8 +127,13 @@ def test_ctrl_c_stops_runs_with_a_checkpoint_and_a_rerun_resumes_them(tmp_path):
     assert "stopping 2 run(s)" in out and "run the same command again to go on" in out
     states = [json.loads((folder / "state" / f"seed={s}.json").read_text()) for s in (1, 2)]
     assert [s["status"] for s in states] == ["stopped", "stopped"], states
+    stops, logged = {}, {}
     for s in (1, 2):
-        assert "stopped by SIGTERM" in (folder / "logs" / f"seed={s}.log").read_text()
+        said = re.search(r"stopped by SIGTERM .*, step (\d+): checkpoint (\S+) is complete",
+                         (folder / "logs" / f"seed={s}.log").read_text())
+        assert said, (folder / "logs" / f"seed={s}.log").read_text()[-2000:]
+        stops[s] = int(said.group(1)), said.group(2)
+        logged[s] = (folder / "runs" / f"seed={s}" / "steps.csv").read_text().splitlines()
 
     again = subprocess.run([sys.executable, "-m", "multigpu", "sweep", *cmd], cwd=tmp_path,
                            env={**cli_env(), **env}, capture_output=True, text=True, timeout=600)
@@ -137,7 +142,15 @@ def test_ctrl_c_stops_runs_with_a_checkpoint_and_a_rerun_resumes_them(tmp_path):
     for s in (1, 2):
         run = folder / "runs" / f"seed={s}"
         assert [r["epoch"] for r in read_metrics(run)] == [1, 2, 3]
-        assert "resumed from" in (folder / "logs" / f"seed={s}.log").read_text()
+        step, checkpoint = stops[s]
+        log = (folder / "logs" / f"seed={s}.log").read_text()
+        assert f"resumed from {checkpoint} (epoch 1, " in log and f", step {step}; " in log, log[-2000:]
+        # on from that step, not from step 0 again with its weights: the rows logged up to it
+        # are kept as they were, then each tenth step of the 3 x 250 is logged once, in order
+        rows = (run / "steps.csv").read_text().splitlines()
+        kept = [row for row in logged[s][1:] if int(row.split(",")[0]) <= step]
+        assert rows[:1 + len(kept)] == logged[s][:1] + kept, (step, rows[:12])
+        assert [int(row.split(",")[0]) for row in rows[1:]] == list(range(10, 3 * 250 + 1, 10))
 
 
 def test_kill_9_of_the_sweep_ends_its_runs_and_a_rerun_finishes_only_what_was_missing(tmp_path, recorder):

@@ -91,7 +91,11 @@ def test_a_second_sigterm_ends_workers_that_ignore_the_first_at_once(tmp_path, p
     procs.append(p)
     pids = _worker_pids(tmp_path, p)
     p.send_signal(signal.SIGTERM)
-    time.sleep(2)
+    deadline = time.monotonic() + 20  # within the agent's 30 s wait, after which it kills them
+    while len(list(tmp_path.glob("term-*"))) < 2:  # the launcher passed it on to every rank
+        assert p.poll() is None and time.monotonic() < deadline, \
+            sorted(f.name for f in tmp_path.glob("term-*"))
+        time.sleep(0.1)
     assert all(psutil.pid_exists(pid) for pid in pids), "the first SIGTERM is ignored by the script"
     began = time.monotonic()
     p.send_signal(signal.SIGTERM)

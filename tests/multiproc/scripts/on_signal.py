@@ -1,4 +1,5 @@
-"""Writes OUT/pid<RANK>; on SIGUSR1 writes OUT/usr1-<RANK> and exits; with `ignore`, ignores SIGTERM."""
+"""Writes OUT/pid<RANK>; on SIGUSR1 writes OUT/usr1-<RANK> and exits; with `ignore`, goes on
+through SIGTERM, and writes OUT/term-<RANK> at the first one (the test knows it arrived)."""
 import os
 import signal
 import sys
@@ -12,9 +13,13 @@ def on_usr1(*_):
     sys.exit(0)
 
 
+def on_term(*_):
+    open(os.path.join(out, f"term-{rank}"), "a").close()
+
+
 signal.signal(signal.SIGUSR1, on_usr1)
 if sys.argv[2:] == ["ignore"]:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_term)
 with open(os.path.join(out, f"pid{rank}"), "w") as f:
     f.write(str(os.getpid()))
-time.sleep(600)
+time.sleep(600)  # a handler that returns does not end it: the sleep goes on for what is left
