@@ -129,3 +129,22 @@ def test_a_stop_signal_sent_to_one_rank_stops_every_rank_as_a_stop_not_a_failure
         "to go on"), err
     assert "failed" not in err and err.count("--resume") == 1, err
     assert not list((tmp_path / "run" / "logs").glob("*/attempt_0/STOPPING"))
+
+
+def test_a_stop_signal_sent_to_one_rank_stops_with_max_restarts_too(tmp_path):
+    """`kill PID` of rank 1 under --max-restarts: the ranks stop together and save, as without
+    it; the agent does not take their stop for a failure and start them again."""
+    launcher = start(tmp_path, "--epochs", "3", "--max-restarts", "1")
+    try:
+        workers = after_the_first_checkpoint(tmp_path, launcher)
+        os.kill(workers[1], signal.SIGTERM)
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "restarting all workers" not in err and "failed" not in err, err
+    assert not list((tmp_path / "run" / "logs").glob("*/attempt_1")), err
+    last = err.splitlines()[-1]
+    assert last.startswith("multigpu: stopped by SIGTERM ") and last.endswith(
+        "run the same command with --resume run to go on"), err
+

@@ -117,6 +117,54 @@ class AttemptClose:
             self._cls._close = self._original
 
 
+RANKS_STOP_WAIT = 10.0  # s the agent waits for the other ranks once one stopped by itself
+
+
+class RanksStopTogether:
+    """For ranks that stop together on a stop signal sent to one of them (`kill PID` of a rank of
+    multigpu train: every rank saves, then exits 128 + N): the agent takes their stop for a stop,
+    not a failure (private torch API, its check of the workers wrapped for the launch; without
+    it, torch's behaviour). Left to itself, the agent SIGTERMs the ranks still exiting as soon
+    as the first has ended (a rank 0 still closing its logger dies by that signal, and the stop
+    is reported as a failure), and with --max-restarts it starts them all again. So while every
+    rank that ended stopped on a stop signal, the others are given RANKS_STOP_WAIT to end as
+    well, and no restart follows. Enter it before RestartsSaid, which then says no restart."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._since: float | None = None  # time.monotonic() when a rank was first seen stopped
+
+    def __enter__(self):
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        self._cls, self._original = LocalElasticAgent, LocalElasticAgent.__dict__.get("_monitor_workers")
+        if self.enabled and self._original is not None:
+            hooks, original = self, self._original
+
+            def monitor(agent, worker_group):
+                result = original(agent, worker_group)
+                failures = result.failures if result.is_failed() else {}
+                if not failures or not all(stop_reason.stopped_by_signal(f.exitcode)
+                                           for f in failures.values()):
+                    return result
+                if len(failures) < worker_group.spec.local_world_size and hooks._waiting():
+                    return RunResult(state=WorkerState.HEALTHY)  # the others are stopping too
+                agent._remaining_restarts = 0  # a stop asked for: the agent ends the launch
+                return result
+            LocalElasticAgent._monitor_workers = monitor
+        return self
+
+    def _waiting(self) -> bool:
+        if self._since is None:
+            self._since = time.monotonic()
+        return time.monotonic() - self._since < RANKS_STOP_WAIT
+
+    def __exit__(self, *exc):
+        if self.enabled and self._original is not None:
+            self._cls._monitor_workers = self._original
+
+
 def end_session_left(sid: int) -> None:
     """SIGKILL to what is left of the session of a rank that has ended (its pid names the session
     and its process group): the group, and the groups its loader workers moved to. Nothing if a

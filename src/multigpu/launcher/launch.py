@@ -37,8 +37,9 @@ from typing import Callable
 from multigpu.launcher import ports, sysinfo, watchdog
 from multigpu.core import orphans
 from multigpu.core.environ import environ_set
-from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, AttemptClose, SecondSignalKills, kill_workers_left,
-                                  quiet_torchelastic, restore_signal_handlers)
+from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, AttemptClose, RanksStopTogether,
+                                           SecondSignalKills, kill_workers_left,
+                                           quiet_torchelastic, restore_signal_handlers)
 from multigpu.launcher.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
 from multigpu.launcher.stop_reason import STOP_SIGNALS, stopped_by_signal
@@ -279,7 +280,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     ports.register_rendezvous_backend()
     ports.OBSERVER.reset()
     with child_environment(plan, opts, log_dir), restore_signal_handlers(), quiet_torchelastic(), \
-            SecondSignalKills() as signals, RestartsSaid(opts.max_restarts), \
+            SecondSignalKills() as signals, RanksStopTogether(ranks_say_their_stop), \
+            RestartsSaid(opts.max_restarts), \
             AttemptClose(asked_to_stop=lambda: signals.signals > 0) as close:
         config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
         ours = on_usage_error is not None or _runs_our_worker(cmd)
