@@ -4,6 +4,7 @@ which GPU a process keeps."""
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -316,3 +317,25 @@ def test_the_start_line_of_one_process_says_that_nothing_is_split():
     assert worker.start_line(2, "gloo", "cpu", "per-gpu") == (
         "multigpu: --auto: 2 processes (gloo, cpu); shuffled DataLoaders split, the script's "
         "batch_size per process; gradients averaged as DDP does; torch.save by rank 0")
+
+
+def test_a_deepcopy_or_a_whole_saved_copy_of_a_replicated_model_takes_hooks_again(
+        tmp_path, one_rank_group, saving_installed):
+    """An EMA copy or a model saved whole is a plain module that can be replicated again (a
+    second optimizer, the next --auto run that loads it): replicate registers a forward pre-hook
+    with kwargs, which failed on the copy ('cannot create weak reference to 'dict' object')."""
+    from torch.distributed._composable import replicate
+    from multigpu.auto.plain import plain_deepcopy
+
+    model = Tiny()
+    replicate(model)
+    type(model).__deepcopy__ = plain_deepcopy  # as gradients.GradientAveraging does
+    model(torch.ones(1, 2)).sum().backward()
+    torch.save(model, tmp_path / "model.pt")
+    for twin in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert type(twin) is Tiny
+        for hooks in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+            assert type(getattr(twin, hooks)) is type(getattr(Tiny(), hooks)), hooks
+        replicate(twin)
+        twin(torch.ones(1, 2)).sum().backward()
+        assert twin.head.weight.grad is not None

@@ -44,7 +44,9 @@ def plain_reduction(module: nn.Module, parts) -> tuple:
         dropped = {i for i, h in dump[hooks].items() if getattr(h, "__self__", None) is state}
         dump[hooks] = collections.OrderedDict(
             (i, h) for i, h in dump[hooks].items() if i not in dropped)
-        dump[flags] = {i: v for i, v in dump.get(flags, {}).items() if i not in dropped}
+        # an OrderedDict, as torch's: a hook's RemovableHandle holds a weak reference to it
+        dump[flags] = collections.OrderedDict(
+            (i, v) for i, v in dump.get(flags, {}).items() if i not in dropped)
     # object.__new__(cls), not copyreg.__newobj__: pickle checks that one's class is type(module)
     return object.__new__, (script_class(module),), dump
 
