@@ -117,6 +117,15 @@ def test_auto_unused_trains_a_model_with_a_head_the_loss_leaves_out(tmp_path):
                                   "spare_head.bias", "spare_head.weight"]
 
 
+
+def test_an_optimizer_whose_step_runs_a_closure_has_its_gradients_averaged(tmp_path):
+    """LBFGS: the forward and backward run inside optimizer.step(closure), so the checks of the
+    first step look after it (they refused 'forward never ran', or every parameter as unused)."""
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_lbfgs.py"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    weights = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert weights[0] == weights[1]  # each rank trained on its half: the gradients were averaged
+
 @pytest.mark.parametrize("args, line", [
     (["--auto-unused", "x.py"],
      "multigpu: error: --auto-unused is a choice of --auto: add --auto, or drop --auto-unused"),

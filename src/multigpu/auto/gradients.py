@@ -95,7 +95,14 @@ class GradientAveraging:
         return roots, [p for p in params if id(p) not in held]
 
     def before_step(self, optimizer, args, kwargs) -> None:
-        """At an optimizer's first step: each module it replicated has run its forward."""
+        """At an optimizer's first step: each module it replicated has run its forward, and got
+        its gradients. An optimizer given a closure (LBFGS) runs the forward and backward inside
+        its step: then they are looked at after it."""
+        if (args[0] if args else kwargs.get("closure")) is not None:
+            return
+        self.after_step(optimizer, args, kwargs)
+
+    def after_step(self, optimizer, args, kwargs) -> None:
         roots = self.pending.pop(optimizer, None)
         if not roots:
             return
@@ -138,7 +145,8 @@ def install(find_unused: bool = False) -> GradientAveraging:
         averaging.on_param_group(self, self.param_groups[-1])
 
     torch.optim.Optimizer.add_param_group = patched
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(averaging.before_step)
+    register_optimizer_step_post_hook(averaging.after_step)  # a closure's step, looked at after
     return averaging
