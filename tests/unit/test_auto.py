@@ -339,3 +339,20 @@ def test_a_deepcopy_or_a_whole_saved_copy_of_a_replicated_model_takes_hooks_agai
         replicate(twin)
         twin(torch.ones(1, 2)).sum().backward()
         assert twin.head.weight.grad is not None
+
+
+def test_the_unused_parameters_of_a_compiled_model_are_named_as_the_script_names_them(
+        one_rank_group):
+    """torch.compile's OptimizedModule holds the script's model as _orig_mod: the refusal names
+    the script's class and parameters, not 'OptimizedModule' and '_orig_mod.head.weight'."""
+    from torch.distributed._composable import replicate
+
+    model = torch.compile(Tiny(), backend="eager")
+    replicate(model)
+    for p in model._orig_mod.body.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(UsageError) as refused:
+        gradients.refuse_unused(model)
+    assert str(refused.value).startswith(
+        "2 trainable parameter(s) of the Tiny got no gradient in the first step (head.weight, "
+        "head.bias): "), refused.value

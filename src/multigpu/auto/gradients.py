@@ -122,11 +122,13 @@ class GradientAveraging:
 def refuse_unused(root: nn.Module) -> None:
     """At the first optimizer step: trainable parameters of a replicated module that got no
     gradient stop DDP at the next forward, in a long message; said here in one line instead."""
-    unused = [n for n, p in root.named_parameters() if p.requires_grad and p.grad is None]
+    model = getattr(root, "_orig_mod", root)  # torch.compile's wrapper: the script's model
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     if not unused:
         return
+    name = (script_class(root) if model is root else type(model)).__name__
     shown = ", ".join(unused[:4]) + (f" (+{len(unused) - 4} more)" if len(unused) > 4 else "")
-    raise UsageError(f"{len(unused)} trainable parameter(s) of the {script_class(root).__name__} "
+    raise UsageError(f"{len(unused)} trainable parameter(s) of the {name} "
                      f"got no gradient in the first step ({shown}): --auto averages gradients as "
                      "DDP does, which needs every trainable parameter in each step's loss; freeze "
                      "what the loss does not use (requires_grad_(False)), or run with "
