@@ -83,8 +83,9 @@ class AttemptClose:
       that did not end with 0 (torch starts each rank in one of its own, and they stay in it) is
       ended with SIGKILL."""
 
-    def __init__(self, asked_to_stop: Callable[[], bool] = lambda: False):
-        self.asked_to_stop = asked_to_stop
+    def __init__(self, asked_to_stop: Callable[[], bool] = lambda: False,
+                 ranks_stop_together: bool = False):
+        self.asked_to_stop, self.ranks_stop_together = asked_to_stop, ranks_stop_together
         self.exit_codes: dict[int, int | None] = {}  # local rank -> exit code, at the last close
 
     def __enter__(self):
@@ -98,8 +99,11 @@ class AttemptClose:
             def close(pcontext, *args, **kwargs):
                 handlers = getattr(pcontext, "subprocess_handlers", {})
                 ended = {rank: h.proc.returncode for rank, h in handlers.items()
-                         if h.proc.poll() not in (None, 0)}  # a stop on a signal: no failure
-                ended = {} if all(map(stop_reason.stopped_by_signal, ended.values())) else ended
+                         if h.proc.poll() not in (None, 0)}
+                if ended and all(map(stop_reason.stopped_by_signal, ended.values())):
+                    if hooks.ranks_stop_together and not hooks.asked_to_stop():
+                        _let_the_others_end(handlers.values(), RANKS_STOP_WAIT)
+                    ended = {}  # a stop on a signal, not a failure to say
                 if ended and not hooks.asked_to_stop():
                     stop_reason.write(getattr(pcontext, "error_files", {}), ended)
                 try:
@@ -117,48 +121,46 @@ class AttemptClose:
             self._cls._close = self._original
 
 
-RANKS_STOP_WAIT = 10.0  # s the agent waits for the other ranks once one stopped by itself
+RANKS_STOP_WAIT = 10.0  # s the others are given once a rank stopped by itself on a signal
+
+
+def _let_the_others_end(handlers, wait: float) -> None:
+    """Ranks that stop together on a stop signal sent to one of them (`kill PID` of a rank of
+    multigpu train: every rank saves, then exits 128 + N) end one after another: torch's agent
+    closes the attempt as soon as the first has ended, and its SIGTERM would reach a rank still
+    exiting (its logger closing) and end it by the signal, a stop then said as a failure. The
+    others get `wait` seconds to end by themselves first."""
+    deadline = time.monotonic() + wait
+    for h in handlers:
+        with contextlib.suppress(Exception):  # subprocess.TimeoutExpired: the agent's SIGTERM then
+            h.proc.wait(max(deadline - time.monotonic(), 0))
 
 
 class RanksStopTogether:
-    """For ranks that stop together on a stop signal sent to one of them (`kill PID` of a rank of
-    multigpu train: every rank saves, then exits 128 + N): the agent takes their stop for a stop,
-    not a failure (private torch API, its check of the workers wrapped for the launch; without
-    it, torch's behaviour). Left to itself, the agent SIGTERMs the ranks still exiting as soon
-    as the first has ended (a rank 0 still closing its logger dies by that signal, and the stop
-    is reported as a failure), and with --max-restarts it starts them all again. So while every
-    rank that ended stopped on a stop signal, the others are given RANKS_STOP_WAIT to end as
-    well, and no restart follows. Enter it before RestartsSaid, which then says no restart."""
+    """Ranks of an attempt that all stopped on a stop signal sent to one of them (see
+    _let_the_others_end) asked for a stop: torch's agent would start them again under
+    --max-restarts (private torch API, its check of the workers wrapped for the launch; without
+    it, torch's behaviour). Enter it before RestartsSaid, which then says no restart."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self._since: float | None = None  # time.monotonic() when a rank was first seen stopped
 
     def __enter__(self):
-        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
         self._cls, self._original = LocalElasticAgent, LocalElasticAgent.__dict__.get("_monitor_workers")
         if self.enabled and self._original is not None:
-            hooks, original = self, self._original
+            original = self._original
 
             def monitor(agent, worker_group):
                 result = original(agent, worker_group)
                 failures = result.failures if result.is_failed() else {}
-                if not failures or not all(stop_reason.stopped_by_signal(f.exitcode)
-                                           for f in failures.values()):
-                    return result
-                if len(failures) < worker_group.spec.local_world_size and hooks._waiting():
-                    return RunResult(state=WorkerState.HEALTHY)  # the others are stopping too
-                agent._remaining_restarts = 0  # a stop asked for: the agent ends the launch
+                if failures and all(stop_reason.stopped_by_signal(f.exitcode)
+                                    for f in failures.values()):
+                    agent._remaining_restarts = 0  # a stop asked for: the agent ends the launch
                 return result
             LocalElasticAgent._monitor_workers = monitor
         return self
-
-    def _waiting(self) -> bool:
-        if self._since is None:
-            self._since = time.monotonic()
-        return time.monotonic() - self._since < RANKS_STOP_WAIT
 
     def __exit__(self, *exc):
         if self.enabled and self._original is not None:

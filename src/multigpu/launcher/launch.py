@@ -282,7 +282,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     with child_environment(plan, opts, log_dir), restore_signal_handlers(), quiet_torchelastic(), \
             SecondSignalKills() as signals, RanksStopTogether(ranks_say_their_stop), \
             RestartsSaid(opts.max_restarts), \
-            AttemptClose(asked_to_stop=lambda: signals.signals > 0) as close:
+            AttemptClose(asked_to_stop=lambda: signals.signals > 0,
+                         ranks_stop_together=ranks_say_their_stop) as close:
         config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
         ours = on_usage_error is not None or _runs_our_worker(cmd)
         if ours:  # multigpu's own workers: leave their echoes to the report
