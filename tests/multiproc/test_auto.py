@@ -107,6 +107,7 @@ def test_what_auto_cannot_split_is_refused_in_one_line(tmp_path, script, args, l
     assert "Traceback" not in r.stderr and not (tmp_path / "model.pt").exists()
 
 
+@pytest.mark.extended  # about 8 s on 2 cores: CI runs it (make test-all); the refusal is in make test
 def test_auto_unused_trains_a_model_with_a_head_the_loss_leaves_out(tmp_path):
     r = multigpu("--auto", "--auto-unused", "--devices", "cpu:2", str(SCRIPTS / "auto_unused_head.py"),
                  cwd=tmp_path)

@@ -131,6 +131,7 @@ def test_a_stop_signal_sent_to_one_rank_stops_every_rank_as_a_stop_not_a_failure
     assert not list((tmp_path / "run" / "logs").glob("*/attempt_0/STOPPING"))
 
 
+@pytest.mark.extended  # about 9 s on 2 cores: CI runs it (make test-all)
 def test_a_stop_signal_sent_to_one_rank_stops_with_max_restarts_too(tmp_path):
     """`kill PID` of rank 1 under --max-restarts: the ranks stop together and save, as without
     it; the agent does not take their stop for a failure and start them again."""
