@@ -25,6 +25,12 @@
 #                 pytorch/examples (benchmarks/time_to_train.sh)                    (box 420 s)
 #  14 post002     post 002's LSTM, multigpu against hand-written DDP, 1 and N GPUs  (box 240 s)
 #  15 bench-fsdp  resnet50 and swin_t, multigpu-ddp against multigpu-fsdp on N GPUs (box 150 s)
+#  16 startup     command -> first step of multigpu train beside a bare torchrun script, N GPUs,
+#                 3 trials in turns (benchmarks/startup_phases.py)                  (box 240 s)
+#  17 decode-auto --decode auto against cpu and gpu in turns, detailed JPEGs, an epoch long enough
+#                 for auto's timing (benchmarks/decode_auto.sh)                      (box 580 s)
+#  18 auto-public pytorch/examples' ImageNet main.py, unmodified, under --auto on 1, 2, N GPUs
+#                 and its data loading alone (needs .public carried; auto_public_compare.sh) (box 500 s)
 # Everything lands in $OUT: <stage>.log for each stage, summary.txt, pytest-gpu.xml, and
 # bench-*.json / bench-*.png / bench-*-logs/ (per-rank logs of every launch).
 set -uo pipefail
@@ -155,6 +161,12 @@ stage post002 240 env OUT="$OUT/post002" RUNS="$RUNS_ROOT/post002" COUNTS="$COUN
     bash benchmarks/post002_compare.sh
 stage bench-fsdp 150 "${BENCH[@]}" --model resnet50,swin_t --batch-size 128 --gpus "$N" \
     --methods multigpu-ddp,multigpu-fsdp --steps 20 --warmup 5 --trials 3 --out "$OUT/bench-fsdp.json"
+stage startup 240 "$PY" benchmarks/startup_phases.py --gpus "$N" --trials 3 --head-start on --bare \
+    --out "$OUT/startup"
+# auto times each way in its first epoch: 409 600 images give 4 GPUs at batch 128 the steps it needs
+stage decode-auto 580 env OUT="$OUT/decode-auto" FOLDER="/tmp/multigpu-detailed" DEVICES="$DEVICES" \
+    KIND=detailed COUNT="${DECODE_AUTO_COUNT:-409600}" EPOCHS=2 ROUNDS=1 bash benchmarks/decode_auto.sh
+stage auto-public 500 env OUT="$OUT/auto-public" GPUS="${SCALE#1,}" bash benchmarks/auto_public_compare.sh
 
 # Clocks after the runs (BASELINE.md saw 1980 MHz, the maximum, on every GPU).
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
