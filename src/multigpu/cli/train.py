@@ -65,7 +65,7 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _finished_before_the_signal(code: int, out, epochs: int) -> int:
-    """A launch stopped by a stop signal (launch.stopped_by_signal: Ctrl-C, a scheduler's
+    """A launch stopped by a stop signal (stop_reason.stopped_by_signal: Ctrl-C, a scheduler's
     SIGTERM) while its ranks were only exiting, every epoch and the last checkpoint complete,
     finished: exit 0, saying so. A rank's own death by a signal keeps its code."""
     from multigpu.train import runfolder

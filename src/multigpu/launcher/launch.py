@@ -42,7 +42,7 @@ from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, AttemptClose, RanksS
                                            quiet_torchelastic, restore_signal_handlers)
 from multigpu.launcher.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
-from multigpu.launcher.stop_reason import STOP_SIGNALS, stopped_by_signal
+from multigpu.launcher.stop_reason import STOP_SIGNALS, each_stopped_by_itself
 from multigpu.core.errors import UsageError
 from multigpu.launcher.launch_options import AGENT_STARTED_ENV, LaunchOptions
 from multigpu.launcher.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
@@ -279,11 +279,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
 
     ports.register_rendezvous_backend()
     ports.OBSERVER.reset()
-    with child_environment(plan, opts, log_dir), restore_signal_handlers(), quiet_torchelastic(), \
-            SecondSignalKills() as signals, RanksStopTogether(ranks_say_their_stop), \
-            RestartsSaid(opts.max_restarts), \
-            AttemptClose(asked_to_stop=lambda: signals.signals > 0,
-                         ranks_stop_together=ranks_say_their_stop) as close:
+    with _agent_tamed(plan, opts, log_dir, ranks_say_their_stop) as (signals, close):
         config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
         ours = on_usage_error is not None or _runs_our_worker(cmd)
         if ours:  # multigpu's own workers: leave their echoes to the report
@@ -294,7 +290,7 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             elastic_launch(config, entrypoint)(*entry_args)
             return 0
         except ChildFailedError as exc:
-            if ranks_say_their_stop and (code := _each_stopped_by_itself(close.exit_codes)):
+            if ranks_say_their_stop and (code := each_stopped_by_itself(close.exit_codes)):
                 return _stopped_by_the_ranks(code, opts)
             code = report_child_failed(exc, log_dir, node=_node_name(opts),
                                        on_usage_error=on_usage_error, since=began, ours=ours)
@@ -303,14 +299,13 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
             return code
         except SignalException as exc:
             said = ranks_say_their_stop and _shows_rank_0(opts) and \
-                _each_stopped_by_itself(close.exit_codes) == 128 + int(exc.sigval)
+                each_stopped_by_itself(close.exit_codes) == 128 + int(exc.sigval)
             return _stopped(exc.sigval, signals, getattr(config, "shutdown_timeout", None),
                             next_step, said_by_the_ranks=said)
-        except RendezvousTimeoutError:
-            err(f"error: {rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())}")
-            return 1
-        except RendezvousError as exc:
-            err(f"error: {rendezvous_failed_message(exc, opts, rdzv)}")
+        except RendezvousError as exc:  # a RendezvousTimeoutError too: the nodes did not all come
+            timed_out = isinstance(exc, RendezvousTimeoutError)
+            err("error: " + (rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())
+                             if timed_out else rendezvous_failed_message(exc, opts, rdzv)))
             return 1
         except Exception as exc:  # torchrun's agent itself failed: one line, the logs say more
             if os.environ.get("MULTIGPU_DEBUG"):
@@ -319,6 +314,19 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
                  f"logs of every rank: {log_dir}")
             kill_workers_left()
             return 1
+
+
+@contextlib.contextmanager
+def _agent_tamed(plan: DevicePlan, opts: LaunchOptions, log_dir: str, ranks_stop_together: bool):
+    """torch's agent as a launch runs it (agent_hooks): the workers' environment, its signal
+    handlers and logs undone after, a second signal that kills at once, restarts said, and the
+    attempts' close; yields (SecondSignalKills, AttemptClose)."""
+    with child_environment(plan, opts, log_dir), restore_signal_handlers(), quiet_torchelastic(), \
+            SecondSignalKills() as signals, RanksStopTogether(ranks_stop_together), \
+            RestartsSaid(opts.max_restarts), \
+            AttemptClose(asked_to_stop=lambda: signals.signals > 0,
+                         ranks_stop_together=ranks_stop_together) as close:
+        yield signals, close
 
 
 def _stopped(sig: signal.Signals, signals: "SecondSignalKills", shutdown_timeout: float | None,
@@ -350,13 +358,6 @@ def _shows_rank_0(opts: LaunchOptions) -> bool:
     """Whether this node's console shows rank 0: one machine, or the node given rank 0 (a node
     whose rank the rendezvous decides is not known to)."""
     return parse_nnodes(opts.nnodes)[1] == 1 or opts.node_rank == 0
-
-
-def _each_stopped_by_itself(exit_codes: dict) -> int | None:
-    """The exit code 128 + N by which every rank of the attempt stopped on a stop signal N (the
-    ranks of multigpu train, after saving), or None."""
-    codes = set(exit_codes.values())
-    return codes.pop() if len(codes) == 1 and stopped_by_signal(next(iter(codes))) else None
 
 
 def _stopped_by_the_ranks(code: int, opts: LaunchOptions) -> int:
