@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import runpy
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multiproc.test_run_cli import multigpu, procs, start  # noqa: F401 - procs: a fixture
+from tests.multiproc.test_run_cli import clean_env, multigpu, procs, start  # noqa: F401 - procs: a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +128,26 @@ def test_an_optimizer_whose_step_runs_a_closure_has_its_gradients_averaged(tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     weights = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert weights[0] == weights[1]  # each rank trained on its half: the gradients were averaged
+
+def test_lbfgs_with_a_line_search_decides_on_the_loss_of_every_rank(tmp_path):
+    """LBFGS's line search and its stopping tests read the loss its closure returns: each rank's
+    own half-batch loss made the ranks take different steps and call the closure a different
+    number of times (a hang in the gradient averaging). Averaged over the ranks, every rank takes
+    the step one process takes on the whole batch."""
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_lbfgs_line_search.py"),
+                 cwd=tmp_path, timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    subprocess.run([sys.executable, str(SCRIPTS / "auto_lbfgs_line_search.py")], cwd=alone,
+                   check=True, env=clean_env(), timeout=60)
+    expected = json.loads((alone / "weights_rank0.json").read_text())
+    for key, value in expected.items():  # sums in another order, through up to 36 iterations
+        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(value),
+                                   rtol=1e-3, atol=1e-3)
+
 
 @pytest.mark.parametrize("args, line", [
     (["--auto-unused", "x.py"],
