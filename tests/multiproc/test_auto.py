@@ -86,6 +86,17 @@ def test_a_model_loaded_whole_then_copied_has_its_gradients_averaged_and_an_ema_
     assert seen[0]["ema"] == seen[1]["ema"] and seen[0]["ema"] != seen[0]["student"]
 
 
+def test_an_ema_copy_of_an_unseeded_model_is_the_same_on_every_rank(tmp_path):
+    """A script without a seed starts its model from other weights in each process; rank 0's
+    reached the others only at the first forward, after the script's EMA copy was made: each
+    rank's EMA went on from its own start (and so did every decision the script took on it)."""
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_ema_unseeded.py"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0]["model"] == seen[1]["model"]
+    assert seen[0]["ema"] == seen[1]["ema"]
+
+
 @pytest.mark.parametrize("script, args, line", [
     ("auto_own_group.py", [],
      "multigpu: error: auto_own_group.py calls torch.distributed.init_process_group itself, so it "

@@ -5,7 +5,8 @@ torch's composable DDP, `torch.distributed._composable.replicate(module)`, insta
 a module in place: the module keeps its identity and its state dict keys (no `module.` prefix);
 on its first forward it builds a DDP Reducer over its parameters, which broadcasts rank 0's
 weights and buffers to every rank, then all-reduces (averages) the gradients in buckets while
-backward runs.
+backward runs. Rank 0's weights are sent once before that too, when the optimizer gets them, so
+that a copy the script makes in between (an EMA) is the same on every rank.
 
 Which module to replicate is decided when the script gives parameters to an optimizer
 (Optimizer.add_param_group, which the optimizer's __init__ calls): the outermost modules that hold
@@ -84,6 +85,7 @@ class GradientAveraging:
 
         for root in roots:
             replicate(root, **({"find_unused_parameters": True} if self.find_unused else {}))
+            rank0_weights_now(root)
             type(root).__deepcopy__ = plain_deepcopy  # a class of its own: EMA copies, snapshots
             self.covered |= {id(p) for p in root.parameters()}
         self.pending.setdefault(optimizer, []).extend(roots)
@@ -122,6 +124,22 @@ class GradientAveraging:
                                  "itself, or run without --auto")
             if not self.find_unused:
                 refuse_unused(root)
+
+
+def rank0_weights_now(root: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank now, when the optimizer gets them. replicate
+    sends them at the first forward only: a copy the script makes in between (an EMA made after
+    the optimizer, as timm's ModelEma) kept each rank's own start where the script set no seed.
+    Left to that first forward where a tensor is not where the backend can send it (a model moved
+    to its GPU after the optimizer was made, NCCL), or not made yet (meta)."""
+    import torch.distributed as dist
+    from torch.distributed.utils import _sync_module_states
+
+    needs = "cuda" if dist.get_backend() == "nccl" else None
+    tensors = [*root.parameters(), *root.buffers()]
+    if any(t.is_meta or (needs and t.device.type != needs) for t in tensors):
+        return
+    _sync_module_states(root, dist.group.WORLD, 250 * 1024 * 1024, 0, set())  # DDP's own call
 
 
 def averaging_closure(closure):

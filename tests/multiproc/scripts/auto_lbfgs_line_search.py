@@ -10,7 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
 optimizer = torch.optim.LBFGS(model.parameters(), max_iter=12, line_search_fn="strong_wolfe")
 g = torch.Generator().manual_seed(1)
 x_all = torch.randn(64, 4, generator=g)
@@ -18,6 +19,7 @@ data = TensorDataset(x_all, torch.sin(x_all.sum(1, keepdim=True)))
 losses = []
 for epoch in range(3):
     for x, y in DataLoader(data, batch_size=64, shuffle=True):  # the whole set: one step an epoch
+        x, y = x.to(device), y.to(device)
         def closure():
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
