@@ -103,3 +103,17 @@ def test_nccl_joins_auto_processes_peer_to_peer_where_their_gpus_can(tmp_path, t
     via = re.findall(r"NCCL INFO Channel \d+(?:/\d+)? : \S+ -> \S+ via (\S+)",
                      r.stdout + r.stderr)
     assert via and all(v.startswith("P2P") for v in via), sorted(set(via))
+
+
+@pytest.mark.parametrize("script", ["auto_ema_unseeded.py", "auto_lbfgs_line_search.py"])
+def test_an_ema_of_an_unseeded_model_and_an_lbfgs_line_search_agree_over_nccl(tmp_path,
+                                                                               two_free_gpus, script):
+    """Rank 0's weights sent when the optimizer gets them (NCCL, the model on its GPU already),
+    and the loss of LBFGS's closure averaged over the ranks (a float64 all-reduce on the GPU):
+    the same weights, and the same EMA, on both ranks; the line search ends alike on both."""
+    r = subprocess.run([sys.executable, "-m", "multigpu", "run", "--auto", "--devices", "2",
+                        str(TUTORIAL.parent / script)],
+                       cwd=tmp_path, env=gpu_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    seen = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0] == seen[1]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import runpy
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multiproc.test_run_cli import multigpu, procs, start  # noqa: F401 - procs: a fixture
+from tests.multiproc.test_run_cli import clean_env, multigpu, procs, start  # noqa: F401 - procs: a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +86,17 @@ def test_a_model_loaded_whole_then_copied_has_its_gradients_averaged_and_an_ema_
     assert seen[0]["ema"] == seen[1]["ema"] and seen[0]["ema"] != seen[0]["student"]
 
 
+def test_an_ema_copy_of_an_unseeded_model_is_the_same_on_every_rank(tmp_path):
+    """A script without a seed starts its model from other weights in each process; rank 0's
+    reached the others only at the first forward, after the script's EMA copy was made: each
+    rank's EMA went on from its own start (and so did every decision the script took on it)."""
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_ema_unseeded.py"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0]["model"] == seen[1]["model"]
+    assert seen[0]["ema"] == seen[1]["ema"]
+
+
 @pytest.mark.parametrize("script, args, line", [
     ("auto_own_group.py", [],
      "multigpu: error: auto_own_group.py calls torch.distributed.init_process_group itself, so it "
@@ -126,6 +139,26 @@ def test_an_optimizer_whose_step_runs_a_closure_has_its_gradients_averaged(tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     weights = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert weights[0] == weights[1]  # each rank trained on its half: the gradients were averaged
+
+def test_lbfgs_with_a_line_search_decides_on_the_loss_of_every_rank(tmp_path):
+    """LBFGS's line search and its stopping tests read the loss its closure returns: each rank's
+    own half-batch loss made the ranks take different steps and call the closure a different
+    number of times (a hang in the gradient averaging). Averaged over the ranks, every rank takes
+    the step one process takes on the whole batch."""
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_lbfgs_line_search.py"),
+                 cwd=tmp_path, timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"weights_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    subprocess.run([sys.executable, str(SCRIPTS / "auto_lbfgs_line_search.py")], cwd=alone,
+                   check=True, env=clean_env(), timeout=60)
+    expected = json.loads((alone / "weights_rank0.json").read_text())
+    for key, value in expected.items():  # sums in another order, through up to 36 iterations
+        torch.testing.assert_close(torch.tensor(ranks[0][key]), torch.tensor(value),
+                                   rtol=1e-3, atol=1e-3)
+
 
 @pytest.mark.parametrize("args, line", [
     (["--auto-unused", "x.py"],

@@ -5,7 +5,8 @@ torch's composable DDP, `torch.distributed._composable.replicate(module)`, insta
 a module in place: the module keeps its identity and its state dict keys (no `module.` prefix);
 on its first forward it builds a DDP Reducer over its parameters, which broadcasts rank 0's
 weights and buffers to every rank, then all-reduces (averages) the gradients in buckets while
-backward runs.
+backward runs. Rank 0's weights are sent once before that too, when the optimizer gets them, so
+that a copy the script makes in between (an EMA) is the same on every rank.
 
 Which module to replicate is decided when the script gives parameters to an optimizer
 (Optimizer.add_param_group, which the optimizer's __init__ calls): the outermost modules that hold
@@ -84,6 +85,7 @@ class GradientAveraging:
 
         for root in roots:
             replicate(root, **({"find_unused_parameters": True} if self.find_unused else {}))
+            rank0_weights_now(root)
             type(root).__deepcopy__ = plain_deepcopy  # a class of its own: EMA copies, snapshots
             self.covered |= {id(p) for p in root.parameters()}
         self.pending.setdefault(optimizer, []).extend(roots)
@@ -94,13 +96,18 @@ class GradientAveraging:
         held = {id(p) for r in roots for p in r.parameters()}
         return roots, [p for p in params if id(p) not in held]
 
-    def before_step(self, optimizer, args, kwargs) -> None:
+    def before_step(self, optimizer, args, kwargs):
         """At an optimizer's first step: each module it replicated has run its forward, and got
         its gradients. An optimizer given a closure (LBFGS) runs the forward and backward inside
-        its step: then they are looked at after it."""
-        if (args[0] if args else kwargs.get("closure")) is not None:
-            return
-        self.after_step(optimizer, args, kwargs)
+        its step: then they are looked at after it, and the closure's loss is averaged."""
+        # args: step's own, the optimizer first (torch's wrapper passes them whole)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            return self.after_step(optimizer, args, kwargs)
+        averaged = averaging_closure(closure)
+        if len(args) > 1:
+            return (args[0], averaged, *args[2:]), kwargs
+        return args, kwargs | {"closure": averaged}
 
     def after_step(self, optimizer, args, kwargs) -> None:
         roots = self.pending.pop(optimizer, None)
@@ -117,6 +124,45 @@ class GradientAveraging:
                                  "itself, or run without --auto")
             if not self.find_unused:
                 refuse_unused(root)
+
+
+def rank0_weights_now(root: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank now, when the optimizer gets them. replicate
+    sends them at the first forward only: a copy the script makes in between (an EMA made after
+    the optimizer, as timm's ModelEma) kept each rank's own start where the script set no seed.
+    Left to that first forward where a tensor is not where the backend can send it (a model moved
+    to its GPU after the optimizer was made, NCCL), or not made yet (meta)."""
+    import torch.distributed as dist
+    from torch.distributed.utils import _sync_module_states
+
+    needs = "cuda" if dist.get_backend() == "nccl" else None
+    tensors = [*root.parameters(), *root.buffers()]
+    if any(t.is_meta or (needs and t.device.type != needs) for t in tensors):
+        return
+    _sync_module_states(root, dist.group.WORLD, 250 * 1024 * 1024, 0, set())  # DDP's own call
+
+
+def averaging_closure(closure):
+    """`closure` returning its loss averaged over the ranks. LBFGS decides on that loss (its line
+    search, its stopping tests): each rank's own, from its share of the batch, made the ranks step
+    differently and call the closure a different number of times, so that one waited forever in
+    the gradient averaging. Averaged, every rank takes the decisions one process takes on the
+    whole batch (the ranks' shares are equal: the mean of their means is the batch's mean)."""
+    import torch.distributed as dist
+
+    @functools.wraps(closure)
+    def averaged():
+        loss = closure()
+        is_tensor = isinstance(loss, torch.Tensor)
+        if loss is None or (is_tensor and loss.numel() != 1):
+            return loss
+        device = loss.device if is_tensor else ("cuda" if dist.get_backend() == "nccl" else "cpu")
+        total = torch.as_tensor(loss.detach() if is_tensor else float(loss), device=device,
+                                dtype=torch.float64).clone()
+        dist.all_reduce(total)  # a collective: every rank calls the closure alike, as above
+        mean = total / dist.get_world_size()
+        return mean.to(loss.dtype).reshape(loss.shape) if is_tensor else mean.item()
+    return averaged
 
 
 def refuse_unused(root: nn.Module) -> None:
