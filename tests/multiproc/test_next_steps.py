@@ -111,17 +111,24 @@ def test_a_restart_says_which_rank_died_and_how(tmp_path):
     assert "--resume" not in err  # it went on by itself
 
 
-def test_a_stop_signal_sent_to_one_rank_stops_every_rank_as_a_stop_not_a_failure(tmp_path):
-    """`kill PID` of rank 1: the ranks stop together and save, and rank 0 says where and how to go
-    on; the launcher reports no failure, and writes no reason for an agent's stop."""
-    launcher = start(tmp_path, "--epochs", "3")
+def sigterm_to_rank_1(tmp_path: Path, *extra) -> str:
+    """What the launcher said (stderr) when rank 1 alone got SIGTERM after the first checkpoint;
+    its exit code checked (the stop's)."""
+    launcher = start(tmp_path, "--epochs", "3", *extra)
     try:
         workers = after_the_first_checkpoint(tmp_path, launcher)
         os.kill(workers[1], signal.SIGTERM)
-        _, err = launcher.communicate(timeout=120)
+        _, err = launcher.communicate(timeout=180)
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGTERM, err
+    return err
+
+
+def test_a_stop_signal_sent_to_one_rank_stops_every_rank_as_a_stop_not_a_failure(tmp_path):
+    """`kill PID` of rank 1: the ranks stop together and save, and rank 0 says where and how to go
+    on; the launcher reports no failure, and writes no reason for an agent's stop."""
+    err = sigterm_to_rank_1(tmp_path)
     newest = CheckpointStore(tmp_path / "run" / "checkpoints").entries()[-1].file
     last = err.splitlines()[-1]
     assert last.startswith("multigpu: stopped by SIGTERM ") and last.endswith(
@@ -135,14 +142,7 @@ def test_a_stop_signal_sent_to_one_rank_stops_every_rank_as_a_stop_not_a_failure
 def test_a_stop_signal_sent_to_one_rank_stops_with_max_restarts_too(tmp_path):
     """`kill PID` of rank 1 under --max-restarts: the ranks stop together and save, as without
     it; the agent does not take their stop for a failure and start them again."""
-    launcher = start(tmp_path, "--epochs", "3", "--max-restarts", "1")
-    try:
-        workers = after_the_first_checkpoint(tmp_path, launcher)
-        os.kill(workers[1], signal.SIGTERM)
-        _, err = launcher.communicate(timeout=180)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM, err
+    err = sigterm_to_rank_1(tmp_path, "--max-restarts", "1")
     assert "restarting all workers" not in err and "failed" not in err, err
     assert not list((tmp_path / "run" / "logs").glob("*/attempt_1")), err
     last = err.splitlines()[-1]
