@@ -100,7 +100,7 @@ class AttemptClose:
                 handlers = getattr(pcontext, "subprocess_handlers", {})
                 ended = {rank: h.proc.returncode for rank, h in handlers.items()
                          if h.proc.poll() not in (None, 0)}
-                if ended and all(map(stop_reason.stopped_by_signal, ended.values())):
+                if stop_reason.all_stopped_by_signal(ended.values()):
                     if hooks.ranks_stop_together and not hooks.asked_to_stop():
                         _let_the_others_end(handlers.values(), RANKS_STOP_WAIT)
                     ended = {}  # a stop on a signal, not a failure to say
@@ -155,8 +155,7 @@ class RanksStopTogether:
             def monitor(agent, worker_group):
                 result = original(agent, worker_group)
                 failures = result.failures if result.is_failed() else {}
-                if failures and all(stop_reason.stopped_by_signal(f.exitcode)
-                                    for f in failures.values()):
+                if stop_reason.all_stopped_by_signal(f.exitcode for f in failures.values()):
                     agent._remaining_restarts = 0  # a stop asked for: the agent ends the launch
                 return result
             LocalElasticAgent._monitor_workers = monitor

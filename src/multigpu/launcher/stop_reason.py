@@ -29,11 +29,17 @@ def stopped_by_signal(code: int | None) -> bool:
     return code is not None and code > 128 and names.get(code - 128) in STOP_SIGNALS.split(",")
 
 
+def all_stopped_by_signal(codes) -> bool:
+    """Whether there are exit codes and each says a stop signal's own exit (stopped_by_signal)."""
+    codes = list(codes)
+    return bool(codes) and all(map(stopped_by_signal, codes))
+
+
 def each_stopped_by_itself(exit_codes: dict) -> int | None:
     """The exit code 128 + N by which every rank of an attempt stopped on a stop signal N (the
     ranks of multigpu train, after saving), or None."""
     codes = set(exit_codes.values())
-    return codes.pop() if len(codes) == 1 and stopped_by_signal(next(iter(codes))) else None
+    return codes.pop() if len(codes) == 1 and all_stopped_by_signal(codes) else None
 
 
 def write(error_files: dict, ended: dict) -> None:
