@@ -68,10 +68,6 @@ class _OwnGroup:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
         if told:  # the rank ended this worker while it started: end as torch expects
             os.kill(os.getpid(), signal.SIGTERM)
-        cpus = os.environ.get("MULTIGPU_WORKER_CPUS")  # PROTOTYPE (device experiment)
-        if cpus:
-            lo, hi = (int(v) for v in cpus.split("-"))
-            os.sched_setaffinity(0, range(lo, hi + 1))
         super().run()
 
 
