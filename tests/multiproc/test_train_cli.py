@@ -110,6 +110,22 @@ def test_two_process_checkpoint_loads_into_a_bare_model(one_and_two_process_runs
     assert not different, different
 
 
+def test_load_model_gives_back_the_trained_model_of_a_run_or_a_checkpoint(one_and_two_process_runs, tmp_path):
+    import multigpu
+    from multigpu.core.errors import UsageError
+
+    _, two, _ = one_and_two_process_runs
+    state = torch.load(two / "checkpoints" / "last.pt", weights_only=True)
+    for source in (two, two / "checkpoints" / "last.pt"):
+        model = multigpu.load_model(source)
+        assert not model.training
+        assert model.state_dict().keys() == state["model"].keys()
+        assert all(torch.equal(v, state["model"][k]) for k, v in model.state_dict().items())
+    torch.save(state["model"], tmp_path / "weights.pt")  # weights alone: nothing says the model
+    with pytest.raises(UsageError, match="does not say how its model was built"):
+        multigpu.load_model(tmp_path / "weights.pt")
+
+
 def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
     out = tmp_path / "posts"
     proc = multigpu("train", "--model", "linear", "--data", "synthetic:8607", "--batch-size", "4",
