@@ -3,6 +3,7 @@ position, planned as the exact sampler plans an epoch; DataLoader workers; strea
 themselves by rank, their uneven end agreed over ranks played here by threads."""
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -243,3 +244,37 @@ def test_equal_items_have_equal_fingerprints_and_others_not():
     assert streams.fingerprint(a) != streams.fingerprint(b | {"label": 4})
     assert streams.fingerprint(torch.zeros(2)) != streams.fingerprint(torch.zeros(2, 1))
     assert streams.fingerprint(torch.zeros(2, dtype=torch.bfloat16)) != streams.fingerprint(torch.zeros(2))
+
+
+def test_an_endless_stream_is_split_as_any_other():
+    """Nothing tells an endless stream from a long one ahead: it is split by position, and the
+    script ends its loop as in one process."""
+    firsts = [list(itertools.islice(streams.position_steps(itertools.count(), r, 2, 3, False), 4))
+              for r in (0, 1)]
+    assert [len(s) for steps in firsts for s in steps] == [3] * 8
+    assert sorted(i for steps in firsts for s in steps for i in s) == list(range(24))
+
+
+@pytest.fixture
+def patched_loader():
+    init, iterate = DataLoader.__init__, DataLoader.__iter__
+    yield
+    DataLoader.__init__, DataLoader.__iter__ = init, iterate
+
+
+def test_a_stream_is_split_when_it_trains_and_read_whole_under_no_grad(patched_loader):
+    made = loaders.install(TwoRanks(rank=1, world_size=2), "global")
+    loader = DataLoader(SizedSharded(20), batch_size=4)
+    trained = [[int(i) for b in loader for i in b] for _ in range(2)]
+    with torch.no_grad():
+        evaluated = [int(i) for b in loader for i in b]
+    assert trained == [list(range(1, 20, 2))] * 2 and len(loader) == 5
+    assert evaluated == list(range(20)) and made == [None]
+
+
+def test_a_datapipe_is_left_to_the_dataloader_which_shards_it_over_the_ranks_itself():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper(range(8)).sharding_filter()
+    assert loaders.sharded_arguments({"dataset": pipe, "batch_size": 2}, rank=0, world_size=2,
+                                     mode="global", agree=int, env=TwoRanks(rank=0, world_size=2)) is None

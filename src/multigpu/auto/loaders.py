@@ -118,8 +118,8 @@ def sharded_arguments(given: dict, *, rank: int, world_size: int, mode: str,
     if isinstance(given["dataset"], IterableDataset):
         if env is None or world_size == 1:  # one process: nothing to split
             return None
-        kwargs, split = streams.split(given, env, lambda size: per_process_batch(size, world_size, mode))
-        return own_groups(kwargs), split
+        split = streams.split(given, env, lambda size: per_process_batch(size, world_size, mode))
+        return None if split is None else (own_groups(split[0]), split[1])
     if given.get("batch_sampler") is not None:
         raise UsageError(f"the script gives its DataLoader a batch_sampler "
                          f"({type(given['batch_sampler']).__name__}): --auto splits data by "

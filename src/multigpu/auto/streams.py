@@ -48,6 +48,9 @@ process takes in an epoch (the count of one stream; with workers each worker's l
 one, as torch's own count of an IterableDataset's batches is then off). Refused in one line:
 batch_size=None (the stream's items are batches already; they cannot be split into a global
 batch), and a stream with fewer items than processes (the exact sampler refuses that too).
+An IterDataPipe is left to torch's DataLoader, which shards it over the ranks and workers itself
+(where it has a sharding_filter), as it did before --auto split streams; its uneven end is not
+handled.
 """
 from __future__ import annotations
 
@@ -288,10 +291,13 @@ def own_streams_note(dataset, world_size: int) -> str:
 _DROPPED = ("batch_size", "drop_last", "collate_fn")  # what the split sets itself
 
 
-def split(given: dict, env, per_process_batch: Callable[[int], int]) -> tuple[dict, StreamSplit]:
+def split(given: dict, env, per_process_batch: Callable[[int], int]) -> tuple[dict, StreamSplit] | None:
     """The DataLoader arguments that split the stream of `given` (the script's, by name) over
-    the processes, and the StreamSplit that the training passes go through."""
+    the processes, and the StreamSplit that the training passes go through; None for a
+    DataPipe, which torch's DataLoader shards over the ranks itself (its sharding_filter)."""
     dataset = given["dataset"]
+    if isinstance(dataset, getattr(torch.utils.data, "IterDataPipe", ())):
+        return None
     if given.get("batch_size", 1) is None:
         raise UsageError(f"the script's DataLoader reads an IterableDataset "
                          f"({type(dataset).__name__}) with batch_size=None: its items are "
