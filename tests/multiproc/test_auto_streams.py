@@ -18,8 +18,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "auto_stream_train.py"
 def run(tmp_path, ranks: int, *args: str) -> tuple[list[dict], str]:
     r = multigpu("--auto", "--devices", f"cpu:{ranks}", str(SCRIPT), *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in range(ranks)], \
-        r.stderr
+    seen = [json.loads((tmp_path / f"seen_rank{r}.json").read_text()) for r in range(ranks)]
+    return seen, r.stderr
 
 
 def assert_split_exactly(seen: list[dict], items: int) -> None:

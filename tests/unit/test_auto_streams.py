@@ -18,7 +18,8 @@ from multigpu.core.errors import UsageError
 
 def shares(n, ranks, batch, drop_last=False):
     """Each rank's steps of a stream 0..n-1 (lists of items)."""
-    return [list(streams.position_steps(range(n), r, ranks, batch, drop_last)) for r in range(ranks)]
+    return [list(streams.position_steps(range(n), r, ranks, batch, drop_last))
+            for r in range(ranks)]
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -40,7 +41,8 @@ def test_each_rank_takes_its_positions_in_the_exact_sampler_s_steps(ranks, n, ba
         expected = [list(s) for s in samplers]
     except UsageError:  # drop_last leaves no step: a stream then yields none (torch's loader too)
         expected = [[] for _ in range(ranks)]
-    assert [[len(b) for b in steps] for steps in got] == [[len(b) for b in steps] for steps in expected]
+    sizes = [[len(b) for b in steps] for steps in got]
+    assert sizes == [[len(b) for b in steps] for steps in expected]
     for k in range(len(expected[0])):
         assert sorted(i for steps in got for i in steps[k]) == \
             sorted(i for steps in expected for i in steps[k])
@@ -243,7 +245,8 @@ def test_equal_items_have_equal_fingerprints_and_others_not():
     assert streams.fingerprint(a) == streams.fingerprint(b)
     assert streams.fingerprint(a) != streams.fingerprint(b | {"label": 4})
     assert streams.fingerprint(torch.zeros(2)) != streams.fingerprint(torch.zeros(2, 1))
-    assert streams.fingerprint(torch.zeros(2, dtype=torch.bfloat16)) != streams.fingerprint(torch.zeros(2))
+    assert streams.fingerprint(torch.zeros(2, dtype=torch.bfloat16)) != \
+        streams.fingerprint(torch.zeros(2))
 
 
 def test_an_endless_stream_is_split_as_any_other():
@@ -276,5 +279,6 @@ def test_a_datapipe_is_left_to_the_dataloader_which_shards_it_over_the_ranks_its
     from torch.utils.data.datapipes.iter import IterableWrapper
 
     pipe = IterableWrapper(range(8)).sharding_filter()
+    env = TwoRanks(rank=0, world_size=2)
     assert loaders.sharded_arguments({"dataset": pipe, "batch_size": 2}, rank=0, world_size=2,
-                                     mode="global", agree=int, env=TwoRanks(rank=0, world_size=2)) is None
+                                     mode="global", agree=int, env=env) is None

@@ -291,7 +291,8 @@ def own_streams_note(dataset, world_size: int) -> str:
 _DROPPED = ("batch_size", "drop_last", "collate_fn")  # what the split sets itself
 
 
-def split(given: dict, env, per_process_batch: Callable[[int], int]) -> tuple[dict, StreamSplit] | None:
+def split(given: dict, env,
+          per_process_batch: Callable[[int], int]) -> tuple[dict, StreamSplit] | None:
     """The DataLoader arguments that split the stream of `given` (the script's, by name) over
     the processes, and the StreamSplit that the training passes go through; None for a
     DataPipe, which torch's DataLoader shards over the ranks itself (its sharding_filter)."""
