@@ -33,8 +33,12 @@ put back after it) and the processes compare it:
   At the first step where one has not, they pool what is left of their streams, with the last
   full step (held back one step for this), and split that as ShardedBatchSampler splits an
   epoch's last steps. Items move between the processes then, so this kind collates its batches in
-  the process rather than in the loader's workers; what is pooled is all that lies past the
-  shortest stream, small when the shards are near equal.
+  the process rather than in the loader's workers; what is pooled (sent to every process) is all
+  that lies past the shortest stream: small when the shards are near equal, a whole shard's items
+  where webdataset's split_by_node gives one process a shard more (a shard count that divides by
+  the processes avoids that). A WebDataset left with its default nodesplitter (single_node_only)
+  raises its own ValueError on more than one process, --auto or not: it needs
+  nodesplitter=split_by_node, which is then kept as above.
 
 The first item is all that is compared: a stream that is the same at its start but not later
 (its own random order after an identical first item) is split by position, and its processes may
