@@ -282,3 +282,19 @@ def test_a_datapipe_is_left_to_the_dataloader_which_shards_it_over_the_ranks_its
     env = TwoRanks(rank=0, world_size=2)
     assert loaders.sharded_arguments({"dataset": pipe, "batch_size": 2}, rank=0, world_size=2,
                                      mode="global", agree=int, env=env) is None
+
+
+def test_a_webdataset_without_a_nodesplitter_is_refused_in_one_line_with_its_fixes():
+    class WebDataset(IterableDataset):  # webdataset's single_node_only, as it raises
+        def __iter__(self):
+            raise ValueError("you need to add an explicit nodesplitter to your input pipeline "
+                             "for multi-node training")
+            yield
+
+    with pytest.raises(UsageError) as e:
+        loader_of(0, 2, WebDataset(), batch_size=4)
+    assert str(e.value) == (
+        "the script's WebDataset refuses to run on 2 processes without a nodesplitter "
+        "(webdataset's single_node_only): give it nodesplitter=wds.split_by_node (each process "
+        "then reads its own shards) or nodesplitter=None (--auto then splits its stream by "
+        "position)")

@@ -37,8 +37,8 @@ put back after it) and the processes compare it:
   that lies past the shortest stream: small when the shards are near equal, a whole shard's items
   where webdataset's split_by_node gives one process a shard more (a shard count that divides by
   the processes avoids that). A WebDataset left with its default nodesplitter (single_node_only)
-  raises its own ValueError on more than one process, --auto or not: it needs
-  nodesplitter=split_by_node, which is then kept as above.
+  refuses more than one process (a ValueError of its own, --auto or not): said in one line, with
+  its two fixes (split_by_node, kept as above; None, split by position).
 
 The first item is all that is compared: a stream that is the same at its start but not later
 (its own random order after an identical first item) is split by position, and its processes may
@@ -281,7 +281,21 @@ def first_item(dataset):
 
 def the_same_everywhere(dataset, env) -> bool:
     """Whether every process's stream starts with the same item (a collective)."""
-    return len(set(env.all_gather_object(fingerprint(first_item(dataset))))) == 1
+    try:
+        first = first_item(dataset)
+    except ValueError as e:
+        if "nodesplitter" not in str(e):
+            raise
+        # webdataset's default nodesplitter (single_node_only) refuses more than one process
+        raise UsageError(no_nodesplitter(dataset, env.world_size)) from None
+    return len(set(env.all_gather_object(fingerprint(first)))) == 1
+
+
+def no_nodesplitter(dataset, world_size: int) -> str:
+    return (f"the script's {type(dataset).__name__} refuses to run on {world_size} processes "
+            "without a nodesplitter (webdataset's single_node_only): give it "
+            "nodesplitter=wds.split_by_node (each process then reads its own shards) or "
+            "nodesplitter=None (--auto then splits its stream by position)")
 
 
 def own_streams_note(dataset, world_size: int) -> str:
