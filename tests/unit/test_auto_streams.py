@@ -106,6 +106,33 @@ def test_a_loader_with_workers_splits_each_worker_s_stream(ranks, workers, n):
     assert len(set(counts)) == 1
 
 
+class Range(IterableDataset):
+    """torch's docs' second way: a worker_init_fn sets each worker's range on its dataset copy."""
+
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def range_per_worker(worker_id):
+    info = get_worker_info()
+    ds = info.dataset
+    start, end = ds.start, ds.end
+    per = -(-(end - start) // info.num_workers)
+    ds.start, ds.end = start + worker_id * per, min(start + (worker_id + 1) * per, end)
+
+
+def test_a_worker_init_fn_that_shards_the_dataset_copy_of_its_worker_still_does():
+    seen = []
+    for rank in (0, 1):
+        loader, split = loader_of(rank, 2, Range(0, 40), batch_size=4, num_workers=2,
+                                  worker_init_fn=range_per_worker)
+        seen += [int(i) for b in split.batches(iter(loader)) for i in b]
+    assert sorted(seen) == list(range(40))
+
+
 def test_len_of_a_split_stream_is_its_steps_and_a_stream_without_one_has_none():
     loader, _ = loader_of(0, 2, SizedSharded(37), batch_size=6)
     assert len(loader) == 6 == len(list(loader))  # 37 = 6 steps of 6, the last one folded in

@@ -159,6 +159,17 @@ class PositionShare(IterableDataset):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        """Set on the script's dataset: a worker_init_fn that shards it over the workers sets
+        `get_worker_info().dataset.start` (torch's documented way), which is this object."""
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+
+_OWN = ("dataset", "rank", "ranks", "batch", "drop_last")  # PositionShare's own attributes
+
 
 class Collate:
     """The script's collate_fn on one step's list of items; a TooFew passed on as it is."""
@@ -243,7 +254,7 @@ def fingerprint(item) -> str:
     digest = hashlib.sha256()
 
     def feed(obj):
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_quantized:
             t = obj.detach().cpu().contiguous().reshape(-1)
             digest.update(f"tensor {t.dtype} {tuple(obj.shape)}".encode())
             digest.update(t.view(torch.uint8).numpy().tobytes())
