@@ -207,13 +207,25 @@ def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_an
     resumed = multigpu("train", *COMMON[:4], "--epochs", "3", *COMMON[6:], "--batch-size", "8",
                        "--devices", "cpu:1", "--resume", two, "--out", tmp_path / "resumed")
     assert straight.returncode == 0 and resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    (line,) = [x for x in resumed.stdout.splitlines() if x.startswith("resumed from")]
+    assert "global batch" not in line  # 2 x 4 then, 1 x 8 now
     assert [m["epoch"] for m in read_metrics(tmp_path / "resumed")] == [3]
     a = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)
     b = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=True)
     assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (3, 78)
     for key in a["model"]:
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_on_another_device_count_says_the_global_batch_it_changed(one_and_two_process_runs, tmp_path):
+    _, two, _ = one_and_two_process_runs  # 2 processes x 4 = 8
+    resumed = multigpu("train", *COMMON[:4], "--epochs", "3", *COMMON[6:], "--batch-size", "4",
+                       "--devices", "cpu:1", "--resume", two, "--out", tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (line,) = [x for x in resumed.stdout.splitlines() if x.startswith("resumed from")]
+    assert line.endswith("saved by 2 x ddp); the global batch is 4 now (4 per device), 8 when it "
+                         "was saved: --batch-size is per device, so the device count changes it, "
+                         "and --lr is kept as given"), line
 
 
 def test_resume_of_a_missing_checkpoint_is_one_line(tmp_path):

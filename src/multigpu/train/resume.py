@@ -30,11 +30,24 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
     where = (f"epoch {run.epoch}, {run.position} of {job.train_loader.num_samples} samples in"
              if run.position else f"after epoch {run.completed_epochs}")
     console.info(f"resumed from {point.path} ({where}, step {run.global_step}; saved by "
-                 f"{point.state.get(schema.WORLD_SIZE)} x {point.state.get(schema.STRATEGY)})")
+                 f"{point.state.get(schema.WORLD_SIZE)} x {point.state.get(schema.STRATEGY)})"
+                 + batch_change(point.state, cfg.input.batch_size,
+                                cfg.input.batch_size * rt.strategy.devices_per_process * rt.world_size))
     if run.completed_epochs >= cfg.epochs:
         console.info(f"the run is complete ({run.completed_epochs} of {cfg.epochs} epochs): nothing "
                      f"left to train; a larger --epochs trains on from here")
     return run
+
+
+def batch_change(state: dict, per_device: int, now: int) -> str:
+    """What the resume line adds where the global batch is not the one the checkpoint trained
+    with: --batch-size is per device, so another device count changes it (and the steps of an
+    epoch), while --lr stays as given."""
+    then = (state.get(schema.CONFIG) or {}).get("global_batch")
+    if then is None or int(then) == now:
+        return ""
+    return (f"; the global batch is {now} now ({per_device} per device), {then} when it was saved: "
+            f"--batch-size is per device, so the device count changes it, and --lr is kept as given")
 
 
 def _start_from_weights(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint) -> RunState:
