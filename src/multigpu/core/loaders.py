@@ -37,8 +37,8 @@ class PreparedLoader:
     With workers, a loader that shuffles (a training loader), or one given `set_last_epoch`, keeps
     its DataLoader iterator from one epoch to the next: the workers are asked for the next epoch's
     first batches while the current one's last are handed out, so they are ready when it begins,
-    also after an evaluation in between (measured on one H200: 9-11 % of each epoch was spent
-    waiting for the first batches when each epoch began from nothing). The batches, their order
+    also after an evaluation in between (on one H200, 9-11 % of each real-JPEG epoch was spent
+    waiting for its first batches when each epoch began from nothing). The batches, their order
     and their augmentation are the same as with a fresh iterator per epoch. A resume inside an
     epoch, an epoch that is not the next one, or one after an epoch left before its end starts a
     fresh iterator (the old one's workers end first). Without `set_last_epoch`, the last epoch's
@@ -56,7 +56,7 @@ class PreparedLoader:
         self.position = 0       # samples of the epoch being iterated that were handed out
         self._resume_at = None  # (epoch, position) for the next iteration, from set_epoch
         self._schedule = loader.batch_sampler if isinstance(loader.batch_sampler, EpochAfterEpoch) else None
-        self.continuous = self._schedule is not None and sampler.shuffle
+        self._continuous = self._schedule is not None and sampler.shuffle
         self.last_epoch = None  # the last epoch that will run, if known (set_last_epoch)
         self._live = None       # the DataLoader iterator kept from one epoch to the next
         self._next = None       # (epoch, start) of _live's next batch, once an epoch was taken whole
@@ -86,7 +86,7 @@ class PreparedLoader:
         then keeps them going from each epoch into the next up to that one (also one that does
         not shuffle), and no batch after that epoch's is decoded. Call it before iterating."""
         self.last_epoch = epoch
-        self.continuous = self._schedule is not None
+        self._continuous = self._schedule is not None
 
     def state_dict(self) -> dict:
         """Where to go on from: inside the epoch being iterated, after its last batch handed out."""
@@ -120,16 +120,15 @@ class PreparedLoader:
             yield batch
         self.on_step(None)
 
-
     def _take(self, epoch: int, start: int, steps: int):
         """The `steps` batches of epoch `epoch` from position `start`: from the iterator that
         served the epoch before, when it was taken whole and this one follows it; else from a new one."""
-        if self.continuous and self._live is not None and self._next == (epoch, start):
+        if self._continuous and self._live is not None and self._next == (epoch, start):
             if not self.loader.persistent_workers:
                 _draw_base_seed(self.loader)
         else:
             self._live = None  # dropped, torch's iterator ends its workers, before new ones start
-            last = self.last_epoch if self.continuous else epoch
+            last = self.last_epoch if self._continuous else epoch
             self._schedule.begin(epoch, start, last)
             self._live = iter(self.loader)
         self._next, self._turn = None, self._turn + 1
@@ -140,7 +139,7 @@ class PreparedLoader:
             # next() on the attribute, not a local: a left iteration must not keep its workers alive
             yield next(self._live)
         self._next = (epoch + 1, 0)
-        if not self.continuous or (self.last_epoch is not None and epoch >= self.last_epoch):
+        if not self._continuous or (self.last_epoch is not None and epoch >= self.last_epoch):
             self._live = self._next = None  # nothing comes after: the workers end now
 
 
@@ -176,7 +175,7 @@ def _draw_base_seed(loader: DataLoader) -> None:
     """Draw what a new iterator of `loader` draws for its workers' seeds: from the loader's
     generator, torch's global one by default. An epoch that goes on with the kept iterator then
     leaves the main process's random stream (dropout, a script's own draws) where one iterator per
-    epoch left it, as without persistent workers; a resume's RNG state restores the same stream."""
+    epoch left it (without persistent workers, which draw once)."""
     torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
 
