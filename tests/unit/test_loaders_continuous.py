@@ -97,7 +97,8 @@ def test_the_next_epochs_first_samples_are_asked_for_before_this_epochs_last_bat
             while len(log.read_text().splitlines()) <= N:
                 assert time.monotonic() < deadline, "no sample of epoch 1 asked for by epoch 0's end"
                 time.sleep(0.02)
-    made_ahead = [int(line.split()[1]) for line in log.read_text().splitlines()[N:]]  # before epoch 1
+    calls = [int(line.split()[1]) for line in log.read_text().splitlines()]  # before epoch 1 begins
+    made_ahead = [i for k, i in enumerate(calls) if i in calls[:k]]  # a second time: epoch 1's
     first = [i for b in list(loader)[:4] for i in b[0].flatten().tolist()]  # epoch 1's first 4 batches
     assert made_ahead and set(made_ahead) <= set(first)
 
@@ -110,6 +111,16 @@ def test_the_last_epoch_asks_for_nothing_after_it_and_ends_its_workers(tmp_path)
     assert served[0] == served[1], "one set of workers for both epochs"
     assert len(log.read_text().splitlines()) == 2 * N, "not one sample of an epoch 2"
     assert all(ended(pid) for pid in served[0]), "the workers end with the last epoch"
+
+
+def test_a_last_epoch_changed_between_epochs_still_gives_every_epoch():
+    loader = prepared(Recorded(), workers=2)
+    loader.set_last_epoch(1)
+    epochs = [list(loader)]
+    loader.set_last_epoch(3)  # the iterator kept was planned to end with epoch 1
+    epochs += [list(loader) for _ in range(3)]
+    assert [[values(b) for b in e] for e in epochs] == [todays_epoch(2, True, e) for e in range(4)]
+    assert pids(epochs[1]) == pids(epochs[2]) == pids(epochs[3]) != pids(epochs[0])
 
 
 def test_a_resume_or_an_epoch_left_before_its_end_starts_afresh_and_ends_the_old_workers():

@@ -84,7 +84,8 @@ class PreparedLoader:
     def set_last_epoch(self, epoch: int | None) -> None:
         """The last epoch (0-based) that will run, or None if not known. A loader with workers
         then keeps them going from each epoch into the next up to that one (also one that does
-        not shuffle), and no batch after that epoch's is decoded. Call it before iterating."""
+        not shuffle), and no batch after that epoch's is decoded. Changed between epochs, the
+        next one starts a fresh iterator."""
         self.last_epoch = epoch
         self._continuous = self._schedule is not None
 
@@ -123,7 +124,8 @@ class PreparedLoader:
     def _take(self, epoch: int, start: int, steps: int):
         """The `steps` batches of epoch `epoch` from position `start`: from the iterator that
         served the epoch before, when it was taken whole and this one follows it; else from a new one."""
-        if self._continuous and self._live is not None and self._next == (epoch, start):
+        if (self._continuous and self._live is not None and self._next == (epoch, start)
+                and self._schedule.last == self.last_epoch):  # planned to the same end
             if not self.loader.persistent_workers:
                 _draw_base_seed(self.loader)
         else:
