@@ -213,6 +213,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
     first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
                          clip_grad_norm=cfg.optim.clip_grad_norm)
+    job.train_loader.set_last_epoch(cfg.epochs - 1)  # its workers decode nothing past the run's end
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
