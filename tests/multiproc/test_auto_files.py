@@ -4,7 +4,6 @@ the run's log folder, where each reads its own back."""
 from __future__ import annotations
 
 import json
-import os
 import importlib.util
 import sys
 from pathlib import Path
@@ -100,7 +99,8 @@ def check_run(tmp_path: Path, monkeypatch, nproc: int) -> None:
             "scratch": False}, rank
 
 
-def test_each_file_a_script_writes_is_rank_0s_whole_and_every_rank_reads_its_own_back(tmp_path, monkeypatch):
+def test_each_file_written_is_rank_0s_whole_and_every_rank_reads_its_own_back(tmp_path,
+                                                                            monkeypatch):
     check_run(tmp_path, monkeypatch, 2)
 
 

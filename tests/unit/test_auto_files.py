@@ -4,12 +4,13 @@ plays rank 1 in a folder of its own; tests/multiproc/test_auto_files.py runs the
 import glob
 import os
 import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from multigpu.auto import files
+from multigpu.auto import files, overlay
 
 
 @pytest.fixture
@@ -26,9 +27,9 @@ def folders(tmp_path, monkeypatch):
 def as_rank1(copies: Path, passing: Path) -> None:
     """This process, from here on: rank 1 of a run whose folders tmp_path holds (the temp
     folder, which holds them, is tracked here)."""
-    overlay = files.Overlay(str(copies), (str(passing),))
-    files.patch(files._patches(overlay))
-    files._installed["overlay"] = overlay
+    view = overlay.Overlay(str(copies), (str(passing),))
+    files.patch(files._patches(view))
+    files._installed["overlay"] = view
 
 
 def copy(copies: Path, path: Path) -> Path:
@@ -51,7 +52,7 @@ def test_a_write_lands_in_the_ranks_copy_and_is_read_back_there(folders):
     assert os.path.getsize("log.txt") == 8 and os.path.isfile("arr.npy")
     assert sorted(os.listdir(".")) == ["arr.npy", "log.txt", "old.txt"]
     files.uninstall()
-    assert sorted(os.listdir(user)) == ["old.txt"] and (user / "old.txt").read_text() == "the user's"
+    assert os.listdir(user) == ["old.txt"] and (user / "old.txt").read_text() == "the user's"
     assert copy(copies, user / "log.txt").read_text() == "rank 1's"
 
 
@@ -95,6 +96,9 @@ def test_deleting_the_users_file_hides_it_from_the_rank_only(folders):
     assert glob.glob("ckpt_*") == [] and not Path("ckpt_0.txt").exists()
     with pytest.raises(FileNotFoundError):
         os.remove("ckpt_0.txt")
+    Path("ckpt_0.txt").write_text("written again")
+    assert glob.glob("ckpt_*") == ["ckpt_0.txt"]
+    assert Path("ckpt_0.txt").read_text() == "written again"
     files.uninstall()
     assert (user / "ckpt_0.txt").read_text() == "0"
 
@@ -102,12 +106,28 @@ def test_deleting_the_users_file_hides_it_from_the_rank_only(folders):
 def test_a_folder_rank_0_has_just_made_is_the_ranks_own_to_make(folders):
     user, copies, passing = folders
     as_rank1(copies, passing)
-    files._real.mkdir(user / "out")  # rank 0 was first (past the overlay, as rank 0 makes it)
+    overlay.real.mkdir(user / "out")  # rank 0 was first (past the overlay, as rank 0 makes it)
     os.makedirs("out")
     with pytest.raises(FileExistsError):
         os.makedirs("out")  # this rank's own, made already
     with pytest.raises(FileNotFoundError):
         open("missing/x.txt", "w")  # as on one process: no folder, no file
+
+
+def test_an_archive_extracted_as_a_download_does_it(folders):
+    user, copies, passing = folders
+    (user / "member.txt").write_text("in the archive")
+    with tarfile.open(user / "data.tar.gz", "w:gz") as tar:
+        tar.add(user / "member.txt", arcname="raw/member.txt")
+    (user / "member.txt").unlink()
+    as_rank1(copies, passing)
+    os.makedirs("data", exist_ok=True)
+    with tarfile.open("data.tar.gz") as tar:
+        tar.extractall("data")
+    assert Path("data/raw/member.txt").read_text() == "in the archive"
+    files.uninstall()
+    assert os.listdir(user) == ["data.tar.gz"]
+    assert copy(copies, user / "data/raw/member.txt").read_text() == "in the archive"
 
 
 def test_what_passes_untouched(folders):
@@ -124,19 +144,19 @@ def test_what_passes_untouched(folders):
 
 
 def test_the_paths_it_tracks():
-    overlay = files.Overlay("/logs/files/rank1", ("/tmp", "/logs"))
-    assert overlay.key("/home/u/out.png") == "/home/u/out.png"
-    assert overlay.key("/home/u/../u/./out.png") == "/home/u/out.png"
-    assert overlay.key(Path("/home/u/out.png")) == "/home/u/out.png"
-    assert overlay.key("/tmp/x") is None and overlay.key("/tmp") is None
-    assert overlay.key("/tmpfiles/x") == "/tmpfiles/x"
-    assert overlay.key("/logs/files/rank1/home/u/out.png") is None
-    assert overlay.key(3) is None and overlay.key(b"/home/u/out.png") is None
-    assert overlay.copy_of("/home/u/out.png") == "/logs/files/rank1/home/u/out.png"
-    overlay.record("/home/u/out", files.GONE, folder=True)
-    assert overlay.seen("/home/u/out/a/b.png") == files.GONE
-    assert overlay.seen("/home/u/outer.png") is None and overlay.seen("/home/u") is None
-    overlay.record("/home/u/out/a/b.png", files.OWN)
-    assert overlay.seen("/home/u/out/a/b.png") == files.OWN
-    overlay.forget("/home/u/out")
-    assert overlay.seen("/home/u/out/a/c.png") is None
+    paths = overlay.Overlay("/logs/files/rank1", ("/tmp", "/logs"))
+    assert paths.key("/home/u/out.png") == "/home/u/out.png"
+    assert paths.key("/home/u/../u/./out.png") == "/home/u/out.png"
+    assert paths.key(Path("/home/u/out.png")) == "/home/u/out.png"
+    assert paths.key("/tmp/x") is None and paths.key("/tmp") is None
+    assert paths.key("/tmpfiles/x") == "/tmpfiles/x"
+    assert paths.key("/logs/files/rank1/home/u/out.png") is None
+    assert paths.key(3) is None and paths.key(b"/home/u/out.png") is None
+    assert paths.copy_of("/home/u/out.png") == "/logs/files/rank1/home/u/out.png"
+    paths.record("/home/u/out", overlay.GONE, folder=True)
+    assert paths.seen("/home/u/out/a/b.png") == overlay.GONE
+    assert paths.seen("/home/u/outer.png") is None and paths.seen("/home/u") is None
+    paths.record("/home/u/out/a/b.png", overlay.OWN)
+    assert paths.seen("/home/u/out/a/b.png") == overlay.OWN
+    paths.forget("/home/u/out")
+    assert paths.seen("/home/u/out/a/c.png") is None
