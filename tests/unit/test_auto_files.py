@@ -148,6 +148,8 @@ def test_the_paths_it_tracks():
     assert paths.key("/home/u/out.png") == "/home/u/out.png"
     assert paths.key("/home/u/../u/./out.png") == "/home/u/out.png"
     assert paths.key(Path("/home/u/out.png")) == "/home/u/out.png"
+    for relative in ("out.png", "./out.png", "a//b/", "a/../out.png", ""):
+        assert paths.key(relative) == os.path.abspath(relative), relative
     assert paths.key("/tmp/x") is None and paths.key("/tmp") is None
     assert paths.key("/tmpfiles/x") == "/tmpfiles/x"
     assert paths.key("/logs/files/rank1/home/u/out.png") is None
