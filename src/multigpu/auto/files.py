@@ -36,7 +36,7 @@ import tarfile
 import tempfile
 
 from multigpu.auto.overlay import GONE, OPAQUE, OWN, Overlay, error, kind_of, real
-from multigpu.launcher import trial, watchdog
+from multigpu.launcher import leases, trial, watchdog
 
 CACHE_ENVS = ("XDG_CACHE_HOME", "TORCH_HOME", "HF_HOME", "TRITON_CACHE_DIR",
               "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR")
@@ -229,7 +229,7 @@ def passing_folders() -> tuple[str, ...]:
     """Where every rank writes as it is: unique names (the temp folder), the system's, the
     user's caches (written by many processes at once, by design), the launcher's logs."""
     home = os.path.expanduser("~")
-    envs = (watchdog.LOG_DIR_ENV, trial.TRIAL_DIR_ENV, *CACHE_ENVS)
+    envs = (watchdog.LOG_DIR_ENV, trial.TRIAL_DIR_ENV, leases.LEASE_DIR_ENV, *CACHE_ENVS)
     return (tempfile.gettempdir(), "/dev", "/proc", "/sys", "/run", os.path.join(home, ".cache"),
             os.path.join(home, ".triton"), *(os.environ[k] for k in envs if os.environ.get(k)))
 
