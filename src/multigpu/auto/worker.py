@@ -5,9 +5,9 @@ group formed and --auto's patches installed before the script runs.
 
 The first argument is --auto-batch's mode. Then, in this order: this process's own GPU is the
 only one it sees (before anything touches CUDA), the process group forms (NCCL on GPUs, gloo on
-CPU), the patches go in (refusals, data, gradients, saving, files) and the script runs as the launcher's
-worker runs any script: as `__main__`, with its argv, a mistake of the script's that --auto cannot
-handle said in one line (`multigpu: error: ...`, exit 2).
+CPU), the patches go in (refusals, data, gradients, saving, files) and the script runs as the
+launcher's worker runs any script: as `__main__`, with its argv, a mistake of the script's that
+--auto cannot handle said in one line (`multigpu: error: ...`, exit 2).
 """
 from __future__ import annotations
 
