@@ -10,16 +10,17 @@ the same rule (os.makedirs, shutil.rmtree, os.replace, a dataset's download=True
 deletes only its own copies, and a file of the user's it deletes is hidden from that rank alone.
 Rank 0 says once, at its first write, where the other ranks' writes went.
 
-Caught: what goes through Python's file functions: open (io.open, pathlib, numpy, PIL,
-matplotlib, torchvision, gzip, zipfile, tarfile, logging and shutil use it), os.open, os.stat and
-os.lstat (os.path.exists, isdir...), os.mkdir (os.makedirs), os.rmdir, os.remove/unlink,
-os.rename/replace (shutil.move), os.listdir, os.scandir (glob, os.walk), os.chmod, os.chown and
-os.utime (shutil.copy's, tarfile's), shutil.rmtree. Passing untouched: file descriptors, bytes paths, the system temp
-folder (tempfile's unique names, torch's compile caches, which compilers and imports read by
-name), /dev /proc /sys /run, the user's caches (~/.cache, TORCH_HOME, HF_HOME...), the launcher's
-log folder. Not caught (docs/launching.md): writes from C extensions (cv2.imwrite, h5py), from
-programs the script starts, from loader workers started by spawn; os.chdir into a folder only
-the rank made; sockets; a run per rank of an online logger (wandb).
+Caught: what goes through Python's file functions: open (io.open, pathlib, numpy, PIL, matplotlib,
+torchvision, gzip, zipfile, tarfile, logging and shutil use it), os.open, os.stat and os.lstat
+(os.path.exists, isdir...), os.mkdir (os.makedirs), os.rmdir, os.remove/unlink, os.rename/replace
+(shutil.move), os.listdir, os.scandir (glob, os.walk), os.chmod, os.chown and os.utime
+(shutil.copy's, tarfile's), shutil.rmtree. Passing untouched: file descriptors, bytes paths, the
+system temp folder (tempfile's unique names, torch's compile caches, which compilers and imports
+read by name), /dev /proc /sys /run, the user's caches (~/.cache, TORCH_HOME, HF_HOME...), the
+launcher's log folder. Not caught (docs/launching.md): writes from C extensions (cv2.imwrite,
+h5py), from programs the script starts, from loader workers started by spawn or forkserver (they
+see the user's files); os.chdir into a folder only the rank made; sockets; a run per rank of an
+online logger (wandb).
 
 Cheap on purpose: until a rank writes, a read is one test; after, one dict lookup per path (and
 a walk up the path's folders only once the rank deleted something).

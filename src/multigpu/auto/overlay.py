@@ -95,8 +95,8 @@ class Overlay:
         return None
 
     def record(self, key: str, mark: str, *, folder: bool = False) -> None:
-        if folder and mark != OWN:
-            for below in [k for k in self.state if k.startswith(key + os.sep)]:
+        if folder and mark != OWN:  # list(): the keys at once, another thread may be recording
+            for below in [k for k in list(self.state) if k.startswith(key + os.sep)]:
                 self._drop(below)
         self._drop(key)
         self.state[key] = mark
