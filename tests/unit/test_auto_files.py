@@ -5,6 +5,7 @@ import glob
 import os
 import shutil
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,22 @@ def test_a_folder_rank_0_has_just_made_is_the_ranks_own_to_make(folders):
         os.makedirs("out")  # this rank's own, made already
     with pytest.raises(FileNotFoundError):
         open("missing/x.txt", "w")  # as on one process: no folder, no file
+
+
+def test_a_file_written_beside_then_renamed_over_as_libraries_write_whole(folders):
+    user, copies, passing = folders
+    (user / "config.json").write_text("the user's")
+    as_rank1(copies, passing)
+    with tempfile.NamedTemporaryFile("w", dir=".", delete=False) as f:  # os.open, O_EXCL
+        f.write("rank 1's")
+    os.replace(f.name, "config.json")
+    Path("stamp").touch()
+    with open("new.txt", "x") as f:
+        f.write("x")
+    assert Path("config.json").read_text() == "rank 1's"
+    assert sorted(os.listdir(".")) == ["config.json", "new.txt", "stamp"]
+    files.uninstall()
+    assert os.listdir(user) == ["config.json"] and (user / "config.json").read_text() == "the user's"
 
 
 def test_an_archive_extracted_as_a_download_does_it(folders):

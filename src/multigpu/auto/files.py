@@ -94,8 +94,8 @@ def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
         def do(where):
             opened.append(where)
             return real.open(where, mode, buffering, encoding, errors, newline, closefd, opener)
-        if isinstance(file, int):
-            return do(file)
+        if isinstance(file, int) or opener is not None:  # an opener opens what it wants
+            return do(file)  # (tempfile's opens a new name, through os.open: tracked there)
         if any(c in mode for c in "wax+"):
             f = ov.write(file, do, copy_up="a" in mode or ("+" in mode and "r" in mode))
         else:
@@ -284,7 +284,8 @@ def _say_at_first_write(paths: Overlay, folder: str) -> None:
     """One note, at rank 0's first write of a file the other ranks keep to themselves."""
     def open_(file, mode="r", *args, **kwargs):
         if "saved" in _installed and not isinstance(file, int) and \
-                any(c in mode for c in "wax+") and paths.key(file) is not None:
+                kwargs.get("opener") is None and any(c in mode for c in "wax+") and \
+                paths.key(file) is not None:
             uninstall()
             shown = os.path.relpath(folder) if folder.startswith(os.getcwd()) else folder
             print(f"multigpu: note: --auto: {os.fspath(file)}: the files this script writes are "
