@@ -147,6 +147,21 @@ def test_an_archive_extracted_as_a_download_does_it(folders):
     assert copy(copies, user / "data/raw/member.txt").read_text() == "in the archive"
 
 
+def test_a_tensorboard_writer_names_its_files_by_bytes(folders):
+    from torch.utils.tensorboard import SummaryWriter
+
+    user, copies, passing = folders
+    as_rank1(copies, passing)
+    writer = SummaryWriter("runs/exp")
+    writer.add_scalar("loss", 1.0, 0)
+    writer.close()
+    [events] = os.listdir("runs/exp")
+    assert events.startswith("events.out.tfevents.") and os.path.getsize(f"runs/exp/{events}")
+    files.uninstall()
+    assert os.listdir(user) == []
+    assert os.listdir(copy(copies, user / "runs/exp")) == [events]
+
+
 def test_what_passes_untouched(folders):
     user, copies, passing = folders
     as_rank1(copies, passing)
@@ -170,7 +185,7 @@ def test_the_paths_it_tracks():
     assert paths.key("/tmp/x") is None and paths.key("/tmp") is None
     assert paths.key("/tmpfiles/x") == "/tmpfiles/x"
     assert paths.key("/logs/files/rank1/home/u/out.png") is None
-    assert paths.key(3) is None and paths.key(b"/home/u/out.png") is None
+    assert paths.key(3) is None and paths.key(b"/home/u/out.png") == "/home/u/out.png"
     assert paths.copy_of("/home/u/out.png") == "/logs/files/rank1/home/u/out.png"
     paths.record("/home/u/out", overlay.GONE, folder=True)
     assert paths.seen("/home/u/out/a/b.png") == overlay.GONE

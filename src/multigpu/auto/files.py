@@ -14,7 +14,7 @@ Caught: what goes through Python's file functions: open (io.open, pathlib, numpy
 torchvision, gzip, zipfile, tarfile, logging and shutil use it), os.open, os.stat and os.lstat
 (os.path.exists, isdir...), os.mkdir (os.makedirs), os.rmdir, os.remove/unlink, os.rename/replace
 (shutil.move), os.listdir, os.scandir (glob, os.walk), os.chmod, os.chown and os.utime
-(shutil.copy's, tarfile's), shutil.rmtree. Passing untouched: file descriptors, bytes paths, the
+(shutil.copy's, tarfile's), shutil.rmtree. Passing untouched: file descriptors, the
 system temp folder (tempfile's unique names, torch's compile caches, which compilers and imports
 read by name), /dev /proc /sys /run, the user's caches (~/.cache, TORCH_HOME, HF_HOME...), the
 launcher's log folder. Not caught (docs/launching.md): writes from C extensions (cv2.imwrite,
@@ -151,12 +151,14 @@ def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
     def listdir(path="."):
         key = ov.key(path)
         names = None if key is None else ov.listing(key, path)
-        return real.listdir(path) if names is None else names
+        if names is None:
+            return real.listdir(path)
+        return [os.fsencode(n) for n in names] if isinstance(path, bytes) else names
 
     def scandir(path="."):
         key = ov.key(path)
         names = None if key is None else ov.listing(key, path)
-        return real.scandir(path) if names is None else _Scan(ov, path, key, names)
+        return real.scandir(path) if names is None else _Scan(ov, os.fsdecode(path), key, names)
 
     def renaming(fn):
         return lambda src, dst, **fds: _rename(ov, fn, src, dst, **fds)

@@ -65,8 +65,8 @@ class Overlay:
         if isinstance(path, int):
             return None
         path = os.fspath(path)
-        if not isinstance(path, str):
-            return None  # bytes paths: rare in training scripts, left as they are
+        if isinstance(path, bytes):  # TensorBoard's writer names its files so
+            path = os.fsdecode(path)
         # os.path.abspath, cheaper: most paths need no normalizing (it was 2/3 of a lookup)
         full = path if path.startswith(os.sep) else os.getcwd() + os.sep + path
         if "/." in full or "//" in full or full.endswith(os.sep):
