@@ -128,7 +128,8 @@ def test_a_file_written_beside_then_renamed_over_as_libraries_write_whole(folder
     assert Path("config.json").read_text() == "rank 1's"
     assert sorted(os.listdir(".")) == ["config.json", "new.txt", "stamp"]
     files.uninstall()
-    assert os.listdir(user) == ["config.json"] and (user / "config.json").read_text() == "the user's"
+    assert os.listdir(user) == ["config.json"]
+    assert (user / "config.json").read_text() == "the user's"
 
 
 def test_an_archive_extracted_as_a_download_does_it(folders):
@@ -160,6 +161,24 @@ def test_a_tensorboard_writer_names_its_files_by_bytes(folders):
     files.uninstall()
     assert os.listdir(user) == []
     assert os.listdir(copy(copies, user / "runs/exp")) == [events]
+
+
+def test_safetensors_written_in_rust_as_save_pretrained_writes_it(folders):
+    import safetensors
+    import safetensors.torch as st
+    import torch
+
+    user, copies, passing = folders
+    as_rank1(copies, passing)  # before the script imports save_file (transformers does so)
+    os.makedirs("out")
+    st.save_file({"w": torch.arange(4.0)}, "out/model.safetensors", metadata={"format": "pt"})
+    assert st.load_file("out/model.safetensors")["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with safetensors.safe_open("out/model.safetensors", framework="pt") as f:
+        assert list(f.keys()) == ["w"]
+    files.uninstall()
+    assert os.listdir(user) == []
+    saved = st.load_file(copy(copies, user / "out/model.safetensors"))
+    assert saved["w"].tolist() == [0, 1, 2, 3]
 
 
 def test_what_passes_untouched(folders):

@@ -14,7 +14,8 @@ Caught: what goes through Python's file functions: open (io.open, pathlib, numpy
 torchvision, gzip, zipfile, tarfile, logging and shutil use it), os.open, os.stat and os.lstat
 (os.path.exists, isdir...), os.mkdir (os.makedirs), os.rmdir, os.remove/unlink, os.rename/replace
 (shutil.move), os.listdir, os.scandir (glob, os.walk), os.chmod, os.chown and os.utime
-(shutil.copy's, tarfile's), shutil.rmtree. Passing untouched: file descriptors, the
+(shutil.copy's, tarfile's), shutil.rmtree; safetensors' save_file, load_file and safe_open
+(written in Rust). Passing untouched: file descriptors, the
 system temp folder (tempfile's unique names, torch's compile caches, which compilers and imports
 read by name), /dev /proc /sys /run, the user's caches (~/.cache, TORCH_HOME, HF_HOME...), the
 launcher's log folder. Not caught (docs/launching.md): writes from C extensions (cv2.imwrite,
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import importlib.util
 import io
 import os
 import shutil
@@ -174,7 +176,31 @@ def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
         (os, "unlink"): _delete(ov, real.unlink, "file"),
         (os, "rename"): renaming(real.rename), (os, "replace"): renaming(real.replace),
         (os, "listdir"): listdir, (os, "scandir"): scandir, (shutil, "rmtree"): rmtree,
+        **_safetensors(ov),
     }
+
+
+def _safetensors(ov: Overlay) -> dict[tuple[object, str], object]:
+    """safetensors, where it is installed, writes and reads its files in Rust, past the patches
+    above (save_pretrained's default format): its file functions given the rank's own paths."""
+    if importlib.util.find_spec("safetensors") is None:
+        return {}
+    import safetensors
+    import safetensors.torch as st
+
+    save_file, load_file, safe_open = st.save_file, st.load_file, safetensors.safe_open
+
+    def save_file_(tensors, filename, metadata=None):
+        return ov.write(filename, lambda where: save_file(tensors, where, metadata))
+
+    def load_file_(filename, *args, **kwargs):
+        return load_file(ov.for_read(filename), *args, **kwargs)
+
+    def safe_open_(filename, *args, **kwargs):
+        return safe_open(ov.for_read(filename), *args, **kwargs)
+
+    return {(st, "save_file"): save_file_, (st, "load_file"): load_file_,
+            (st, "safe_open"): safe_open_, (safetensors, "safe_open"): safe_open_}
 
 
 class _Scan:
