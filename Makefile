@@ -6,6 +6,9 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+# make demo installs what the demo uses (the core and matplotlib for its curves.png), not the
+# test suite's extras (lightning, accelerate, mlflow, wandb, ...), which make test adds
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-all test-gpu install clean
 
@@ -17,8 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
+$(DEMO_STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[plot]"
+	@touch $(DEMO_STAMP)
+
 # The main job on its embedded data: every GPU there is, or 2 CPU processes without one.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	@DEVICES=$$($(PY) -c "import torch; print('auto' if torch.cuda.is_available() else 'cpu:2')"); \
 	$(VENV)/bin/multigpu train --model cnn --data digits --epochs 8 --batch-size 32 \
 	    --lr 0.003 --scheduler cosine --devices $$DEVICES --out runs/demo-$$(date +%Y%m%d-%H%M%S)

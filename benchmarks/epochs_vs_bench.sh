@@ -12,7 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:?set OUT}; PY=${PY:-python3}; DEVICES=${DEVICES:-0,1,2,3}; ROUNDS=${ROUNDS:-1}
 FEWER=${FEWER:-10}; DATA=${DATA:-synthetic,real-cpu,real-gpu}; WINDOW=${WINDOW:-300-319}
-GPUS=$(awk -F, '{print NF}' <<<"$DEVICES")
+GPUS=$(tr , '\n' <<<"$DEVICES" | grep -c .)  # the ids named: "0," is GPU 0 alone
 mkdir -p "$OUT"
 "$PY" -m multigpu bench --model resnet50 --gpus "$GPUS" --devices "$DEVICES" --methods multigpu-ddp \
   --data "$DATA" --images detailed --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1

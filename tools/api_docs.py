@@ -26,7 +26,7 @@ SECTIONS = [
     ("Metrics across ranks", ["Sums", "MeanMetric", "Accuracy", "reduce_tensor"]),
     ("Data sharding", ["ShardedBatchSampler", "StepInfo"]),
     ("Models and checkpoints", ["DDPOptions", "FSDPOptions", "unwrap_model", "clean_state_dict",
-                                "load_model_state", "compile_model", "begin_step"]),
+                                "load_model_state", "load_model", "compile_model", "begin_step"]),
     ("Errors", ["UsageError"]),
 ]
 

@@ -22,13 +22,14 @@ _EXPORTS = {
     "Precision": "precision",
     "Runtime": "runtime", "setup": "runtime",
     "DDPOptions": "strategies", "FSDPOptions": "strategies", "unwrap_model": "strategies",
+    "load_model": "multigpu.train.trained_model",  # a model `multigpu train` trained
 }
 
 __all__ = [
     "setup", "Runtime", "DistEnv", "init_distributed", "destroy_distributed", "Precision",
     "DDPOptions", "FSDPOptions", "ShardedBatchSampler", "StepInfo", "Sums", "MeanMetric", "Accuracy",
     "reduce_tensor", "clean_state_dict", "load_model_state", "unwrap_model", "UsageError",
-    "compile_model", "begin_step",
+    "compile_model", "begin_step", "load_model",
 ]
 
 
@@ -36,7 +37,8 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'multigpu' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"multigpu.core.{module}"), name)
+    path = module if module.startswith("multigpu.") else f"multigpu.core.{module}"
+    value = getattr(importlib.import_module(path), name)
     globals()[name] = value  # the next lookup skips this function
     return value
 
@@ -55,3 +57,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs, which do not run __getattr__
     from multigpu.core.precision import Precision
     from multigpu.core.runtime import Runtime, setup
     from multigpu.core.strategies import DDPOptions, FSDPOptions, unwrap_model
+    from multigpu.train.trained_model import load_model

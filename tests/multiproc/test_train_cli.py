@@ -110,6 +110,39 @@ def test_two_process_checkpoint_loads_into_a_bare_model(one_and_two_process_runs
     assert not different, different
 
 
+def test_load_model_gives_back_the_trained_model_of_a_run_or_a_checkpoint(one_and_two_process_runs, tmp_path):
+    import multigpu
+    from multigpu.core.errors import UsageError
+
+    _, two, _ = one_and_two_process_runs
+    state = torch.load(two / "checkpoints" / "last.pt", weights_only=True)
+    for source in (two, two / "checkpoints" / "last.pt"):
+        model = multigpu.load_model(source)
+        assert not model.training
+        assert model.state_dict().keys() == state["model"].keys()
+        assert all(torch.equal(v, state["model"][k]) for k, v in model.state_dict().items())
+    torch.save(state["model"], tmp_path / "weights.pt")  # weights alone: nothing says the model
+    with pytest.raises(UsageError, match="does not say how its model was built"):
+        multigpu.load_model(tmp_path / "weights.pt")
+
+
+def test_more_cpu_processes_than_cores_are_said_before_the_launch(tmp_path):
+    import subprocess
+    import sys
+
+    from .conftest import cli_env
+
+    # on one core (the CPUs this process may use), 2 CPU processes
+    r = subprocess.run([sys.executable, "-m", "multigpu", "train", "--model", "linear", "--data",
+                        "synthetic:64", "--epochs", "1", "--devices", "cpu:2", "--out", tmp_path / "r"],
+                       env=cli_env(), capture_output=True, text=True, timeout=240,
+                       preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if "CPU processes on" in line]
+    assert said == ["multigpu: warning: 2 CPU processes on 1 core: they take turns, each slower "
+                    "than one process alone; use --devices cpu:1 or fewer"], r.stderr[-3000:]
+
+
 def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
     out = tmp_path / "posts"
     proc = multigpu("train", "--model", "linear", "--data", "synthetic:8607", "--batch-size", "4",

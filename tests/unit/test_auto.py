@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler,
+from torch.utils.data import (DataLoader, Dataset, RandomSampler,
                               SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
 
 from multigpu.auto import devices, gradients, loaders, saving
@@ -64,23 +64,7 @@ def test_batch_size_is_the_global_batch_unless_per_gpu():
     assert split(batch_size=7, shuffle=True, mode="per-gpu")[1].batch_size == 7
 
 
-class Stream(IterableDataset):
-    def __iter__(self):
-        return iter(range(3))
-
-
-class SizedStream(Stream):
-    def __len__(self):
-        return 3
-
-
-def test_what_cannot_be_split_is_refused_in_one_line():
-    with pytest.raises(UsageError, match=r"^the script's DataLoader reads an IterableDataset "
-                                         r"\(Stream\) with no __len__: --auto cannot split it"):
-        loaders.sharded_arguments({"dataset": Stream()}, rank=0, world_size=2, mode="global",
-                                  agree=int)
-    assert loaders.sharded_arguments({"dataset": SizedStream()}, rank=0, world_size=2,
-                                     mode="global", agree=int) is None
+def test_what_cannot_be_split_is_refused_in_one_line():  # a stream's: test_auto_streams.py
     with pytest.raises(UsageError, match=r"^the script gives its DataLoader a batch_sampler"):
         split(batch_sampler=[[0, 1]])
     with pytest.raises(UsageError, match=r"with replacement \(WeightedRandomSampler\)"):

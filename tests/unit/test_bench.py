@@ -108,6 +108,22 @@ def test_more_gpus_than_cpu_processes_is_a_usage_error_before_any_launch(tmp_pat
                                  out=str(tmp_path / "x.json")))
 
 
+def test_a_method_of_several_devices_on_one_is_named_with_why_and_nothing_planned_is_refused(tmp_path):
+    s = BenchSettings(models=("mlp",), methods=("multigpu-ddp",), gpus=(1,))
+    groups, skipped = spec.plan_groups(s, "cuda", (1,), SYNTHETIC)
+    assert groups == []
+    assert skipped == [{"method": "multigpu-ddp", "reason": (
+        "multigpu-ddp runs on 2 or more GPUs, and --gpus 1 asks for none: add a count of 2 or more "
+        "to --gpus, or use multigpu-single for one")}]
+    with pytest.raises(UsageError) as refused:
+        runner.run(BenchSettings(models=("mlp",), methods=("multigpu-ddp",), gpus=(1,),
+                                 devices="cpu:2", out=str(tmp_path / "x.json")))
+    assert str(refused.value) == (
+        "nothing to measure: multigpu-ddp: multigpu-ddp runs on 2 or more CPU processes, and "
+        "--gpus 1 asks for none: add a count of 2 or more to --gpus, or use multigpu-single for one")
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_plan_on_gpus_groups_tasks_into_few_launches_in_order_of_importance(monkeypatch):
     monkeypatch.setattr(spec, "unavailable_reason", lambda *a: None)  # every peer installed
     s = BenchSettings(gpus=(1, 2, 4), steps=30, warmup=10, dp_steps=2)

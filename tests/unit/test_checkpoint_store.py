@@ -155,6 +155,30 @@ def test_a_second_writer_is_refused_with_the_holders_pid(store, monkeypatch):
         other.acquire()
 
 
+def test_a_finished_writer_leaves_no_lock_file_and_one_waiting_holds_the_file_that_is_there(tmp_path):
+    import threading
+
+    import multigpu.train.checkpoint_store as cs
+
+    first = CheckpointStore(tmp_path)
+    first.acquire()
+    _write(first, 1)
+    second = CheckpointStore(tmp_path)
+    waiter = threading.Thread(target=second.acquire)  # opens the lock file, waits for the flock
+    waiter.start()
+    time.sleep(0.3)  # it polls every 0.5 s
+    first.release()
+    waiter.join(timeout=10)
+    # it held the lock on the file the first removed at one point: it must hold the one now there
+    assert os.path.samestat(os.fstat(second._lock_fd), os.stat(tmp_path / cs.LOCK))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cs, "LOCK_WAIT_SECONDS", 0.2)
+        with pytest.raises(cs.UsageError, match=f"pid {os.getpid()}"):
+            CheckpointStore(tmp_path).acquire()  # one writer at a time
+    second.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "manifest.json", step_file_name(1)]
+
+
 def test_a_step_saved_again_and_stopped_before_the_manifest_keeps_the_listed_one(tmp_path):
     # the state a kill leaves between the new file of a step saved again (the epoch's end after
     # an in-epoch save at the same step) and the manifest: the step file is unlisted bytes

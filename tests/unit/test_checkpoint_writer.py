@@ -39,3 +39,10 @@ def test_a_failed_write_is_raised_at_the_next_save_or_wait():
     else:
         raise AssertionError("the write's error was not raised")
     writer.close()
+
+
+def test_an_os_error_names_its_file_only_where_it_has_one():
+    from multigpu.core.errors import os_error_text
+
+    assert os_error_text(OSError(28, "No space left on device")) == "No space left on device"
+    assert os_error_text(OSError(13, "Permission denied", "/ckpt/x.pt")) == "Permission denied (/ckpt/x.pt)"

@@ -81,6 +81,20 @@ def test_an_unknown_option_is_named_with_the_nearest_real_one(argv, said, capsys
     assert capsys.readouterr().err == f"multigpu: error: {said}\n"
 
 
+@pytest.mark.parametrize("typed, hint", [("trian", "; did you mean train?"), ("sweeep", "; did you mean sweep?"),
+                                          ("xyzzy", "")])
+def test_a_misspelt_command_is_named_with_the_nearest_real_one(typed, hint, capsys):
+    from multigpu import cli
+
+    with pytest.raises(SystemExit) as ended:
+        cli.main([typed, "--help"])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == (
+        f"multigpu: error: argument COMMAND: invalid choice: '{typed}' (choose from 'train', 'run', "
+        f"'sweep', 'doctor', 'gpus', 'env', 'bench', 'plot', 'export', 'test'){hint}; multigpu "
+        "--help lists the options\n")
+
+
 FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
 
 

@@ -306,3 +306,12 @@ def test_cpu_and_shared_plans_lease_nothing(fake_gpus, kept):
     devices.lease(resolve_devices("cpu:2"), "multigpu run x.py", 2.0)
     devices.lease(resolve_devices("0,", min_free_memory_gb=0), "multigpu run x.py", 0)
     assert kept == [] and _holder_seen_elsewhere(leases.gpu_key(gpu(0))) == "None"
+
+
+def test_more_cpu_processes_than_cores_are_said_crowded_with_the_count_that_fits(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert DevicePlan("cpu", (), 16).crowded() == (
+        "16 CPU processes on 2 cores: they take turns, each slower than one process alone; use "
+        "--devices cpu:2 or fewer")
+    assert DevicePlan("cpu", (), 2).crowded() is None
+    assert DevicePlan("cuda", (0, 1, 2), 3).crowded() is None

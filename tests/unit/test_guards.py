@@ -270,6 +270,11 @@ def test_the_global_batch_note():
                            "--lr 0.001 (the default) is used as given")
     assert "try --lr 0.004 (linear scaling: --lr x 4)" in note
     assert global_batch_note(64, 1, 1, 0.05, lr_given=True) is None
+    # an lr past any that trains is not advised higher still
+    assert global_batch_note(32, 2, 1, 1e12, lr_given=True) == (
+        "global batch 64 (32 per device x 2 devices): --lr 1e+12 is used as given, not scaled, so "
+        "an epoch makes 2x fewer optimizer steps than at batch 32 on one device; --lr 1e+12 is far "
+        "above the learning rates that train (below 10 for sgd, adam and adamw): check it for a typo")
 
 
 

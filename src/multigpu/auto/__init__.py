@@ -21,6 +21,14 @@ CHANGES = (
                                  "--auto-batch per-gpu (loaders.py)"),
     ("DataLoader without shuffle", "left whole on every process, so evaluation code and its "
                                    "metrics stay right (loaders.py)"),
+    ("DataLoader over an IterableDataset (a stream)", "split when a pass over it trains "
+                                                       "(gradients enabled), with or without "
+                                                       "__len__: each process keeps its positions "
+                                                       "of the stream, every item once per epoch; "
+                                                       "a stream that shards itself by rank is "
+                                                       "not split again, the processes ending "
+                                                       "together; read whole under no_grad "
+                                                       "(streams.py)"),
     ("a shuffled DataLoader read under torch.no_grad()", "evaluation: read whole on every "
                                                          "process, as a loader without shuffle "
                                                          "(loaders.py)"),

@@ -21,9 +21,10 @@ The workers of every loader the script builds, split or whole, run in process gr
 rank's group leaves them to the script, whose own SIGTERM handler can then finish its step (or its
 evaluation) and save.
 
-Refused in one line, when the loader is built: an IterableDataset without a length (--auto cannot
-split it, nor tell an epoch), a batch_sampler of the script's own, and random samplers that draw
-with replacement (an exact split has no meaning for them).
+A loader over an IterableDataset (a stream) is split when a pass over it trains, with or without
+a __len__: streams.py says how. Refused in one line, when the loader is built: a batch_sampler of
+the script's own, and random samplers that draw with replacement (an exact split has no meaning
+for them).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sampler,
                               SubsetRandomSampler, WeightedRandomSampler)
 
+from multigpu.auto import streams
 from multigpu.core.data import ShardedBatchSampler
 from multigpu.core.errors import UsageError
 from multigpu.core.loader_workers import own_group_context
@@ -97,18 +99,6 @@ def per_process_batch(batch_size: int | None, world_size: int, mode: str) -> int
     return batch_size // world_size
 
 
-def check_dataset(dataset) -> None:
-    if isinstance(dataset, IterableDataset):
-        try:
-            len(dataset)
-        except TypeError:
-            raise UsageError(f"the script's DataLoader reads an IterableDataset "
-                             f"({type(dataset).__name__}) with no __len__: --auto cannot split "
-                             "it over the processes, nor tell when an epoch ends; give it a "
-                             "map-style Dataset (__getitem__ and __len__), or run without --auto "
-                             "and shard it yourself") from None
-
-
 def loader_seed(generator: torch.Generator | None, count: int) -> int:
     """The order's seed for the `count`-th split loader: from the seed the script gave torch (or
     the loader's generator), so a seeded script shuffles alike from run to run. Read, not drawn:
@@ -119,13 +109,17 @@ def loader_seed(generator: torch.Generator | None, count: int) -> int:
 
 
 def sharded_arguments(given: dict, *, rank: int, world_size: int, mode: str,
-                      agree: Callable[[int], int], count: int = 0) -> tuple[dict, Sampler] | None:
+                      agree: Callable[[int], int], count: int = 0,
+                      env=None) -> tuple[dict, Sampler | streams.StreamSplit] | None:
     """The DataLoader arguments that split the loader the script asked for (`given`, by name)
-    over the processes, and the batch sampler in them; None to leave it as it is.
-    `agree(seed)`: rank 0's seed on every rank (a collective); `count`: split loaders before."""
-    check_dataset(given["dataset"])
+    over the processes, and the batch sampler in them (a stream's StreamSplit); None to leave it
+    as it is. `agree(seed)`: rank 0's seed on every rank (a collective); `count`: split loaders
+    before; `env`: the process group a stream's split compares its streams over (streams.py)."""
     if isinstance(given["dataset"], IterableDataset):
-        return None  # with a length: whole on every rank, as a loader without shuffle
+        if env is None or world_size == 1:  # one process: nothing to split
+            return None
+        split = streams.split(given, env, lambda size: per_process_batch(size, world_size, mode))
+        return None if split is None else (own_groups(split[0]), split[1])
     if given.get("batch_sampler") is not None:
         raise UsageError(f"the script gives its DataLoader a batch_sampler "
                          f"({type(given['batch_sampler']).__name__}): --auto splits data by "
@@ -166,7 +160,7 @@ def install(env, mode: str) -> list[None]:
         given = signature.bind(self, *args, **kwargs).arguments
         given.pop("self")
         split = sharded_arguments(given, rank=env.rank, world_size=env.world_size, mode=mode,
-                                  agree=agree, count=len(made))
+                                  agree=agree, count=len(made), env=env)
         if split is None:
             return init(self, **own_groups(given))
         made.append(None)
@@ -190,6 +184,8 @@ def install(env, mode: str) -> list[None]:
             return iterate(self.__dict__["_multigpu_auto_whole"])
         self.__dict__["_multigpu_auto_epoch"] += 1  # each new pass over the loader: next epoch
         sampler.set_epoch(self.__dict__["_multigpu_auto_epoch"])
+        if isinstance(sampler, streams.StreamSplit):  # a stream's steps pass through its split
+            return sampler.batches(iterate(self))
         return iterate(self)
 
     DataLoader.__init__, DataLoader.__iter__ = __init__, __iter__

@@ -252,6 +252,9 @@ def run(s: BenchSettings) -> dict:
     groups, skipped = plan_groups(s, plan.accelerator, counts, prepare_data(s, counts))
     rep = new_report(s, plan, counts, label)
     rep["skipped"] = skipped
+    if not groups:
+        raise UsageError("nothing to measure: " + "; ".join(
+            f"{note['method']}: {note['reason']}" for note in skipped))
     for note in skipped:
         console.info(f"multigpu bench: skipping {note['method']}: {note['reason']}")
     flops = count_flops([t for g in groups for t in g.tasks])

@@ -43,8 +43,19 @@ class _Parser(argparse.ArgumentParser):
     argument) are one line and exit 2, like every other bad input, not the usage block."""
 
     def error(self, message: str):
-        print(_parse_error(self.prog, message), file=sys.stderr)
+        print(_parse_error(self.prog, _with_nearest_command(message)), file=sys.stderr)
         sys.exit(2)
+
+
+def _with_nearest_command(message: str) -> str:
+    """argparse's "invalid choice: 'trian'" for a subcommand, with the nearest real one, as an
+    unknown option gets its nearest."""
+    import difflib
+    import re
+
+    typed = re.match(r"argument COMMAND: invalid choice: '([^']*)'", message)
+    close = difflib.get_close_matches(typed.group(1), list(COMMANDS), n=1, cutoff=0.6) if typed else []
+    return f"{message}; did you mean {close[0]}?" if close else message
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,11 +16,11 @@ with --local-rank-arg auto (the default) we read the script's source and pass `-
 or `--local-rank=N` when it mentions one of them.
 
 --auto runs an unmodified one-device training script data-parallel: in each process its
-shuffled DataLoaders are split (the script's batch_size is the global batch; --auto-batch per-gpu
-keeps it per process), the modules its optimizers train average their gradients as DDP does,
-`.cuda()` means the process's own GPU and torch.save writes once. Loaders without shuffle
-(evaluation) stay whole on every process. A script that forms its own process group, an
-IterableDataset with no length or a batch_sampler of its own is refused in one line.
+shuffled DataLoaders, and the streams (IterableDatasets) it trains on, are split (the script's
+batch_size is the global batch; --auto-batch per-gpu keeps it per process), the modules its
+optimizers train average their gradients as DDP does, `.cuda()` means the process's own GPU and
+torch.save writes once. Loaders without shuffle (evaluation) stay whole on every process. A
+script that forms its own process group or a batch_sampler of its own is refused in one line.
 """
 from __future__ import annotations
 

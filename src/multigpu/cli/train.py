@@ -109,6 +109,8 @@ def main(args: argparse.Namespace) -> int:
     launch_facts = provenance.launch_facts(typed)
     os.environ.update(provenance.to_env(launch_facts))  # workers are started with other argv
     console.info(f"multigpu train: {plan.describe()}")
+    if plan.crowded():
+        console.warn(plan.crowded())
     if plan.nproc > 1 or opts.nnodes != "1":
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",

@@ -67,3 +67,10 @@ class Stopped(Exception):
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def os_error_text(exc: OSError) -> str:
+    """What an OSError says, with the file it names where it names one: a failed write (a full
+    disk, a file size limit) carries no file name, and "(None)" tells the user nothing."""
+    what = exc.strerror or str(exc)
+    return f"{what} ({exc.filename})" if exc.filename is not None else what

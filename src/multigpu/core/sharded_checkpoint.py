@@ -34,6 +34,7 @@ from torch import nn
 
 from multigpu.core import checkpoint, fileio
 from multigpu.core import checkpoint_schema as schema
+from multigpu.core.errors import os_error_text
 from multigpu.core.distributed import DistEnv
 
 
@@ -119,7 +120,7 @@ def _first_failure(exc: BaseException, folder: Path) -> str:
         inner = failure[0] if isinstance(failure, tuple) and failure else failure
         inner = getattr(inner, "exception", inner)
         if isinstance(inner, OSError) and inner.strerror:
-            return f"rank {rank}: {inner.strerror} ({inner.filename})"
+            return f"rank {rank}: {os_error_text(inner)}"
         text = str(inner).strip()
         line = text.splitlines()[0] if text else type(inner).__name__
         if "unexpected pos" in line:  # torch.save's zip writer: fewer bytes reached the file

@@ -5,7 +5,7 @@ Built from the two things doctor already does with a script, because neither alo
 - the source, read with ast (pysource.py), gives each change of multigpu.auto.CHANGES its place
   (file:line) without running anything, and shows the refusals a source can show (an
   init_process_group call, a batch_sampler of the script's own, a sampler that draws with
-  replacement, a global batch that does not divide, an IterableDataset without __len__);
+  replacement, a global batch that does not divide);
 - but --auto judges by what the script does when it runs, not by its text: a line may never run,
   and a `DataLoader(ds, **kwargs)` shuffles or not as the kwargs say at that moment
   (pytorch/examples' MNIST shuffles only on GPUs). So a refusal read here is a warn worded "if
@@ -80,6 +80,8 @@ def _shown(node: ast.AST) -> str:
     if isinstance(node, ast.For):  # its header, not its body
         target = node.target.elts if isinstance(node.target, ast.Tuple) else [node.target]
         return f"for {', '.join(map(code, target))} in {code(node.iter)} under torch.no_grad()"
+    if isinstance(node, ast.ClassDef):  # its name and bases, not its body
+        return f"class {node.name}({', '.join(map(code, node.bases))})"
     return code(node)
 
 
@@ -118,6 +120,12 @@ def _shuffled(src: Source) -> Iterator[ast.AST]:
 
 def _whole(src: Source) -> Iterator[ast.AST]:
     return (c for c in _loaders(src) if _shuffle(src, c) is False)
+
+
+def _streams(src: Source) -> Iterator[ast.AST]:
+    """The script's own IterableDataset classes (a loader over one is split as a stream)."""
+    return (node for node in src.nodes if isinstance(node, ast.ClassDef) and "IterableDataset"
+            in [(dotted(b) or "").rsplit(".", 1)[-1] for b in node.bases])
 
 
 def _no_grad_loops(src: Source) -> Iterator[ast.AST]:
@@ -161,6 +169,7 @@ FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
     "CUDA": ("auto devices", _devices),
     "DataLoader(shuffle=True)": ("auto data", _shuffled),
     "DataLoader without shuffle": ("auto data", _whole),
+    "DataLoader over an IterableDataset (a stream)": ("auto data", _streams),
     "a shuffled DataLoader read under torch.no_grad()": ("auto eval", _no_grad_loops),
     "optimizer": ("auto gradients", _optimizers),
     "torch.save(obj, path)": ("auto save", _saves),
@@ -197,14 +206,3 @@ def _refusals(src: Source, nproc: int, mode: str) -> Iterator[tuple[ast.AST, str
             yield c, (f"{code(c)} draws with replacement: a shuffled DataLoader given it is "
                       "refused when it is built (an exact split has no meaning for it); use "
                       "shuffle=True, or run without --auto")
-    for node in src.nodes:
-        if isinstance(node, ast.ClassDef) and _iterable_without_len(node):
-            yield node, (f"{node.name} is an IterableDataset without __len__: a DataLoader that "
-                         "reads it is refused when it is built (--auto can neither split it nor "
-                         "tell an epoch); give it __getitem__ and __len__, or run without --auto")
-
-
-def _iterable_without_len(node: ast.ClassDef) -> bool:
-    bases = [(dotted(b) or "").rsplit(".", 1)[-1] for b in node.bases]
-    methods = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    return "IterableDataset" in bases and "__len__" not in methods

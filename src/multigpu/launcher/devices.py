@@ -191,6 +191,14 @@ class DevicePlan:
             return ""
         return ",".join(self.tokens) if self.tokens else None
 
+    def crowded(self) -> str | None:
+        """Why CPU processes beyond this machine's cores are slow, with the fix; None otherwise."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.accelerator != "cpu" or self.nproc <= cores:
+            return None
+        return (f"{self.nproc} CPU processes on {cores} core{'s' if cores != 1 else ''}: they take "
+                f"turns, each slower than one process alone; use --devices cpu:{cores} or fewer")
+
     def describe(self) -> str:
         if self.accelerator == "cpu":
             s = f"{self.nproc} CPU process{'es' if self.nproc != 1 else ''} (gloo)"

@@ -159,21 +159,38 @@ class CheckpointStore:
     def acquire(self) -> None:
         """Become this folder's one writer (waits for a stopping writer to finish its save)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
-        if fileio.lock_within(fd, LOCK_WAIT_SECONDS, poll=0.5) is False:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise UsageError(f"another multigpu process (pid {holder}) is still writing "
-                             f"checkpoints to {self.folder}; wait for it to end or stop it, "
-                             "then start again")
+        fd = self._locked_file()
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
         self._remove_leftovers()
         self._repair_links()
 
+    def _locked_file(self) -> int:
+        """The lock file's descriptor, flocked. A writer removes the file as it releases it (a
+        finished run keeps no lock file): one that waited on the removed file holds a lock no
+        one else can see, so it opens the file again until the lock it holds is on the file
+        that is there."""
+        path = self.folder / LOCK
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
+            if fileio.lock_within(fd, LOCK_WAIT_SECONDS, poll=0.5) is False:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise UsageError(f"another multigpu process (pid {holder}) is still writing "
+                                 f"checkpoints to {self.folder}; wait for it to end or stop it, "
+                                 "then start again")
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
     def release(self) -> None:
         if self._lock_fd is not None:
+            with contextlib.suppress(OSError):  # removed while held: see _locked_file
+                (self.folder / LOCK).unlink()
             os.close(self._lock_fd)  # closing drops the flock
             self._lock_fd = None
 

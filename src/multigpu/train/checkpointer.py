@@ -11,7 +11,7 @@ from multigpu.core import checkpoint_schema as schema
 from multigpu.core import sharded_checkpoint
 from multigpu.train.checkpoint_store import CheckpointStore
 from multigpu.train.checkpoint_writer import BackgroundWriter
-from multigpu.core.errors import UsageError
+from multigpu.core.errors import UsageError, os_error_text
 from multigpu.train.runstate import RunState
 from multigpu.core.runtime import Runtime
 from multigpu.train.training import Job
@@ -84,7 +84,7 @@ class Checkpointer:
         entries = self.store.entries()
         kept = (f"the last complete checkpoint, {self.store.folder / entries[-1].file}, is intact"
                 if entries else "no earlier checkpoint exists")
-        why = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        why = os_error_text(exc) if isinstance(exc, OSError) and exc.strerror else str(exc)
         return (f"saving a checkpoint to {self.store.folder} failed: {why}; {kept}. Free space "
                 f"(df -h {self.store.folder}) or fix the folder, then run the same command with "
                 f"--resume {self.store.folder.parent}")

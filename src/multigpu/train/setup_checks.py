@@ -7,7 +7,6 @@ import torch (`multigpu train` refuses stale launch variables before that slow i
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Mapping
 
@@ -83,11 +82,8 @@ def device_findings(spec: str, *, one_process: bool, min_free_memory_gb: float):
         return [Finding("fail", "devices", str(exc), trap=13)], None
     note = "" if plan.accelerator == "cpu" else f"; free memory at least {min_free_memory_gb:g} GiB each"
     found = [Finding("ok", "devices", f"--devices {spec}: {plan.describe()}{note}", trap=13)]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if plan.accelerator == "cpu" and plan.nproc > cores:
-        found.append(Finding("warn", "devices", f"{plan.nproc} CPU processes on {cores} cores: they "
-                                                "take turns, each slower than one process alone; "
-                                                f"use --devices cpu:{cores} or fewer"))
+    if plan.crowded():
+        found.append(Finding("warn", "devices", plan.crowded()))
     return found, plan
 
 

@@ -127,10 +127,17 @@ def global_batch_note(batch_size: int, devices: int, accumulate: int, lr: float,
     if accumulate > 1:
         parts += f" x --accumulate {accumulate}"
     given = "" if lr_given else " (the default)"
-    return (f"global batch {batch_size * n} ({parts}): --lr {lr:g}{given} is used as given, not "
+    said = (f"global batch {batch_size * n} ({parts}): --lr {lr:g}{given} is used as given, not "
             f"scaled, so an epoch makes {n}x fewer optimizer steps than at batch {batch_size} on "
-            f"one device; if accuracy lags the one-device run, try --lr {lr * n:g} (linear "
+            f"one device")
+    if lr * n > LARGEST_HINTED_LR:  # no advice to go higher still: a typo is likelier
+        return (f"{said}; --lr {lr:g} is far above the learning rates that train (below "
+                f"{LARGEST_HINTED_LR:g} for sgd, adam and adamw): check it for a typo")
+    return (f"{said}; if accuracy lags the one-device run, try --lr {lr * n:g} (linear "
             f"scaling: --lr x {n}) or more --epochs")
+
+
+LARGEST_HINTED_LR = 10.0  # linear scaling is never advised past this (SGD's large-batch recipes stay under it)
 
 
 INPUT_BOUND = 0.3      # share of an epoch spent waiting for batches that earns a warning,

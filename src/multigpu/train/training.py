@@ -261,6 +261,7 @@ def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: 
             "strategy": rt.strategy.name, "world_size": rt.world_size,
             "global_batch": cfg.input.batch_size * rt.strategy.devices_per_process * rt.world_size,
             "train_size": len(job.data.train), "val_size": len(job.data.val), "task": job.data.task,
+            "input_shape": list(job.data.input_shape), "num_outputs": job.data.num_outputs,
             "provenance": provenance.run_facts(rt, launch)}
 
 
