@@ -20,6 +20,8 @@ import importlib.util
 import json
 import os
 import sys
+from io import open as _open  # the real one: under --auto, ranks other than 0 write the script's
+# files to copies of their own (multigpu.auto.files); these records are the harness's, not its
 
 _FOLDER = os.environ.get("AUTO_PUBLIC_RECORD")
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +47,7 @@ def _patch_dataloader(module):
             return
         record["written"] = True
         line = {k: v for k, v in record.items() if k != "written"} | {"complete": complete}
-        with open(path, "a") as f:
+        with _open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
     def begin(self, dataset):

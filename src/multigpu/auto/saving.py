@@ -1,4 +1,5 @@
-"""torch.save to a path is written once, by rank 0, without wrapper prefixes.
+"""torch.save to a path (or a file opened on one) is written once, by rank 0, without wrapper
+prefixes.
 
 Every process runs the script's `torch.save(model.state_dict(), "model.pt")`; N processes writing
 one file can leave it torn, and the weights are equal on every rank anyway. So rank 0 writes it
@@ -16,9 +17,12 @@ ImageNet --resume loads its DataParallel's checkpoint into its DataParallel): a 
 load_state_dict given exactly its inner module's keys, without the prefix, loads them there.
 
 The file appears whole or not at all (written beside it, then renamed): a save that fails midway
-leaves the script's previous file. Only paths (str, os.PathLike) are handled: a file object or an
-in-memory buffer the script opened itself is written by every process, as before. The barrier assumes what --auto keeps true: every
-process takes the same decisions (same weights, the same whole evaluation data).
+leaves the script's previous file. A file the script opened itself (`with open(path, "wb") as f:
+torch.save(model, f)`, a tutorial's idiom) is a path too: pickled plainly, without prefixes, by
+every rank into the file it opened, which is the user's on rank 0 and the rank's own copy on the
+others (files.py). An in-memory buffer is written as the script writes it, replicated modules
+pickled plainly. The barrier assumes what --auto keeps true: every process takes the same
+decisions (same weights, the same whole evaluation data).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch
 from torch import nn
 
 from multigpu.core import fileio
+from multigpu.auto import files
 from multigpu.auto.plain import plain_reduction, replicated_parts
 from multigpu.core.wrappers import clean_state_dict
 
@@ -115,21 +120,31 @@ def install_loading() -> None:
     nn.Module.load_state_dict = load_state_dict
 
 
+def file_path(f):
+    """The path of a file the script opened itself (`with open(path, "wb") as f`), its `name`;
+    None for an in-memory buffer or a file of a bare descriptor."""
+    name = getattr(f, "name", None)
+    return name if isinstance(name, (str, os.PathLike)) else None
+
+
 def install(env) -> None:
     install_loading()
     save = torch.save
 
     @functools.wraps(save)
     def save_once(obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):
-            return save(obj, f, *args, **kwargs)
         if not args and "pickle_module" not in kwargs:  # the script's own pickle_module wins
             kwargs["pickle_module"] = plain_pickle()
+        if not isinstance(f, (str, os.PathLike)):
+            # each rank writes the file it opened: rank 0 the user's, the others their own
+            # copies (files.py); a buffer is written as the script wrote it, plainly pickled
+            return save(without_prefixes(obj) if file_path(f) else obj, f, *args, **kwargs)
         try:
             if env.rank == 0:
                 write_whole(lambda out: save(without_prefixes(obj), out, *args, **kwargs), f)
         finally:
             env.barrier()  # the file exists on every rank once this returns
+        files.forget(f)  # a copy of its own that a rank wrote there before is rank 0's file now
 
     torch.save = save_once
     torch.serialization.save = save_once
