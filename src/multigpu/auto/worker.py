@@ -33,7 +33,7 @@ def prepare(mode: str) -> None:
     refusals.install()
     split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
-        gradients.install(find_unused=os.environ.get(FIND_UNUSED_ENV) == "1")
+        gradients.install(env, find_unused=os.environ.get(FIND_UNUSED_ENV) == "1")
         loaders.note_unsplit_training(env, split)
     saving.install(env)
     if env.rank == 0:
