@@ -13,10 +13,11 @@ each call): an error torch raises there that is a shape error naming the global 
 becomes a UsageError, `multigpu: error: train.py:31: ...` (exit 2, no traceback). Only torch's
 own errors are looked at, only in that window, and only in this process (the loader's workers
 have started before the mode is entered); then the mode leaves torch's stack, and the steps after
-run without it.
+run without it. A script that calls torch.compile gets no window (see install()).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -140,6 +141,17 @@ def install(reads) -> FirstStepShapes:
 
     window = FirstStepShapes(reads.world_size)
     reads.on_split.append(window.open)
+    compile_ = torch.compile
+
+    @functools.wraps(compile_)
+    def compile(*args, **kwargs):  # noqa: A001 - torch's own name, wrapped
+        # A script that compiles gets no window: dynamo guards on torch's mode stack, so what it
+        # traced with the mode on would be compiled a second time once the mode is gone.
+        if window.state == "waiting":
+            window.state = "closed"
+        return compile_(*args, **kwargs)
+
+    torch.compile = compile
     # Left registered (a no-op once closed): a hook that removes itself while torch iterates
     # its hooks breaks that iteration for every hook registered after it.
     register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: window.close())

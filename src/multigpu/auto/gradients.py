@@ -140,6 +140,9 @@ class GradientAveraging:
                 if id(p) in self.covered]
         uncalled = list({id(r): r for r in mine if r is not None
                          and not replicate.state(r).has_initialized}.values())
+        if uncalled and not any(p.grad is not None for r in uncalled for p in r.parameters()):
+            self.pending[optimizer] = roots  # a step before any backward: looked at next step
+            return
         if uncalled:
             for root in uncalled:
                 rank0_weights_now(root)  # a model moved to its GPU after its optimizer: sent now
