@@ -213,7 +213,9 @@ def refuse_unused(root: nn.Module) -> None:
 def install(env, find_unused: bool = False) -> GradientAveraging:
     registry = ModuleRegistry()
     registry.install()
-    averaging = GradientAveraging(registry, StepAveraging(env.rank, env.world_size), find_unused)
+    at_step = StepAveraging(env.rank, env.world_size)
+    at_step.install()
+    averaging = GradientAveraging(registry, at_step, find_unused)
     add_param_group = torch.optim.Optimizer.add_param_group
 
     @functools.wraps(add_param_group)

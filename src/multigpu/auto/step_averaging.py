@@ -14,6 +14,7 @@ nor arms DDP for a backward that never comes.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -54,6 +55,7 @@ class StepAveraging:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> list
+        self.unscaled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # averaged already
         self.said = False
 
     def adopt(self, optimizer, roots: list[nn.Module], name: str) -> None:
@@ -70,7 +72,28 @@ class StepAveraging:
             print(note(name), file=sys.stderr, flush=True)
 
     def before_step(self, optimizer) -> None:
-        """Each step of an adopted optimizer: its gradients averaged (a dict look-up for others)."""
+        """Each step of an adopted optimizer: its gradients averaged (a dict look-up for others),
+        unless a GradScaler's unscale_ averaged them already for this step."""
+        if self.unscaled.pop(optimizer, None) is None:
+            self.average(optimizer)
+
+    def average(self, optimizer) -> None:
         params = self.params.get(optimizer)
         if params is not None:
             average_gradients([p.grad for p in params if p.grad is not None], self.world_size)
+
+    def install(self) -> None:
+        """A GradScaler reads the gradients for inf/NaN in unscale_, before the step, and skips
+        the step where it finds one: each rank's own, it could skip on one rank only, whose
+        peers would then wait in the step's all-reduce. Averaged before unscale_, every rank
+        finds the same and decides alike."""
+        unscale = torch.amp.GradScaler.unscale_
+
+        @functools.wraps(unscale)
+        def unscale_(scaler, optimizer):
+            if optimizer in self.params:
+                self.average(optimizer)
+                self.unscaled[optimizer] = True
+            return unscale(scaler, optimizer)
+
+        torch.amp.GradScaler.unscale_ = unscale_
