@@ -53,7 +53,8 @@ def test_doctor_auto_says_the_same_line_for_it(tmp_path):
 
 @pytest.mark.extended  # the way out the line names, run to its end (about 12 s on 2 cores)
 def test_auto_batch_per_gpu_runs_it(tmp_path):
-    r = multigpu("--auto", "--auto-batch", "per-gpu", "--devices", "cpu:2", str(RESHAPE), cwd=tmp_path)
+    r = multigpu("--auto", "--auto-batch", "per-gpu", "--devices", "cpu:2", str(RESHAPE),
+                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "model.pt").exists()
 
@@ -94,7 +95,8 @@ def test_a_summed_loss_keeps_one_processs_gradient_and_a_sum_by_hand_is_said(tmp
     script = SCRIPTS / "auto_sum_vae.py"
     r = multigpu("--auto", "--devices", "cpu:2", str(script), "--kld", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    loss_line, backward_line = line_of(script, "loss = F.binary"), line_of(script, "loss.backward()")
+    loss_line = line_of(script, "loss = F.binary")  # the note names the torch loss's line
+    backward_line = line_of(script, "loss.backward()")
     assert [x for x in r.stderr.splitlines() if "note" in x] == [
         f"multigpu: note: --auto: the script's loss F.binary_cross_entropy(reduction='sum') "
         f"({script}:{loss_line}) sums over the 4 samples of each process: --auto multiplies it by "

@@ -97,7 +97,8 @@ class GradientAveraging:
             replicate(root, **({"find_unused_parameters": True} if self.find_unused else {}))
             rank0_weights_now(root)
             type(root).__deepcopy__ = plain_deepcopy  # a class of its own: EMA copies, snapshots
-            self.covered.update(dict.fromkeys((id(p) for p in root.parameters()), weakref.ref(root)))
+            ref = weakref.ref(root)
+            self.covered.update((id(p), ref) for p in root.parameters())
         pending.extend(roots)
 
     def _owners(self, params) -> tuple[list[nn.Module], list]:

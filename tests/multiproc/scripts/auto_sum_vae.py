@@ -43,7 +43,8 @@ latent_loss = nn.MSELoss(reduction="sum")
 
 
 def loss_function(recon_x, x, mu, logvar, kld):
-    loss = F.binary_cross_entropy(recon_x, x, reduction="sum") + latent_loss(mu, torch.zeros_like(mu))
+    loss = F.binary_cross_entropy(recon_x, x, reduction="sum")
+    loss = loss + latent_loss(mu, torch.zeros_like(mu))
     if kld:
         loss = loss - 0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
     return loss
