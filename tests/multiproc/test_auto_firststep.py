@@ -51,14 +51,6 @@ def test_doctor_auto_says_the_same_line_for_it(tmp_path):
     assert len(failed) == 1 and failed[0].endswith(reshape_error(where)[len("multigpu: error: "):])
 
 
-@pytest.mark.extended  # the way out the line names, run to its end (about 12 s on 2 cores)
-def test_auto_batch_per_gpu_runs_it(tmp_path):
-    r = multigpu("--auto", "--auto-batch", "per-gpu", "--devices", "cpu:2", str(RESHAPE),
-                 cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "model.pt").exists()
-
-
 def test_layers_trained_by_their_own_forward_have_their_gradients_averaged(tmp_path):
     """Forward-forward: each layer's optimizer steps after `self.forward(x)`, which never runs
     DDP's hooks; refused at the first step before, averaged at each step now. Then prediction
