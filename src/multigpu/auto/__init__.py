@@ -36,6 +36,14 @@ CHANGES = (
                   "processes during backward, as DDP does; rank 0's weights first; every "
                   "trainable parameter must get a gradient each step unless --auto-unused "
                   "(gradients.py)"),
+    ("a forward called directly (model.forward(x))",
+     "where the module's forward never runs as a call of the module (forward-forward's "
+     "layers), its optimizer averages its gradients at each step instead: one all-reduce after "
+     "backward, slower than DDP's (step_averaging.py)"),
+    ("a torch loss with reduction='sum'",
+     "multiplied by the number of processes while training on a split loader, so that its "
+     "gradient is one process's on the global batch; a sum written by hand is said at the "
+     "first backward, with its fix (summed_loss.py)"),
     ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "
                               "others wait until the file exists; such a file loads back into "
                               "the script's DataParallel (saving.py)"),

@@ -12,9 +12,11 @@ Which module to replicate is decided when the script gives parameters to an opti
 (Optimizer.add_param_group, which the optimizer's __init__ calls): the outermost modules that hold
 those parameters. Modules are known from torch's global registration hooks (a parameter or a
 submodule set on a module), so no model class is patched; a module made without them (a
-copy.deepcopy, a whole model unpickled by torch.load) is found among the interpreter's objects. The module the script calls must be
-that outermost one (a model, or its DataParallel): its forward is where DDP's hooks run. The
-first optimizer step checks it, and refuses in one line a module whose forward never ran.
+copy.deepcopy, a whole model unpickled by torch.load) is found among the interpreter's objects.
+DDP's hooks run in the forward of that outermost module, called as a module (a model, or its
+DataParallel). One whose forward never ran so by its optimizer's first step (`self.forward(x)`,
+a layer's method called from outside) has its gradients averaged at each optimizer step instead
+(step_averaging.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from multigpu.auto.plain import plain_deepcopy, script_class
+from multigpu.auto.step_averaging import StepAveraging
 from multigpu.core.errors import UsageError
 
 
@@ -61,13 +64,20 @@ def outermost_owners(params, modules) -> list[nn.Module]:
 class GradientAveraging:
     """Replicates (composable DDP) the outermost modules of each optimizer's parameters, once."""
 
-    def __init__(self, registry: ModuleRegistry, find_unused: bool = False):
-        self.registry, self.find_unused = registry, find_unused
-        self.covered: set[int] = set()  # ids of parameters whose gradients are averaged already
-        self.pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> roots
+    def __init__(self, registry: ModuleRegistry, at_step: StepAveraging,
+                 find_unused: bool = False):
+        self.registry, self.at_step, self.find_unused = registry, at_step, find_unused
+        # id of each parameter whose gradients are averaged already -> its replicated module
+        self.covered: dict[int, weakref.ref] = {}
+        # optimizer -> the modules it replicated; until its first step
+        self.pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def on_param_group(self, optimizer, group: dict) -> None:
-        params = [p for p in group["params"] if p.requires_grad and id(p) not in self.covered]
+        trainable = [p for p in group["params"] if p.requires_grad]
+        if not trainable:
+            return
+        pending = self.pending.setdefault(optimizer, [])  # its first step is checked
+        params = [p for p in trainable if id(p) not in self.covered]
         if not params:
             return
         roots, loose = self._owners(params)
@@ -87,8 +97,9 @@ class GradientAveraging:
             replicate(root, **({"find_unused_parameters": True} if self.find_unused else {}))
             rank0_weights_now(root)
             type(root).__deepcopy__ = plain_deepcopy  # a class of its own: EMA copies, snapshots
-            self.covered |= {id(p) for p in root.parameters()}
-        self.pending.setdefault(optimizer, []).extend(roots)
+            ref = weakref.ref(root)
+            self.covered.update((id(p), ref) for p in root.parameters())
+        pending.extend(roots)
 
     def _owners(self, params) -> tuple[list[nn.Module], list]:
         """The outermost known modules that hold `params`, and the parameters none holds."""
@@ -99,31 +110,48 @@ class GradientAveraging:
     def before_step(self, optimizer, args, kwargs):
         """At an optimizer's first step: each module it replicated has run its forward, and got
         its gradients. An optimizer given a closure (LBFGS) runs the forward and backward inside
-        its step: then they are looked at after it, and the closure's loss is averaged."""
+        its step: then they are looked at after the closure's backward, and its loss averaged."""
         # args: step's own, the optimizer first (torch's wrapper passes them whole)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
-            return self.after_step(optimizer, args, kwargs)
-        averaged = averaging_closure(closure)
+            self.first_step(optimizer)
+            return self.at_step.before_step(optimizer)
+
+        def then():  # after each call of the closure: its gradients are this step's
+            self.first_step(optimizer)
+            self.at_step.before_step(optimizer)
+        averaged = averaging_closure(closure, then)
         if len(args) > 1:
             return (args[0], averaged, *args[2:]), kwargs
         return args, kwargs | {"closure": averaged}
 
     def after_step(self, optimizer, args, kwargs) -> None:
+        self.first_step(optimizer)  # a closure the optimizer never called
+
+    def first_step(self, optimizer) -> None:
+        """Once per optimizer: the modules of its parameters whose forward never ran average
+        their gradients at its steps; the others must have given every trainable parameter a
+        gradient (unless --auto-unused)."""
         roots = self.pending.pop(optimizer, None)
-        if not roots:
+        if roots is None:
             return
         from torch.distributed._composable import replicate
 
-        for root in roots:
-            if not replicate.state(root).has_initialized:
-                name = script_class(root).__name__
-                raise UsageError(f"the optimizer steps the parameters of a {name} whose own "
-                                 f"forward never ran: --auto averages gradients in the forward "
-                                 f"of the outermost module that holds them; call the {name} "
-                                 "itself, or run without --auto")
-            if not self.find_unused:
-                refuse_unused(root)
+        mine = [self.covered[id(p)]() for g in optimizer.param_groups for p in g["params"]
+                if id(p) in self.covered]
+        uncalled = list({id(r): r for r in mine if r is not None
+                         and not replicate.state(r).has_initialized}.values())
+        if uncalled and not any(p.grad is not None for r in uncalled for p in r.parameters()):
+            self.pending[optimizer] = roots  # a step before any backward: looked at next step
+            return
+        if uncalled:
+            for root in uncalled:
+                rank0_weights_now(root)  # a model moved to its GPU after its optimizer: sent now
+            self.at_step.adopt(optimizer, uncalled, script_class(uncalled[0]).__name__)
+        if not self.find_unused:
+            for root in roots:
+                if replicate.state(root).has_initialized:
+                    refuse_unused(root)
 
 
 def rank0_weights_now(root: nn.Module) -> None:
@@ -142,17 +170,19 @@ def rank0_weights_now(root: nn.Module) -> None:
     _sync_module_states(root, dist.group.WORLD, 250 * 1024 * 1024, 0, set())  # DDP's own call
 
 
-def averaging_closure(closure):
+def averaging_closure(closure, then=lambda: None):
     """`closure` returning its loss averaged over the ranks. LBFGS decides on that loss (its line
     search, its stopping tests): each rank's own, from its share of the batch, made the ranks step
     differently and call the closure a different number of times, so that one waited forever in
     the gradient averaging. Averaged, every rank takes the decisions one process takes on the
-    whole batch (the ranks' shares are equal: the mean of their means is the batch's mean)."""
+    whole batch (the ranks' shares are equal: the mean of their means is the batch's mean).
+    `then()`: called after each call of `closure`, before its loss is averaged."""
     import torch.distributed as dist
 
     @functools.wraps(closure)
     def averaged():
         loss = closure()
+        then()
         is_tensor = isinstance(loss, torch.Tensor)
         if loss is None or (is_tensor and loss.numel() != 1):
             return loss
@@ -181,10 +211,12 @@ def refuse_unused(root: nn.Module) -> None:
                      "--auto-unused (DDP then looks for unused parameters each step: slower)")
 
 
-def install(find_unused: bool = False) -> GradientAveraging:
+def install(env, find_unused: bool = False) -> GradientAveraging:
     registry = ModuleRegistry()
     registry.install()
-    averaging = GradientAveraging(registry, find_unused)
+    at_step = StepAveraging(env.rank, env.world_size)
+    at_step.install()
+    averaging = GradientAveraging(registry, at_step, find_unused)
     add_param_group = torch.optim.Optimizer.add_param_group
 
     @functools.wraps(add_param_group)

@@ -151,6 +151,16 @@ def _optimizers(src: Source) -> Iterator[ast.AST]:
             yield c
 
 
+def _direct_forwards(src: Source) -> Iterator[ast.AST]:
+    """`x.forward(...)`, not `super().forward(...)` (a subclass's forward, inside a module call)."""
+    return (c for c in src.calls if method(c) == "forward" and not (
+        isinstance(c.func.value, ast.Call) and dotted(c.func.value.func) == "super"))
+
+
+def _summed_losses(src: Source) -> Iterator[ast.AST]:
+    return (c for c in src.calls if const(kw(c, "reduction")) == "sum" and not src.in_no_grad(c.lineno))
+
+
 def _saves(src: Source) -> Iterator[ast.AST]:
     return (c for c in src.calls if src.qualname(c.func) == "torch.save")
 
@@ -172,6 +182,8 @@ FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
     "DataLoader over an IterableDataset (a stream)": ("auto data", _streams),
     "a shuffled DataLoader read under torch.no_grad()": ("auto eval", _no_grad_loops),
     "optimizer": ("auto gradients", _optimizers),
+    "a forward called directly (model.forward(x))": ("auto gradients", _direct_forwards),
+    "a torch loss with reduction='sum'": ("auto loss", _summed_losses),
     "torch.save(obj, path)": ("auto save", _saves),
     "print, tqdm": ("auto output", _prints),
     "torch.distributed.init_process_group": ("auto refuses", _init_process_group),
