@@ -28,6 +28,10 @@ CHANGES = (
                   "processes during backward, as DDP does; rank 0's weights first; every "
                   "trainable parameter must get a gradient each step unless --auto-unused "
                   "(gradients.py)"),
+    ("training without a torch.optim optimizer, or on batches from no DataLoader",
+     "left as it is: nothing averaged (no optimizer) or split (no shuffled DataLoader), so each "
+     "process trains on all of it alone and rank 0's result is kept; rank 0 says so in one note "
+     "when training starts, with what would split it (notes.py)"),
     ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "
                               "others wait until the file exists; such a file loads back into "
                               "the script's DataParallel (saving.py)"),

@@ -5,7 +5,7 @@ group formed and --auto's patches installed before the script runs.
 
 The first argument is --auto-batch's mode. Then, in this order: this process's own GPU is the
 only one it sees (before anything touches CUDA), the process group forms (NCCL on GPUs, gloo on
-CPU), the patches go in (refusals, data, gradients, saving) and the script runs as the launcher's
+CPU), the patches go in (refusals, data, gradients, notes, saving) and the script runs as the launcher's
 worker runs any script: as `__main__`, with its argv, a mistake of the script's that --auto cannot
 handle said in one line (`multigpu: error: ...`, exit 2).
 """
@@ -26,7 +26,7 @@ from multigpu.launcher import worker  # noqa: E402
 def prepare(mode: str) -> None:
     """This process's GPU, its process group and the patches, before the script runs."""
     devices.narrow_to_own_gpu()
-    from multigpu.auto import gradients, loaders, refusals, saving
+    from multigpu.auto import gradients, loaders, notes, refusals, saving
     from multigpu.core.distributed import init_distributed
 
     env = init_distributed(own_gpu=True)
@@ -34,7 +34,7 @@ def prepare(mode: str) -> None:
     split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
         gradients.install(find_unused=os.environ.get(FIND_UNUSED_ENV) == "1")
-        loaders.note_unsplit_training(env, split)
+        notes.install(env, split)  # what --auto left unsplit, said when training starts
     saving.install(env)
     if env.rank == 0:
         print(start_line(env.world_size, env.backend, env.device.type, mode), file=sys.stderr)

@@ -1,0 +1,62 @@
+"""What --auto leaves unsplit, said as users meet it on 2 CPU processes: the note of `multigpu run
+--auto` at the start of training (rank 0, once)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .conftest import multigpu
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+NO_OPTIMIZER = ("multigpu: note: --auto: the script's first backward came with no torch.optim "
+                "optimizer holding its parameters: --auto averages the gradients of an "
+                "optimizer's parameters only, so nothing is averaged")
+WHOLE_JOB = (f"{NO_OPTIMIZER} and nothing split: each of the 2 processes trains its own copy of "
+             "the whole job, the work of one process done 2 times (2 different models where the "
+             "script sets no seed), and rank 0's is the one kept (printed, saved); to make it "
+             "data-parallel, update the weights with a torch.optim optimizer, and read the data "
+             "through DataLoader(TensorDataset(x, y), batch_size=..., shuffle=True): batches made "
+             "otherwise (a tensor sliced in a loop, a get_batch()) are not split")
+OWN_SHARE = (f"{NO_OPTIMIZER}: each of the 2 processes trains a model of its own on its 1/2 of "
+             "the split DataLoader (2 different models where the script sets no seed), and rank "
+             "0's is the one kept (printed, saved); to make it data-parallel, update the weights "
+             "with a torch.optim optimizer")
+SLICED = ("multigpu: note: --auto: the script's first optimizer step came before any DataLoader: "
+          "batches made otherwise (a tensor sliced in a loop, a get_batch()) are not split, so "
+          "each of the 2 processes trains on all of the data, the work of one process done 2 "
+          "times; --auto splits a DataLoader with shuffle=True: read the tensors through "
+          "DataLoader(TensorDataset(x, y), batch_size=..., shuffle=True)")
+
+
+def notes(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("multigpu: note:")]
+
+
+def rank1_stderr(tmp_path: Path) -> str:
+    return "".join(p.read_text() for p in tmp_path.glob("runs/logs/*/*/attempt_0/1/stderr.log"))
+
+
+@pytest.mark.parametrize("args, said", [((), WHOLE_JOB), pytest.param(
+    ("grad", "split"), OWN_SHARE, marks=pytest.mark.extended)],
+                         ids=["backward, sliced tensor", "autograd.grad, split loader"])
+def test_training_without_an_optimizer_is_said_once_at_its_first_backward(tmp_path, args, said):
+    """A hand-written SGD (p.data.add_) ran the whole job on every rank, unseeded N models of
+    which rank 0's is kept, without a word."""
+    shutil.copy(SCRIPTS / "auto_notes_manual_sgd.py", tmp_path)
+    proc = multigpu("run", "--auto", "--devices", "cpu:2", "auto_notes_manual_sgd.py", *args,
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert notes(proc) == [said]
+    assert "multigpu: note:" not in rank1_stderr(tmp_path)
+
+
+def test_batches_sliced_from_a_tensor_are_said_unsplit_with_what_splits_them(tmp_path):
+    shutil.copy(SCRIPTS / "auto_notes_sliced.py", tmp_path)
+    proc = multigpu("run", "--auto", "--devices", "cpu:2", "auto_notes_sliced.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert notes(proc) == [SLICED]
