@@ -1,5 +1,6 @@
 """What --auto leaves unsplit, said as users meet it on 2 CPU processes: the note of `multigpu run
---auto` at the start of training (rank 0, once)."""
+--auto` at the start of training (rank 0, once), and doctor --auto's findings for the same
+scripts."""
 from __future__ import annotations
 
 import shutil
@@ -60,3 +61,40 @@ def test_batches_sliced_from_a_tensor_are_said_unsplit_with_what_splits_them(tmp
     proc = multigpu("run", "--auto", "--devices", "cpu:2", "auto_notes_sliced.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert notes(proc) == [SLICED]
+
+
+def doctor_lines(tmp_path: Path, script: str, *args: str) -> list[str]:
+    shutil.copy(SCRIPTS / script, tmp_path)
+    proc = multigpu("doctor", *args, "--devices", "cpu:2", script, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def test_doctor_takes_the_batch_from_the_model_not_from_a_transform_the_dataset_calls(tmp_path):
+    """A Normalize (an nn.Module) in the Dataset's __getitem__ was taken for the model's first
+    forward: '1 samples per rank' (here 3: the image's channels)."""
+    out = doctor_lines(tmp_path, "auto_notes_transform.py", "--auto")
+    assert ("ok    batch          4 samples per rank in the model's first forward; 8 over the 2 "
+            "ranks") in out
+
+
+def test_doctor_says_the_data_is_whole_on_every_rank_where_nothing_splits_it(tmp_path):
+    out = doctor_lines(tmp_path, "auto_notes_sliced.py", "--auto")
+    assert ("warn  auto data      the model's batches came from no DataLoader (a tensor sliced in "
+            "a loop, a get_batch()): --auto splits only a DataLoader with shuffle=True, so each of "
+            "the 2 ranks reads all of the data; give it DataLoader(TensorDataset(x, y), "
+            "batch_size=..., shuffle=True)") in out
+    assert ("ok    batch          8 samples per rank in the model's first forward, the whole data "
+            "on each of the 2 ranks: no DataLoader read for training was split") in out
+    assert not [line for line in out if "over the 2 ranks" in line]
+
+
+@pytest.mark.extended
+def test_doctor_says_nothing_was_averaged_for_a_script_without_an_optimizer(tmp_path):
+    out = doctor_lines(tmp_path, "auto_notes_manual_sgd.py", "--auto")
+    assert ("warn  auto gradients the script ended with no torch.optim optimizer step: --auto "
+            "averages the gradients of what an optimizer holds, so nothing was averaged and each "
+            "of the 2 ranks trained a model of its own (rank 0's is the one kept); update the "
+            "weights with a torch.optim optimizer") in out
+    assert ("ok    batch          8 samples per rank in the model's first forward, the whole data "
+            "on each of the 2 ranks: no DataLoader read for training was split") in out
