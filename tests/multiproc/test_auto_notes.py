@@ -1,6 +1,6 @@
 """What --auto leaves unsplit, said as users meet it on 2 CPU processes: the note of `multigpu run
---auto` at the start of training (rank 0, once), and doctor --auto's findings for the same
-scripts."""
+--auto` at the start of training (rank 0, once), doctor --auto's findings for the same scripts,
+and the warning of `multigpu run` without --auto before it starts a one-process script N times."""
 from __future__ import annotations
 
 import shutil
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import multigpu
+from .test_doctor_cli import DDP_SCRIPT
 
 pytestmark = pytest.mark.slow
 
@@ -96,5 +97,45 @@ def test_doctor_says_nothing_was_averaged_for_a_script_without_an_optimizer(tmp_
             "averages the gradients of what an optimizer holds, so nothing was averaged and each "
             "of the 2 ranks trained a model of its own (rank 0's is the one kept); update the "
             "weights with a torch.optim optimizer") in out
+    assert ("ok    batch          8 samples per rank in the model's first forward, the whole data "
+            "on each of the 2 ranks: no DataLoader read for training was split") in out
+
+
+def one_process_warning(script: str, n: int) -> str:
+    return (f"{script} forms no process group (no torch.distributed."
+            f"init_process_group): each of the {n} processes runs the whole script alone, {n} "
+            "independent full trainings that each write the same files; run it with --auto to "
+            f"make it data-parallel unmodified (multigpu run --auto {script})")
+
+
+def test_run_without_auto_warns_before_starting_a_one_process_script_twice(tmp_path):
+    """N independent full copies of a one-device script, each writing the same files, ran with
+    no word; not for 1 process, nor for a script that forms its process group."""
+    shutil.copy(SCRIPTS / "auto_notes_sliced.py", tmp_path)
+    proc = multigpu("run", "--devices", "cpu:2", "auto_notes_sliced.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "multigpu: warning: " + one_process_warning("auto_notes_sliced.py", 2), \
+        "said before the launch"
+    assert lines.count(lines[0]) == 1
+    one = multigpu("run", "--devices", "cpu:1", "auto_notes_sliced.py", cwd=tmp_path)
+    assert one.returncode == 0 and "forms no process group" not in one.stderr, one.stderr
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)  # distributed: its own init_process_group
+    ddp = multigpu("run", "--devices", "cpu:2", "ddp.py", cwd=tmp_path)
+    assert ddp.returncode == 0 and "multigpu: warning:" not in ddp.stderr, ddp.stderr[-3000:]
+
+
+def test_doctor_names_auto_as_the_fix_of_a_one_process_script_run_twice(tmp_path):
+    shutil.copy(SCRIPTS / "auto_notes_transform.py", tmp_path)
+    proc = multigpu("doctor", "--devices", "cpu:2", "--", "auto_notes_transform.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert f"warn  process group  {one_process_warning('auto_notes_transform.py', 2)}" in out
+    assert ("warn  sampler        auto_notes_transform.py:35: the DataLoader has no "
+            "DistributedSampler (RandomSampler): each of the 2 ranks goes through all 64 samples "
+            "(8 batches), repeating the others' work; fix: `multigpu run --auto` (the script forms "
+            "no process group: --auto makes it data-parallel unmodified), or DataLoader(ds, "
+            "sampler=DistributedSampler(ds)) and sampler.set_epoch(epoch) each epoch, or "
+            "multigpu's rt.prepare(loader)") in out
     assert ("ok    batch          8 samples per rank in the model's first forward, the whole data "
             "on each of the 2 ranks: no DataLoader read for training was split") in out

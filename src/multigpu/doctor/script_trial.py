@@ -201,13 +201,16 @@ def _loader_findings(records: list[dict], ranks: int) -> list[Finding]:
             found.append(Finding("ok", "sampler", f"the DataLoader is sharded ({ld['sampler']}): "
                                                   f"{ld['batches']} batches per rank", where=where))
         else:
+            # a script with no process group (a one-device script): --auto needs no edit
+            auto = ("" if ld.get("distributed", True) else "`multigpu run --auto` (the script "
+                    "forms no process group: --auto makes it data-parallel unmodified), or ")
             found.append(Finding("warn", "sampler", f"the DataLoader has no DistributedSampler "
                                                     f"({ld['sampler']}): each of the {ranks} ranks "
                                                     f"goes through all {ld['samples']} samples "
                                                     f"({ld['batches']} batches), repeating the "
-                                                    "others' work; fix: DataLoader(ds, sampler="
-                                                    "DistributedSampler(ds)) and sampler.set_epoch"
-                                                    "(epoch) each epoch, or multigpu's "
+                                                    f"others' work; fix: {auto}DataLoader(ds, "
+                                                    "sampler=DistributedSampler(ds)) and sampler."
+                                                    "set_epoch(epoch) each epoch, or multigpu's "
                                                     "rt.prepare(loader)", where=where))
     return found
 

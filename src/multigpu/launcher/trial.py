@@ -260,7 +260,14 @@ def _loader_record(loader, where: str | None) -> dict:
     sampler = shards[0] if shards else loader.sampler
     return {"where": where, "sampler": type(sampler).__name__, "sharded": None if iterable else bool(shards),
             "samples": None if iterable else size(loader.dataset),
-            "batches": None if iterable else size(loader), "batch_size": loader.batch_size}
+            "batches": None if iterable else size(loader), "batch_size": loader.batch_size,
+            "distributed": _distributed()}  # when it is read: a script's group may end first
+
+
+def _distributed() -> bool:
+    """Whether this rank is in a process group now (the script's own, or --auto's worker's)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def _leading_size(args) -> int | None:
