@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import (DataLoader, Dataset, RandomSampler,
                               SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
 
-from multigpu.auto import devices, gradients, loaders, saving
+from multigpu.auto import devices, gradients, loaders, notes, saving
 from multigpu.core.data import ShardedBatchSampler
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import UsageError
@@ -168,7 +168,8 @@ def test_training_that_no_split_loader_feeds_is_said_at_the_first_step(capsys, s
     whole, every rank trained on all of it, and nothing said so."""
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loaders.note_unsplit_training(RankZeroOfTwo(rank=0, world_size=2), [None] * split_before)
+    loader = DataLoader(range(4))  # noqa: F841 - the training loader, without shuffle: alive
+    notes.note_unsplit_training(RankZeroOfTwo(rank=0, world_size=2), [None] * split_before)
     for _ in range(2):
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()

@@ -101,3 +101,21 @@ def test_refusals_a_source_shows_are_warnings_worded_if_it_runs(tmp_path):
         "has no meaning for it); use shuffle=True, or run without --auto"]
     per_gpu = auto_findings(path, nproc=3, mode="per-gpu", ran=True)
     assert not any("global batch" in f.message for f in per_gpu if f.check == "auto refuses")
+
+
+UNSPLIT = ("left as it is: nothing averaged (no optimizer) or split (no shuffled DataLoader), so "
+           "each process trains on all of it alone and rank 0's result is kept; rank 0 says so "
+           "in one note when training starts, with what would split it")
+
+
+def test_training_that_auto_leaves_whole_is_a_warning_at_its_backward():
+    """A hand-written update (no optimizer named), batches sliced from a tensor (no loader
+    named): --auto splits and averages nothing there, and the reading said nothing of it."""
+    scripts = REPO / "tests/multiproc/scripts"
+    manual, sliced = scripts / "auto_notes_manual_sgd.py", scripts / "auto_notes_sliced.py"
+    assert [f for f in lines(manual) if "auto unsplit" in f] == [
+        f"warn  auto unsplit   {manual}:22: torch.autograd.grad(loss, list(model.paramete... (and "
+        f"line 25): --auto: {UNSPLIT}"]
+    assert [f for f in lines(sliced) if "auto unsplit" in f] == [
+        f"warn  auto unsplit   {sliced}:22: loss.backward(): --auto: {UNSPLIT}"]
+    assert not [f for f in lines(TUTORIAL) + lines(MNIST) if "auto unsplit" in f]

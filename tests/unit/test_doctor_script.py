@@ -363,3 +363,32 @@ def test_the_port_the_launch_was_given_is_not_a_finding(tmp_path):
     path = tmp_path / "train.py"
     path.write_text("import os\nos.environ['MASTER_PORT'] = '29500'\n")
     assert [f.check for f in script_findings(path, nproc=2, gpus=False, master_port=29500)] == ["script"]
+
+
+ONE_DEVICE = """\
+    import torch
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(8, 4)).sum()
+    loss.backward()
+    optimizer.step()
+    """
+
+
+def test_a_one_device_training_script_started_n_times_is_said_with_auto_as_the_fix(tmp_path):
+    """multigpu run trained N independent full copies of it, each writing the same files,
+    without a word."""
+    path, found = scan(tmp_path, ONE_DEVICE, nproc=2)
+    assert [f.line() for f in of(found, "process group")] == [
+        "warn  process group  train.py forms no process group (no torch.distributed."
+        "init_process_group): each of the 2 processes runs the whole script alone, 2 independent "
+        "full trainings that each write the same files; run it with --auto to make it "
+        f"data-parallel unmodified (multigpu run --auto {path})"]
+    assert not of(scan(tmp_path, ONE_DEVICE, nproc=1)[1], "process group"), "1 process: alone"
+    for distributed in ("import torch.distributed as dist\n", "from accelerate import Accelerator\n",
+                        "import multigpu\n", "rank = int(os.environ['LOCAL_RANK'])\n",
+                        "from utils import init_distributed_mode\n"):
+        _, found = scan(tmp_path, distributed + textwrap.dedent(ONE_DEVICE), nproc=2)
+        assert not of(found, "process group"), distributed
+    _, found = scan(tmp_path, "import torch\nprint(torch.randn(2))\n", nproc=2)
+    assert not of(found, "process group"), "no training shown: silent"

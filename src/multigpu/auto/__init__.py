@@ -44,6 +44,10 @@ CHANGES = (
      "multiplied by the number of processes while training on a split loader, so that its "
      "gradient is one process's on the global batch; a sum written by hand is said at the "
      "first backward, with its fix (summed_loss.py)"),
+    ("training without a torch.optim optimizer, or on batches from no DataLoader",
+     "left as it is: nothing averaged (no optimizer) or split (no shuffled DataLoader), so each "
+     "process trains on all of it alone and rank 0's result is kept; rank 0 says so in one note "
+     "when training starts, with what would split it (notes.py)"),
     ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "
                               "others wait until the file exists; such a file loads back into "
                               "the script's DataParallel (saving.py)"),

@@ -192,24 +192,6 @@ def install(env, mode: str) -> list[None]:
     return made
 
 
-def note_unsplit_training(env, made: list[None]) -> None:
-    """At the first optimizer step, rank 0 says so when no loader was split (`made` is empty):
-    a script whose training loader does not shuffle trains on the same batches in every process,
-    N times the work for a one-process result, and would otherwise run so without a word."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    def first_step(optimizer, args, kwargs):
-        handle.remove()
-        if not made and env.rank == 0:
-            print(f"multigpu: note: --auto: the script's first optimizer step came before any "
-                  f"DataLoader with shuffle=True (or a RandomSampler): --auto splits only those, "
-                  f"so each of the {env.world_size} processes trains on the same batches, the "
-                  f"work of one process done {env.world_size} times; give the training "
-                  "DataLoader shuffle=True", file=sys.stderr)
-
-    handle = register_optimizer_step_pre_hook(first_step)
-
-
 def whole_loader(init, given: dict) -> DataLoader:
     """The loader the script asked for, unsplit: built by DataLoader's own __init__, not the
     patched one, for the passes the script makes under no_grad."""

@@ -6,9 +6,9 @@ group formed and --auto's patches installed before the script runs.
 The first argument is --auto-batch's mode. Then, in this order: this process's own GPU is the
 only one it sees (before anything touches CUDA), the process group forms (NCCL on GPUs, gloo on
 CPU), the patches go in (refusals, data, gradients, the first step's checks, summed losses,
-saving, files) and the script runs as the launcher's worker runs any script: as `__main__`, with its
-argv, a mistake of the script's that --auto cannot handle said in one line (`multigpu: error:
-...`, exit 2).
+notes, saving, files) and the script runs as the launcher's worker runs any script: as
+`__main__`, with its argv, a mistake of the script's that --auto cannot handle said in one
+line (`multigpu: error: ...`, exit 2).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from multigpu.launcher import worker  # noqa: E402
 def prepare(mode: str) -> None:
     """This process's GPU, its process group and the patches, before the script runs."""
     devices.narrow_to_own_gpu()
-    from multigpu.auto import (files, first_step, gradients, loaders, refusals, saving, summed_loss,
-                               training_reads)
+    from multigpu.auto import (files, first_step, gradients, loaders, notes, refusals, saving,
+                               summed_loss, training_reads)
     from multigpu.core.distributed import init_distributed
 
     env = init_distributed(own_gpu=True)
@@ -41,8 +41,8 @@ def prepare(mode: str) -> None:
         reads.install()
         first_step.install(reads)
         summed_loss.install(reads, env.rank)
-    if env.world_size > 1:  # last: its step hook removes itself, safe only as the last one
-        loaders.note_unsplit_training(env, split)
+    if env.world_size > 1:
+        notes.install(env, split)  # what --auto left unsplit, said when training starts
     saving.install(env)
     files.install(env)  # ranks other than 0 write their own copies of the script's files
     if env.rank == 0:

@@ -21,6 +21,10 @@ batch_size is the global batch; --auto-batch per-gpu keeps it per process), the 
 optimizers train average their gradients as DDP does, `.cuda()` means the process's own GPU and
 torch.save writes once. Loaders without shuffle (evaluation) stay whole on every process. A
 script that forms its own process group or a batch_sampler of its own is refused in one line.
+
+Without --auto, a script's source is read for its traps before any process starts (check_source);
+one that trains but forms no process group, started N > 1 times, runs N independent full copies:
+said in one line, with --auto as the fix, and started all the same.
 """
 from __future__ import annotations
 

@@ -71,8 +71,8 @@ def _change(src: Source, check: str, nodes: list[ast.AST], effect: str, refusal:
     effect = re.sub(r" \([\w.]+\.py\)$", "", effect)
     if refusal:
         level, verb, effect = "warn", "if it runs, --auto refuses it there: ", effect.split(": ", 1)[-1]
-    else:
-        level, verb = "ok", "--auto: "
+    else:  # work --auto leaves whole on every process: a warn, as the run's note
+        level, verb = "warn" if check == "auto unsplit" else "ok", "--auto: "
     return src.at(level, check, nodes[0], f"{_shown(nodes[0])}{also}: {verb}{effect}")
 
 
@@ -161,6 +161,31 @@ def _summed_losses(src: Source) -> Iterator[ast.AST]:
     return (c for c in src.calls if const(kw(c, "reduction")) == "sum" and not src.in_no_grad(c.lineno))
 
 
+def _unsplit(src: Source) -> Iterator[ast.AST]:
+    """The backward calls of a script whose code names no optimizer at all (a hand-written
+    update), or no loader at all (batches sliced from a tensor): where its training starts.
+    Silent when a name in its code has one in it, a helper's too: it may come from elsewhere."""
+    names = " ".join(_identifiers(src)).lower()
+    if "optim" in names and "loader" in names:
+        return
+    for c in src.calls:
+        if method(c) == "backward" or src.qualname(c.func) in ("torch.autograd.grad",
+                                                              "torch.autograd.backward"):
+            yield c
+
+
+def _identifiers(src: Source) -> Iterator[str]:
+    for node in src.nodes:
+        if isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.attr
+        elif isinstance(node, ast.alias):
+            yield node.name
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+
+
 def _saves(src: Source) -> Iterator[ast.AST]:
     return (c for c in src.calls if src.qualname(c.func) == "torch.save")
 
@@ -184,6 +209,8 @@ FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
     "optimizer": ("auto gradients", _optimizers),
     "a forward called directly (model.forward(x))": ("auto gradients", _direct_forwards),
     "a torch loss with reduction='sum'": ("auto loss", _summed_losses),
+    "training without a torch.optim optimizer, or on batches from no DataLoader":
+        ("auto unsplit", _unsplit),
     "torch.save(obj, path)": ("auto save", _saves),
     "print, tqdm": ("auto output", _prints),
     "torch.distributed.init_process_group": ("auto refuses", _init_process_group),

@@ -25,10 +25,30 @@ def auto_trial_findings(cmd: list[str], plan, steps: int, timeout: float) -> lis
             for f in found]
 
 
+def no_optimizer_finding(records: list[dict], ranks: int) -> list[Finding]:
+    """A script that trained a model (a forward with gradients on) and ended with no torch.optim
+    step: --auto averaged nothing, as the run's note says at its first backward."""
+    if ranks < 2 or not records or any(r["steps"] or not r.get("ended") or r.get("error")
+                                       for r in records):
+        return []
+    if all(r.get("batch") is None for r in records):
+        return []
+    return [Finding("warn", "auto gradients", f"the script ended with no torch.optim optimizer "
+                    f"step: --auto averages the gradients of what an optimizer holds, so nothing "
+                    f"was averaged and each of the {ranks} ranks trained a model of its own "
+                    "(rank 0's is the one kept); update the weights with a torch.optim optimizer")]
+
+
 def loader_findings(records: list[dict], ranks: int) -> list[Finding]:
     """The DataLoaders rank 0 (or the first record) read with gradients on: split by --auto or not."""
     first = next((r for r in records if r["rank"] == 0), records[0])
-    found = []
+    found = no_optimizer_finding(records, ranks)
+    if not first["loaders"] and first.get("batch") is not None:  # the model ran on other batches
+        found.append(Finding("warn", "auto data", f"the model's batches came from no DataLoader "
+                             f"(a tensor sliced in a loop, a get_batch()): --auto splits only a "
+                             f"DataLoader with shuffle=True, so each of the {ranks} ranks reads "
+                             "all of the data; give it DataLoader(TensorDataset(x, y), "
+                             "batch_size=..., shuffle=True)"))
     for ld in first["loaders"]:
         if ld["sharded"]:
             found.append(Finding("ok", "auto data", f"split by --auto: {ld['batches']} batches "

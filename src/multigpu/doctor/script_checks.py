@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 from multigpu.train.findings import Finding
@@ -52,7 +53,7 @@ def _python_findings(path: Path, data: bytes, *, nproc: int, gpus: bool,
     return [*_launch_env(src, master_port), *_spawn(src, nproc), *_dataparallel(src, nproc, gpus),
             *_scatter(src), *_non_tensor_args(src), *_checkpoint(src),
             *(_sampler(src, nproc) if nproc > 1 else []), *_precision(src), *_local_rank(src),
-            *_launchers(src)]
+            *_launchers(src), *_no_process_group(src, nproc)]
 
 
 def _env_writes(src: Source):
@@ -362,3 +363,35 @@ def _launchers(src: Source) -> list[Finding]:
     return [src.at("ok", "launcher", src.imported[package], f"{what} script: multigpu run starts one "
                    "process per device with torchrun's environment, which it reads")
             for package, what in _LAUNCHERS.items() if package in src.imported]
+
+
+# A script that forms a process group, or may: torch.distributed in any form, a launch variable
+# read, or a library that forms one itself (Accelerate, Lightning, multigpu.setup, HF Trainer...)
+_GROUP_WORDS = re.compile(r"(?i:distributed)|init_process_group|init_device_mesh|\bDDP\b|FSDP|"
+                          r"fully_shard|LOCAL_RANK|local_rank|WORLD_SIZE|\bRANK\b")
+_GROUP_LIBRARIES = ("accelerate", "lightning", "pytorch_lightning", "multigpu", "transformers",
+                    "deepspeed", "horovod", "ray", "ignite", "composer", "colossalai", "fairscale",
+                    "mmengine", "torchtnt")
+
+
+def _trains(src: Source, call: ast.Call) -> bool:
+    """An optimizer built, a DataLoader built or a backward: the source trains."""
+    name = src.qualname(call.func)
+    last = name.rsplit(".", 1)[-1]
+    return (name.startswith("torch.optim.") and ".lr_scheduler." not in name and last[:1].isupper()
+            or last == "DataLoader" or method(call) == "backward")
+
+
+def _no_process_group(src: Source, nproc: int) -> list[Finding]:
+    """A one-device training script started N times: N independent whole trainings, each
+    writing the same files, and nothing would say so. Said, not refused (N copies may be meant)."""
+    if nproc < 2 or _GROUP_WORDS.search(src.text) or any(p in src.imported for p in _GROUP_LIBRARIES):
+        return []
+    if not any(_trains(src, c) for c in src.calls):
+        return []
+    name = src.path.name
+    return [Finding("warn", "process group", f"{name} forms no process group (no torch.distributed."
+                    f"init_process_group): each of the {nproc} processes runs the whole script "
+                    f"alone, {nproc} independent full trainings that each write the same files; "
+                    f"run it with --auto to make it data-parallel unmodified (multigpu run --auto "
+                    f"{src.path})")]

@@ -201,13 +201,16 @@ def _loader_findings(records: list[dict], ranks: int) -> list[Finding]:
             found.append(Finding("ok", "sampler", f"the DataLoader is sharded ({ld['sampler']}): "
                                                   f"{ld['batches']} batches per rank", where=where))
         else:
+            # a script with no process group (a one-device script): --auto needs no edit
+            auto = ("" if ld.get("distributed", True) else "`multigpu run --auto` (the script "
+                    "forms no process group: --auto makes it data-parallel unmodified), or ")
             found.append(Finding("warn", "sampler", f"the DataLoader has no DistributedSampler "
                                                     f"({ld['sampler']}): each of the {ranks} ranks "
                                                     f"goes through all {ld['samples']} samples "
                                                     f"({ld['batches']} batches), repeating the "
-                                                    "others' work; fix: DataLoader(ds, sampler="
-                                                    "DistributedSampler(ds)) and sampler.set_epoch"
-                                                    "(epoch) each epoch, or multigpu's "
+                                                    f"others' work; fix: {auto}DataLoader(ds, "
+                                                    "sampler=DistributedSampler(ds)) and sampler."
+                                                    "set_epoch(epoch) each epoch, or multigpu's "
                                                     "rt.prepare(loader)", where=where))
     return found
 
@@ -218,10 +221,22 @@ def _batch_finding(records: list[dict], ranks: int) -> Finding | None:
         return None
     if len(set(sizes.values())) == 1:
         size = next(iter(sizes.values()))
-        total = f"; {size * ranks} over the {ranks} ranks" if ranks > 1 else ""
-        return Finding("ok", "batch", f"{size} samples per rank in the model's first forward{total}")
+        return Finding("ok", "batch", f"{size} samples per rank in the model's first forward"
+                                      f"{_batch_total(records, size, ranks)}")
     each = ", ".join(f"rank {r}: {s}" for r, s in sorted(sizes.items()))
     return Finding("ok", "batch", f"samples per rank in the model's first forward: {each}")
+
+
+def _batch_total(records: list[dict], size: int, ranks: int) -> str:
+    """The global batch, said only where the ranks' batches are shares of the data: a training
+    DataLoader of rank 0's is sharded. With none, every rank reads all of the data."""
+    first = next((r for r in records if r["rank"] == 0), records[0])
+    sharded = [ld["sharded"] for ld in first["loaders"]]
+    if ranks == 1 or (None in sharded and True not in sharded):  # an IterableDataset: unknown
+        return ""
+    if True in sharded:
+        return f"; {size * ranks} over the {ranks} ranks"
+    return f", the whole data on each of the {ranks} ranks: no DataLoader read for training was split"
 
 
 def _memory_finding(records: list[dict]) -> Finding | None:

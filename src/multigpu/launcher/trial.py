@@ -7,7 +7,10 @@ TRIAL_DIR_ENV naming a folder of its own and TRIAL_STEPS_ENV the steps to run. T
 global hooks:
 
 - the outermost modules called (module forward hooks): the names of their parameters, and the
-  batch each rank's model is given;
+  batch each rank's model is given: the leading size of the first input, with gradients on, of
+  the module that the first optimizer to step holds (or, with no step, of the first module with
+  trainable parameters), not of any module called first: a transform that a Dataset applies
+  (torchvision's Normalize is an nn.Module) is called before the model, on one sample;
 - the DataLoaders iterated while gradients are on (training, not evaluation under no_grad): whether
   their sampler shards them over the ranks, and where the script iterates them;
 - every optimizer step (the step post hook): at an optimizer's first step, its trainable
@@ -63,7 +66,9 @@ class Trial:
         self.started = time.perf_counter()
         self._depth = 0
         self._tops: dict[int, weakref.ref] = {}  # the outermost modules called, by id
-        self.batch: int | None = None  # leading size of the first outermost forward's input
+        self.batch: int | None = None  # the model's batch: set at the first optimizer step
+        # id(outermost module) -> (its first batch with gradients on, has trainable parameters)
+        self._batches: dict[int, tuple[int | None, bool]] = {}
         self.loaders: dict[int, dict] = {}
         self.unused: list[str] = []
         self.unused_fatal = False  # DDP without find_unused_parameters: the next forward fails
@@ -77,6 +82,7 @@ class Trial:
         from torch.optim.optimizer import register_optimizer_step_post_hook
         from torch.utils.data import DataLoader
 
+        self._grad_enabled = torch.is_grad_enabled
         register_module_forward_pre_hook(self._before_forward)
         register_module_forward_hook(self._after_forward, always_call=True)
         register_optimizer_step_post_hook(self._stepped)
@@ -99,8 +105,9 @@ class Trial:
             return  # DataParallel's replicas: their chunks are not the rank's batch
         if self._depth == 0:
             self._tops.setdefault(id(module), weakref.ref(module))
-            if self.batch is None:
-                self.batch = _leading_size(args)
+            if id(module) not in self._batches and self._grad_enabled():
+                trainable = any(p.requires_grad for p in module.parameters())
+                self._batches[id(module)] = (_leading_size(args), trainable)
         self._depth += 1
 
     def _after_forward(self, module, args, output) -> None:
@@ -112,10 +119,26 @@ class Trial:
         count = self._counts[key] = self._counts.get(key, 0) + 1
         if self._first is None:
             self._first = key
+            self.batch = self._model_batch(
+                {id(p) for g in optimizer.param_groups for p in g["params"]})
         if count == 1:
             self._check_unused(optimizer)
         if self.unused_fatal or (key == self._first and count >= self.steps):
             self.finish()
+
+    def _model_batch(self, params: set[int] | None = None) -> int | None:
+        """The batch of the first outermost module called with gradients on that holds any of
+        `params`; with None, that has trainable parameters (known when it was called: a script
+        that ended has let its modules go)."""
+        for key, (size, trainable) in list(self._batches.items()):  # a copy: the timer may ask
+            if params is None:
+                if trainable:
+                    return size
+                continue
+            module = self._tops[key]()
+            if module is not None and any(id(p) in params for p in module.parameters()):
+                return size
+        return None
 
     def _check_unused(self, optimizer) -> None:
         """Trainable parameters of this optimizer without a gradient at its first step (none
@@ -189,8 +212,9 @@ class Trial:
         self._write({"ended": True, "error": error, "error_where": None if done else _raised_at(exc)})
 
     def _write(self, extra: dict) -> None:
+        batch = self.batch if self.batch is not None else self._model_batch()
         record = {"rank": self.rank, "world": self.world, "steps": self._counts.get(self._first, 0),
-                  "seconds": round(time.perf_counter() - self.started, 2), "batch": self.batch,
+                  "seconds": round(time.perf_counter() - self.started, 2), "batch": batch,
                   "loaders": list(self.loaders.values()), "unused": self.unused,
                   "unused_fatal": self.unused_fatal, "memory": _memory(), **extra}
         path = record_path(self.folder, self.rank)
@@ -236,7 +260,14 @@ def _loader_record(loader, where: str | None) -> dict:
     sampler = shards[0] if shards else loader.sampler
     return {"where": where, "sampler": type(sampler).__name__, "sharded": None if iterable else bool(shards),
             "samples": None if iterable else size(loader.dataset),
-            "batches": None if iterable else size(loader), "batch_size": loader.batch_size}
+            "batches": None if iterable else size(loader), "batch_size": loader.batch_size,
+            "distributed": _distributed()}  # when it is read: a script's group may end first
+
+
+def _distributed() -> bool:
+    """Whether this rank is in a process group now (the script's own, or --auto's worker's)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def _leading_size(args) -> int | None:
