@@ -88,11 +88,11 @@ _VAL_LOSS = r"step \d+: train loss [\d.]+, val loss ([\d.]+)"
 CORPUS = {e.name: e for e in [
     Entry("beginner-logistic", _pin(*_BEGINNER, "02-Logistic Regression/Logistic_Regression.py",
                                     "6c58eb5ace1c07cf0924fdf382e133a84207c83d"),
-          _TEST_ACC, "test accuracy (fraction)", data=(("fashion-mnist", "../datasets", 512, 256),),
+          _TEST_ACC, "test accuracy (fraction)", data=(("fashion-mnist", "../datasets", 256, 128),),
           note="FashionMNIST, 100 epochs hard-coded, batch 64, SGD; torch.save(state_dict)"),
     Entry("beginner-mlp", _pin(*_BEGINNER, "03-Neural Network/neural_network.py",
                                "f728a0ea3de32257b7036d09993561f548727d97"),
-          _TEST_ACC, "test accuracy (fraction)", data=(("fashion-mnist", "../datasets", 512, 256),),
+          _TEST_ACC, "test accuracy (fraction)", data=(("fashion-mnist", "../datasets", 256, 128),),
           note="FashionMNIST, 50 epochs hard-coded, batch 64, SGD; torch.save(state_dict)"),
     Entry("pl-logistic", _pin(*_PL, "08_logistic_regression.py",
                               "a164e8731b97e19ca1535d7dca28b27dbafdc54c"),
