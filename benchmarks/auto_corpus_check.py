@@ -39,6 +39,8 @@ import auto_corpus as corpus
 import auto_public_data as data
 import auto_public_runs as runs
 
+# the last line of a traceback (rank 0's, as the launcher shows it), e.g. "RuntimeError: ..."
+EXCEPTION = re.compile(r"^(?:\[rank\d+\]: )?((?:[\w.]+(?:Error|Exception|Interrupt)):? .*)$", re.M)
 OWN = ("record", "leases", "ranklogs")  # the harness's own folders in a run's folder
 # every corpus run: no display (matplotlib's plt.show() is a no-op under Agg); one thread per
 # process, so that N processes on the 2 cores do not each start a thread per core
@@ -178,7 +180,7 @@ def metric(entry: corpus.Entry, text: str) -> float | None:
     found = [float(m) for m in re.findall(entry.metric, text, re.M)]
     if not found:
         return None
-    return round(statistics.fmean(found[-entry.metric_mean_of_last:]), 6)
+    return statistics.fmean(found[-entry.metric_mean_of_last:])
 
 
 def collect(job: runs.Job) -> dict:
@@ -201,6 +203,8 @@ def collect(job: runs.Job) -> dict:
         "steps": {r: e["steps"] for r, e in exits.items() if e},
         "weights": {r: e["weights"] for r, e in exits.items() if e},
         "error_lines": [ln for ln in text.splitlines() if ln.startswith("multigpu: error:")],
+        "notes": [ln for ln in text.splitlines() if ln.startswith("multigpu: note:")],
+        "exception": (EXCEPTION.findall(text) or [None])[-1],
         "traceback": "Traceback (most recent call last)" in text + others,
         "last_lines": text.splitlines()[-3:],
         "shims": sorted({e["what"] for evs in events.values() for e in evs
@@ -221,7 +225,8 @@ def verdict(run: dict, ones: list[dict]) -> tuple[str, list[str]]:
         if (run["rc"] == 2 and len(run["error_lines"]) == 1 and not run["traceback"]
                 and not run["stepped"]):
             return "refused", [run["error_lines"][0]]
-        why = run["error_lines"][:1] or run["last_lines"][-1:]
+        why = run["error_lines"][:1] or (
+            [run["exception"]] if run.get("exception") else run["last_lines"][-1:])
         return "wrong", [f"exit {run['rc']}" + (" (timed out)" if run["rc"] in (-9, 137) else "")
                          + (f" after {len(run['stepped'])} rank(s) stepped" if run["stepped"]
                             else "") + f": {why[0] if why else ''}"]
@@ -230,8 +235,8 @@ def verdict(run: dict, ones: list[dict]) -> tuple[str, list[str]]:
     if run["metric"] is None or None in base:
         reasons.append(f"metric not printed (auto {run['metric']}, one-process {base})")
     elif not min(base) <= run["metric"] <= max(base):
-        reasons.append(f"metric {run['metric']} outside the one-process range "
-                       f"[{min(base)}, {max(base)}]")
+        reasons.append(f"metric {_g(run['metric'])} outside the one-process range "
+                       f"[{_g(min(base))}, {_g(max(base))}]")
     mine, theirs = epochs(run, ones[0]), epochs(ones[0], ones[0])
     bad = [e for e in mine if e["missing"] or e["repeated"]]
     if bad:
@@ -281,17 +286,37 @@ def summarise(results: list[dict]) -> dict:
         for r in (r for r in mine if r["mode"] != "1gpu"):
             v, reasons = verdict(r, ones)
             s[r["run"]] = {"verdict": v, "reasons": reasons, "metric": r["metric"],
-                           "rc": r["rc"], "wall_s": r["wall_s"]}
+                           "rc": r["rc"], "wall_s": r["wall_s"], "notes": r.get("notes", []),
+                           "observed": observed(r, ones[0])}
     return out
+
+
+def observed(run: dict, one: dict) -> list[str]:
+    """Which of the checks this script lets us make (issue 38: 'where observable')."""
+    out = ["metric"]
+    if epochs(one, one):
+        out.append("samples")
+    if one["files"]:
+        out.append("files")
+    if any(run["weights"].values()):
+        out.append("weights")
+    return out
+
+
+def _g(x):
+    return x if x is None else float(f"{x:.6g}")
 
 
 def table(summary: dict) -> str:
     rows = []
     for name, s in summary.items():
         for run, v in ((k, v) for k, v in s.items() if isinstance(v, dict)):
-            rows.append(f"{name} {run}: {v['verdict']} (metric {v['metric']} vs one-process "
-                        f"{s['one_process']}, exit {v['rc']}, {v['wall_s']} s)")
+            rows.append(f"{name} {run}: {v['verdict']} (metric {_g(v['metric'])} vs "
+                        f"one-process {[_g(m) for m in s['one_process']]}, exit {v['rc']}, "
+                        f"{v['wall_s']} s; checked: "
+                        f"{', '.join(v.get('observed', []))})")
             rows += [f"    - {why}" for why in v["reasons"]]
+            rows += [f"    - said: {note}" for note in v.get("notes", [])]
     return "\n".join(rows) + "\n"
 
 
