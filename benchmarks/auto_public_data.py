@@ -13,6 +13,12 @@ and the distractor and the noise keep it below 100 %, so seeds spread).
   as the real archive holds them. torchvision checks their md5 against the real files' sums; the
   recorder (auto_public_record/sitecustomize.py) replaces that check, and says so.
 - ImageFolder: `<root>/{train,val}/<class>/<n>.JPEG`, as pytorch/examples' ImageNet script reads.
+- FashionMNIST: as MNIST, in `<root>/FashionMNIST/raw/` (torchvision's FashionMNIST is an MNIST).
+- Text (the corpus' language models): sentences drawn from a small grammar, so that a model can
+  learn it and a validation loss means something: `<path>` itself (karpathy/ng-video-lecture's
+  input.txt), or nanoGPT's shakespeare_char layout, `<root>/{train,val}.bin` (uint16 character
+  ids) and `<root>/meta.pkl` ({vocab_size, itos, stoi}), as its data/shakespeare_char/prepare.py
+  writes them.
 """
 from __future__ import annotations
 
@@ -74,8 +80,8 @@ def _grating_protos(size: int, seed: int) -> np.ndarray:
     return protos * 0.8
 
 
-def write_mnist(root: Path, train: int, test: int, seed: int = 0) -> None:
-    raw = root / "MNIST" / "raw"
+def write_mnist(root: Path, train: int, test: int, seed: int = 0, folder: str = "MNIST") -> None:
+    raw = root / folder / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     protos = _stroke_protos(28, seed)
     for prefix, n, s in (("train", train, seed + 1), ("t10k", test, seed + 2)):
@@ -86,16 +92,17 @@ def write_mnist(root: Path, train: int, test: int, seed: int = 0) -> None:
                                                          + y.astype(np.uint8).tobytes())
 
 
-def write_cifar(root: Path, train: int, test: int, seed: int = 0) -> None:
+def write_cifar(root: Path, train: int, test: int, seed: int = 0, mix: float = 0.7,
+                noise: float = 0.3) -> None:
     """Five training batches and a test batch, as the real archive's pickles (HWC -> CHW rows)."""
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True, exist_ok=True)
     protos = _grating_protos(32, seed)
-    x, y = _samples(protos, train, seed + 1, shift=4, mix=0.7, noise=0.3)
+    x, y = _samples(protos, train, seed + 1, shift=4, mix=mix, noise=noise)
     parts = np.array_split(np.arange(train), 5)
     for i, part in enumerate(parts, 1):
         _pickle_batch(folder / f"data_batch_{i}", x[part], y[part])
-    x, y = _samples(protos, test, seed + 2, shift=4, mix=0.7, noise=0.3)
+    x, y = _samples(protos, test, seed + 2, shift=4, mix=mix, noise=noise)
     _pickle_batch(folder / "test_batch", x, y)
     names = [f"class{c}" for c in range(CLASSES)]
     with open(folder / "batches.meta", "wb") as f:
@@ -130,3 +137,46 @@ def write_imagefolder(root: Path, train: int, val: int, size: int = 112, seed: i
                  for i in range(0, n, step)]
     with ProcessPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
         list(pool.map(_write_jpegs, jobs))
+
+
+def write_fashion_mnist(root: Path, train: int, test: int, seed: int = 0) -> None:
+    write_mnist(root, train, test, seed + 10, folder="FashionMNIST")
+
+
+_WORDS = {"N": "king queen lord lady knight horse castle sword crown river".split(),
+          "V": "sees loves fears serves follows finds keeps calls".split(),
+          "A": "old young brave fair noble dark".split()}
+
+
+def _text(chars: int, seed: int) -> str:
+    """Sentences `The A N V the N.`, with speaker lines, about `chars` characters."""
+    rng = np.random.default_rng(seed)
+    pick = lambda k: _WORDS[k][rng.integers(len(_WORDS[k]))]  # noqa: E731
+    out, size = [], 0
+    while size < chars:
+        line = f"{pick('N').upper()}:\nThe {pick('A')} {pick('N')} {pick('V')} the {pick('N')}.\n\n"
+        out.append(line)
+        size += len(line)
+    return "".join(out)[:chars]
+
+
+def write_text(path: Path, chars: int, _unused: int = 0, seed: int = 0) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_text(chars, seed + 20))
+
+
+def write_char_bins(root: Path, train: int, val: int, seed: int = 0) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    text = _text(train + val, seed + 30)
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    ids[:train].tofile(root / "train.bin")
+    ids[train:].tofile(root / "val.bin")
+    with open(root / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
+
+
+# the corpus' layouts (benchmarks/auto_corpus.py): name -> writer(path, train, test)
+LAYOUTS = {"mnist": write_mnist, "fashion-mnist": write_fashion_mnist, "cifar10": write_cifar,
+           "text": write_text, "shakespeare-char": write_char_bins}

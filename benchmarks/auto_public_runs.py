@@ -107,8 +107,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def environment(job: Job, cpu: bool, repo: Path) -> dict:
-    env = dict(os.environ) | FIXED_ENV
+def environment(job: Job, cpu: bool, repo: Path, extra: dict | None = None) -> dict:
+    env = dict(os.environ) | FIXED_ENV | (extra or {})
     env["PYTHONPATH"] = os.pathsep.join(
         [str(RECORDER), str(repo / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env["AUTO_PUBLIC_RECORD"] = str(job.cwd / "record")
@@ -120,7 +120,7 @@ def environment(job: Job, cpu: bool, repo: Path) -> dict:
     return env
 
 
-def start(job: Job, cpu: bool, repo: Path) -> subprocess.Popen:
+def start(job: Job, cpu: bool, repo: Path, extra: dict | None = None) -> subprocess.Popen:
     for sub in ("record", "leases"):
         (job.cwd / sub).mkdir(parents=True, exist_ok=True)
     if job.mode == "ddp":
@@ -130,11 +130,12 @@ def start(job: Job, cpu: bool, repo: Path) -> subprocess.Popen:
               f"{' '.join(command(job, cpu))}\n")
     log.flush()
     print(f"[start] {job.name} {job.cwd.name} gpus={job.gpus}", flush=True)
-    return subprocess.Popen(command(job, cpu), cwd=job.cwd, env=environment(job, cpu, repo),
+    return subprocess.Popen(command(job, cpu), cwd=job.cwd, env=environment(job, cpu, repo, extra),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run_all(jobs: list[Job], *, cpu: bool, slots: int, timeout: int, repo: Path) -> None:
+def run_all(jobs: list[Job], *, cpu: bool, slots: int, timeout: int, repo: Path,
+            extra: dict | None = None) -> None:
     """Starts each job when its GPUs have a free slot (an `alone` job: the whole machine)."""
     gpus = 1 if cpu else _gpu_count()
     slots = 1 if cpu else slots
@@ -153,7 +154,7 @@ def run_all(jobs: list[Job], *, cpu: bool, slots: int, timeout: int, repo: Path)
             job.gpus = [] if cpu else sorted(have[:job.devices])
             for g in (job.gpus or [0]):
                 free[g] -= slots if job.alone else 1
-            running.append((job, start(job, cpu, repo), time.perf_counter()))
+            running.append((job, start(job, cpu, repo, extra), time.perf_counter()))
             pending.remove(job)
         time.sleep(0.2)
         for item in list(running):

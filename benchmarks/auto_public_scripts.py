@@ -3,6 +3,11 @@
     export PYTHONPATH=$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     python benchmarks/auto_public_scripts.py --out $OUT --gpus 2,4          # GPU machine
     python benchmarks/auto_public_scripts.py --devices-kind cpu --out /tmp/apub   # CPU smoke
+    python benchmarks/auto_public_scripts.py --corpus --devices-kind cpu --gpus 2 --out /tmp/corpus
+
+--corpus [NAMES]: issue 38's corpus instead (benchmarks/auto_corpus.py lists it, with how to
+fetch it into .public/corpus/; auto_corpus_check.py says what each verdict reads): three
+one-process runs and --auto on each N of --gpus per script, a verdict per script.
 
 The scripts are fetched, not committed: copy each, byte for byte, to `--scripts` (default
 .public/, git-ignored) as named here; the run checks each file's git blob id against the pinned one.
@@ -63,6 +68,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import auto_corpus as corpus  # noqa: E402
+import auto_corpus_check as corpus_check  # noqa: E402
 import auto_public_data as data  # noqa: E402
 import auto_public_report as report  # noqa: E402
 import auto_public_runs as runs  # noqa: E402
@@ -201,7 +208,15 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=2,
                    help="runs sharing one GPU at once (not the ImageNet runs, which run alone)")
     p.add_argument("--run-timeout", type=int, default=240)
+    p.add_argument("--corpus", nargs="?", const=",".join(corpus.CORPUS), default=None,
+                   metavar="NAMES", help="issue 38's corpus (all, or these names) instead")
+    p.add_argument("--one-process-runs", type=int, default=3,
+                   help="--corpus: one-process runs per script, whose range the metric is held to")
+    p.add_argument("--recollect", metavar="CALL", default=None,
+                   help="--corpus: read the runs of an earlier call folder again (no new run)")
     args = p.parse_args(argv)
+    if args.corpus is not None:
+        return run_corpus(args)
     if args.compare:
         args.only, args.imagenet_modes = "imagenet", COMPARE_MODES
     wrong = set(args.imagenet_modes.split(",")) - set(runs.MODES[1:])
@@ -236,6 +251,52 @@ def main(argv=None) -> int:
            "env": runs.FIXED_ENV, "runs": results, "summary": summary}
     table = report.table(results, summary)
     for folder in (call, out):  # the call's own, and the latest call's at --out
+        (folder / "results.json").write_text(json.dumps(doc, indent=1))
+        (folder / "results.txt").write_text(table)
+    print(table)
+    return 0
+
+
+def run_corpus(args) -> int:
+    """The corpus: its pins checked, its data generated, its runs, a verdict per script."""
+    names = [n for n in args.corpus.split(",") if n]
+    unknown = sorted(set(names) - set(corpus.CORPUS))
+    if unknown:
+        print(f"auto_public_scripts: --corpus: {','.join(unknown)} not in auto_corpus.CORPUS",
+              file=sys.stderr)
+        return 2
+    scripts, out = Path(args.scripts).resolve(), Path(args.out).resolve()
+    pins = {f"{n}:{pin.path}": (str(corpus.pin_path(corpus.CORPUS[n], pin, scripts)
+                                    .relative_to(scripts)), pin.blob)
+            for n in names for pin in corpus.CORPUS[n].pins()}
+    provenance = runs.check_scripts(pins, scripts)
+    if any(not v["unmodified"] for v in provenance.values()):
+        print(json.dumps(provenance, indent=1), file=sys.stderr)
+        print("auto_public_scripts: a corpus file is missing or differs from its pinned blob; "
+              "python benchmarks/auto_corpus.py --materialise MIRRORS writes them", file=sys.stderr)
+        return 2
+    if args.recollect:
+        call = Path(args.recollect).resolve()
+        jobs = corpus_check.load_jobs(call)
+    else:
+        call = claim_call_folder(out)
+        print(f"[call] {call}", flush=True)
+        counts = [int(n) for n in args.gpus.split(",") if n]
+        jobs = corpus_check.plan(names, scripts, call, counts, args.one_process_runs)
+        links = {n: corpus_check.generate(n, call) for n in names}
+        for job in jobs:
+            corpus_check.prepare(job, scripts, links[job.name])
+        runs.run_all(jobs, cpu=args.devices_kind == "cpu", slots=1, timeout=args.run_timeout,
+                     repo=REPO, extra=corpus_check.ENV)
+        corpus_check.save_jobs(jobs, call)
+    results = [corpus_check.collect(j) for j in jobs]
+    summary = corpus_check.summarise(results)
+    doc = {"scripts": provenance, "devices_kind": args.devices_kind, "gpus": args.gpus,
+           "shims": ["torchvision.datasets.cifar.check_integrity: the file exists (no md5)",
+                     "torchvision's nms/qnms schemas defined where its compiled ops do not load"],
+           "env": runs.FIXED_ENV | corpus_check.ENV, "runs": results, "summary": summary}
+    table = corpus_check.table(summary)
+    for folder in (call, out):
         (folder / "results.json").write_text(json.dumps(doc, indent=1))
         (folder / "results.txt").write_text(table)
     print(table)

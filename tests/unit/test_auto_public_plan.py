@@ -124,3 +124,82 @@ def test_nccl_channels_are_counted_by_transport(bench):
            "Epoch: [0][  1/160]\tTime  0.500 ( 0.5)\n")
     found = runs.TRANSPORT.findall(log)
     assert found == ["P2P/CUMEM", "P2P/CUMEM", "SHM/direct/direct"]
+
+
+@pytest.fixture
+def check(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import auto_corpus_check as check
+
+    return check
+
+
+def corpus_run(rc=0, metric=1.0, files=None, passes=(), weights=None, stepped=(0, 1),
+               error_lines=(), traceback=False, devices=2, mode="auto"):
+    same = [["module:Linear", 4, "aa"]]
+    return {"script": "gan", "run": "auto-2" if mode == "auto" else "1proc-1", "mode": mode,
+            "devices": devices, "rc": rc, "wall_s": 1.0, "metric": metric,
+            "files": files or {}, "passes": list(passes),
+            "weights": weights if weights is not None else {r: same for r in range(devices)},
+            "stepped": list(stepped), "error_lines": list(error_lines), "traceback": traceback,
+            "last_lines": ["x"]}
+
+
+def test_a_file_renamed_into_place_counts_for_its_name_and_each_rank_that_wrote_it(check,
+                                                                                   tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "0.png").write_bytes(b"png")
+    (tmp_path / "model.pt").write_bytes(b"pt")
+    tmp = str(tmp_path / "tmpabc")
+    events = {0: [{"kind": "write", "path": tmp, "how": "open"},
+                  {"kind": "rename", "src": tmp, "dst": str(tmp_path / "model.pt")},
+                  {"kind": "write", "path": str(tmp_path / "images" / "0.png"), "how": "open"},
+                  {"kind": "write", "path": str(tmp_path / "record" / "x.jsonl"), "how": "open"}],
+              1: [{"kind": "write", "path": str(tmp_path / "images" / "0.png"), "how": "open"},
+                  {"kind": "write", "path": "/elsewhere/y", "how": "open"}]}
+    assert check.written(events, tmp_path) == {"images/0.png": [0, 1], "model.pt": [0]}
+
+
+def test_a_file_every_rank_wrote_makes_the_run_wrong(check):
+    one = corpus_run(mode="1gpu", devices=1, files={"images/0.png": {"ranks": [0], "broken": None}})
+    torn = corpus_run(files={"images/0.png": {"ranks": [0, 1], "broken": None}})
+    assert check.verdict(torn, [one] * 3) == ("wrong", ["images/0.png written by ranks [0, 1]"])
+    once = corpus_run(files={"images/0.png": {"ranks": [0], "broken": None}})
+    assert check.verdict(once, [one] * 3) == ("right", [])
+
+
+def test_refused_means_one_error_line_before_any_step(check):
+    one = corpus_run(mode="1gpu", devices=1)
+    line = "multigpu: error: train.py calls torch.distributed.init_process_group itself"
+    refused = corpus_run(rc=2, metric=None, stepped=(), error_lines=[line])
+    assert check.verdict(refused, [one] * 3) == ("refused", [line])
+    late = corpus_run(rc=2, metric=None, stepped=(0,), error_lines=[line])
+    assert check.verdict(late, [one] * 3) == (
+        "wrong", [f"exit 2 after 1 rank(s) stepped: {line}"])
+
+
+def test_epochs_are_the_data_a_one_process_run_shuffles_whatever_sampler_auto_gives(check):
+    """--auto reads a shuffled loader through a sampler of its own: the one-process run's
+    RandomSampler says which data set is trained on; a peek (incomplete pass) is no epoch."""
+    def p(dataset, n, sampler, complete=True, repeated=0):
+        return {"dataset": dataset, "pass": n, "len": 8, "ranks": 1, "samplers": [sampler],
+                "complete": complete, "fetched": 8 + repeated, "missing": 0,
+                "repeated": repeated}
+
+    one = corpus_run(mode="1gpu", devices=1, passes=[
+        p("MNIST|data|True", 0, "RandomSampler", complete=False),
+        p("MNIST|data|True", 1, "RandomSampler"), p("MNIST|data|False", 0, "SequentialSampler")])
+    auto = corpus_run(passes=[p("MNIST|data|True", 0, "SequentialSampler", complete=False),
+                              p("MNIST|data|True", 1, "SequentialSampler"),
+                              p("MNIST|data|False", 0, "SequentialSampler", repeated=8)])
+    assert check.verdict(auto, [one] * 3) == ("right", [])
+    twice = corpus_run(passes=[p("MNIST|data|True", 1, "SequentialSampler", repeated=8)])
+    verdict, (why,) = check.verdict(twice, [one] * 3)
+    assert verdict == "wrong" and why.startswith("samples not once per epoch: 1 of 1 epochs")
+
+
+def test_weights_that_differ_between_ranks_make_the_run_wrong(check):
+    one = corpus_run(mode="1gpu", devices=1)
+    run = corpus_run(weights={0: [["module:Linear", 4, "aa"]], 1: [["module:Linear", 4, "bb"]]})
+    assert check.verdict(run, [one] * 3) == (
+        "wrong", ["weights differ between ranks: 1 of 1 hashes, e.g. module:Linear (4 values)"])
