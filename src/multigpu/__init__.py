@@ -57,4 +57,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs, which do not run __getattr__
     from multigpu.core.precision import Precision
     from multigpu.core.runtime import Runtime, setup
     from multigpu.core.strategies import DDPOptions, FSDPOptions, unwrap_model
-    from multigpu.train.trained_model import load_model
+    # load_model (multigpu.train.trained_model) is left out: a static import of the train layer
+    # here would make every module that imports multigpu import it, as the layers forbid
