@@ -188,3 +188,14 @@ def test_ctrl_c_stops_the_script_in_one_line(tmp_path, procs):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert err.splitlines()[-1].startswith("multigpu: stopped by SIGINT; every rank of this node "
                                            "was stopped"), err[-3000:]
+
+
+def test_a_script_that_seeds_nothing_draws_on_every_rank_what_rank_0_draws(tmp_path):
+    """Its own data (torch.randn), random and numpy: rank 1 draws rank 0's numbers, so the
+    averaged gradients fit the one data set one process would fit (the files go to the temp
+    folder, which --auto's file copies leave alone)."""
+    r = multigpu("--auto", "--devices", "cpu:2", str(SCRIPTS / "auto_unseeded.py"), str(tmp_path),
+                 cwd=tmp_path, TMPDIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert drawn[0] == drawn[1]

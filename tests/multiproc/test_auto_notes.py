@@ -19,13 +19,14 @@ NO_OPTIMIZER = ("multigpu: note: --auto: the script's first backward came with n
                 "optimizer holding its parameters: --auto averages the gradients of an "
                 "optimizer's parameters only, so nothing is averaged")
 WHOLE_JOB = (f"{NO_OPTIMIZER} and nothing split: each of the 2 processes trains its own copy of "
-             "the whole job, the work of one process done 2 times (2 different models where the "
-             "script sets no seed), and rank 0's is the one kept (printed, saved); to make it "
+             "the whole job, the work of one process done 2 times (every process starts from "
+             "rank 0's seeds, so each trains the same model), and rank 0's is the one kept "
+             "(printed, saved); to make it "
              "data-parallel, update the weights with a torch.optim optimizer, and read the data "
              "through DataLoader(TensorDataset(x, y), batch_size=..., shuffle=True): batches made "
              "otherwise (a tensor sliced in a loop, a get_batch()) are not split")
 OWN_SHARE = (f"{NO_OPTIMIZER}: each of the 2 processes trains a model of its own on its 1/2 of "
-             "the split DataLoader (2 different models where the script sets no seed), and rank "
+             "the split DataLoader (2 different models), and rank "
              "0's is the one kept (printed, saved); to make it data-parallel, update the weights "
              "with a torch.optim optimizer")
 SLICED = ("multigpu: note: --auto: the script's first optimizer step came before any DataLoader: "

@@ -301,7 +301,7 @@ def test_the_start_line_of_one_process_says_that_nothing_is_split():
         "average; --devices N (GPUs) or --devices cpu:N (CPU processes) makes it data-parallel")
     assert worker.start_line(2, "gloo", "cpu", "per-gpu") == (
         "multigpu: --auto: 2 processes (gloo, cpu); shuffled DataLoaders split, the script's "
-        "batch_size per process; gradients averaged as DDP does; torch.save by rank 0")
+        "batch_size per process; gradients averaged as DDP does; the files it writes are rank 0's")
 
 
 def test_a_deepcopy_or_a_whole_saved_copy_of_a_replicated_model_takes_hooks_again(

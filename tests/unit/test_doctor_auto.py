@@ -18,9 +18,12 @@ EVAL = "evaluation: read whole on every process, as a loader without shuffle"
 GRADS = ("the modules whose parameters it holds average their gradients over the processes "
          "during backward, as DDP does; rank 0's weights first; every trainable parameter must "
          "get a gradient each step unless --auto-unused")
-SAVE = ("written once, by rank 0, without module./_orig_mod. prefixes; the others wait until the "
+SAVE = ("written once, by rank 0 (or into a file the script opened: each process pickles the "
+        "script's own class), without module./_orig_mod. prefixes; the others wait until the "
         "file exists; such a file loads back into the script's DataParallel")
 OUTPUT = "rank 0's on the console, the others' in their log files (the launcher)"
+FILES = ("rank 0's, whole and once; the other processes write their own copies under the run's log "
+         "folder and read those back; their folders made and removed the same way")
 UNKNOWN = ("whether it shuffles is decided when it runs (the source does not show it): split over "
            "the processes if it shuffles then, whole on every process if not")
 RUNTIME = ("ok    auto run       decided when the script runs, not by this reading: whether each "
@@ -46,6 +49,7 @@ def test_the_tutorial_script_each_change_at_its_line():
         f"ok    auto eval      {t}:67: for x, y, idx in test_loader under torch.no_grad(): --auto: {EVAL}",
         f"ok    auto output    {t}:70: print(f'epoch {{epoch}}: test loss {{total / cou...: --auto: {OUTPUT}",
         f"ok    auto save      {t}:72: torch.save(model.state_dict(), 'model.pt'): --auto: {SAVE}",
+        f"ok    auto files     {t}:79: open(f\"seen_rank{{os.environ.get('RANK', '0')}}...: --auto: {FILES}",
         RUNTIME + "the run below shows it for these arguments"]
 
 
@@ -119,3 +123,17 @@ def test_training_that_auto_leaves_whole_is_a_warning_at_its_backward():
     assert [f for f in lines(sliced) if "auto unsplit" in f] == [
         f"warn  auto unsplit   {sliced}:22: loss.backward(): --auto: {UNSPLIT}"]
     assert not [f for f in lines(TUTORIAL) + lines(MNIST) if "auto unsplit" in f]
+
+
+def test_random_draws_of_a_script_that_seeds_nothing_are_said_and_a_seed_silences_them(tmp_path):
+    script = tmp_path / "toy.py"
+    body = ("import torch\nx = torch.randn(64, 3)\nmodel = torch.nn.Linear(3, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n")
+    script.write_text(body)
+    seeds = [line for line in lines(script, ran=False) if "auto seeds" in line]
+    assert seeds == [f"ok    auto seeds     {script}:2: torch.randn(64, 3): --auto: the same on "
+                     "every process: each starts from rank 0's seeds (torch, random, numpy), so "
+                     "data the script makes itself is the same everywhere, as in one process; "
+                     "the script's own seed still wins"]
+    script.write_text("import torch\ntorch.manual_seed(0)\n" + body)
+    assert not [line for line in lines(script, ran=False) if "auto seeds" in line]

@@ -48,9 +48,17 @@ CHANGES = (
      "left as it is: nothing averaged (no optimizer) or split (no shuffled DataLoader), so each "
      "process trains on all of it alone and rank 0's result is kept; rank 0 says so in one note "
      "when training starts, with what would split it (notes.py)"),
-    ("torch.save(obj, path)", "written once, by rank 0, without module./_orig_mod. prefixes; the "
-                              "others wait until the file exists; such a file loads back into "
-                              "the script's DataParallel (saving.py)"),
+    ("random numbers the script draws without a seed",
+     "the same on every process: each starts from rank 0's seeds (torch, random, numpy), so "
+     "data the script makes itself is the same everywhere, as in one process; the script's own "
+     "seed still wins (seeds.py)"),
+    ("torch.save(obj, path)", "written once, by rank 0 (or into a file the script opened: each "
+                              "process pickles the script's own class), without module./_orig_mod. "
+                              "prefixes; the others wait until the file exists; such a file loads "
+                              "back into the script's DataParallel (saving.py)"),
+    ("files the script writes (open(path, 'w'), savefig, np.save, save_image, shutil)",
+     "rank 0's, whole and once; the other processes write their own copies under the run's log "
+     "folder and read those back; their folders made and removed the same way (files.py)"),
     ("print, tqdm", "rank 0's on the console, the others' in their log files (the launcher)"),
     ("torch.distributed.init_process_group", "refused: the script is distributed already; run it "
                                              "with `multigpu run` without --auto (refusals.py)"),

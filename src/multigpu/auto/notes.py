@@ -3,8 +3,8 @@
 --auto splits DataLoaders that shuffle and averages the gradients of what a torch.optim optimizer
 holds. A script that trains otherwise (a hand-written `p.data.add_(-lr * p.grad)`, batches sliced
 from a tensor, a `get_batch()`) runs under --auto with nothing changed: every process does the
-whole job, N times the work, and where the script sets no seed, N different models of which rank
-0's is the one printed and saved. Such a run would end without a word, so one line says what was
+whole job, N times the work (every process starts from rank 0's seeds, seeds.py, so each trains
+the model one process trains), and rank 0's is the one printed and saved. Such a run would end without a word, so one line says what was
 not split, why, and what would split it:
 
 - no optimizer: at the first backward (torch.autograd.backward, which Tensor.backward calls, or
@@ -103,12 +103,12 @@ def no_optimizer_line(world_size: int, split: bool, loader_built: bool) -> str:
     head = (f"multigpu: note: --auto: the script's first backward came with no torch.optim "
             f"optimizer holding its parameters: --auto averages the gradients of an optimizer's "
             f"parameters only, so nothing is averaged")
-    models = f"({n} different models where the script sets no seed)"
+    models = "(every process starts from rank 0's seeds, so each trains the same model)"
     fix = "to make it data-parallel, update the weights with a torch.optim optimizer"
     if split:
         return (f"{head}: each of the {n} processes trains a model of its own on its 1/{n} of "
-                f"the split DataLoader {models}, and rank 0's is the one kept (printed, saved); "
-                f"{fix}")
+                f"the split DataLoader ({n} different models), and rank 0's is the one kept "
+                f"(printed, saved); {fix}")
     data = ("give the training DataLoader shuffle=True" if loader_built else
             f"read the data through {_TENSOR_FIX}: batches made otherwise ({_SLICED}) are "
             "not split")

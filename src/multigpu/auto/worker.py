@@ -28,10 +28,12 @@ def prepare(mode: str) -> None:
     """This process's GPU, its process group and the patches, before the script runs."""
     devices.narrow_to_own_gpu()
     from multigpu.auto import (files, first_step, gradients, loaders, notes, refusals, saving,
-                               summed_loss, training_reads)
+                               seeds, summed_loss, training_reads)
     from multigpu.core.distributed import init_distributed
 
     env = init_distributed(own_gpu=True)
+    if env.world_size > 1:
+        seeds.install(env)  # first: before anything of --auto's or the script's draws
     refusals.install()
     split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
@@ -59,7 +61,8 @@ def start_line(world_size: int, backend: str | None, device: str, mode: str) -> 
     batch = ("the script's batch_size is the global batch" if mode == "global"
              else "the script's batch_size per process")
     return (f"multigpu: --auto: {world_size} processes ({backend}, {device}); shuffled "
-            f"DataLoaders split, {batch}; gradients averaged as DDP does; torch.save by rank 0")
+            f"DataLoaders split, {batch}; gradients averaged as DDP does; the files it writes "
+            f"are rank 0's")
 
 
 def main(argv: list[str]) -> None:

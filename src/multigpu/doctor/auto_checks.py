@@ -186,6 +186,38 @@ def _identifiers(src: Source) -> Iterator[str]:
             yield node.name
 
 
+_DRAWS = ("torch.randn", "torch.rand", "torch.randint", "torch.randperm", "torch.normal",
+          "numpy.random.", "random.")
+_SEEDS = ("manual_seed", "seed", "seed_everything")
+
+
+def _unseeded_draws(src: Source) -> Iterator[ast.AST]:
+    """Random draws of a source that seeds nothing (a seed of its own makes --auto's moot)."""
+    if any(method(c) in _SEEDS or src.qualname(c.func).rsplit(".", 1)[-1] in _SEEDS
+           for c in src.calls):
+        return iter(())
+    return (c for c in src.calls if src.qualname(c.func).startswith(_DRAWS))
+
+
+_WRITES = ("numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt", "shutil.copy",
+           "shutil.copyfile", "shutil.copy2", "shutil.copytree", "shutil.move", "shutil.rmtree",
+           "os.makedirs", "os.mkdir", "os.remove", "os.rename", "os.replace")
+
+
+def _writes(src: Source) -> Iterator[ast.AST]:
+    """Files and folders the script makes: open() for writing, savefig, save_image, numpy and
+    shutil's writers, os's folder calls."""
+    for c in src.calls:
+        name = src.qualname(c.func)
+        if name == "open":
+            mode = const(kw(c, "mode")) if kw(c, "mode") is not None else (
+                const(c.args[1]) if len(c.args) > 1 else "r")
+            if isinstance(mode, str) and set(mode) & set("wax+"):
+                yield c
+        elif name in _WRITES or method(c) in ("savefig", "save_image"):
+            yield c
+
+
 def _saves(src: Source) -> Iterator[ast.AST]:
     return (c for c in src.calls if src.qualname(c.func) == "torch.save")
 
@@ -211,7 +243,10 @@ FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
     "a torch loss with reduction='sum'": ("auto loss", _summed_losses),
     "training without a torch.optim optimizer, or on batches from no DataLoader":
         ("auto unsplit", _unsplit),
+    "random numbers the script draws without a seed": ("auto seeds", _unseeded_draws),
     "torch.save(obj, path)": ("auto save", _saves),
+    "files the script writes (open(path, 'w'), savefig, np.save, save_image, shutil)":
+        ("auto files", _writes),
     "print, tqdm": ("auto output", _prints),
     "torch.distributed.init_process_group": ("auto refuses", _init_process_group),
 }
