@@ -126,7 +126,7 @@ def test_load_model_gives_back_the_trained_model_of_a_run_or_a_checkpoint(one_an
         multigpu.load_model(tmp_path / "weights.pt")
 
 
-def test_more_cpu_processes_than_cores_are_said_before_the_launch(tmp_path):
+def test_more_cpu_processes_than_cores_are_said_before_the_launch_of_train_and_run(tmp_path):
     import subprocess
     import sys
 
@@ -141,6 +141,14 @@ def test_more_cpu_processes_than_cores_are_said_before_the_launch(tmp_path):
     said = [line for line in r.stderr.splitlines() if "CPU processes on" in line]
     assert said == ["multigpu: warning: 2 CPU processes on 1 core: they take turns, each slower "
                     "than one process alone; use --devices cpu:1 or fewer"], r.stderr[-3000:]
+    # multigpu run says it too, before it starts the script
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    r = subprocess.run([sys.executable, "-m", "multigpu", "run", "--devices", "cpu:2", script],
+                       env=cli_env(), capture_output=True, text=True, timeout=240,
+                       preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.splitlines()[0] == said[0], r.stderr[-3000:]
 
 
 def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):

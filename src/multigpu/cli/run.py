@@ -96,6 +96,8 @@ def main(args) -> int:
     elif python:  # through multigpu.launcher.worker: the hang watchdog, then the script as python runs it
         cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
+    if plan.crowded():
+        print(f"multigpu: warning: {plan.crowded()}", file=sys.stderr)
     if source is not None and not args.auto:  # its checks are for a script that is distributed
         check_source(source, plan, args.master_port)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
