@@ -31,7 +31,10 @@ def test_a_model_traced_before_training_traces_its_weights_then_trains_data_para
     for rank in traced_run(tmp_path, how):
         torch.testing.assert_close(torch.tensor(rank["traced"]), torch.tensor(rank["expected"]))
         assert rank["class"] == "Net"  # the script's class, not replicate's DDPNet
-        if how == "jit":  # the traced module holds the model's weights, trained with it
+        if how == "jit":  # also traced: a Sequential holding the model, its bound forward
+            for key in ("held", "method"):
+                torch.testing.assert_close(torch.tensor(rank[key]), torch.tensor(rank["expected"]))
+            # the traced module holds the model's weights, trained with it
             torch.testing.assert_close(torch.tensor(rank["traced_after"]),
                                        torch.tensor(rank["model_after"]))
 

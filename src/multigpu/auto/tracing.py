@@ -60,11 +60,15 @@ def _plain(obj):
     return obj if view is owner else getattr(view, obj.__name__)
 
 
-def _plain_first(fn):
-    """`fn` given the plain view of its first argument (the module or function it traces)."""
+def _plain_first(fn, name: str):
+    """`fn` given the plain view of its first argument, `name` (the module or function traced)."""
     @functools.wraps(fn)
-    def traced(obj, *args, **kwargs):
-        return fn(_plain(obj), *args, **kwargs)
+    def traced(*args, **kwargs):
+        if args:
+            args = (_plain(args[0]), *args[1:])
+        elif name in kwargs:
+            kwargs[name] = _plain(kwargs[name])
+        return fn(*args, **kwargs)
     traced.__wrapped_by_multigpu__ = True
     return traced
 
@@ -74,8 +78,8 @@ def install() -> None:
     # torch.onnx.export torch.export.export); torch.jit.trace calls trace_module given the view
     import torch.export
 
-    for owner, name in ((torch.jit, "trace"), (torch.jit, "trace_module"),
-                        (torch.export, "export")):
+    for owner, name, first in ((torch.jit, "trace", "func"), (torch.jit, "trace_module", "mod"),
+                               (torch.export, "export", "mod")):
         fn = getattr(owner, name, None)
         if fn is not None and not getattr(fn, "__wrapped_by_multigpu__", False):
-            setattr(owner, name, _plain_first(fn))
+            setattr(owner, name, _plain_first(fn, first))

@@ -39,6 +39,9 @@ seen = {"expected": by_hand(model, x0).tolist()}
 if how == "jit":
     traced = torch.jit.trace(model, x0)
     seen["traced"], seen["class"] = traced(x0).tolist(), traced.original_name
+    # a module holding the model, the model's bound forward, given by keyword
+    seen["held"] = torch.jit.trace(nn.Sequential(model), x0)(x0).tolist()
+    seen["method"] = torch.jit.trace(func=model.forward, example_inputs=x0)(x0).tolist()
 elif how == "export":
     traced = torch.export.export(model, (x0,)).module()
     seen["traced"], seen["class"] = traced(x0).tolist(), "Net"
