@@ -36,6 +36,9 @@ CHANGES = (
                   "processes during backward, as DDP does; rank 0's weights first; every "
                   "trainable parameter must get a gradient each step unless --auto-unused "
                   "(gradients.py)"),
+    ("torch.jit.trace, tensorboard's add_graph, torch.export.export",
+     "the model is traced as the script's plain model (its class, its weights at that moment, "
+     "without DDP's hooks), as on one device; its gradients are averaged as before (tracing.py)"),
     ("a forward called directly (model.forward(x))",
      "where the module's forward never runs as a call of the module (forward-forward's "
      "layers), its optimizer averages its gradients at each step instead: one all-reduce after "

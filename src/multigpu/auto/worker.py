@@ -28,7 +28,7 @@ def prepare(mode: str) -> None:
     """This process's GPU, its process group and the patches, before the script runs."""
     devices.narrow_to_own_gpu()
     from multigpu.auto import (files, first_step, gradients, loaders, notes, refusals, saving,
-                               seeds, summed_loss, training_reads)
+                               seeds, summed_loss, tracing, training_reads)
     from multigpu.core.distributed import init_distributed
 
     env = init_distributed(own_gpu=True)
@@ -38,6 +38,7 @@ def prepare(mode: str) -> None:
     split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
         gradients.install(env, find_unused=os.environ.get(FIND_UNUSED_ENV) == "1")
+        tracing.install()  # a replicated module traced (add_graph) as the script's plain one
     if env.world_size > 1 and mode == "global":  # each process reads batch_size / N
         reads = training_reads.TrainingReads(env.world_size)
         reads.install()

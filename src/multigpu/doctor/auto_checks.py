@@ -157,6 +157,12 @@ def _direct_forwards(src: Source) -> Iterator[ast.AST]:
         isinstance(c.func.value, ast.Call) and dotted(c.func.value.func) == "super"))
 
 
+def _traces(src: Source) -> Iterator[ast.AST]:
+    """torch.jit.trace / trace_module, torch.export.export, a SummaryWriter's add_graph."""
+    return (c for c in src.calls if method(c) == "add_graph" or src.qualname(c.func) in (
+        "torch.jit.trace", "torch.jit.trace_module", "torch.export.export"))
+
+
 def _summed_losses(src: Source) -> Iterator[ast.AST]:
     return (c for c in src.calls if const(kw(c, "reduction")) == "sum" and not src.in_no_grad(c.lineno))
 
@@ -239,6 +245,7 @@ FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
     "DataLoader over an IterableDataset (a stream)": ("auto data", _streams),
     "a shuffled DataLoader read under torch.no_grad()": ("auto eval", _no_grad_loops),
     "optimizer": ("auto gradients", _optimizers),
+    "torch.jit.trace, tensorboard's add_graph, torch.export.export": ("auto trace", _traces),
     "a forward called directly (model.forward(x))": ("auto gradients", _direct_forwards),
     "a torch loss with reduction='sum'": ("auto loss", _summed_losses),
     "training without a torch.optim optimizer, or on batches from no DataLoader":
