@@ -28,6 +28,7 @@ def test_the_tutorial_under_auto_is_split_and_stopped_after_its_first_step(tmp_p
     assert "ok    auto data      auto_tutorial.py:47: DataLoader(Indexed(48, 1), batch_size=args.ba" \
            "...: --auto: split over the processes" in proc.stdout
     assert any(line.startswith("ok    auto save      auto_tutorial.py:72: ") for line in out)
+    assert any(line.startswith("ok    auto files     auto_tutorial.py:79: ") for line in out)
     ran = run_lines(proc.stdout)
     assert ran[0].startswith("ok    script run     ran on 2 ranks up to optimizer step 1 (")
     assert ran[1:4] == [
@@ -36,7 +37,7 @@ def test_the_tutorial_under_auto_is_split_and_stopped_after_its_first_step(tmp_p
         "ok    auto data      auto_tutorial.py:57: split by --auto: 6 batches per rank and epoch, "
         "each of its 48 samples once over the 2 ranks",
         "ok    batch          4 samples per rank in the model's first forward; 8 over the 2 ranks"]
-    assert out[-1] == "16 checks: 0 failed, 0 warnings"
+    assert out[-1] == "17 checks: 0 failed, 0 warnings"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["auto_tutorial.py"], "no model.pt: stopped"
 
 
@@ -89,7 +90,12 @@ def test_init_process_group_is_refused_where_it_runs_not_where_it_is_written(tmp
         "fail  script run     pg.py:15: ranks 0, 1 failed before optimizer step 1: pg.py calls "
         "torch.distributed.init_process_group itself, so it is distributed already and --auto "
         "would split it a second time; run it with `multigpu run pg.py` (without --auto)")
-    assert called.stdout.splitlines()[-1] == "9 checks: 1 failed, 1 warnings"
+    # its data drawn unseeded (torch.randn): the same on every rank under --auto, said at its line
+    assert ("ok    auto seeds     pg.py:13: torch.randn(16, 4): --auto: the same on every process: "
+            "each starts from rank 0's seeds (torch, random, numpy), so data the script makes itself "
+            "is the same everywhere, as in one process; the script's own seed still wins"
+            ) in called.stdout.splitlines(), called.stdout
+    assert called.stdout.splitlines()[-1] == "10 checks: 1 failed, 1 warnings"
     not_called = multigpu("doctor", "--auto", "--devices", "cpu:2", "pg.py", cwd=tmp_path)
     assert not_called.returncode == 0, not_called.stdout + not_called.stderr[-3000:]
     assert warn in not_called.stdout.splitlines()
