@@ -119,7 +119,8 @@ def converted_fsdp2_example_learns_saves_and_resumes_on_another_process_count(tm
                     "--save", tmp_path / "lm3.pt")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {ckpt} after step 40" in proc.stdout and "step 50: loss" in proc.stdout
-    assert "warning" not in proc.stderr
+    # (3 processes on fewer cores are said: that warning only)
+    assert [x for x in proc.stderr.splitlines() if "warning" in x and "CPU processes on" not in x] == []
     state = torch.load(tmp_path / "lm3.pt", weights_only=True)
     assert state["steps_done"] == 50 and state["world_size"] == 3
     assert len([k for k in state["model"] if k.startswith("layers.")]) == 6 * 12

@@ -221,7 +221,8 @@ def test_a_sharded_checkpoint_resumes_inside_an_epoch_on_3_processes_and_under_d
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "saved by 2 x fsdp" in proc.stdout
     assert f"{entry.run['position']} of 1200 samples in" in proc.stdout
-    assert "warning" not in proc.stderr  # torch's loaders step the optimizer: not a bypass
+    # torch's loaders step the optimizer: not a bypass (3 processes on fewer cores are said)
+    assert [x for x in proc.stderr.splitlines() if "warning" in x and "CPU processes on" not in x] == []
     assert [(r["epoch"], r["train_samples"]) for r in read_metrics(out)] == [(2, 1200)]
 
 

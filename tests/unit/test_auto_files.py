@@ -194,7 +194,8 @@ def test_what_passes_untouched(folders):
     assert os.listdir(user) == []
 
 
-def test_the_paths_it_tracks():
+def test_the_paths_it_tracks(monkeypatch):
+    monkeypatch.chdir("/")  # relative paths below resolve outside /tmp wherever the clone is
     paths = overlay.Overlay("/logs/files/rank1", ("/tmp", "/logs"))
     assert paths.key("/home/u/out.png") == "/home/u/out.png"
     assert paths.key("/home/u/../u/./out.png") == "/home/u/out.png"

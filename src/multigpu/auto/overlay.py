@@ -68,7 +68,7 @@ class Overlay:
         if isinstance(path, bytes):  # TensorBoard's writer names its files so
             path = os.fsdecode(path)
         # os.path.abspath, cheaper: most paths need no normalizing (it was 2/3 of a lookup)
-        full = path if path.startswith(os.sep) else os.getcwd() + os.sep + path
+        full = path if path.startswith(os.sep) else os.path.join(os.getcwd(), path)  # cwd "/" too
         if "/." in full or "//" in full or full.endswith(os.sep):
             full = os.path.normpath(full)
         return None if (full + os.sep).startswith(self.passing) else full
