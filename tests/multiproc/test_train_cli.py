@@ -225,6 +225,7 @@ def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_an
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.extended  # a second test of its change; make test keeps the first
 def test_a_resume_on_another_device_count_says_the_global_batch_it_changed(one_and_two_process_runs, tmp_path):
     _, two, _ = one_and_two_process_runs  # 2 processes x 4 = 8
     resumed = multigpu("train", *COMMON[:4], "--epochs", "3", *COMMON[6:], "--batch-size", "4",
