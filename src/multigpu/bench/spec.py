@@ -343,15 +343,11 @@ def plan_groups(s: BenchSettings, accelerator: str, counts: tuple[int, ...],
     groups = [g for g in (first, *ddp_groups.values(), dp) if g.tasks]
     planned = {t.method for g in groups for t in g.tasks}
     named = {m for m, _ in skipped}
-    for m in (m for m in s.methods if m not in planned and m not in named):
-        skipped[(m, _needs_two(m, counts, "GPUs" if on_gpu else "CPU processes"))] = None
+    unit = "GPUs" if on_gpu else "CPU processes"
+    for m in (m for m in s.methods if m not in planned and m not in named):  # 2+ devices only
+        skipped[(m, f"{m} runs on 2 or more {unit}, and --gpus {','.join(map(str, counts))} asks "
+                    f"for none: add a count of 2 or more to --gpus, or use multigpu-single for one")] = None
     return groups, [{"method": m, "reason": r} for m, r in skipped]
-
-
-def _needs_two(method: str, counts: tuple[int, ...], unit: str) -> str:
-    """Why a method runnable here got no measurement: it runs on 2 or more devices only."""
-    return (f"{method} runs on 2 or more {unit}, and --gpus {','.join(map(str, counts))} asks "
-            f"for none: add a count of 2 or more to --gpus, or use multigpu-single for one")
 
 
 def _runnable(methods: tuple[str, ...], accelerator: str, kind: str,
