@@ -330,6 +330,26 @@ def test_an_unreadable_image_is_replaced_by_the_next_counted_and_named_once(tmp_
     assert err.count("skipped unreadable image") == 1 and "train/a/1.png" in err
 
 
+def test_unreadable_images_are_counted_in_their_own_epoch_while_workers_run_ahead(tmp_path):
+    """2 workers x prefetch 2 make 4 batches of epoch 1 before epoch 0's last is handed out
+    (loaders.EpochAfterEpoch); those batches' bad files are epoch 1's, not epoch 0's."""
+    from torch.utils.data import DataLoader
+
+    from multigpu.core.loaders import shard_loader
+
+    _image_folder(tmp_path, bad=["train/a/0.png", "train/a/1.png", "train/b/0.png"])
+    train = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8).train
+    loader = shard_loader(DataLoader(train, batch_size=1, shuffle=True, num_workers=2), num_ranks=1,
+                          rank=0, devices_per_rank=1, device=torch.device("cpu"), seed=0,
+                          on_step=lambda info: None)
+    loader.set_last_epoch(2)
+    counts = []
+    for epoch in range(3):
+        assert len(list(loader)) == 6
+        counts.append(train.take_bad_count(epoch))
+    assert counts == [3, 3, 3], "each bad file once an epoch, in the epoch that read it"
+
+
 def test_with_bad_images_fail_the_first_one_stops_with_its_name(tmp_path, decoder):
     from multigpu.train.imagefolder import BadImageError
 

@@ -289,7 +289,15 @@ class PerSampleSeed(Dataset):
     def __getitem__(self, key):
         epoch, index = key
         self._seed(epoch, index)
+        self._tell_epoch(epoch)
         return self.dataset[index]
+
+    def _tell_epoch(self, epoch: int) -> None:
+        """A dataset that counts per epoch (a `sample_epoch` attribute: imagefolder's unreadable
+        files) learns the epoch of the sample it makes: workers run ahead into the next one."""
+        inner = self.dataset.dataset if isinstance(self.dataset, Subset) else self.dataset
+        if hasattr(inner, "sample_epoch"):
+            inner.sample_epoch = epoch
 
     def __getitems__(self, keys):
         # Only a dataset that says it reads batches without randomness takes the batch at once
@@ -300,6 +308,7 @@ class PerSampleSeed(Dataset):
         if batched is None:
             return [self[k] for k in keys]
         self._seed(*keys[0])  # a batched dataset draws once per batch
+        self._tell_epoch(keys[0][0])
         return batched([i for _, i in keys])
 
 

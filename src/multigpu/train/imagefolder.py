@@ -45,6 +45,11 @@ DECODERS = ("torchvision", "pil")
 _TORCHVISION_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".gif", ".webp"})
 MAX_BAD_FRACTION, MAX_BAD_ALWAYS_ALLOWED = 0.01, 10
 _SLOTS = 256  # one counter per DataLoader worker (and one for the main process): no races
+# Unreadable files are counted per epoch: workers decode the next epoch's first batches before
+# this one ends (loaders.EpochAfterEpoch). A row per epoch, modulo _EPOCH_ROWS (the workers run at
+# most workers x prefetch_factor batches ahead), and a last row for samples made without an epoch
+# tag (no workers, or on the device), which belong to the epoch being counted.
+_EPOCH_ROWS = 64
 
 
 class BadImageError(UsageError):
@@ -70,7 +75,8 @@ class ImageFolderDataset(Dataset):
         self.on_gpu, self.measure_decode = on_gpu, False
         self.decoder = decoder or default_decoder()
         # Shared memory, so counts made in DataLoader workers reach the main process.
-        self.bad_counts = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()
+        self.bad_counts = torch.zeros(_EPOCH_ROWS + 1, _SLOTS, dtype=torch.int64).share_memory_()
+        self.sample_epoch: int | None = None  # set per sample in workers (loaders.PerSampleSeed)
         self.made_counts = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()  # samples made
         self._named: set[str] = set()
 
@@ -92,8 +98,15 @@ class ImageFolderDataset(Dataset):
 
     @property
     def bad_count(self) -> int:
-        """Unreadable files met so far (each time one is met)."""
+        """Unreadable files met so far and not yet taken (each time one is met)."""
         return int(self.bad_counts.sum())
+
+    def take_bad_count(self, epoch: int) -> int:
+        """Unreadable files met in epoch `epoch` (0-based), once: its count starts again at 0."""
+        rows = [epoch % _EPOCH_ROWS, _EPOCH_ROWS]
+        n = int(self.bad_counts[rows].sum())
+        self.bad_counts[rows] = 0
+        return n
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor | gpu_images.EncodedImage, torch.Tensor]:
         item = self._item(index, self.on_gpu)
@@ -188,7 +201,8 @@ class ImageFolderDataset(Dataset):
             raise BadImageError(f"cannot read image '{path}' ({why}): delete or replace the file, "
                                 "or pass --bad-images skip to train without it")
         if count:
-            self.bad_counts[_slot()] += 1
+            row = _EPOCH_ROWS if self.sample_epoch is None else self.sample_epoch % _EPOCH_ROWS
+            self.bad_counts[row, _slot()] += 1
         if path not in self._named:
             self._named.add(path)
             print(f"multigpu: warning: skipped unreadable image '{path}' ({why}); the next image "

@@ -209,7 +209,7 @@ def _train_epoch(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, epoch: 
 def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Control,
             saver: Checkpointer, out: Path, last: dict | None, log: RunLog, clock: Timeline,
             profile: StepProfile | None) -> dict:
-    record, bad_before = {}, 0
+    record = {}
     first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
                          clip_grad_norm=cfg.optim.clip_grad_norm)
@@ -241,7 +241,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         record = {"epoch": epoch, "step": base + steps, "lr": job.optimizer.param_groups[0]["lr"]}
         record |= _train_epoch(cfg, rt, job, run, epoch, after_step, first_nonfinite, clock)
         _stop_if_diverged(guards, saver, steps, job.model)
-        bad_before = _count_bad_images(rt, job, record, bad_before)
+        _count_bad_images(rt, job, record)
         record |= _validate(cfg, rt, job, clock)
         if job.scheduler is not None:
             job.scheduler.step()
@@ -327,16 +327,15 @@ def _exit_code(reason: str) -> int:
     return 128 + int(sig) if sig is not None else 1
 
 
-def _count_bad_images(rt: Runtime, job: Job, record: dict, before: int) -> int:
+def _count_bad_images(rt: Runtime, job: Job, record: dict) -> None:
     """folder: data: how many unreadable images the epoch met, over all ranks (in `record`); the
-    run stops when they are over 10 and over 1 % of its samples. Returns the new total."""
+    run stops when they are over 10 and over 1 % of its samples."""
     dataset = job.train_loader.dataset
-    if not hasattr(dataset, "bad_count"):
-        return before
+    if not hasattr(dataset, "take_bad_count"):
+        return
     sums = Sums(rt.env)
-    sums.add(bad=dataset.bad_count)
-    total = int(sums.reduce()["bad"])
-    record["bad_images"] = total - before
+    sums.add(bad=dataset.take_bad_count(record["epoch"] - 1))
+    record["bad_images"] = int(sums.reduce()["bad"])
     if record["bad_images"] > max(MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION * record["train_samples"]):
         raise UsageError(f"{record['bad_images']} of the {record['train_samples']} images of epoch "
                          f"{record['epoch']} could not be read (over {MAX_BAD_FRACTION:.0%}): the "
@@ -347,7 +346,6 @@ def _count_bad_images(rt: Runtime, job: Job, record: dict, before: int) -> int:
         console.warn(f"epoch {record['epoch']}: {n} unreadable image{'s' if n > 1 else ''} skipped, "
                      "each replaced by the next readable one (named where met; every rank's "
                      "warnings are in the run's logs/)")
-    return total
 
 
 def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | None:
