@@ -21,9 +21,10 @@ TRAIN = ["multigpu", "train", "--model", "mlp", "--data", "digits", "--epochs", 
          "--batch-size", "64", "--checkpoint-every", "0", "--logger", "csv"]
 
 
-def sweep(cluster, *args, cwd) -> subprocess.CompletedProcess:
+def sweep(cluster, *args, cwd, env=None) -> subprocess.CompletedProcess:
+    """`multigpu sweep ARGS`; its environment (cli_env, with `env` over it) reaches the jobs."""
     return subprocess.run([sys.executable, "-m", "multigpu", "sweep", *map(str, args)], cwd=cwd,
-                          env={**cli_env(), "SLURM_CONF": cluster.env["SLURM_CONF"]},
+                          env={**cli_env(), "SLURM_CONF": cluster.env["SLURM_CONF"], **(env or {})},
                           capture_output=True, text=True, timeout=300)
 
 

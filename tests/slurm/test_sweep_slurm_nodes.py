@@ -166,16 +166,24 @@ def test_a_node_killed_fails_the_run_once(slurm_two_nodes, tmp_path):
 def test_a_run_that_fails_on_node_1_alone_ends_as_node_0_recorded_it(slurm_two_nodes, tmp_path):
     """A command that succeeds on node 0 and fails on node 1 (exit 3), with --retries 1: node 1
     does not retry alone (a retried `multigpu train` would wait out its rendezvous for a node 0
-    that has finished); the run is done, once, on both nodes, and the job COMPLETED."""
+    that has finished); the run is done, once, on both nodes, and the job COMPLETED. Node 1's
+    task starts 4 s late (a loaded machine), after node 0's attempt has ended: it is the same
+    attempt, not the next (which node 0 never records: node 1 waited 120 s for it, then failed)."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('SLURM_NODEID') == '1' and 'SLURM_STEP_ID' in os.environ:\n"
+        "    time.sleep(4)\n")
     folder = tmp_path / "sw"
     first = sweep(slurm_two_nodes, "--on", "slurm", "--nodes-per-run", "2", "--devices-per-run",
                   "cpu:1", "--retries", "1", "--grid", "seed=1", "--out", "sw", "--", "sh", "-c",
-                  'test "$SLURM_NODEID" = 0 || exit 3', "sh", "{seed}", cwd=tmp_path)
+                  'test "$SLURM_NODEID" = 0 || exit 3', "sh", "{seed}", cwd=tmp_path,
+                  env={"PYTHONPATH": f"{late}:{cli_env()['PYTHONPATH']}"})
     assert first.returncode == 0, first.stdout + first.stderr
     wait_queue_empty(slurm_two_nodes, folder)
     state = json.loads((folder / "state" / "seed=1.json").read_text())
     assert state["attempts"] == 1 and [h["status"] for h in state["history"]] == ["done"], state
     node1 = (folder / "logs" / "seed=1.node1.log").read_text()
-    assert node1.count("=== attempt ") == 1, node1
+    assert node1.count("=== attempt 1, ") == 1 and node1.count("=== attempt ") == 1, node1
     record = slurm_two_nodes.run("scontrol", "show", "job", state["job"]).stdout
     assert "JobState=COMPLETED " in record, record

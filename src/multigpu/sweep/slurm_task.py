@@ -70,7 +70,7 @@ class RunTask:
         if run is None:
             raise UsageError(f"run {name} is not in the sweep of {self.root} any more")
         self._proc, self._signalled, self._node = None, False, node_rank(self.nodes)
-        self._node0_gone, self._record = False, None
+        self._node0_gone, self._record, self._last_attempt = False, None, 0
         warned = signal.SIGUSR2 if self.nodes > 1 else signal.SIGUSR1  # slurm.SlurmSettings
         requeue = signal.signal(warned, self._on_signal)  # submitit's: called once stopped
         for tries in range(1, self.retries + 2):
@@ -145,8 +145,7 @@ class RunTask:
     def _attempt(self, sweep: Sweep, run: specs.Run) -> RunState:
         folder = sweep.folder
         st = folder.read_state(run.name) or RunState(run.name, run.params)
-        if self._node == 0 or not (st.status == "running" and st.job == _job_id()):
-            st.attempts += 1  # else node 0 has counted this attempt already
+        st.attempts = self._last_attempt = self._attempt_number(st)
         argv, resume = self._command(sweep, run, st.attempts)
         job, where = _job_id(), self._where()
         log_path = self._log_path(folder, run.name)
@@ -160,6 +159,7 @@ class RunTask:
                                           start_new_session=True, preexec_fn=self._child_setup())
         st.status, st.started, st.ended, st.exit_code = "running", time.time(), None, None
         st.pid, st.job, st.devices, st.note = None, job, self._devices_said(), ""
+        st.job_start = _job_start()
         if self._node == 0:
             folder.write_state(st)
             self._record = folder.state_file(run.name) if self.nodes > 1 else None
@@ -171,6 +171,15 @@ class RunTask:
         classify(st, code, log_path, timed_out=timed_out, timeout_s=self.timeout_s,
                  stopped_by=REQUEUED if self._signalled and code != 0 else None)
         return st
+
+    def _attempt_number(self, st: RunState) -> int:
+        """The attempt this one is, from the run's record `st`: node 0 counts one more. Another
+        node's attempt is the one node 0 counted in this start of the job (running, or already
+        ended when this node started late), unless this node ran that one: then the next."""
+        if self._node == 0:
+            return st.attempts + 1
+        counted = st.job_start == _job_start() and st.attempts > self._last_attempt
+        return st.attempts if counted else max(st.attempts, self._last_attempt) + 1
 
     def _command(self, sweep: Sweep, run: specs.Run, attempt: int) -> tuple[list[str], str | None]:
         """(the run's command line on this node, its --resume). Node 0 prepares the run folder
@@ -275,6 +284,11 @@ def _stat(path: Path) -> tuple | None:
     except OSError:
         return None
     return st.st_mtime_ns, st.st_ino, st.st_size
+
+
+def _job_start() -> str:
+    """This start of the job: its id and how often SLURM requeued it (the id stays)."""
+    return f"{_job_id()}#{os.environ.get('SLURM_RESTART_COUNT') or 0}"
 
 
 def _job_id() -> str:

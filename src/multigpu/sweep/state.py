@@ -48,6 +48,7 @@ class RunState:
     devices: str = ""
     pid: int | None = None
     job: str = ""  # the SLURM job running it (--on slurm): 1234_5, an array's task
+    job_start: str = ""  # that job and its requeues, 1234_5#0 (pairs the nodes' attempts)
     history: list = field(default_factory=list)  # [{"attempt", "status", "duration_s", "note"}]
 
     @property
