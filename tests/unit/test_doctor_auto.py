@@ -137,3 +137,16 @@ def test_random_draws_of_a_script_that_seeds_nothing_are_said_and_a_seed_silence
                      "the script's own seed still wins"]
     script.write_text("import torch\ntorch.manual_seed(0)\n" + body)
     assert not [line for line in lines(script, ran=False) if "auto seeds" in line]
+
+
+def test_batchnorm_layers_are_said_with_their_statistics_over_the_global_batch(tmp_path):
+    script = tmp_path / "bn.py"
+    script.write_text("import torch\nfrom torch import nn\nnet = nn.Sequential(nn.Linear(3, 4),\n"
+                      "    nn.BatchNorm1d(4), torch.nn.LazyBatchNorm2d())\nnorm = nn.LayerNorm(4)\n")
+    found = [line for line in lines(script, ran=False) if "auto batchnorm" in line]
+    assert found == [f"ok    auto batchnorm {script}:4: nn.BatchNorm1d(4): --auto: its "
+                     "batch statistics are over every process's share of the global batch, as "
+                     "one process's over the whole batch, with the same running statistics on "
+                     "every process: one small all-reduce per BatchNorm call in forward and one "
+                     "in backward; the modules stay the script's own; with --auto-batch per-gpu "
+                     "each process's own batch"]

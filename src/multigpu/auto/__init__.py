@@ -36,6 +36,11 @@ CHANGES = (
                   "processes during backward, as DDP does; rank 0's weights first; every "
                   "trainable parameter must get a gradient each step unless --auto-unused "
                   "(gradients.py)"),
+    ("BatchNorm (nn.BatchNorm1d, 2d, 3d)",
+     "its batch statistics are over every process's share of the global batch, as one "
+     "process's over the whole batch, with the same running statistics on every process: one "
+     "small all-reduce per BatchNorm call in forward and one in backward; the modules stay the "
+     "script's own; with --auto-batch per-gpu each process's own batch (batchnorm.py)"),
     ("torch.jit.trace, tensorboard's add_graph, torch.export.export",
      "the model is traced as the script's plain model (its class, its weights at that moment, "
      "without DDP's hooks), as on one device; its gradients are averaged as before (tracing.py)"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -65,8 +66,9 @@ class GradientAveraging:
     """Replicates (composable DDP) the outermost modules of each optimizer's parameters, once."""
 
     def __init__(self, registry: ModuleRegistry, at_step: StepAveraging,
-                 find_unused: bool = False):
+                 find_unused: bool = False, adopt: Callable[[nn.Module], None] | None = None):
         self.registry, self.at_step, self.find_unused = registry, at_step, find_unused
+        self.adopt = adopt  # told of each module replicated (batchnorm.py's global statistics)
         # id of each parameter whose gradients are averaged already -> its replicated module
         self.covered: dict[int, weakref.ref] = {}
         # optimizer -> the modules it replicated; until its first step
@@ -99,6 +101,8 @@ class GradientAveraging:
             type(root).__deepcopy__ = plain_deepcopy  # a class of its own: EMA copies, snapshots
             ref = weakref.ref(root)
             self.covered.update((id(p), ref) for p in root.parameters())
+            if self.adopt is not None:
+                self.adopt(root)
         pending.extend(roots)
 
     def _owners(self, params) -> tuple[list[nn.Module], list]:
@@ -211,12 +215,13 @@ def refuse_unused(root: nn.Module) -> None:
                      "--auto-unused (DDP then looks for unused parameters each step: slower)")
 
 
-def install(env, find_unused: bool = False) -> GradientAveraging:
+def install(env, find_unused: bool = False,
+            adopt: Callable[[nn.Module], None] | None = None) -> GradientAveraging:
     registry = ModuleRegistry()
     registry.install()
     at_step = StepAveraging(env.rank, env.world_size)
     at_step.install()
-    averaging = GradientAveraging(registry, at_step, find_unused)
+    averaging = GradientAveraging(registry, at_step, find_unused, adopt)
     add_param_group = torch.optim.Optimizer.add_param_group
 
     @functools.wraps(add_param_group)

@@ -27,8 +27,8 @@ from multigpu.launcher import worker  # noqa: E402
 def prepare(mode: str) -> None:
     """This process's GPU, its process group and the patches, before the script runs."""
     devices.narrow_to_own_gpu()
-    from multigpu.auto import (files, first_step, gradients, loaders, notes, refusals, saving,
-                               seeds, summed_loss, tracing, training_reads)
+    from multigpu.auto import (batchnorm, files, first_step, gradients, loaders, notes, refusals,
+                               saving, seeds, summed_loss, tracing, training_reads)
     from multigpu.core.distributed import init_distributed
 
     env = init_distributed(own_gpu=True)
@@ -37,7 +37,10 @@ def prepare(mode: str) -> None:
     refusals.install()
     split = loaders.install(env, mode)
     if env.world_size > 1:  # replicate() needs a process group; one process has nothing to average
-        gradients.install(env, find_unused=os.environ.get(FIND_UNUSED_ENV) == "1")
+        # each process normalizes batch_size / N samples: BatchNorm's statistics over all of them
+        norms = batchnorm.install() if mode == "global" else None
+        gradients.install(env, find_unused=os.environ.get(FIND_UNUSED_ENV) == "1",
+                          adopt=norms.adopt if norms is not None else None)
         tracing.install()  # a replicated module traced (add_graph) as the script's plain one
     if env.world_size > 1 and mode == "global":  # each process reads batch_size / N
         reads = training_reads.TrainingReads(env.world_size)

@@ -157,6 +157,13 @@ def _direct_forwards(src: Source) -> Iterator[ast.AST]:
         isinstance(c.func.value, ast.Call) and dotted(c.func.value.func) == "super"))
 
 
+_BATCHNORMS = {f"{lazy}BatchNorm{d}d" for lazy in ("", "Lazy") for d in (1, 2, 3)}
+
+
+def _batchnorms(src: Source) -> Iterator[ast.AST]:
+    return (c for c in src.calls if src.qualname(c.func).rsplit(".", 1)[-1] in _BATCHNORMS)
+
+
 def _traces(src: Source) -> Iterator[ast.AST]:
     """torch.jit.trace / trace_module, torch.export.export, a SummaryWriter's add_graph."""
     return (c for c in src.calls if method(c) == "add_graph" or src.qualname(c.func) in (
@@ -245,6 +252,7 @@ FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
     "DataLoader over an IterableDataset (a stream)": ("auto data", _streams),
     "a shuffled DataLoader read under torch.no_grad()": ("auto eval", _no_grad_loops),
     "optimizer": ("auto gradients", _optimizers),
+    "BatchNorm (nn.BatchNorm1d, 2d, 3d)": ("auto batchnorm", _batchnorms),
     "torch.jit.trace, tensorboard's add_graph, torch.export.export": ("auto trace", _traces),
     "a forward called directly (model.forward(x))": ("auto gradients", _direct_forwards),
     "a torch loss with reduction='sum'": ("auto loss", _summed_losses),
