@@ -12,6 +12,7 @@ import signal
 import sys
 
 from multigpu.bench.spec import DDP_VARIANTS, DEFAULT_METHODS, METHODS
+from multigpu.core import fileio
 from multigpu.core.compiling import MODES as COMPILE_MODES
 from multigpu.train.model_names import MODEL_NAMES
 
@@ -105,6 +106,10 @@ def settings_from_args(args: argparse.Namespace):
         out=args.out, data_dir=args.data_dir, images=args.images,
         command=shlex.join(["multigpu", *sys.argv[1:]]))
     validate(s)
+    if s.out:
+        fileio.check_can_make(s.out, "--out")
+    if s.data_dir and any(d.startswith("real") for d in s.data):  # where its images are made
+        fileio.check_can_make(s.data_dir, "--data-dir")
     return s
 
 

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from multigpu.core import checkpoint_schema as schema
+from multigpu.core import fileio
 from multigpu.core.errors import UsageError
 
 EXAMPLES = """\
@@ -84,6 +85,7 @@ def _check_out(out: Path) -> None:
     if out.exists():
         raise UsageError(f"{out} already exists; multigpu does not replace your files: choose "
                          "another name with --out")
+    fileio.check_can_make(out, "--out", file=True)
 
 
 def _default_out(path: Path, state: dict) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from multigpu.core import fileio
 from multigpu.core.errors import UsageError
 from multigpu.train.runfolder import METRICS
 
@@ -43,6 +44,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else runs[0] / plots.CURVES
     if out.suffix.lower() != ".png":
         raise UsageError(f"--out {out}: the picture is a PNG; give a name ending in .png")
+    fileio.check_can_make(out, "--out", file=True)
     ours = out.name == plots.CURVES and (out.parent / METRICS).is_file()
     if out.exists() and not ours:
         raise UsageError(f"--out {out} already exists; multigpu does not replace your files: "

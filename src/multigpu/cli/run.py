@@ -35,6 +35,7 @@ from pathlib import Path
 
 from multigpu.launcher import devices, launch
 from multigpu.auto import BATCH_MODES, FIND_UNUSED_ENV
+from multigpu.core import fileio
 from multigpu.core.errors import UsageError
 from multigpu.launcher.scripts import local_rank_args, module_source, script_command
 
@@ -95,6 +96,8 @@ def main(args) -> int:
         raise UsageError(f"{flag} is a choice of --auto: add --auto, or drop {flag.split()[0]}")
     elif python:  # through multigpu.launcher.worker: the hang watchdog, then the script as python runs it
         cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
+    if args.log_dir:
+        fileio.check_can_make(args.log_dir, "--log-dir")
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
     if plan.crowded():
         print(f"multigpu: warning: {plan.crowded()}", file=sys.stderr)

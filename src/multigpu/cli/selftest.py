@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from multigpu.core import fileio
 from multigpu.launcher import devices
 
 DEFAULT_HANG_TIMEOUT = 60.0  # a check stuck in a collective is named after this long
@@ -58,6 +59,9 @@ def choose_devices(spec: str, min_free_memory: float) -> devices.DevicePlan:
 def main(args) -> int:
     from multigpu.launcher import launch  # imports torch only when a test is run
 
+    for path, option in ((args.log_dir, "--log-dir"), (args.checkpoint_dir, "--checkpoint-dir")):
+        if path:
+            fileio.check_can_make(path, option)
     plan = choose_devices(args.devices, args.min_free_memory)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="multigpu-test-logs-")
     result = Path(log_dir) / "selftest.json"

@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from multigpu.core import fileio
 from multigpu.core.errors import UsageError
 
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
@@ -148,6 +149,7 @@ def _resolve(args):
     specs.check(spec)
     options.update(_flags(args))
     root = Path(str(options.get("out") or Path("sweeps") / spec.fingerprint()))
+    fileio.check_can_make(root if options.get("out") else "sweeps", "--out")
     return spec, options, root
 
 

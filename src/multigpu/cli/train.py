@@ -16,7 +16,7 @@ from typing import Callable
 from multigpu.core import checkpoint_schema as schema
 from multigpu.train import configfile, provenance, timeline
 from multigpu.launcher import devices
-from multigpu.core import compiling, console
+from multigpu.core import compiling, console, fileio
 from multigpu.cli import strategy_checks
 from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.core.errors import UsageError
@@ -102,6 +102,9 @@ def main(args: argparse.Namespace) -> int:
                   cfg.min_free_memory)
     opts = options_from_args(args)
     check_resume(cfg)
+    fileio.check_can_make(runfolder.out_for(cfg) or "runs", "--out")
+    if opts.log_dir:
+        fileio.check_can_make(opts.log_dir, "--log-dir")
     out, clean_up = _claim_folder(cfg, opts)
     cfg.out = str(out)
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())

@@ -24,6 +24,32 @@ from typing import BinaryIO, Callable
 TEMP_SUFFIX = ".tmp"
 
 
+def check_can_make(path: str | os.PathLike, option: str, *, file: bool = False) -> None:
+    """Stop in one line (UsageError) when `path`, given as `option`, cannot be made or written:
+    a file where a folder must be (or a folder where a file must), a folder that cannot be made
+    or written. Tried as the command would, by making (and removing) a folder in the nearest one
+    that exists: os.access says yes to root in /proc, where nothing can be made."""
+    from multigpu.core.errors import UsageError
+
+    p = Path(path)
+    if p.is_dir() and file:
+        raise UsageError(f"{option} {path}: that is a folder; give a file's path in it, e.g. "
+                         f"{option} {p / 'out'}")
+    if p.exists() and not p.is_dir() and not file:
+        raise UsageError(f"{option} {path}: a file is there, not a folder; give another path")
+    folder = p if p.is_dir() else p.parent if file else p
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path}: {folder} is a file, not a folder; give a path whose "
+                         "parents are folders")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".multigpu-check-", dir=folder))
+    except OSError as exc:
+        raise UsageError(f"{option} {path}: nothing can be made in {folder} "
+                         f"({exc.strerror or exc}); give a folder you can write") from None
+
+
 def _umask() -> int:
     """The process's umask, read without changing it where Linux allows (os.umask would set it,
     briefly, for every thread)."""
