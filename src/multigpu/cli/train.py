@@ -240,14 +240,52 @@ def check_resume(cfg: TrainConfig) -> None:
     if cfg.out and CheckpointStore(schema.checkpoints_folder(Path(cfg.out))).has_checkpoints():
         # the run goes on from --out's own checkpoints, whose model its config.json names
         path = Path(cfg.out)
-        saved = _json_field(path / CONFIG, "model")
+        trained = _json_object(path / CONFIG)
     else:
         state, path = load_source(cfg.checkpointing.resume)
-        saved = (state.get(schema.CONFIG) or {}).get("model")
+        trained = state.get(schema.CONFIG) or {}
+    saved = trained.get("model")
     if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
         raise UsageError(f"--resume {path}: its checkpoints are of --model {saved}, and this run "
                          f"asks for --model {cfg.model}; give --model {saved}, or another "
                          "checkpoint")
+    _refuse_other_shapes(cfg, path, trained)
+
+
+def _refuse_other_shapes(cfg: TrainConfig, path: Path, trained: dict) -> None:
+    """A resume whose data gives the model other shapes than those it was trained on (the
+    checkpoint's config: input_shape, num_outputs) would fail on every rank in a size-mismatch
+    traceback: refused here, in one line naming the settings that differ."""
+    shape, outputs = trained.get("input_shape"), trained.get("num_outputs")
+    if shape is None or outputs is None:  # a checkpoint from before these facts were kept
+        return
+    from multigpu.train.training import image_size, load_run_data
+
+    data = load_run_data(cfg)
+    if (list(data.input_shape), data.num_outputs) == (list(shape), outputs):
+        return
+    def flag(key: str, value) -> str:
+        name = "--" + key.replace("_", "-")
+        return f"no {name}" if value is None else f"{name} {value}"
+    given = {"data": cfg.input.data, "image_size": image_size(cfg)}
+    differs = "; ".join(f"{flag(k, trained.get(k))} then, {flag(k, v)} now"
+                        for k, v in given.items() if trained.get(k) != v)
+    raise UsageError(f"--resume {path}: its model was trained on samples shaped {tuple(shape)} "
+                     f"with {outputs} outputs, and this run's data gives "
+                     f"{tuple(data.input_shape)} with {data.num_outputs}"
+                     + (f" ({differs})" if differs else "")
+                     + "; give the run's own --data and --image-size, or train a new run "
+                     "without --resume")
+
+
+def _json_object(path: Path) -> dict:
+    import json
+
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _nothing_trained_in(cfg: TrainConfig) -> bool:
@@ -269,15 +307,6 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
                  f"there yet ({why}); starting from scratch in it")
     cfg.out, cfg.checkpointing.resume = cfg.out or cfg.checkpointing.resume, None
     return True
-
-
-def _json_field(path: Path, key: str):
-    import json
-
-    try:
-        return json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _plan_devices(cfg: TrainConfig):

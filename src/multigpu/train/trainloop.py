@@ -79,7 +79,10 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     job = _build(cfg, rt, head, out, clock)
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.checkpointing.keep)
-    _on_rank0(rt, lambda: (store.acquire(), runfolder.write_config(out, config)))
+    # a trained run's record is rewritten once the resumed run has trained a step, not before:
+    # a resume that fails on the way (its weights do not fit) leaves the run as it was
+    trained_before = rt.is_main and store.has_checkpoints() and (out / runfolder.CONFIG).is_file()
+    _on_rank0(rt, lambda: (store.acquire(), None if trained_before else runfolder.write_config(out, config)))
     saver = Checkpointer(rt, job, store, config)
     clock.mark("config")
     log = first_step = None
@@ -94,7 +97,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         log = RunLog.open(cfg, rt, out, config, run.global_step if point and point.in_place else None)
         control.saved(run.global_step)  # --checkpoint-every counts from here
         clock.mark_ready("logs")
-        first_step = _stop_gracefully_once_trained(control, clock)
+        first_step = _stop_gracefully_once_trained(
+            control, clock, then=(lambda: runfolder.write_config(out, config)) if trained_before else None)
         with control.signal_handlers():
             if profile is not None:
                 profile.begin(run.global_step, run.epoch)  # a window from this launch's first step
@@ -155,11 +159,11 @@ def _say_from_rank0(rt: Runtime) -> None:
         console.warn(note)
 
 
-def _stop_gracefully_once_trained(control: Control, clock: Timeline):
+def _stop_gracefully_once_trained(control: Control, clock: Timeline, then=None):
     """Until this launch's first optimizer step, a dead launcher ends the rank at once (orphans:
     nothing to save); from then on every rank saves and stops. The hook's handle: the run removes
     it when it ends (not the hook itself: torch is iterating over its hooks when it runs). The
-    first step's time goes to the `time:` line."""
+    first step's time goes to the `time:` line; `then()` runs after that first step."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     done = []
@@ -169,6 +173,8 @@ def _stop_gracefully_once_trained(control: Control, clock: Timeline):
             done.append(True)
             clock.stepped()
             orphans.on_orphan(lambda: control.request_stop("launcher gone"))
+            if then is not None:
+                then()
 
     return register_optimizer_step_post_hook(first_step)
 
