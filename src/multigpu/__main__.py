@@ -10,9 +10,9 @@ if orphans.watch_from_env() is not None:
     folder_users.hold_from_env()
 
 try:
-    from multigpu.cli import main  # noqa: E402
+    from multigpu.cli import entry  # noqa: E402
 except KeyboardInterrupt:  # Ctrl-C in the first moments: one line, as later
     print("multigpu: interrupted", file=sys.stderr)
     sys.exit(130)
 
-sys.exit(main())
+entry()

@@ -139,3 +139,20 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["atexit", "thread"])
+def test_a_ctrl_c_while_the_program_ends_keeps_its_exit_code_without_a_traceback(where):
+    """The second of two Ctrl-Cs often lands after the command has decided its exit code, while
+    the interpreter ends (its atexit hooks, the threads it waits for: a logger's writer). Caused
+    here by a SIGINT the process sends itself from there: the exit code stays, nothing printed."""
+    late = ("import atexit; atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), "
+            "time.sleep(0.3)))" if where == "atexit" else
+            "threading.Thread(target=lambda: (time.sleep(0.5), os.kill(os.getpid(), "
+            "signal.SIGINT), time.sleep(0.3))).start()")
+    code = ("import os, signal, sys, threading, time\n" + late + "\n"
+            "sys.argv = ['multigpu', 'gpus', '--help']\n"
+            "import runpy; runpy.run_module('multigpu', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stderr == "", done.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -132,6 +133,18 @@ def one_line(exc: BaseException) -> str:
         return text
     last = text.strip().splitlines()[-1]
     return last.split(": ", 1)[1] if ": " in last and "Error" in last.split(": ", 1)[0] else last
+
+
+def entry() -> None:
+    """The `multigpu` program: main(), then the exit with its code. A Ctrl-C from then on
+    (the second of two, while the interpreter ends: its atexit hooks, torch's among them)
+    would end the process by the signal instead, with a traceback from whatever ran, so the
+    exit ignores it: the command's code is decided already. (Not in main(): tests call it in
+    their own process.)"""
+    try:
+        sys.exit(main())
+    finally:  # also after --help's SystemExit
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:
