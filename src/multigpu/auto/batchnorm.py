@@ -83,6 +83,10 @@ class GlobalBatchNorm:
     def install(self) -> None:
         plain = F.batch_norm
 
+        # run eagerly, between compiled graphs: under torch.compile the tensors are fakes, whose
+        # ids say nothing, and a BatchNorm normalized its own share (ranks 0.4 apart after 12
+        # steps of tests/multiproc/scripts/auto_batchnorm.py compiled)
+        @torch.compiler.disable
         @functools.wraps(plain)
         def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
                        momentum=0.1, eps=1e-5):
@@ -94,7 +98,6 @@ class GlobalBatchNorm:
         F.batch_norm = batch_norm
 
 
-@torch.compiler.disable  # a collective inside: run eagerly, between two compiled graphs
 def global_batch_norm(x: torch.Tensor, running_mean, running_var, weight, bias, momentum: float,
                       eps: float) -> torch.Tensor:
     """F.batch_norm in training, with the statistics of every process's `x` together."""

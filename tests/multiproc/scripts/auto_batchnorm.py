@@ -1,12 +1,14 @@
 """A one-device script whose model leans on BatchNorm: a small conv net with BatchNorm2d, a
 BatchNorm1d, and a BatchNorm1d without affine weights (known by its running mean alone), trained
-with SGD on a batch of 8, then evaluated in eval mode (the running statistics).
+with SGD on a batch of 8 (`--compile`: through torch.compile), then evaluated in eval mode (the
+running statistics).
 
 For the tests it writes seen_rank<RANK>.json: each step's sample indices, the final state dict
 (running statistics included) and the eval outputs.
 """
 import json
 import os
+import sys
 
 import torch
 from torch import nn
@@ -38,12 +40,13 @@ def main():
     data = Images()
     loader = DataLoader(data, batch_size=8, shuffle=True)
     model = make_model()
+    run = torch.compile(model) if "--compile" in sys.argv else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
     for epoch in range(2):
         for x, y, idx in loader:
             optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = nn.functional.cross_entropy(run(x), y)
             loss.backward()
             optimizer.step()
             steps.append(idx.tolist())
