@@ -19,7 +19,8 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
+from collections.abc import Callable
 
 TEMP_SUFFIX = ".tmp"
 
@@ -90,7 +91,7 @@ def atomic_write_hashed(path: str | os.PathLike, write: Callable[[BinaryIO], Non
     return path, f.digest.hexdigest() if f.digest is not None else sha256_file(path)
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> tuple[Path, "_Writes"]:
+def _atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> tuple[Path, _Writes]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)

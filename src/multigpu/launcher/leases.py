@@ -24,7 +24,7 @@ from pathlib import Path
 
 LEASE_DIR_ENV = "MULTIGPU_LEASE_DIR"
 HELD_ENV = "MULTIGPU_LEASES"
-_KEPT: list["Lease"] = []  # leases held until this process exits (keep())
+_KEPT: list[Lease] = []  # leases held until this process exits (keep())
 
 
 def lease_dir() -> Path:
@@ -59,7 +59,7 @@ class Lease:
         while self._fds:
             os.close(self._fds.pop())
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -32,7 +32,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
