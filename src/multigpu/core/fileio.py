@@ -1,4 +1,6 @@
-"""Files that appear whole or not at all: the one way multigpu writes a file a crash must not break.
+"""Files that appear whole or not at all: the one way multigpu writes a file a crash must not break
+(a folder made whole, a sharded checkpoint's or bench's pictures, is built under a temporary name
+of its own and renamed by its writer).
 
 `atomic_write(path, write)`:
 - writes to a temporary file with a unique name beside `path` (two writers never share one, and a
