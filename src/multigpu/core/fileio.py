@@ -46,26 +46,6 @@ FILE_MODE = 0o666 & ~_umask()  # read once, on the importing (main) thread
 DIR_MODE = 0o777 & ~_umask()
 
 
-def lock_within(fd: int, seconds: float, *, shared: bool = False, poll: float = 0.01) -> bool | None:
-    """flock `fd` (exclusive, or shared), retrying for up to `seconds` while another holder has
-    it: True once held, False when it was still held elsewhere at the end, None where flock is not
-    supported (some network filesystems). The kernel drops the lock with its holder, kill -9 too."""
-    import fcntl
-    import time
-
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(poll)
-        except OSError:
-            return None
-
-
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Make a rename or unlink in `folder` durable. Filesystems that cannot fsync a folder are
     skipped silently (nothing more can be done there)."""
