@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed
 # test suite's extras (lightning, accelerate, mlflow, wandb, ...), which make test adds
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test test-all test-gpu install clean
+.PHONY: demo lint test test-all test-gpu install clean
 
 install: $(STAMP)
 
@@ -32,12 +32,17 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/multigpu train --model cnn --data digits --epochs 8 --batch-size 32 \
 	    --lr 0.003 --scheduler cosine --devices $$DEVICES --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+# ruff, then the layer contract (pyproject.toml): a few seconds, so every test run starts with them
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	PYTHONPATH=src $(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest
 
 # Every CPU test, the extended ones and the localhost SLURM tier too (about 7 minutes more than
 # `make test` on 2 cores): what CI runs (.ci/run).
-test-all: $(STAMP)
+test-all: lint
 	$(PY) -m pytest -m 'not gpu'
 
 # On a machine with 2+ GPUs (see tests/gpu).

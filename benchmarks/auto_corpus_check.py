@@ -10,9 +10,9 @@ reads beside it (nanoGPT's configurator.py, its config) copied there.
 What a verdict reads (auto_public_record/sitecustomize.py records it in every process):
 - the metric: the script's own printed line (Entry.metric), the mean of its last K matches;
 - every sample once per epoch: the passes over training data (read with grad on, by a loader
-  whose sampler, in a one-process run, is not a SequentialSampler), over all ranks: each complete pass fetched every index once, as many
-  complete passes as a one-process run has (a pass left incomplete, a `next(iter(loader))` peek,
-  is not an epoch);
+  whose sampler, in a one-process run, is not a SequentialSampler), over all ranks: each complete
+  pass fetched every index once, as many complete passes as a one-process run has (a pass left
+  incomplete, a `next(iter(loader))` peek, is not an epoch);
 - files: every file the run wrote in its folder (opened for writing, renamed onto, torch.save),
   by which ranks; each must be written by one rank only, load whole (torch.load for .pt/.pth/
   .ckpt/.tar, PIL for images, non-empty otherwise), and the run must write the files a one-process

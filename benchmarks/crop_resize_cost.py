@@ -28,7 +28,7 @@ from pathlib import Path
 for _key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_key, "0" if _key == "NCCL_NVLS_ENABLE" else "1")
 
-import torch
+import torch  # noqa: E402 (the NVLS switches above are set before torch loads)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_path_contention import resnet50_step, time_steps, with_thread  # noqa: E402
@@ -53,7 +53,8 @@ def make_inputs(count: int, batches: int, dev):
 
 
 def crop_ms(fn, tensors, draws) -> float:
-    torch.cuda.synchronize(); t = time.perf_counter()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     for boxes, flips in draws:
         fn(tensors, boxes, flips, SIZE)
     torch.cuda.synchronize()

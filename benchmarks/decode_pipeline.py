@@ -79,7 +79,7 @@ def compare_decoders(folder: str, device, batch: int, batches: int, rounds: int)
 
     for name, decoder in made.items():
         jpeg_decoders.use(device, decoder)
-        alone = [timed(lambda g: decoder.decode(files[g], device)) for _ in range(rounds)]
+        alone = [timed(lambda g, decoder=decoder: decoder.decode(files[g], device)) for _ in range(rounds)]
         crops = [timed(lambda g: gpu_images.decode_batch(built[g], 224, device, None)) for _ in range(rounds)]
         result["alone"][name], result["with_crops"][name] = statistics.median(alone), statistics.median(crops)
         print(folder, name, "alone", alone, "with crops", crops, flush=True)

@@ -11,7 +11,9 @@ the step consumes), so the slowdown is an upper bound for that part.
 
 resnet50_step, time_steps and with_thread are imported by benchmarks/crop_resize_cost.py.
 """
-import sys, time, threading
+import sys
+import time
+import threading
 import torch
 
 
@@ -28,34 +30,46 @@ def resnet50_step(dev, batch=128):
     def step():
         with torch.autocast("cuda", torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return step
 
 
 def time_steps(step, n=40):
     """Milliseconds a step, over n steps, synchronised at both ends."""
-    torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(n): step()
-    torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1000
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1000
 
 
 def with_thread(work, measure, dev, side, images_per_call=128):
     """(measure(), images a second the thread did): measure runs while a thread calls work(k),
     k = 0, 1, ..., on stream `side` without pause (synchronising the side stream after each)."""
-    stop = threading.Event(); done = [0]
+    stop = threading.Event()
+    done = [0]
     def loop():
         with torch.cuda.device(dev), torch.cuda.stream(side):
             k = 0
             while not stop.is_set():
-                work(k); side.synchronize(); done[0] += 1; k += 1
-    t = threading.Thread(target=loop); t.start()
+                work(k)
+                side.synchronize()
+                done[0] += 1
+                k += 1
+    t = threading.Thread(target=loop)
+    t.start()
     try:
         time.sleep(0.5)
-        start_done = done[0]; t0 = time.perf_counter()
+        start_done = done[0]
+        t0 = time.perf_counter()
         result = measure()
         rate = (done[0] - start_done) * images_per_call / (time.perf_counter() - t0)
     finally:
-        stop.set(); t.join()
+        stop.set()
+        t.join()
     return result, rate
 
 
@@ -71,7 +85,8 @@ def main():
     batches = [gpu_images.ImageBatch(samples[i:i + 128]) for i in range(0, len(samples) - 127, 128)]
     files = [b.encoded() for b in batches]
     side = torch.cuda.Stream(dev)
-    nv = jpeg_decoders.choose(dev); print("decoder", nv.name)
+    nv = jpeg_decoders.choose(dev)
+    print("decoder", nv.name)
     tv = jpeg_decoders.TorchvisionDecoder()
     with torch.cuda.stream(side):
         decoded = [nv.decode(f, dev) for f in files]
@@ -85,13 +100,15 @@ def main():
         gpu_images.crop_resize(decoded[k % n], b.boxes, b.flips, 224)
     def work_full(k): gpu_images.decode_batch(batches[k % n], 224, dev, None)
 
-    for _ in range(15): step()
+    for _ in range(15):
+        step()
     for rnd in range(int(sys.argv[2]) if len(sys.argv) > 2 else 1):
         print(f"round {rnd}: alone {time_steps(step):.1f} ms/step", flush=True)
         for name, work in (("nvimgcodec decode", work_nv), ("torchvision decode", work_tv), ("crops only", work_crops),
                            ("decode_batch (nvimgcodec + crops)", work_full)):
             ms, rate = with_thread(work, lambda: time_steps(step), dev, side)
-            print(f"  {name}: step {ms:.1f} ms; the thread {rate:.0f} img/s (the step needs {128000/ms:.0f})", flush=True)
+            print(f"  {name}: step {ms:.1f} ms; the thread {rate:.0f} img/s "
+                  f"(the step needs {128000/ms:.0f})", flush=True)
 
 
 if __name__ == "__main__":

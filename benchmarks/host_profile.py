@@ -1,7 +1,8 @@
 """Where a rank's host time goes during whole `multigpu train` epochs on real JPEGs: py-spy samples
 every thread of rank 0 (not paused: --nonblocking) for a few seconds of its second epoch, then
-again only where a thread holds the GIL, and the samples are summed per thread and per frame (which function the thread was in, and which of ours
-called it). The GPU's side comes from the same run's MULTIGPU_PROFILE_STEPS window.
+again only where a thread holds the GIL, and the samples are summed per thread and per frame (which
+function the thread was in, and which of ours called it). The GPU's side comes from the same run's
+MULTIGPU_PROFILE_STEPS window.
 
     python benchmarks/host_profile.py --folder DIR --decode cpu,gpu --out OUT [--devices 0,1,2,3]
 
@@ -79,7 +80,7 @@ def one_run(a, decode: str) -> None:
         launcher.wait(30)
     text = Path(log.name).read_text()
     print(f"== --decode {decode} (exit {launcher.returncode})")
-    print("\n".join(l[:400] for l in text.splitlines() if l.startswith(("epoch ", "profile of"))))
+    print("\n".join(line[:400] for line in text.splitlines() if line.startswith(("epoch ", "profile of"))))
     for kind in ("idle", "gil"):
         if (out / f"pyspy-{kind}.txt").exists():
             print(f"-- py-spy, rank 0, {'every sample' if kind == 'idle' else 'holding the GIL'}")

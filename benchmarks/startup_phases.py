@@ -9,10 +9,11 @@ the worker's imports and listing in a thread while its group forms, or all in li
 turns, trial by trial, so that a drift of the machine spreads over all of them; the median trial
 is printed. --bare adds, on each GPU count, a bare torchrun script (startup_bare.py: torch,
 init_process_group, DDP, one step) in the same turns, the floor that every DDP script pays, and
-the same script with its workers forked from torchrun's agent (bare-fork: no second torch import). The figures come from rank 0's `time:` line (train/timeline.py): `first_step_s` is
-the command until the first optimizer step was done, `starting_s` until training could begin,
-`parts` the marked parts (they add up to starting_s), `meanwhile` the parts a thread did beside
-them. Every trial's line and figures go to --out/trials.jsonl, the medians to --out/summary.json.
+the same script with its workers forked from torchrun's agent (bare-fork: no second torch import).
+The figures come from rank 0's `time:` line (train/timeline.py): `first_step_s` is the command until
+the first optimizer step was done, `starting_s` until training could begin, `parts` the marked parts
+(they add up to starting_s), `meanwhile` the parts a thread did beside them. Every trial's line and
+figures go to --out/trials.jsonl, the medians to --out/summary.json.
 """
 import argparse
 import json
@@ -112,7 +113,7 @@ def summarise(trials: list[dict]) -> list[dict]:
         if not good:
             rows.append({"name": name, "ok": 0})
             continue
-        med = lambda key: statistics.median(t[key] for t in good if t.get(key) is not None)  # noqa: E731
+        med = lambda key, good=good: statistics.median(t[key] for t in good if t.get(key) is not None)  # noqa: E731
         names = dict.fromkeys(p for t in good for p in t["parts"])
         beside = dict.fromkeys(p for t in good for p in t["meanwhile"])
         rows.append({"name": name, "ok": len(good), "first_step_s": med("first_step_s"),

@@ -31,7 +31,7 @@ def one_run(a, name: str, tree: str, turn: int) -> dict:
     with open(run.with_suffix(".log"), "w") as log:
         code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
     metrics = run / "metrics.jsonl"
-    epochs = [json.loads(l) for l in metrics.read_text().splitlines()] if metrics.exists() else []
+    epochs = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     ranks = [json.loads(p.read_text()) for p in sorted((run / "profile").glob("rank*.json"))]
     for p in (run / "checkpoints").glob("*/*"):
         p.unlink()  # large, and not what is measured

@@ -61,7 +61,7 @@ def _patch_dataloader(module):
             return
         record["written"] = True
         line = {k: v for k, v in record.items() if k != "written"} | {"complete": complete}
-        with _open(path, "a") as f:
+        with _open(path, "a") as f:  # noqa: UP020 (builtins.open is --auto's patch by now)
             f.write(json.dumps(line) + "\n")
 
     def begin(self, dataset, sampler=None):

@@ -168,7 +168,8 @@ def test_nvimagecodec_batch_with_a_truncated_file_replaces_and_counts_it(tmp_pat
     paths = [p for p, _ in train.samples]
     bad, half = paths.index(str(data / "train/a/zz.jpg")), paths.index(str(data / "train/a/zy.jpg"))
     encoded = samples(train, on_gpu=True)
-    assert isinstance(encoded[bad][0], gpu_images.EncodedImage) and isinstance(encoded[half][0], gpu_images.EncodedImage)
+    assert isinstance(encoded[bad][0], gpu_images.EncodedImage)
+    assert isinstance(encoded[half][0], gpu_images.EncodedImage)
     capsys.readouterr()
     with torch.cuda.stream(torch.cuda.Stream(GPU)):
         x, y = train.on_device(gpu_images.collate(encoded), GPU)

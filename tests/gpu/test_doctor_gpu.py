@@ -32,7 +32,8 @@ def test_doctor_measures_peak_memory_and_the_largest_batch_that_fits(tmp_path):
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     memory = next(line for line in proc.stdout.splitlines() if "  memory  " in line)
-    train, evaluation = map(float, re.search(r"([\d.]+) GiB in a training step, ([\d.]+) GiB in evaluation", memory).groups())
+    said = re.search(r"([\d.]+) GiB in a training step, ([\d.]+) GiB in evaluation", memory)
+    train, evaluation = map(float, said.groups())
     assert 0 < evaluation < train
     fit = next(line for line in proc.stdout.splitlines() if "batch fit" in line)
     largest = int(re.search(r"fits on cuda:\d+: (\d+) \(peak", fit).group(1))
@@ -48,7 +49,8 @@ def test_batch_size_auto_trains_with_one_size_on_every_rank_and_a_resume_keeps_i
             "--devices", str(gpus), "--out", "run", "--checkpoint-every", "0"]
     first = cli("train", *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    said = re.search(r"--batch-size auto: (\d+) per GPU, the largest that fits on every GPU", first.stdout + first.stderr)
+    said = re.search(r"--batch-size auto: (\d+) per GPU, the largest that fits on every GPU",
+                     first.stdout + first.stderr)
     assert said, first.stdout[-2000:]
     size = int(said.group(1))
     config = json.loads((tmp_path / "run" / "config.json").read_text())

@@ -63,7 +63,7 @@ def test_a_model_whose_state_exceeds_the_gpu_memory_it_may_use_trains_with_cpu_o
     assert result["ddp_state_gib"] > result["gpu_gib"]  # ddp (or single) could not hold it
     assert result["peak_gpu_gib"] < 0.5 * result["gpu_gib"]
     assert "CPU offload" in result["strategy"]
-    assert result["losses"] and all(math.isfinite(l) for l in result["losses"]), result["losses"]
+    assert result["losses"] and all(math.isfinite(loss) for loss in result["losses"]), result["losses"]
 
 
 @two_gpus
@@ -88,7 +88,7 @@ def test_a_model_whose_state_exceeds_one_gpu_trains_under_fsdp_on_two(tmp_path):
     print(result)
     assert result["ddp_state_gib"] > result["gpu_gib"]  # ddp would need more than the GPU has
     assert max(result["peak_gib_per_gpu"]) < 0.9 * result["gpu_gib"]
-    assert result["losses"] and all(math.isfinite(l) for l in result["losses"]), result["losses"]
+    assert result["losses"] and all(math.isfinite(loss) for loss in result["losses"]), result["losses"]
 
 
 @two_gpus

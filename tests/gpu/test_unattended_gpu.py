@@ -59,7 +59,8 @@ def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout=240) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, output(out, proc)[1][-3000:]
-        entries = CheckpointStore(out / "checkpoints").entries() if (out / "checkpoints" / "manifest.json").exists() else []
+        saved = (out / "checkpoints" / "manifest.json").exists()
+        entries = CheckpointStore(out / "checkpoints").entries() if saved else []
         if entries:
             return entries[-1].global_step
         time.sleep(0.1)

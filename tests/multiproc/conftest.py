@@ -65,5 +65,21 @@ def _no_process_left_behind():
 
 
 @pytest.fixture
+def procs():
+    """Popen objects started by a test; whatever is left is killed, with its children."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            kids = psutil.Process(p.pid).children(recursive=True)
+            for q in [p, *kids]:
+                try:
+                    q.kill()
+                except (psutil.NoSuchProcess, ProcessLookupError):
+                    pass
+            p.wait(10)
+
+
+@pytest.fixture
 def run_cli():
     return multigpu

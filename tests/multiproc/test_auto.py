@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc.test_run_cli import clean_env, multigpu, procs, start  # noqa: F401 - procs: a fixture
+from tests.multiproc.test_run_cli import clean_env, multigpu, start
 
 pytestmark = pytest.mark.slow
 

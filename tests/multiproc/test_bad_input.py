@@ -85,7 +85,8 @@ def run(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command,message,code", table_rows(), ids=lambda v: v if isinstance(v, str) and v.startswith("multigpu") else "")
+@pytest.mark.parametrize("command,message,code", table_rows(),
+                         ids=lambda v: v if isinstance(v, str) and v.startswith("multigpu") else "")
 def test_each_error_of_the_table(files, monkeypatch, capsys, command, message, code):
     monkeypatch.chdir(files)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the table is written for a machine without GPUs

@@ -143,7 +143,8 @@ def stopped(tmp_path_factory, reference) -> tuple[Path, str]:
 
 def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal(stopped, reference, tmp_path):
     folder, output = stopped
-    assert "SIGTERM: the ranks stop together at their next exchange (about a second of steps), then save a checkpoint" in output
+    assert ("SIGTERM: the ranks stop together at their next exchange (about a second of steps), "
+            "then save a checkpoint") in output
     assert re.search(r"stopped by SIGTERM (in epoch \d+, \d+ samples in|after epoch \d+), step \d+: checkpoint ",
                      output) and "is complete; run the same command with --resume" in output
     assert "Received 15 death signal" not in output

@@ -52,22 +52,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def procs():
-    """Popen objects started by a test; whatever is left is killed, with its children."""
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            kids = psutil.Process(p.pid).children(recursive=True)
-            for q in [p, *kids]:
-                try:
-                    q.kill()
-                except (psutil.NoSuchProcess, ProcessLookupError):
-                    pass
-            p.wait(10)
-
-
 def test_torchrun_style_script_gets_rank_env_and_untouched_args(tmp_path):
     r = multigpu("--devices", "cpu:2", str(SCRIPTS / "report_env.py"), str(tmp_path),
                  "--devices", "7", "--local_rank", "x", cwd=tmp_path, NCCL_NVLS_ENABLE="1")

@@ -2,8 +2,9 @@
 
 A real 2-process launch: the launcher dumps its sys.modules at exit (the probe below runs the CLI
 as `python -m multigpu` does); rank 1 is a worker like any other, and Python lists its imports
-(PYTHONPROFILEIMPORTTIME, inherited) in its log: every module an import statement loaded. Rank 0 is left out: it alone writes the logs
-(tensorboard) and curves.png (matplotlib). Speed is measured by benchmarks/startup_phases.py.
+(PYTHONPROFILEIMPORTTIME, inherited) in its log: every module an import statement loaded. Rank 0 is
+left out: it alone writes the logs (tensorboard) and curves.png (matplotlib). Speed is measured by
+benchmarks/startup_phases.py.
 """
 import importlib.util
 import json

@@ -44,7 +44,7 @@ def test_two_process_run_reports_errors_in_original_units_that_improve(runs, mod
     assert second["val_mae"] < first["val_mae"]
     assert second["val_rmse"] < first["val_rmse"]
     assert 0 < second["val_mae"] <= second["val_rmse"]  # a mean never exceeds the root mean square
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("epoch 2 "))
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("epoch 2 "))
     assert f"val_mae {second['val_mae']:.4g}  val_rmse {second['val_rmse']:.4g}" in line
     assert (out / "checkpoints" / "best.pt").exists()
 

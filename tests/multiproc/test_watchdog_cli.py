@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .test_run_cli import SCRIPTS, clean_env, multigpu, procs, start  # noqa: F401 (procs is a fixture)
+from .test_run_cli import SCRIPTS, clean_env, multigpu, start
 
 pytestmark = pytest.mark.slow
 

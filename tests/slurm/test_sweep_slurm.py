@@ -61,7 +61,8 @@ def test_a_sweep_on_slurm_runs_as_an_array_and_a_rerun_submits_only_what_is_not_
     # each task takes seconds to start Python and torch: all three are still SLURM's now
     meanwhile = sweep(slurm_cluster, *args, cwd=tmp_path)
     assert meanwhile.returncode == 0, meanwhile.stdout + meanwhile.stderr
-    assert "] nothing to submit: 0 of 3 runs done, 3 queued or running on SLURM; summary in sw/summary.md" in meanwhile.stdout
+    assert ("] nothing to submit: 0 of 3 runs done, 3 queued or running on SLURM; "
+            "summary in sw/summary.md") in meanwhile.stdout
     wait_queue_empty(slurm_cluster, folder)
 
     rows = summary_rows(folder)
@@ -155,7 +156,8 @@ def test_sbatch_refusals_are_one_line_with_the_flag_to_change(slurm_cluster, tmp
     proc = sweep(slurm_cluster, "--out", "g", *gpus, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == (
-        "multigpu: error: --on slurm: sbatch refused the job array: Invalid generic resource (gres) specification: each run asks for 1 GPU (--devices-per-run: "
+        "multigpu: error: --on slurm: sbatch refused the job array: Invalid generic resource "
+        "(gres) specification: each run asks for 1 GPU (--devices-per-run: "
         "1 GPU unless given), which that partition's nodes do not offer; name a partition with GPUs "
         "(--partition), or give CPU runs --devices-per-run cpu:N")
     conf = Path(slurm_cluster.env["SLURM_CONF"])

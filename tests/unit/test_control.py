@@ -69,7 +69,8 @@ def test_the_first_signal_asks_for_a_stop_the_second_stops_at_once(capsys):
     with control.signal_handlers():
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
         assert control.stop_requested == "SIGINT"
-        assert "SIGINT: the ranks stop together at their next exchange (about a second of steps), then save a checkpoint" in capsys.readouterr().err
+        assert ("SIGINT: the ranks stop together at their next exchange (about a second of steps), "
+                "then save a checkpoint") in capsys.readouterr().err
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back

@@ -57,7 +57,8 @@ def test_mnist_style_loaders_shuffled_through_kwargs_are_left_to_run_time():
     m = MNIST
     assert lines(m, ran=False) == [
         f"ok    auto eval      {m}:37: for data, target in loader under torch.no_grad(): --auto: {EVAL}",
-        f"ok    auto output    {m}:41: print(f'Test set: Accuracy: {{correct}}/{{len(lo... (and line 72): --auto: {OUTPUT}",
+        f"ok    auto output    {m}:41: print(f'Test set: Accuracy: {{correct}}/{{len(lo... "
+        f"(and line 72): --auto: {OUTPUT}",
         f"ok    auto devices   {m}:50: 'cuda': --auto: {CUDA}",
         f"ok    auto data      {m}:56: DataLoader(classes(1024, 1), **train_kwargs): {UNKNOWN}",
         f"ok    auto data      {m}:57: DataLoader(classes(300, 2), **test_kwargs): {UNKNOWN}",

@@ -45,11 +45,13 @@ def test_the_posts_8607_samples_on_4_devices_keep_a_last_step_of_15():
 def test_a_remainder_too_small_for_every_device_joins_the_step_before():
     f = last_step_finding(995, 4, ranks=4)  # 62 full steps, 3 left: fewer than 2 per device
     assert "62 steps" in f.message
-    assert "a remainder of 3 (too few for 2 per device) joins the step before it, which has 19 (5+5+5+4 per process)" in f.message
+    assert ("a remainder of 3 (too few for 2 per device) joins the step before it, which has 19 "
+            "(5+5+5+4 per process)") in f.message
 
 
 def test_drop_last_and_an_exact_multiple_are_said_as_such():
-    assert "the last 15 samples of each epoch's order are dropped" in last_step_finding(8607, 4, ranks=4, drop_last=True).message
+    dropped = last_step_finding(8607, 4, ranks=4, drop_last=True)
+    assert "the last 15 samples of each epoch's order are dropped" in dropped.message
     assert "all full" in last_step_finding(64, 8, ranks=2, devices_per_rank=2).message
 
 
@@ -131,7 +133,8 @@ def test_bf16_on_a_gpu_without_bf16_units_fails_with_the_fix(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 0))  # Volta
     [f] = precision_findings("bf16", plan)
     assert f.level == "fail" and "no bf16 units" in f.message and "--precision fp16" in f.message
-    assert precision_findings("auto", plan)[0].message == "--precision auto is fp32 (no bf16 units) on Tesla V100-SXM2-32GB"
+    assert (precision_findings("auto", plan)[0].message
+            == "--precision auto is fp32 (no bf16 units) on Tesla V100-SXM2-32GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))  # Hopper
     assert [f.level for f in precision_findings("bf16", plan)] == ["ok"]
     assert precision_findings("auto", plan, "resnet50")[0].message == "--precision auto is bf16 on Tesla V100-SXM2-32GB"

@@ -7,10 +7,8 @@ pip install 'multigpu[nvimgcodec]' (or PYTHONPATH=a folder the two wheels were i
 import io
 import sys
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from multigpu.core.errors import UsageError
 from multigpu.train import gpu_images, imagefolder, jpeg_decoders

@@ -584,7 +584,8 @@ def test_a_second_rank_failing_like_the_console_rank_is_not_printed_again(tmp_pa
 
     from multigpu.launcher import launch_failures
 
-    tb = "Traceback (most recent call last):\n  File \"x.py\", line 3\nRuntimeError: Expected to have finished reduction"
+    tb = ("Traceback (most recent call last):\n  File \"x.py\", line 3\n"
+          "RuntimeError: Expected to have finished reduction")
     texts = {1: tb, 0: tb.replace("line 3", "line 4")}
     one = SimpleNamespace(exitcode=1, local_rank=1)
     zero = SimpleNamespace(exitcode=1, local_rank=0)

@@ -150,7 +150,8 @@ def test_missing_external_package_says_how_to_install_it(monkeypatch, package):
         build_model(f"{package}:resnet18", (3, 32, 32), 10)
     assert str(excinfo.value) == (
         f"model '{package}:resnet18' needs the {package} package, which is not installed: "
-        f"run `pip install {package}` or use a built-in model (linear, mlp, cnn, resnet18, resnet50, vgg16, swin_t, lstm, tst)"
+        f"run `pip install {package}` or use a built-in model "
+        "(linear, mlp, cnn, resnet18, resnet50, vgg16, swin_t, lstm, tst)"
     )
 
 

@@ -93,7 +93,7 @@ def test_dataparallel_custom_method_is_a_clear_error():
     with pytest.raises(AttributeError, match="only model\\(x\\) splits the batch"):
         dp.my_forward(torch.randn(2, 2))
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        dp.nothing_here
+        dp.nothing_here  # noqa: B018 (the access is what must raise)
 
 
 def test_dataparallel_warns_about_per_sample_lists():

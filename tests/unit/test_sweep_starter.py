@@ -18,8 +18,9 @@ PROBE = textwrap.dedent("""
         setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
     if hasattr(torch._C, "_cuda_getDeviceCount"):  # what initialises the driver
         torch._C._cuda_getDeviceCount = spy("_cuda_getDeviceCount", torch._C._cuda_getDeviceCount)
-    from multigpu.sweep.starter import PRELOAD
-    for name in PRELOAD:
+    from multigpu.cli.sweep import WARM_PRELOAD
+    from multigpu.sweep.starter import SERVER_FIRST
+    for name in (SERVER_FIRST, *WARM_PRELOAD):
         __import__(name)
     print(calls, torch.cuda.is_initialized())
     """)

@@ -8,7 +8,7 @@ when it initialises, so this runs before the worker (or the script) touches CUDA
 from __future__ import annotations
 
 import os
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 from multigpu.core.errors import UsageError
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

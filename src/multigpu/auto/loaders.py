@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sampler,

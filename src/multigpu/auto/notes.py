@@ -4,8 +4,8 @@
 holds. A script that trains otherwise (a hand-written `p.data.add_(-lr * p.grad)`, batches sliced
 from a tensor, a `get_batch()`) runs under --auto with nothing changed: every process does the
 whole job, N times the work (every process starts from rank 0's seeds, seeds.py, so each trains
-the model one process trains), and rank 0's is the one printed and saved. Such a run would end without a word, so one line says what was
-not split, why, and what would split it:
+the model one process trains), and rank 0's is the one printed and saved. Such a run would end
+without a word, so one line says what was not split, why, and what would split it:
 
 - no optimizer: at the first backward (torch.autograd.backward, which Tensor.backward calls, or
   torch.autograd.grad), when no torch.optim optimizer holds any parameter;
@@ -100,9 +100,9 @@ def note_no_optimizer(env, made: list[None], said: set[str] | None = None) -> No
 
 def no_optimizer_line(world_size: int, split: bool, loader_built: bool) -> str:
     n = world_size
-    head = (f"multigpu: note: --auto: the script's first backward came with no torch.optim "
-            f"optimizer holding its parameters: --auto averages the gradients of an optimizer's "
-            f"parameters only, so nothing is averaged")
+    head = ("multigpu: note: --auto: the script's first backward came with no torch.optim "
+            "optimizer holding its parameters: --auto averages the gradients of an optimizer's "
+            "parameters only, so nothing is averaged")
     models = "(every process starts from rank 0's seeds, so each trains the same model)"
     fix = "to make it data-parallel, update the weights with a torch.optim optimizer"
     if split:

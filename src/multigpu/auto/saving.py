@@ -31,7 +31,7 @@ import functools
 import os
 import pickle
 import types
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

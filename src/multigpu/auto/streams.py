@@ -66,7 +66,7 @@ import itertools
 import pickle
 import random
 import sys
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info

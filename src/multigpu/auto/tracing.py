@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
 from multigpu.auto.plain import plain_reduction, replicated_parts

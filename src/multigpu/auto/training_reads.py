@@ -10,7 +10,7 @@ reads it whole) and changes nothing here.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader

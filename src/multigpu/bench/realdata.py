@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.bench import imagegen
 from multigpu.bench.measure import Prepared

@@ -49,7 +49,7 @@ class Sampler:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_devices(cls, devices: list[torch.device]) -> "Sampler | None":
+    def for_devices(cls, devices: list[torch.device]) -> Sampler | None:
         """A sampler for the task's CUDA devices; None on CPU, without NVML, or when a device
         cannot be matched to an NVML handle (the bench runs on without telemetry)."""
         cuda = [d for d in devices if d.type == "cuda"]

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("--version", action=PrintVersion, help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         try:
             mod = importlib.import_module(f"multigpu.cli.{module}")
         except ModuleNotFoundError as exc:  # a subcommand not written yet

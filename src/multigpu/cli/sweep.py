@@ -35,6 +35,11 @@ from pathlib import Path
 from multigpu.core import fileio
 from multigpu.core.errors import UsageError
 
+# What a `multigpu train` run imports before its first step, in the order it does: the sweep's
+# fork server imports them once (sweep/starter.py), so each one-device run forked from it skips them
+WARM_PRELOAD = ("multigpu.cli", "multigpu.cli.train", "multigpu.train.trainloop", "torch._dynamo",
+                "torch.utils.tensorboard", "matplotlib.pyplot")
+
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
 OPTIONS = ("devices", "devices_per_run", "runs_per_gpu", "max_parallel", "timeout", "retries", "metric",
            "min_free_memory", "out", "on", "partition", "time", "slurm_arg", "nodes_per_run")
@@ -193,7 +198,7 @@ def _build(spec, options: dict, folder):
         raise UsageError(f"metric {metric!r}: give a metric's name, e.g. val_mae or val_accuracy")
     opts = Options(max_parallel=max_parallel, timeout_s=parse_duration(options.get("timeout")),
                    retries=retries, metric=metric)
-    return Sweep(spec, runs, folder, pool, opts)
+    return Sweep(spec, runs, folder, pool, opts, warm_preload=WARM_PRELOAD)
 
 
 def _check_folder(spec, folder) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.core import checkpoint_schema as schema
 from multigpu.train import configfile, provenance, timeline
@@ -184,10 +184,11 @@ def _resume_line(out: Path, typed: list[str]) -> str | None:
 
 def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], str | None]]:
     """The run folder, claimed, and what removes it again when the run stops on bad input, or
-    is stopped by a signal, before its first epoch: the outermost folder of --out that is new, or the new folder under runs/
-    (runs/ may be there already); of an empty folder the user made, only what the run wrote in
-    it. Never a run that trained, nor on several nodes (node 0 owns the shared folder). The
-    remover returns "folder", "contents" (the user's folder kept) or None (nothing removed)."""
+    is stopped by a signal, before its first epoch: the outermost folder of --out that is new, or
+    the new folder under runs/ (runs/ may be there already); of an empty folder the user made, only
+    what the run wrote in it. Never a run that trained, nor on several nodes (node 0 owns the shared
+    folder). The remover returns "folder", "contents" (the user's folder kept) or None (nothing
+    removed)."""
     from multigpu.train import runfolder
 
     target = runfolder.out_for(cfg)  # None: a new folder under runs/

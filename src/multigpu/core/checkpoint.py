@@ -17,7 +17,7 @@ import re
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

@@ -1,8 +1,8 @@
 """Console output: rank 0 speaks, the others stay quiet (trap 14).
 
-The one module-level state in multigpu is here: whether this process may print, and in whose
-words its warnings name the library's API (errors.Text). A program that owns the process sets
-them once with `configure()`: `multigpu train` its rank, and its flags for the API's names.
+Module-level state, one value a process: whether this process may print, and in whose words its
+warnings name the library's API (errors.Text). A program that owns the process sets them once
+with `configure()`: `multigpu train` its rank, and its flags for the API's names.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ The plan of an epoch is computed identically on every rank from (dataset size, s
 2. global steps of `batch_size * devices` samples each;
 3. the last, partial global step: dropped with `drop_last`; otherwise kept if every device gets
    at least two samples (one, for a batch size of 1 or a tiny dataset), else merged into the step
-   before it, so no rank ever gets an empty (or BatchNorm-breaking single-sample) batch, no sample is padded in twice, and no rank runs one step more than another (which is
-   what hangs DDP, and what crashed DataParallel in post 000 at 99 % of a 7-hour run);
+   before it, so no rank ever gets an empty (or BatchNorm-breaking single-sample) batch, no sample
+   is padded in twice, and no rank runs one step more than another (which is what hangs DDP, and
+   what crashed DataParallel in post 000 at 99 % of a 7-hour run);
 4. each global step is split into near-equal contiguous shares, one per rank.
 
 With the same global batch, 1 process and N processes therefore see the same steps and reach the
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 
 @contextmanager

@@ -43,7 +43,7 @@ class Text(str):
     template: str
     names: tuple[Api, ...]
 
-    def __new__(cls, template: str, *names: Api) -> "Text":
+    def __new__(cls, template: str, *names: Api) -> Text:
         self = super().__new__(cls, template.format(*names) if names else template)
         self.template, self.names = template, names
         return self

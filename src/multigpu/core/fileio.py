@@ -1,4 +1,6 @@
-"""Files that appear whole or not at all: the one way multigpu writes a file a crash must not break.
+"""Files that appear whole or not at all: the one way multigpu writes a file a crash must not break
+(a folder made whole, a sharded checkpoint's or bench's pictures, is built under a temporary name
+of its own and renamed by its writer).
 
 `atomic_write(path, write)`:
 - writes to a temporary file with a unique name beside `path` (two writers never share one, and a
@@ -19,7 +21,8 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
+from collections.abc import Callable
 
 TEMP_SUFFIX = ".tmp"
 
@@ -69,26 +72,6 @@ FILE_MODE = 0o666 & ~_umask()  # read once, on the importing (main) thread
 DIR_MODE = 0o777 & ~_umask()
 
 
-def lock_within(fd: int, seconds: float, *, shared: bool = False, poll: float = 0.01) -> bool | None:
-    """flock `fd` (exclusive, or shared), retrying for up to `seconds` while another holder has
-    it: True once held, False when it was still held elsewhere at the end, None where flock is not
-    supported (some network filesystems). The kernel drops the lock with its holder, kill -9 too."""
-    import fcntl
-    import time
-
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(poll)
-        except OSError:
-            return None
-
-
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Make a rename or unlink in `folder` durable. Filesystems that cannot fsync a folder are
     skipped silently (nothing more can be done there)."""
@@ -116,7 +99,7 @@ def atomic_write_hashed(path: str | os.PathLike, write: Callable[[BinaryIO], Non
     return path, f.digest.hexdigest() if f.digest is not None else sha256_file(path)
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> tuple[Path, "_Writes"]:
+def _atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> tuple[Path, _Writes]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)

@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 LAUNCHER_PID_ENV = "MULTIGPU_LAUNCHER_PID"
 POLL_SECONDS = 0.2  # how soon a dead launcher is seen

@@ -50,7 +50,7 @@ def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2):
             submit()
             current = torch.cuda.current_stream(device)
             current.wait_event(done)
-            map_tensors(lambda t: t.record_stream(current), moved)
+            map_tensors(lambda t, stream=current: t.record_stream(stream), moved)
             yield info, moved
     finally:
         helper.shutdown(wait=True, cancel_futures=True)

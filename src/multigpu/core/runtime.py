@@ -42,7 +42,7 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
           accelerator: str = "auto", seed: int = 0, accumulate: int = 1,
           ddp: DDPOptions | None = None, options: object | None = None,
           log_dir: str | Path | None = None, loggers: str = "tensorboard,csv",
-          install_hooks: bool = False) -> "Runtime":
+          install_hooks: bool = False) -> Runtime:
     """Read the launcher's environment, create the process group, return a Runtime.
 
     Call it once, at the start of the script, on every process. Under `multigpu run` (or

@@ -6,7 +6,7 @@ and neither has to import the other for it.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from multigpu.auto import CHANGES
 from multigpu.doctor.pysource import Source, code, const, dotted, kw, method

@@ -238,8 +238,9 @@ def _spawn(src: Source, nproc: int) -> list[Finding]:
         if src.qualname(call.func) not in _SPAWNS or src.in_launch_guard(call.lineno):
             continue  # `if "LOCAL_RANK" in os.environ: main() else: mp.spawn(...)` is fine
         level = "fail" if nproc > 1 else "warn"
+        each = f"each of the {nproc} processes" if nproc > 1 else "the process"
         found.append(src.at(level, "launch env", call, f"{dotted(call.func)}(...) starts processes of "
-                            f"its own: under multigpu run {'each of the ' + str(nproc) + ' processes' if nproc > 1 else 'the process'} would start "
+                            f"its own: under multigpu run {each} would start "
                             "a whole job (ranks that clash, GPUs used twice); fix: start it with "
                             "python (as it is written), or drop the spawn and take the rank from "
                             "RANK / LOCAL_RANK / WORLD_SIZE, which multigpu run sets", trap=8))

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.core.environ import environ_set
 from multigpu.launcher import launch, trial

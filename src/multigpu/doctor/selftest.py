@@ -284,7 +284,7 @@ def merge(per_rank: list[list[tuple[str, str, str]]]) -> list[tuple[str, str, st
     """One row per check over every rank: FAIL when any rank failed (with the first failing
     rank's cause), skip when every rank skipped, else ok with rank 0's detail."""
     rows = []
-    for i, (name, status, detail) in enumerate(per_rank[0]):
+    for i, (name, _, detail) in enumerate(per_rank[0]):
         outcomes = [r[i] if i < len(r) else (name, FAIL, "no result") for r in per_rank]
         failed = [(rank, d) for rank, (_, s, d) in enumerate(outcomes) if s == FAIL]
         if failed:

@@ -17,14 +17,14 @@ or does not support flock, nothing is leased and nothing is said.
 """
 from __future__ import annotations
 
-import fcntl
 import os
-import time
 from pathlib import Path
+
+from multigpu.core import locks
 
 LEASE_DIR_ENV = "MULTIGPU_LEASE_DIR"
 HELD_ENV = "MULTIGPU_LEASES"
-_KEPT: list["Lease"] = []  # leases held until this process exits (keep())
+_KEPT: list[Lease] = []  # leases held until this process exits (keep())
 
 
 def lease_dir() -> Path:
@@ -59,7 +59,7 @@ class Lease:
         while self._fds:
             os.close(self._fds.pop())
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -89,21 +89,6 @@ def _open(key: str) -> int | None:
     return fd
 
 
-def _flock(fd: int, op: int, tries: int = 1) -> bool | None:
-    """True when taken, False when held by another open file, None when flock is unsupported."""
-    for attempt in range(tries):
-        if attempt:
-            time.sleep(0.01)
-        try:
-            fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            pass
-        except OSError:  # ENOLCK, EOPNOTSUPP: a filesystem without flock
-            return None
-    return False
-
-
 def try_lease(keys, note: str) -> Lease | None:
     """Lease every key or none, without waiting: None when one is held by another process."""
     ours = inherited()
@@ -111,9 +96,9 @@ def try_lease(keys, note: str) -> Lease | None:
     taken: list[int] = []
     for key in (k for k in keys if k not in ours):
         fd = _open(key)
-        # 4 tries over ~30 ms: holder() takes a shared lock for an instant to look, and
+        # tries over ~30 ms: holder() takes a shared lock for an instant to look, and
         # that instant must not make a lease fail
-        got = None if fd is None else _flock(fd, fcntl.LOCK_EX, tries=4)
+        got = None if fd is None else locks.lock(fd, wait=0.03)
         if not got:
             for f in taken + ([fd] if fd is not None else []):
                 os.close(f)
@@ -136,7 +121,7 @@ def holder(key: str) -> str | None:
     except OSError:  # never leased here (or no folder): free
         return None
     try:
-        if _flock(fd, fcntl.LOCK_SH) is not False:
+        if locks.lock(fd, shared=True) is not False:
             return None  # free (the shared lock goes with the close below)
         text = os.pread(fd, 300, 0).decode(errors="replace").strip()
     finally:

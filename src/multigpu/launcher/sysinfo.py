@@ -13,10 +13,12 @@ from collections.abc import Mapping
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """'node[01-03],gpu7' -> ['node01', 'node02', 'node03', 'gpu7'] (SLURM hostlist syntax).
+    """'node[01-03],gpu7' -> ['node01', 'node02', 'node03', 'gpu7'] (SLURM hostlist syntax):
+    first_slurm_host's fallback where SLURM's own `scontrol` cannot answer.
 
     Handles ranges with zero padding, lists inside brackets and several bracket groups
-    ('rack[1-2]-n[1,3]'). Raises ValueError on text it does not understand.
+    ('rack[1-2]-n[1,3]'), as scontrol expands them. Raises ValueError on text it does not
+    understand.
     """
     hosts: list[str] = []
     for item in _split_top_level(nodelist.strip()):
@@ -62,16 +64,20 @@ def _expand_group(group: str, item: str) -> list[str]:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a nodelist; asks `scontrol show hostnames` when our parser gives up."""
-    try:
-        return expand_nodelist(nodelist)[0]
-    except ValueError:
-        if shutil.which("scontrol"):
+    """First host of a nodelist, as SLURM expands it (`scontrol show hostnames`, there wherever
+    SLURM runs a job); our parser where scontrol is missing or cannot answer: it reads
+    slurm.conf, which a container without SLURM's client or config does not have."""
+    conf = os.environ.get("SLURM_CONF")
+    # a SLURM_CONF that is not there makes scontrol retry for 60 s; without one it fails at once
+    if shutil.which("scontrol") and (conf is None or os.path.isfile(conf)):
+        try:
             out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
-                                 capture_output=True, text=True, timeout=30)
+                                 capture_output=True, text=True, timeout=5)
             if out.returncode == 0 and out.stdout.split():
                 return out.stdout.split()[0]
-        raise
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return expand_nodelist(nodelist)[0]
 
 
 def slurm_launch_defaults(env: Mapping[str, str] | None = None) -> dict[str, object]:

@@ -217,10 +217,10 @@ class Trial:
                   "seconds": round(time.perf_counter() - self.started, 2), "batch": batch,
                   "loaders": list(self.loaders.values()), "unused": self.unused,
                   "unused_fatal": self.unused_fatal, "memory": _memory(), **extra}
-        path = record_path(self.folder, self.rank)
-        part = path.with_suffix(".part")
-        part.write_text(json.dumps(record))
-        os.replace(part, path)  # whole or absent: the doctor and the peers read it
+        from multigpu.core import fileio  # here: a worker imports this module before the script
+
+        # whole or absent: the doctor and the peers read it
+        fileio.atomic_write_text(record_path(self.folder, self.rank), json.dumps(record))
 
 
 def _exit_now(code: int) -> None:

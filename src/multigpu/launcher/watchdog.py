@@ -12,13 +12,13 @@ other 3 every second or so (a store call that blocks never delays the others):
 3. **Hangs** (several ranks, `--hang-timeout` > 0). A rank is *stalled* when neither its progress
    count (beats: every optimizer step, through torch's global step hook, and `beat()`) nor its main
    thread's Python stack has changed for the timeout, and its main thread was not computing (its
-   CPU time stood still; with NCCL this is not asked, since a host waiting for the GPU spins). Every rank posts its state to the job's
-   TCPStore; when every rank is stalled, finished or gone (silent), the job is hung (a rank still
-   moving means the others wait for it, not a hang), and the first rank to see it trips: every rank
-   writes its stack (all threads) to <log dir>/hang-rank<r>.txt, dumps torch's NCCL flight recorder
-   there when NCCL is in use, and exits with EXIT_HANG; the summary (which rank was where, for how
-   long, what the script changed) goes to each rank's stderr and torchelastic error file, so the
-   launcher prints it.
+   CPU time stood still; with NCCL this is not asked, since a host waiting for the GPU spins). Every
+   rank posts its state to the job's TCPStore; when every rank is stalled, finished or gone
+   (silent), the job is hung (a rank still moving means the others wait for it, not a hang), and the
+   first rank to see it trips: every rank writes its stack (all threads) to
+   <log dir>/hang-rank<r>.txt, dumps torch's NCCL flight recorder there when NCCL is in use, and
+   exits with EXIT_HANG; the summary (which rank was where, for how long, what the script changed)
+   goes to each rank's stderr and torchelastic error file, so the launcher prints it.
 
 A slow first step or compile does not trip it: the ranks' stacks change while they compile, and
 ranks waiting for a slower one are not all stalled.
@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.core import fileio, orphans
 
@@ -57,7 +57,7 @@ class StoreNotThere(ConnectionError):
     """Nothing listens where the job's key-value store should be (yet, or any more)."""
 
 
-def start_from_env(*, on_orphan: Callable[[], None] | None = None) -> "Watchdog | None":
+def start_from_env(*, on_orphan: Callable[[], None] | None = None) -> Watchdog | None:
     """In a worker started by multigpu's launcher, start the watchdog; None elsewhere.
     `on_orphan`: what a dead launcher makes this worker do (orphans.on_orphan); None: leave that
     as it is (a worker still starting up exits at once)."""
@@ -195,7 +195,8 @@ class Watchdog:
             store.wait([f"{self.prefix}/summary"], datetime.timedelta(seconds=2 * REPORT_WAIT_SECONDS))
             summary = store.get(f"{self.prefix}/summary").decode()
         except Exception:
-            summary = f"{HANG_HEADER}no progress for {self.timeout:g} s (--hang-timeout); the other ranks did not answer"
+            summary = (f"{HANG_HEADER}no progress for {self.timeout:g} s (--hang-timeout); "
+                       "the other ranks did not answer")
         if self.log_dir is not None:  # the launcher prints it; each rank keeps it with its stack
             with open(self.log_dir / f"hang-rank{self.rank}.txt", "a") as f:
                 f.write("\n" + summary + "\n")

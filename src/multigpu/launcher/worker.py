@@ -1,6 +1,7 @@
 """What `multigpu run` starts on every device: the watchdog, then the user's script, unchanged.
 
-    python -P -m multigpu.launcher.worker script.py ARGS...     (python -P -m multigpu.launcher.worker -m pkg.mod ARGS...)
+    python -P -m multigpu.launcher.worker script.py ARGS...
+    python -P -m multigpu.launcher.worker -m pkg.mod ARGS...
 
 The script runs as `python script.py ARGS` would run it: `__name__ == "__main__"`, `sys.argv`,
 the script's folder first on sys.path (the current folder for -m), its exceptions and exit status;
@@ -18,7 +19,7 @@ import runpy
 import signal
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.core import orphans
 

@@ -1,4 +1,4 @@
-"""Imported first by the sweep's fork server (starter.PRELOAD), and only there: the server dies
+"""Imported first by the sweep's fork server (starter.SERVER_FIRST), and only there: the server dies
 the moment the sweep does.
 
 The runs forked from the server learn that their sweep is gone from the server's death: each has

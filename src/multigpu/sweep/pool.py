@@ -203,7 +203,8 @@ def make_pool(spec: str, per_run: str, min_free_memory: float = 2.0, slots: int 
     kind, n = parse_per_run(per_run)
     spec = spec.strip().lower()
     if kind == "cpu":
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else list(range(os.cpu_count() or 1)))
         if spec.startswith("cpu:"):
             k = devices.parse_devices(spec)[1]
             if k > len(cores):

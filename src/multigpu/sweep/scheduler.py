@@ -68,6 +68,7 @@ class Sweep:
     force: bool = False
     active: dict = field(default_factory=dict)
     warm: starter.WarmStarter | None = None  # the fork server, from the first warm run
+    warm_preload: tuple[str, ...] = ()  # what that server imports (the caller's: the CLI's modules)
     _peak_seen_at: float = 0.0
 
     # ----------------------------------------------------------------------- the loop
@@ -213,7 +214,8 @@ class Sweep:
         if args is None:
             return starter.exec_run(argv, env, log, keep_fds, cores)
         if self.warm is None:  # torch loads in the server with the runs' thread count
-            self.warm = starter.WarmStarter({k: env[k] for k in ("OMP_NUM_THREADS",) if k in env})
+            self.warm = starter.WarmStarter({k: env[k] for k in ("OMP_NUM_THREADS",) if k in env},
+                                            self.warm_preload)
         try:
             return self.warm.start(args, env, log.fileno(), keep_fds, cores)
         except (OSError, EOFError, RuntimeError) as exc:  # the server could not start or fork

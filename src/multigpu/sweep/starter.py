@@ -48,10 +48,10 @@ import traceback
 from multigpu.core.environ import environ_set
 from multigpu.core.orphans import alive, set_death_signal
 
-# What a `multigpu train` run imports before its first step, in the order it does; first, what
-# makes the server die with the sweep.
-PRELOAD = ["multigpu.sweep.forkserver_init", "multigpu.cli", "multigpu.cli.train",
-           "multigpu.train.trainloop", "torch._dynamo", "torch.utils.tensorboard", "matplotlib.pyplot"]
+# Imported first by the fork server, before the modules the sweep's caller names (what a
+# `multigpu train` run imports: cli/sweep.py's WARM_PRELOAD, the CLI's own modules among them,
+# named from the layer that owns them): what makes the server die with the sweep.
+SERVER_FIRST = "multigpu.sweep.forkserver_init"
 COLD_START_ENV = "MULTIGPU_SWEEP_COLD_START"
 SWEEP_PID_ENV = "MULTIGPU_SWEEP_PID"  # the server's alone: whose death kills it (forkserver_init)
 
@@ -131,11 +131,11 @@ class WarmRun:
 
 class WarmStarter:
     """One fork server for the sweep, started at the first run with the environment `server_env`
-    adds (e.g. OMP_NUM_THREADS, read by torch as it loads)."""
+    adds (e.g. OMP_NUM_THREADS, read by torch as it loads), having imported `preload`."""
 
-    def __init__(self, server_env: dict[str, str] | None = None):
+    def __init__(self, server_env: dict[str, str] | None = None, preload: tuple[str, ...] = ()):
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD)
+        self._ctx.set_forkserver_preload([SERVER_FIRST, *preload])
         # is_available() through NVML there, should anything ask: the CUDA runtime's own count
         # initialises the driver, and a fork of that cannot use the GPU
         self._server_env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **(server_env or {}),
@@ -185,8 +185,8 @@ def run_child(args, env, log_fd: int, keep_fds: list[int], cores, sweep_pid: int
     try:
         warm_check()
         sys.argv = ["multigpu", *args]
-        # `python -m multigpu ARGS`, as an exec'd run: by the package's name, so that this layer
-        # below the CLI does not import it (the fork server preloaded it, by name too)
+        # `python -m multigpu ARGS`, the program the run's command names (spec.multigpu_prefix),
+        # run as an exec'd run runs it: by name, not imported (pyproject's layer contract says why)
         runpy.run_module("multigpu", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:

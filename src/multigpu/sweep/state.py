@@ -19,14 +19,13 @@ array task writes its own run's state file and rewrites the summary under summar
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from multigpu.core import fileio
+from multigpu.core import fileio, locks
 from multigpu.core.errors import UsageError
 from multigpu.core.orphans import alive
 from multigpu.train import folder_users
@@ -122,15 +121,10 @@ class SweepFolder:
         """Take sweep.lock; False when another live sweep holds it."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
-        for attempt in range(5):  # --status looks with a shared lock for an instant
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
-                if attempt == 4:
-                    os.close(fd)
-                    return False
-                time.sleep(0.02)
+        # tries over ~80 ms: --status looks with a shared lock for an instant
+        if locks.lock(fd, wait=0.08, poll=0.02) is not True:  # no flock here: refused too
+            os.close(fd)
+            return False
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
@@ -148,15 +142,14 @@ class SweepFolder:
             return None
         fd = os.open(path, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
+            if locks.lock(fd, shared=True):
+                return None  # free (the shared lock goes with the close below)
             try:
                 return int(path.read_text().split()[0])
             except (ValueError, IndexError, OSError):
                 return -1
         finally:
             os.close(fd)
-        return None
 
     @contextlib.contextmanager
     def summary_lock(self):
@@ -165,7 +158,7 @@ class SweepFolder:
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / "summary.lock", os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            locks.lock(fd, wait=None)  # where flock is unsupported, written unlocked
             yield
         finally:
             os.close(fd)

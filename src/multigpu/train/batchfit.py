@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -32,11 +32,11 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from multigpu.core import checkpoint, fileio, sharded_checkpoint
+from multigpu.core import checkpoint, fileio, locks, sharded_checkpoint
 from multigpu.core import checkpoint_schema as schema
 from multigpu.core.checkpoint_schema import BEST_FILE, LAST_FILE, MANIFEST_FILE, step_of
 from multigpu.core.checkpoint_schema import step_file_name as step_file_name  # its users import it here
@@ -174,7 +174,7 @@ class CheckpointStore:
         path = self.folder / LOCK
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, fileio.FILE_MODE)
-            if fileio.lock_within(fd, LOCK_WAIT_SECONDS, poll=0.5) is False:
+            if locks.lock(fd, wait=LOCK_WAIT_SECONDS, poll=0.5) is False:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
                 raise UsageError(f"another multigpu process (pid {holder}) is still writing "

@@ -14,7 +14,7 @@ for the single-file checkpoints of replicated strategies.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -68,7 +68,7 @@ class TrainConfig:
         check_input_kind(self.input.data, model_input_kind(self.model))  # an unknown model too
 
     @classmethod
-    def from_flat(cls, **values) -> "TrainConfig":
+    def from_flat(cls, **values) -> TrainConfig:
         """The config of flat settings (flag names: batch_size=64, strategy="ddp"), each given to
         the component that owns it; those left out take their defaults."""
         unknown = set(values) - set(FLAT_NAMES)

@@ -47,7 +47,7 @@ class Cadence:
     seconds: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Cadence":
+    def parse(cls, text: str) -> Cadence:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
         if not m:
             raise UsageError(f"--checkpoint-every {text}: use a number of steps (500), a time "

@@ -63,7 +63,7 @@ class Plan:
     rounds: int = ROUNDS
 
     @classmethod
-    def for_loader(cls, shares, workers: int, prefetch_factor: int, on_cuda: bool) -> "Plan":
+    def for_loader(cls, shares, workers: int, prefetch_factor: int, on_cuda: bool) -> Plan:
         # the batches queued ahead when the share changes: each worker's prefetch, one in the
         # DataLoader's hands, and on a GPU the finishing thread's two plus one being handed over
         lag = workers * prefetch_factor + 1 + (3 if on_cuda else 0)

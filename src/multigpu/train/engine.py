@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ class StepSettings:
     std: torch.Tensor | None = None
 
     @classmethod
-    def for_data(cls, normalize, device: torch.device, **kwargs) -> "StepSettings":
+    def for_data(cls, normalize, device: torch.device, **kwargs) -> StepSettings:
         if normalize is None:
             return cls(**kwargs)
         mean, std = (torch.tensor(v, device=device).mul(255).view(1, -1, 1, 1) for v in normalize)

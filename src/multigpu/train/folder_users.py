@@ -15,11 +15,10 @@ again, and a run is continued (--resume) as before, unchecked.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from pathlib import Path
 
-from multigpu.core import fileio
+from multigpu.core import locks
 
 OUT_RESERVED_ENV = "MULTIGPU_OUT_RESERVED"  # set by the CLI for the workers it launches
 _HELD: dict[str, int] = {}  # folder -> descriptor, held until this process exits or release()
@@ -32,7 +31,7 @@ def hold(path: Path) -> bool:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return False
-    if fileio.lock_within(fd, 1.0, shared=True):  # a claimer looks (LOCK_EX) for an instant
+    if locks.lock(fd, shared=True, wait=1.0):  # a claimer looks (LOCK_EX) for an instant
         _HELD[_key(path)] = fd
         return True
     os.close(fd)
@@ -83,14 +82,10 @@ def in_use(path: Path) -> bool | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
+        got = locks.lock(fd)  # one try; the lock, if taken, goes with the close below
     finally:
         os.close(fd)
+    return None if got is None else not got
 
 
 def holders(path: Path) -> list[int]:
@@ -147,7 +142,7 @@ def claiming(path: Path, timeout: float = 30.0):
     try:
         # a claim is an instant: a holder this long is stuck, and where flock is unsupported
         # there is nothing to wait for; decide anyway
-        fileio.lock_within(fd, timeout)
+        locks.lock(fd, wait=timeout)
         yield
     finally:
         os.close(fd)

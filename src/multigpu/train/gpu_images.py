@@ -65,7 +65,7 @@ class ImageBatch:
         self.decoded_at = [i for i, _ in decoded]
         self.decoded = torch.stack([s for _, s in decoded]) if decoded else None
 
-    def pin_memory(self, device=None) -> "ImageBatch":
+    def pin_memory(self, device=None) -> ImageBatch:
         """DataLoader's pin_memory thread calls this: only the decoded pixels go by DMA; nvJPEG
         stages the encoded bytes itself."""
         if self.decoded is not None:

@@ -28,7 +28,7 @@ import importlib.util
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.core.strategies import registry
 from multigpu.train import imagefolder
@@ -59,7 +59,7 @@ class HeadStart:
         self._thread = threading.Thread(target=self._run, name="multigpu-head-start", daemon=True)
 
     @classmethod
-    def begin(cls, cfg: TrainConfig, env=os.environ, on_part: Callable | None = None) -> "HeadStart":
+    def begin(cls, cfg: TrainConfig, env=os.environ, on_part: Callable | None = None) -> HeadStart:
         """Started at once for `cfg`'s run (the launcher's environment says how many processes).
         With MULTIGPU_HEAD_START=0 it does nothing: the run does all of it in line."""
         if env.get(OFF_ENV) == "0":

@@ -13,6 +13,7 @@ import csv
 from pathlib import Path
 
 from multigpu.train import runfolder
+from multigpu.core import fileio
 from multigpu.core.errors import UsageError
 from multigpu.core.extras import require
 from multigpu.core.loggers import STEPS_CSV
@@ -67,12 +68,10 @@ def draw(folders: list[Path], path: Path, title: str | None = None) -> Path:
     val_ax.grid(alpha=0.3)
     val_ax.legend(fontsize=8)
     fig.suptitle(title or ", ".join(r["name"] for r in runs), fontsize=10)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    try:  # a temporary name of its own, then renamed: two runs drawing one file never clash
+        return fileio.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
 
 
 def _steps_of(epochs: list[dict]) -> list[float]:

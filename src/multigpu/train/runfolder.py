@@ -46,10 +46,11 @@ def default_out(model: str, data: str) -> Path:
     def part(text: str, empty: str) -> str:
         text = re.sub(r"[^\w.-]", "-", text).strip(".-")
         return text or empty
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{part(model, 'model')}-{part(data.split(':', 1)[0], 'data')}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{part(model, 'model')}-{part(data.split(':', 1)[0], 'data')}"
 
 
-def out_for(cfg: "TrainConfig") -> str | None:
+def out_for(cfg: TrainConfig) -> str | None:
     """The run folder `cfg` names, or None for a new one under runs/: --out, else with --resume
     the resumed run's folder (a lone checkpoint file starts a new one)."""
     out = cfg.out
@@ -65,7 +66,7 @@ def out_for(cfg: "TrainConfig") -> str | None:
     return out
 
 
-def reserve_out(cfg: "TrainConfig", nodes_log: bool = False) -> Path:
+def reserve_out(cfg: TrainConfig, nodes_log: bool = False) -> Path:
     """The run folder of `cfg` (out_for), claimed for this run (reserve). Torch-free: the
     launching process claims the folder before it starts the workers."""
     return reserve(out_for(cfg), model=cfg.model, data=cfg.input.data, continuing=bool(cfg.checkpointing.resume),

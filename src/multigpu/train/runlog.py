@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.train import plots, runfolder
 from multigpu.core import console, loggers
@@ -41,7 +41,7 @@ class RunLog:
         self._window = None  # (cursor, loss sum, local samples, position, time) at the last point
 
     @classmethod
-    def open(cls, cfg, rt, out: Path, config: dict, resume_step: int | None) -> "RunLog":
+    def open(cls, cfg, rt, out: Path, config: dict, resume_step: int | None) -> RunLog:
         if not rt.is_main:
             return cls(None, (), 1)
         names = loggers.parse(cfg.logging.logger)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.core import checkpoint, console
 from multigpu.core import checkpoint_schema as schema
@@ -48,7 +48,7 @@ class RunState:
                 schema.STEP: self.global_step, schema.BEST: self.best}
 
     @classmethod
-    def from_checkpoint(cls, state: dict) -> "RunState":
+    def from_checkpoint(cls, state: dict) -> RunState:
         """Of a checkpoint in the current format (checkpoint_schema.read: an early multigpu's
         has its RUN made from its epoch). Without RUN (a model's weights alone, an `rt.save`
         file) the run starts at its beginning."""

@@ -8,7 +8,7 @@ import torch (`multigpu train` refuses stale launch variables before that slow i
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping
+from collections.abc import Mapping
 
 from multigpu.train.findings import Finding
 from multigpu.core.errors import UsageError

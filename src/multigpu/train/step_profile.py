@@ -106,7 +106,7 @@ class StepProfile:
         self.done = False
 
     @classmethod
-    def from_env(cls, out: Path, rt) -> "StepProfile | None":
+    def from_env(cls, out: Path, rt) -> StepProfile | None:
         """Rank 0's window on every rank: a node started without the variable (or with another
         window) profiles what rank 0 asked for, instead of leaving the others waiting for it in
         the profile's all-gather."""

@@ -15,15 +15,16 @@ started some other way counts from the start of its training. The start-up is sp
 happens: launch (the command until this worker's own `multigpu` command began, at the CLI's
 first line), said in two parts where the launcher said when it handed over to torchrun's agent:
 launcher (its imports, torch's among them, and checks) and workers' start (the rendezvous, the
-processes' start, Python's own), then imports (from there until its training began), then the parts the training marks as it passes them (process group, decoder, data,
-model, prepare, optimizer, config, resume, logs: training.build_job and trainloop say which). These
-follow each other and add up to the start-up. Parts done in a thread meanwhile (head_start.py:
-the decoder, the folder's listing, the compiler's import) come after them, each with the parts of
-the line it overlapped (`compiler 0.9 during prepare`): "data" and "prepare" are then the time
-the run waited for them. Then when the first optimizer step was done, counted from the command
-(the start-up as the user sees it: the loader workers' first batches and the step's own first
-run are in it). It stops at this line: the processes' teardown and exit come after it. A run that
-stops early (a signal, an error) ends with its own message instead. Pure: no torch.
+processes' start, Python's own), then imports (from there until its training began), then the parts
+the training marks as it passes them (process group, decoder, data, model, prepare, optimizer,
+config, resume, logs: training.build_job and trainloop say which). These follow each other and add
+up to the start-up. Parts done in a thread meanwhile (head_start.py: the decoder, the folder's
+listing, the compiler's import) come after them, each with the parts of the line it overlapped
+(`compiler 0.9 during prepare`): "data" and "prepare" are then the time the run waited for them.
+Then when the first optimizer step was done, counted from the command (the start-up as the user sees
+it: the loader workers' first batches and the step's own first run are in it). It stops at this
+line: the processes' teardown and exit come after it. A run that stops early (a signal, an error)
+ends with its own message instead. Pure: no torch.
 """
 from __future__ import annotations
 

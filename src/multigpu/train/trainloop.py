@@ -225,7 +225,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         steps, base = len(job.train_loader), run.global_step
         first_nonfinite = _begin_epoch(job, guards, epoch, base, steps)
 
-        def after_step(cursor, epoch=epoch, base=base, begun=run):
+        def after_step(cursor, epoch=epoch, base=base, begun=run, last=last):
             step = base + cursor.steps
             guards.stepped()
             if job.decode is not None:

@@ -58,7 +58,7 @@ def main():
     model = Net().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
-    for epoch in range(args.epochs):
+    for _ in range(args.epochs):
         model.train()
         for data, target in train_loader:
             data, target = data.to(device), target.to(device)

@@ -57,7 +57,7 @@ else:
     model, optimizer, loader = rt.prepare(model, make, loader)
 if args.resume:
     rt.load(args.resume, model=model, optimizer=optimizer)
-for epoch in range(args.epochs):
+for _ in range(args.epochs):
     for x, y in loader:
         with rt.autocast():
             loss = nn.functional.cross_entropy(model(x), y)

@@ -15,7 +15,7 @@ import multigpu
 hook, handlers, environ = sys.excepthook, atexit._ncallbacks(), dict(os.environ)
 rt = multigpu.setup("ddp", accelerator="cpu", install_hooks="--install-hooks" in sys.argv)
 changed = sorted(k for k, v in os.environ.items() if environ.get(k) != v)
-state = {"excepthook_by": None if sys.excepthook is hook else sys.excepthook.__module__, "atexit_added": atexit._ncallbacks() - handlers,
-         "env_changed": changed}
+state = {"excepthook_by": None if sys.excepthook is hook else sys.excepthook.__module__,
+         "atexit_added": atexit._ncallbacks() - handlers, "env_changed": changed}
 Path(sys.argv[1], f"rank{rt.rank}.json").write_text(json.dumps(state))
 rt.env.barrier()

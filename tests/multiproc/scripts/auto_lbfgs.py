@@ -16,7 +16,7 @@ data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generat
 for x, y in DataLoader(data, batch_size=8, shuffle=True):
     def closure():
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(model(x), y)  # noqa: B023 (step calls it now, as users write it)
         loss.backward()
         return loss
     optimizer.step(closure)

@@ -17,12 +17,12 @@ g = torch.Generator().manual_seed(1)
 x_all = torch.randn(64, 4, generator=g)
 data = TensorDataset(x_all, torch.sin(x_all.sum(1, keepdim=True)))
 losses = []
-for epoch in range(3):
+for _ in range(3):
     for x, y in DataLoader(data, batch_size=64, shuffle=True):  # the whole set: one step an epoch
         x, y = x.to(device), y.to(device)
         def closure():
             optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
+            loss = nn.functional.mse_loss(model(x), y)  # noqa: B023 (step calls it now, as users write it)
             loss.backward()
             return loss
         losses.append(optimizer.step(closure).item())

@@ -15,7 +15,7 @@ if "split" in sys.argv:
     batches = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
 else:
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, len(x), 8)]
-for epoch in range(2):
+for _ in range(2):
     for xb, yb in batches:
         loss = nn.functional.mse_loss(model(xb), yb)
         if "grad" in sys.argv:

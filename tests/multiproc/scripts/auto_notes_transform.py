@@ -31,7 +31,7 @@ torch.manual_seed(0)
 loader = DataLoader(Images(64), batch_size=8, shuffle=True)
 model = nn.Sequential(nn.Flatten(), nn.Linear(48, 2))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-for epoch in range(2):
+for _ in range(2):
     for images, labels in loader:
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(images), labels).backward()

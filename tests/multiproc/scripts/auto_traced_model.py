@@ -52,7 +52,7 @@ else:
         writer.add_graph(model, x0)
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g))
-for epoch in range(2):
+for _ in range(2):
     for x, y in DataLoader(data, batch_size=8, shuffle=True):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()

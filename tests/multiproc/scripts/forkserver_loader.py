@@ -33,7 +33,7 @@ def note_worker(worker_id):
 if __name__ == "__main__":  # the fork server imports this file again
     loader = DataLoader(Slow(), batch_size=4, num_workers=2, multiprocessing_context="forkserver",
                         worker_init_fn=note_worker)
-    for i, batch in enumerate(loader):
+    for i, _ in enumerate(loader):
         if i == 0:
             (PIDS / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
         time.sleep(0.05)

@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 _EXPORTS = {"Strategy": "base", "unwrap_model": "base", "DDP": "ddp", "DDPOptions": "ddp",
             "DataParallel": "dp", "FSDP": "fsdp", "FSDPOptions": "fsdp", "SingleDevice": "single"}
 
-__all__ = [*_EXPORTS, "STRATEGIES", "STRATEGY_NAMES", "make_strategy"]
+# spelled out (not built from _EXPORTS) so that linters and type checkers can read it
+__all__ = ["DDP", "DDPOptions", "DataParallel", "FSDP", "FSDPOptions", "STRATEGIES", "STRATEGY_NAMES",
+           "SingleDevice", "Strategy", "make_strategy", "unwrap_model"]
+assert set(__all__) == {*_EXPORTS, "STRATEGIES", "STRATEGY_NAMES", "make_strategy"}
 
 
 def __getattr__(name: str):
@@ -31,8 +34,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'multigpu.core.strategies' has no attribute {name!r}")
 
 
-def make_strategy(name: str, env: "DistEnv", *, device_ids: tuple[int, ...] = (),
-                  options: object | None = None) -> "Strategy":
+def make_strategy(name: str, env: DistEnv, *, device_ids: tuple[int, ...] = (),
+                  options: object | None = None) -> Strategy:
     """The strategy `name` for this process. `auto` is ddp when launched with more than one
     process, otherwise single. `options`: the strategy's options object (DDPOptions for ddp,
     FSDPOptions for fsdp), or a tuple of several; those of other strategies are ignored."""

@@ -36,7 +36,7 @@ class Strategy(ABC):
 
     @classmethod
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
-               options: object | None = None) -> "Strategy":
+               options: object | None = None) -> Strategy:
         """The strategy for this process: `device_ids` are the GPUs one process drives (dp),
         `options` the strategy's own options object (others' are ignored)."""
         return cls(env)
@@ -48,7 +48,7 @@ class Strategy(ABC):
         given = options if isinstance(options, (tuple, list)) else (options,)
         return next((o for o in given if cls.options_type and isinstance(o, cls.options_type)), None)
 
-    def use_precision(self, kind: str) -> None:
+    def use_precision(self, kind: str) -> None:  # noqa: B027 (a hook, empty on purpose)
         """Told the run's precision ("fp32", "bf16", "fp16") before the model is set up."""
 
 
@@ -73,7 +73,7 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return unwrap_model(model)
 
-    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:  # noqa: B027 (a hook, empty on purpose)
         """Whether the next forward/backward all-reduces gradients. Single process: nothing to do."""
 
     @property
@@ -82,7 +82,7 @@ class Strategy(ABC):
         sharded, every rank writing its own part (sharded_checkpoint.py)."""
         return False
 
-    def check_unused(self, models: list[nn.Module]) -> None:
+    def check_unused(self, models: list[nn.Module]) -> None:  # noqa: B027 (a hook, empty on purpose)
         """After the first backward: refuse parameters without a gradient where that would fail
         later (DDP), naming them. Nothing to check in one process."""
 

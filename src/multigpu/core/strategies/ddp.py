@@ -52,7 +52,7 @@ class DDP(Strategy):
 
     @classmethod
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
-               options: object | None = None) -> "DDP":
+               options: object | None = None) -> DDP:
         return cls(env, cls.own_options(options))
 
     def setup_module(self, model: nn.Module) -> nn.Module:

@@ -43,7 +43,7 @@ class DataParallel(Strategy):
 
     @classmethod
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
-               options: object | None = None) -> "DataParallel":
+               options: object | None = None) -> DataParallel:
         if env.device.type != "cuda":
             device_ids = ()  # refused by __init__, with the fix
         elif not device_ids:  # default: every visible GPU

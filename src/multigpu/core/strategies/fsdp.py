@@ -84,7 +84,7 @@ class FSDP(Strategy):
 
     @classmethod
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
-               options: object | None = None) -> "FSDP":
+               options: object | None = None) -> FSDP:
         options = cls.own_options(options)
         if options is not None and options.cpu_offload and env.device.type != "cuda":
             raise UsageError(OFFLOAD_NEEDS_GPUS)

@@ -33,7 +33,7 @@ class StrategyInfo:
     channels_last: bool = True    # convnets' weights may be NHWC (FSDP2 shards only contiguous ones)
     flags: tuple[str, ...] = ()   # `multigpu train` options only this strategy reads
 
-    def load(self) -> type["Strategy"]:
+    def load(self) -> type[Strategy]:
         module, name = self.cls.split(":")
         return getattr(importlib.import_module(module), name)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -13,7 +13,7 @@ class SingleDevice(Strategy):
 
     @classmethod
     def create(cls, env: DistEnv, *, device_ids: tuple[int, ...] = (),
-               options: object | None = None) -> "SingleDevice":
+               options: object | None = None) -> SingleDevice:
         if env.is_distributed:
             raise UsageError(Text(f"strategy 'single' was asked for, but {env.world_size} "
                                   "processes were launched; use {} (or auto), or launch one "
