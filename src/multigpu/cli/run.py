@@ -101,6 +101,8 @@ def main(args) -> int:
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
     if plan.crowded():
         print(f"multigpu: warning: {plan.crowded()}", file=sys.stderr)
+    if source is not None:
+        refuse_unparsable(source, plan.nproc)  # no process started to die on it
     if source is not None and not args.auto:  # its checks are for a script that is distributed
         check_source(source, plan, args.master_port)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
@@ -115,6 +117,20 @@ def auto_command(target: str, cmd: list[str], python: bool, batch: str | None) -
         raise UsageError(f"--auto makes a Python training script data-parallel, and {target} is "
                          "not one (not .py, no python shebang); run it without --auto")
     return launch.python_command("multigpu.auto.worker", batch or BATCH_MODES[0], *cmd)
+
+
+def refuse_unparsable(source: Path, nproc: int) -> None:
+    """A Python script that Python cannot parse stops here, in one line, not in N processes."""
+    from multigpu.doctor.script_checks import syntax_finding
+
+    try:
+        data = source.read_bytes()
+    except OSError:
+        return  # a module's source, or one that cannot be read: the launch says what it finds
+    if source.suffix == ".py" or data.startswith(b"#!") and b"python" in data.split(b"\n", 1)[0]:
+        found = syntax_finding(source, data, nproc)
+        if found is not None:
+            raise UsageError(f"{found.where}: {found.message}")
 
 
 def check_source(source: Path, plan, master_port: int | None) -> None:

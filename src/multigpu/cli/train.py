@@ -55,12 +55,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 def validate(cfg: TrainConfig) -> None:
     """What the parent checks beyond the values themselves (each component refused those when
     `cfg` was made): a folder that is not there costs one line instead of N crashing workers."""
-    from multigpu.train.folder_layout import check_root
+    from multigpu.train.folder_layout import check_folder
     from multigpu.train.step_profile import window_from_env
 
     kind, _, path = cfg.input.data.partition(":")
     if kind == "folder" and path:
-        check_root(path)  # a mistyped path: one line now, not one per worker after the launch
+        check_folder(path)  # a mistyped path, an empty class: one line now, not after the launch
     window_from_env()  # MULTIGPU_PROFILE_STEPS, if set
 
 
@@ -101,6 +101,8 @@ def main(args: argparse.Namespace) -> int:
     devices.lease(plan, f"multigpu train {cfg.out or f'--model {cfg.model} --data {cfg.input.data}'}",
                   cfg.min_free_memory)
     opts = options_from_args(args)
+    if opts.nnodes == "1":
+        check_data_fits(cfg, plan)
     check_resume(cfg)
     fileio.check_can_make(runfolder.out_for(cfg) or "runs", "--out")
     if opts.log_dir:
@@ -245,6 +247,8 @@ def check_resume(cfg: TrainConfig) -> None:
     else:
         state, path = load_source(cfg.checkpointing.resume)
         trained = state.get(schema.CONFIG) or {}
+        if state.get(schema.FROM_STATE_DICT):
+            return _refuse_misfit_weights(cfg, path, state)
     saved = trained.get("model")
     if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
         raise UsageError(f"--resume {path}: its checkpoints are of --model {saved}, and this run "
@@ -277,6 +281,35 @@ def _refuse_other_shapes(cfg: TrainConfig, path: Path, trained: dict) -> None:
                      + (f" ({differs})" if differs else "")
                      + "; give the run's own --data and --image-size, or train a new run "
                      "without --resume")
+
+
+def _refuse_misfit_weights(cfg: TrainConfig, path: Path, state: dict) -> None:
+    """A bare state dict that does not fit the model: the ranks' one line, said before they
+    start, from the model built on the meta device (no memory, no initialisation)."""
+    import torch
+
+    from multigpu.train.models import build_model
+    from multigpu.train.resume import refuse_misfit
+    from multigpu.train.training import load_run_data
+
+    data = load_run_data(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg.model, data.input_shape, data.num_outputs)
+    refuse_misfit(path, state, model, cfg.model, data.name)
+
+
+def check_data_fits(cfg: TrainConfig, plan) -> None:
+    """Fewer samples than one step's devices, where the data's size is known without reading it
+    (synthetic:N): the ranks' one line, before they start."""
+    from multigpu.core.data import ShardedBatchSampler
+
+    kind, _, count = cfg.input.data.partition(":")
+    if kind != "synthetic" or not count.isdigit() or not isinstance(cfg.input.batch_size, int):
+        return
+    per_process = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 and \
+        cfg.parallel.strategy == "dp" else 1
+    ShardedBatchSampler(int(count), cfg.input.batch_size, num_ranks=plan.nproc,
+                        devices_per_rank=per_process)
 
 
 def _json_object(path: Path) -> dict:

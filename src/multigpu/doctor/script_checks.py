@@ -41,14 +41,22 @@ def script_findings(path: Path, *, nproc: int, gpus: bool, master_port: int | No
 
 # --- Python: the checks -------------------------------------------------------------------------
 
+def syntax_finding(path: Path, data: bytes, nproc: int) -> Finding | None:
+    """A fail when Python cannot parse the script (every process would die at start), else None."""
+    try:
+        ast.parse(data, filename=str(path))
+    except (SyntaxError, ValueError) as e:  # ValueError: a null byte
+        return Finding("fail", "syntax", f"Python cannot parse it ({getattr(e, 'msg', e)}), so all "
+                       f"{nproc} processes would die at start; fix this line (a Python 2 script "
+                       "needs porting)", where=f"{path}:{getattr(e, 'lineno', None) or 1}")
+    return None
+
+
 def _python_findings(path: Path, data: bytes, *, nproc: int, gpus: bool,
                      master_port: int | None = None) -> list[Finding]:
-    try:
-        tree = ast.parse(data, filename=str(path))
-    except (SyntaxError, ValueError) as e:  # ValueError: a null byte
-        return [Finding("fail", "syntax", f"Python cannot parse it ({getattr(e, 'msg', e)}), so all "
-                        f"{nproc} processes would die at start; fix this line (a Python 2 script "
-                        "needs porting)", where=f"{path}:{getattr(e, 'lineno', None) or 1}")]
+    if (unparsable := syntax_finding(path, data, nproc)) is not None:
+        return [unparsable]
+    tree = ast.parse(data, filename=str(path))
     src = Source(path, tree, data.decode(errors="replace"))
     return [*_launch_env(src, master_port), *_spawn(src, nproc), *_dataparallel(src, nproc, gpus),
             *_scatter(src), *_non_tensor_args(src), *_checkpoint(src),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -36,9 +35,9 @@ from torch.utils.data import Dataset, get_worker_info
 
 from multigpu.train import gpu_images
 from multigpu.train.data_config import DECODE_CHOICES
-from multigpu.train.data_bundle import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD, DataBundle
+from multigpu.train.data_bundle import IMAGENET_MEAN, IMAGENET_STD, DataBundle
 from multigpu.core.errors import UsageError
-from multigpu.train.folder_layout import LAYOUT, check_root
+from multigpu.train.folder_layout import check_classes, check_root, class_images
 
 BAD_IMAGE_CHOICES = ("skip", "fail")
 DECODERS = ("torchvision", "pil")
@@ -264,37 +263,12 @@ def _to_tensor(image) -> torch.Tensor:
     return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()
 
 
-def _class_images(split_dir: Path) -> dict[str, list[str]]:
-    images = {}
-    for folder in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-        with os.scandir(folder) as entries:  # file types from the listing: no stat per file
-            files = sorted(e.path for e in entries
-                           if e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES)
-        if not files:
-            raise UsageError(
-                f"class folder '{folder}' has no images: add .jpg/.png files to it or remove the folder"
-            )
-        images[folder.name] = files
-    if not images:
-        raise UsageError(f"'{split_dir}' has no class folders: {LAYOUT}")
-    return images
-
-
 def load_folder(path: str, image_size: int, bad_images: str = "skip", decoder: str | None = None) -> DataBundle:
     root = check_root(path)
-    train_images = _class_images(root / "train")
-    val_images = _class_images(root / "val")
+    train_images = class_images(root / "train")
+    val_images = class_images(root / "val")
+    check_classes(root, train_images, val_images)
     classes = list(train_images)
-    if len(classes) < 2:
-        raise UsageError(f"'{root / 'train'}' has one class folder ({classes[0]}): a classifier "
-                         "of one class is always right and learns nothing; add a folder per "
-                         f"class: {LAYOUT}")
-    extra = sorted(set(val_images) - set(classes))
-    if extra:
-        raise UsageError(
-            f"'{root / 'val'}' has class folders missing from train/ ({', '.join(extra)}): "
-            "val/ must use the same class folders as train/"
-        )
     index = {name: i for i, name in enumerate(classes)}
 
     def pairs(images: dict[str, list[str]]) -> list[tuple[str, int]]:

@@ -50,15 +50,21 @@ def batch_change(state: dict, per_device: int, now: int) -> str:
             f"--batch-size is per device, so the device count changes it, and --lr is kept as given")
 
 
+def refuse_misfit(path, state: dict, model, model_name: str, data_name: str) -> None:
+    """A bare state dict whose weights do not fit `model`: one line (also the launcher's check,
+    on a model built on the meta device, before any rank starts)."""
+    misfit = checkpoint.weights_mismatch(model, state[schema.MODEL])
+    if misfit:
+        raise UsageError(f"--resume {path}: its weights do not fit --model {model_name} on "
+                         f"{data_name} ({misfit}); give the --model (and --data) they were "
+                         "saved from, or another file")
+
+
 def _start_from_weights(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint) -> RunState:
     """--resume of a model's bare state dict: its weights, a fresh optimizer, epoch 1. Checked on
     every rank (each holds the same state), so a misfit is one line from every rank, not a
     load_state_dict traceback."""
-    misfit = checkpoint.weights_mismatch(job.model, point.state[schema.MODEL])
-    if misfit:
-        raise UsageError(f"--resume {point.path}: its weights do not fit --model {cfg.model} on "
-                         f"{job.data.name} ({misfit}); give the --model (and --data) they were "
-                         "saved from, or another file")
+    refuse_misfit(point.path, point.state, job.model, cfg.model, job.data.name)
     rt.load(point.state, model=job.model)
     console.info(f"--resume {point.path} holds weights only ({point.weights_only}): training "
                  "starts from them at epoch 1 with a fresh optimizer")
