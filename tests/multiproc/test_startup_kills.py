@@ -216,25 +216,31 @@ def test_kill_9_while_the_workers_set_up_their_process_group(tmp_path):
     assert_same_command_trains(out)
 
 
-def _sigint_once_the_workers_started(out) -> str:
-    """Ctrl-C to a run into `out` once its workers run, before its first step: what it said
-    (it exits 130, and its workers end)."""
+def _sigint_once_the_workers_started(out, times: int = 1) -> str:
+    """Ctrl-C (`times` of them, 0.2 s apart) to a run into `out` once its workers run, before
+    its first step: what it said (it exits 130, and its workers end)."""
     run = Launch(out)
     workers = run.wait_for(run.workers())
-    run.proc.send_signal(signal.SIGINT)
+    for i in range(times):
+        if i:
+            time.sleep(0.2)
+        run.proc.send_signal(signal.SIGINT)
     said = run.finish(timeout=60)
     assert run.proc.returncode == 128 + signal.SIGINT, said[-3000:]
     assert_workers_end(out, workers)
     return said
 
 
+@pytest.mark.parametrize("times", [1, pytest.param(2, marks=pytest.mark.extended)],
+                         ids=["ctrl-c", "double ctrl-c"])
 @pytest.mark.parametrize("resume", [False, True])
-def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_path, resume):
+def test_sigint_during_start_up_leaves_no_folder_and_the_same_command_runs(tmp_path, resume, times):
     """Or the same with --resume, as a job script that resumes its --out (a requeued SLURM job)
     runs it: refused ("no checkpoint there (no such file or folder)") once a stop during start-up
-    had removed the folder."""
+    had removed the folder. A double Ctrl-C (the workers killed at once) the same (issue 40: the
+    folder it left blocked both commands)."""
     out = tmp_path / "run"
-    said = _sigint_once_the_workers_started(out)
+    said = _sigint_once_the_workers_started(out, times)
     assert not out.exists(), sorted(p.name for p in out.iterdir())
     # its start said where the other ranks log: now gone with the folder, and said so
     assert said.count(f"multigpu train: nothing was trained: {out} removed") == 1, said[-3000:]

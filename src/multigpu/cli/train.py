@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -125,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
             code = launch(argv, plan, opts, python=False, on_usage_error=clean_up,
                           next_step=lambda: _resume_line(out, typed), ranks_say_their_stop=True)
         if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
-            _say_removed(clean_up(), out)  # (nothing trained: only then) a start-up stopped, or failed unheard
+            with _deaf_to_ctrl_c():  # (nothing trained: only then) a start-up stopped, or failed unheard
+                _say_removed(clean_up(), out)
         return _finished_before_the_signal(code, out, cfg.epochs)
     # torch only now, in this process alone: every mistake found above costs one line and no
     # torch import, and a launch of several processes starts them without the training modules
@@ -147,8 +149,25 @@ def _untrained_removed(clean_up, out: Path):
         clean_up()
         raise
     except KeyboardInterrupt:
-        _say_removed(clean_up(), out)
+        with _deaf_to_ctrl_c():
+            _say_removed(clean_up(), out)
         raise
+
+
+@contextlib.contextmanager
+def _deaf_to_ctrl_c():
+    """The run is ending on a stop already: a second Ctrl-C (0.2 s after the first, as a double
+    press sends it) would cut its tidying short, leaving a half-removed folder that blocked both
+    the same command and --resume. Ignored (and discarded) while it tidies."""
+    try:
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to guard
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _say_removed(removed: str | None, out: Path) -> None:
