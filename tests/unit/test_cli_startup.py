@@ -156,3 +156,28 @@ def test_a_ctrl_c_while_the_program_ends_keeps_its_exit_code_without_a_traceback
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+@pytest.mark.parametrize("argv, code", [(["gpus"], 0), (["train", "--epochs", "0"], 2)])
+def test_the_program_ends_with_its_code_after_every_thread_and_atexit_hook(tmp_path, argv, code):
+    """cli.entry ends the process from its last atexit hook, without the interpreter's teardown:
+    a thread that is not a daemon finishes, every other hook runs, the output is all there, and
+    the exit code is the command's."""
+    script = (
+        "import atexit, os, sys, threading, time\n"
+        f"out = {str(tmp_path)!r}\n"
+        "sys.argv = ['multigpu', *sys.argv[1:]]\n"
+        "from multigpu.cli import entry\n"
+        "def later():\n"
+        "    time.sleep(0.5)\n"
+        "    open(os.path.join(out, 'thread'), 'w').write('done')\n"
+        "threading.Thread(target=later).start()\n"
+        "import torch\n"  # its own atexit hooks too
+        "atexit.register(lambda: open(os.path.join(out, 'hook'), 'w').write('ran'))\n"
+        "print('the last line', end='')\n"
+        "entry()\n")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == code, done.stderr
+    assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "hook").read_text() == "ran"
+    assert "the last line" in done.stdout

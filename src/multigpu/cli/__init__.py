@@ -8,10 +8,13 @@ User mistakes raise `UsageError`; they are printed here as one line (no tracebac
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -137,14 +140,35 @@ def one_line(exc: BaseException) -> str:
 
 def entry() -> None:
     """The `multigpu` program: main(), then the exit with its code. A Ctrl-C from then on
-    (the second of two, while the interpreter ends: its atexit hooks, torch's among them)
-    would end the process by the signal instead, with a traceback from whatever ran, so the
-    exit ignores it: the command's code is decided already. (Not in main(): tests call it in
-    their own process.)"""
+    (the second of two, while the process ends) would end it by the signal instead, with a
+    traceback from whatever ran: the exit ignores it, the command's code is decided already.
+    The process then ends as the interpreter would, but without its teardown of the modules
+    (_end_now). (Not in main(): tests call it in their own process.)"""
     try:
-        sys.exit(main())
-    finally:  # also after --help's SystemExit
+        code = main()
+    except SystemExit as exc:  # --help, argparse's errors
+        if not (exc.code is None or isinstance(exc.code, int)):
+            raise
+        code = exc.code or 0
+    finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_now(code if isinstance(code, int) and 0 <= code < 256 else 1)
+
+
+def _end_now(code: int) -> None:
+    """End the process with `code` as the interpreter's exit does (the threads that are not
+    daemons joined, then every atexit hook, the output flushed), without its teardown of the
+    modules, which nothing of multigpu's needs: with torch and its compiler imported, that took
+    2-3 s of every process on the 2-core VM, after the `time:` line (benchmarks/exit_tail.py).
+    A script `multigpu run` starts is not ended so: its objects may still write files as they go."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - the interpreter's own call at exit (as sweep/starter.py)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
