@@ -13,7 +13,7 @@ line: every rank reports it at the same point as before.
 Two stages, because init_process_group waits for a torch._dynamo that is being imported (it
 clears the compiler's caches when torch._dynamo is in sys.modules; torchvision imports it too):
 until the run says `group_formed()` the thread imports only the compiler's own dependencies
-(sympy, FSDP's modules; triton with --compile), which leave torch._dynamo out; then torchvision,
+(sympy, FSDP's modules from torch 2.13 on; triton with --compile), which leave torch._dynamo out; then torchvision,
 the listing and torch._dynamo itself, while the model is built.
 Hazard: two threads importing the same modules at once is safe in CPython only without circular
 imports between them, so the run touches what the thread imports only after joining it, and the
@@ -39,6 +39,15 @@ COMPILER = "torch._dynamo"  # DDP's constructor and --compile import it
 # What torch._dynamo imports that leaves torch._dynamo itself out of sys.modules (the first
 # stage); triton (GPU builds) only for --compile, whose kernels it makes
 COMPILER_DEPENDENCIES = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
+
+
+def early_modules(torch_version: str) -> tuple[str, ...]:
+    """COMPILER_DEPENDENCIES that leave torch._dynamo out on this torch: torch 2.6's FSDP
+    imports it (2.13's does not), so there FSDP waits for the group, with the compiler."""
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    if (major, minor) >= (2, 13):
+        return COMPILER_DEPENDENCIES
+    return tuple(m for m in COMPILER_DEPENDENCIES if m != "torch.distributed.fsdp")
 OFF_ENV = "MULTIGPU_HEAD_START"
 
 
@@ -66,7 +75,9 @@ class HeadStart:
             return cls()
         distributed = int(env.get("WORLD_SIZE", "1") or 1) > 1
         compiles = cfg.compile or registry.resolve(cfg.parallel.strategy, distributed).name == "ddp"
-        modules, early = ((COMPILER,), COMPILER_DEPENDENCIES) if compiles else ((), ())
+        import torch
+
+        modules, early = ((COMPILER,), early_modules(torch.__version__)) if compiles else ((), ())
         early += ("triton",) if cfg.compile else ()
         folder = cfg.input.data.startswith("folder:")
         head = cls(lambda: load_run_data(cfg), modules, imagefolder.default_decoder, early, on_part) \
