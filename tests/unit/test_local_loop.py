@@ -162,3 +162,88 @@ def test_a_rank_s_command_is_torchrun_s(python):
     cmd = local_loop.rank_command(["-m", "pkg.mod", "--rank=${local_rank}"], 3, python)
     assert cmd[-3:] == ["-m", "pkg.mod", "--rank=3"]
     assert cmd[:2] == ([sys.executable, "-u"] if python else ["-m", "pkg.mod"])
+
+
+# ------------------------------------------------------------------ public torch API only
+
+def _one_machine_sources() -> dict[str, str]:
+    """The code a launch on one machine runs: the loop's modules, and launch.launch's part."""
+    import inspect
+    import textwrap
+
+    from multigpu.launcher import launch, launch_common, local_rendezvous
+
+    sources = {m.__name__: inspect.getsource(m)
+               for m in (local_loop, local_rendezvous, sessions, launch_common, stop_reason)}
+    for fn in (launch._launch_here, launch._loop_spec, launch._named_port_held):
+        sources[f"launch.{fn.__name__}"] = textwrap.dedent(inspect.getsource(fn))
+    return sources
+
+
+def _private_torch_uses(source: str) -> list[str]:
+    """Private torch names a source uses or torch attributes it sets: imports of torch._x or of
+    _x from torch, `._x` on a name bound to torch, an assignment to an attribute of one."""
+    import ast
+
+    tree, torch_names, found = ast.parse(source), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    torch_names.add((a.asname or a.name).split(".")[0])
+                    found += [a.name] if any(p.startswith("_") for p in a.name.split(".")) else []
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            torch_names |= {a.asname or a.name for a in node.names}
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            found += [node.module] if any(p.startswith("_") for p in node.module.split(".")) else []
+
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        return node.id if isinstance(node, ast.Name) else None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and root(node) in torch_names:
+            if node.attr.startswith("_"):
+                found.append(f"{root(node)}...{node.attr}")
+            if isinstance(node.ctx, (ast.Store, ast.Del)):
+                found.append(f"{root(node)}...{node.attr} set")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" \
+                and node.args and root(node.args[0]) in torch_names:
+            found.append(f"setattr({root(node.args[0])}, ...)")
+    return found
+
+
+def test_the_private_torch_check_finds_what_the_agent_s_patches_use():
+    from multigpu.launcher import agent_hooks, ports
+
+    import inspect
+
+    assert _private_torch_uses(inspect.getsource(agent_hooks))  # api._terminate_process_handler = ...
+    assert _private_torch_uses(inspect.getsource(ports))  # dynamic_rendezvous._delay
+
+
+def test_a_launch_on_one_machine_uses_no_private_torch_name_nor_patches_torch():
+    for name, source in _one_machine_sources().items():
+        assert _private_torch_uses(source) == [], name
+        assert "torch._" not in source and "._private" not in source, name
+        # nor does it go through the agent's patches (launch.launch hands several nodes to them)
+        used = _names_used(source)
+        for patching in ("agent_hooks", "agent_launch", "register_rendezvous_backend", "RestartsSaid",
+                         "elastic_launch"):
+            assert patching not in used, (name, patching)
+
+
+def _names_used(source: str) -> set[str]:
+    """The names, attributes and modules a source imports or uses (not its words)."""
+    import ast
+
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            used |= {part for a in node.names for part in a.name.split(".")}
+            used |= set((getattr(node, "module", None) or "").split("."))
+    return used
