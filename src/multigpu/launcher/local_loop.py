@@ -206,7 +206,8 @@ def _watch(ranks: Ranks, spec: LoopSpec, stop: StopSignals) -> None:
     signal; the attempt closed accordingly."""
     while True:
         if stop.signals:  # passed on by the handler; the ranks get the shutdown timeout
-            ranks.close(stop.sig, stop.first_at + sessions.stop_wait())
+            at_once = stop.signals > 1  # two before the ranks were all started: no wait
+            ranks.close(stop.sig, time.monotonic() if at_once else stop.first_at + sessions.stop_wait())
             return
         ranks.poll()
         if ranks.failures:
