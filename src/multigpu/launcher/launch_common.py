@@ -9,7 +9,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.core import orphans
 from multigpu.launcher import watchdog

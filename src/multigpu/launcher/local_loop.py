@@ -28,8 +28,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from multigpu.launcher import local_rendezvous, sessions, stop_reason
 from multigpu.launcher.launch_failures import err, restart_line
@@ -57,7 +58,7 @@ class LoopSpec:
 class LoopResult:
     failures: dict = field(default_factory=dict)  # rank -> ProcessFailure, in the order seen
     exit_codes: dict = field(default_factory=dict)  # local rank -> exit code, at the end
-    stop: "StopSignals | None" = None
+    stop: StopSignals | None = None
 
 
 class StopSignals:
