@@ -80,8 +80,8 @@ def test_each_rank_gets_torch_s_worker_environment_and_a_session_of_its_own(tmp_
 
 
 def test_max_restarts_starts_every_rank_again_with_the_next_count_and_says_so(tmp_path, capfd):
-    result = local_loop.run(spec(tmp_path, '[ "$TORCHELASTIC_RESTART_COUNT" = 2 ] || exit 5',
-                                 max_restarts=2))
+    result = local_loop.run(spec(tmp_path, '[ "$TORCHELASTIC_RESTART_COUNT" = 2 ] && exit 0; '
+                                           '[ "$RANK" = 0 ] && exit 5; sleep 30', max_restarts=2))
     assert result.failures == {} and attempts(tmp_path) == ["attempt_0", "attempt_1", "attempt_2"]
     said = [line for line in capfd.readouterr().err.splitlines() if "restarting" in line]
     assert len(said) == 2 and said[0].startswith("multigpu: warning: rank 0 (pid ")
@@ -90,8 +90,8 @@ def test_max_restarts_starts_every_rank_again_with_the_next_count_and_says_so(tm
 
 
 def test_no_restart_is_left_after_the_last_failure(tmp_path):
-    result = local_loop.run(spec(tmp_path, "exit 4", max_restarts=1))
-    assert {f.exitcode for f in result.failures.values()} == {4}
+    result = local_loop.run(spec(tmp_path, '[ "$RANK" = 1 ] && exit 4; sleep 30', max_restarts=1))
+    assert [(r, f.exitcode) for r, f in result.failures.items()] == [(1, 4), (0, -signal.SIGTERM)]
     assert attempts(tmp_path) == ["attempt_0", "attempt_1"]
 
 
@@ -134,7 +134,9 @@ def test_what_a_rank_killed_by_sigkill_left_in_its_session_is_killed(tmp_path):
     by kill -9: the child lives on in the rank's session until the launcher ends it."""
     child = (f"{sys.executable} -c \"import subprocess, sys; p = subprocess.Popen(['sleep', '300'], "
              f"process_group=0); open('{tmp_path}/child' + sys.argv[1], 'w').write(str(p.pid))\" $RANK")
-    result = local_loop.run(spec(tmp_path, f'{child}; [ "$RANK" = 1 ] && kill -9 $$; sleep 30'))
+    # rank 1 dies once rank 0's child is there too
+    wait = f'while [ ! -f {tmp_path}/child0 ]; do sleep 0.05; done'
+    result = local_loop.run(spec(tmp_path, f'{child}; [ "$RANK" = 1 ] && {wait} && kill -9 $$; sleep 30'))
     assert [(r, f.exitcode) for r, f in result.failures.items()][0] == (1, -signal.SIGKILL)
     pids = [int((tmp_path / f"child{r}").read_text()) for r in range(2)]
     deadline = time.monotonic() + 5
