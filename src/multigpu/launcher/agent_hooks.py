@@ -5,28 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from typing import Callable
 
 from multigpu.launcher import stop_reason
-
-
-@contextlib.contextmanager
-def restore_signal_handlers():
-    """The agent replaces SIGINT/SIGTERM/... handlers while workers run; put ours back after."""
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
-    saved = {s: signal.getsignal(s) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, h in saved.items():
-            with contextlib.suppress(ValueError, TypeError):  # not in the main thread
-                signal.signal(s, h)
-
-
-AGENT_STOP_WAIT = 30  # torch's agent: seconds it waits for the workers after a stop signal
-# (LaunchConfig.shutdown_timeout where torch has it: TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+from multigpu.launcher.sessions import (AGENT_STOP_WAIT, RANKS_STOP_WAIT,  # noqa: F401 (theirs)
+                                        end_session_left, kill_workers_left, let_the_others_end,
+                                        restore_signal_handlers)
 
 
 class SecondSignalKills:
@@ -102,7 +87,7 @@ class AttemptClose:
                          if h.proc.poll() not in (None, 0)}
                 if stop_reason.all_stopped_by_signal(ended.values()):
                     if hooks.ranks_stop_together and not hooks.asked_to_stop():
-                        _let_the_others_end(handlers.values(), RANKS_STOP_WAIT)
+                        let_the_others_end([h.proc for h in handlers.values()], RANKS_STOP_WAIT)
                     ended = {}  # a stop on a signal, not a failure to say
                 if ended and not hooks.asked_to_stop():
                     stop_reason.write(getattr(pcontext, "error_files", {}), ended)
@@ -121,24 +106,9 @@ class AttemptClose:
             self._cls._close = self._original
 
 
-RANKS_STOP_WAIT = 10.0  # s the others are given once a rank stopped by itself on a signal
-
-
-def _let_the_others_end(handlers, wait: float) -> None:
-    """Ranks that stop together on a stop signal sent to one of them (`kill PID` of a rank of
-    multigpu train: every rank saves, then exits 128 + N) end one after another: torch's agent
-    closes the attempt as soon as the first has ended, and its SIGTERM would reach a rank still
-    exiting (its logger closing) and end it by the signal, a stop then said as a failure. The
-    others get `wait` seconds to end by themselves first."""
-    deadline = time.monotonic() + wait
-    for h in handlers:
-        with contextlib.suppress(Exception):  # subprocess.TimeoutExpired: the agent's SIGTERM then
-            h.proc.wait(max(deadline - time.monotonic(), 0))
-
-
 class RanksStopTogether:
     """Ranks of an attempt that all stopped on a stop signal sent to one of them (see
-    _let_the_others_end) asked for a stop: torch's agent would start them again under
+    sessions.let_the_others_end) asked for a stop: torch's agent would start them again under
     --max-restarts (private torch API, its check of the workers wrapped for the launch; without
     it, torch's behaviour). Enter it before RestartsSaid, which then says no restart."""
 
@@ -166,28 +136,6 @@ class RanksStopTogether:
             self._cls._monitor_workers = self._original
 
 
-def end_session_left(sid: int) -> None:
-    """SIGKILL to what is left of the session of a rank that has ended (its pid names the session
-    and its process group): the group, and the groups its loader workers moved to. Nothing if a
-    process with that pid lives: the rank's pid given to another process, which may lead a
-    session of its own."""
-    import psutil
-
-    try:
-        os.kill(sid, 0)
-        return
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(sid, signal.SIGKILL)  # first the fork server, which could start more
-    for proc in psutil.process_iter():
-        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to see
-            if os.getsid(proc.pid) == sid:
-                os.kill(proc.pid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def quiet_torchelastic():
     """torchrun logs its own banners and failure dumps; we print one summary instead."""
@@ -205,16 +153,3 @@ def quiet_torchelastic():
     finally:
         for n, level in saved.items():
             logging.getLogger(n).setLevel(level)
-
-
-def kill_workers_left() -> int:
-    """SIGKILL to the workers still alive, with their children (they run in sessions of their
-    own, so a Ctrl-C in the terminal does not reach them)."""
-    import psutil
-
-    left = [p for p in psutil.Process().children() if p.is_running()]
-    for p in left:
-        with contextlib.suppress(psutil.Error):
-            for q in [*p.children(recursive=True), p]:
-                q.kill()
-    return len(left)

@@ -1,52 +1,43 @@
-"""Start one process per device, on one machine or several, through torchrun's elastic agent.
+"""Start one process per device, on one machine or several.
 
-Every launch goes through `torch.distributed.run`: we build a torchrun command line, parse it with
-torchrun's own parser, turn it into torchrun's LaunchConfig (`config_from_args`) and run that with
-`elastic_launch` in this process, as `torch.distributed.run.run(args)` does. In-process rather
-than `python -m torch.distributed.run` so that failures reach us as objects, not text to parse:
-ChildFailedError (which rank failed first, its exit code, its error file) and the rendezvous errors
-(timeout, connection) become our own messages. The agent installs its SIGINT/SIGTERM handlers here,
-in the main thread, and forwards the signal to every worker's process group.
+One machine (--nnodes 1): the launcher starts and watches the ranks itself (local_loop), with
+torch's public API only: a fresh store on 127.0.0.1 per attempt, its port picked by the kernel
+as it binds (no pick-then-bind race: many jobs can start at the same moment), the environment
+torch's agent gives a worker (local_rendezvous), one process per rank in a session of its own.
+Several machines: torchrun's elastic agent and c10d rendezvous, in this process (agent_launch).
 
-Rendezvous, always torchrun's c10d backend (ports.py plans it):
-  - one machine: the c10d store binds port 0, so the kernel picks a free port and many jobs can
-    start at the same moment (no pick-then-bind race); workers reuse that store as MASTER_PORT.
-  - several machines: the store lives on node 0 at --master-addr:--master-port (or
-    --rdzv-endpoint); node 0 hosts it (is_host=1), the other nodes connect to it. Global ranks
-    are given out by the rendezvous, so node 0 does not always hold rank 0.
-  - --start-timeout bounds the rendezvous (join_timeout); when it expires we say how many nodes
-    joined and what to check.
+Either way the rules are the same: which rank failed first and the end of its traceback, the
+others told why they are stopped (stop_reason), --max-restarts restarts said, a stop signal
+passed on to every rank (30 s to end, TORCH_ELASTIC_SHUTDOWN_TIMEOUT), a second one that kills
+at once, what is left of a failed rank's session killed.
 
 Logs: local rank 0 writes to this console only; the other ranks' stdout/stderr go to
-<log-dir>/<rdzv-id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log. That split is given to torch's
-DefaultLogsSpecs as a mapping of local ranks, not as torchrun's `--redirects 1:3,2:3,...`, whose
-parser takes one digit per rank (ranks 10 and up cannot be named there). With --tee every rank is shown
-with a "[rankN]:" prefix (and still logged). When a rank fails we print which rank failed first
-and the end of its traceback.
+<log-dir>/<run id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, beside each rank's error.json
+(torch's DefaultLogsSpecs lays them out). With --tee every rank is shown with a "[rankN]:" prefix
+(and still logged).
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 from multigpu.launcher import ports, sysinfo, watchdog
-from multigpu.core import orphans
-from multigpu.core.environ import environ_set
-from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, AttemptClose, RanksStopTogether,
-                                           SecondSignalKills, kill_workers_left,
-                                           quiet_torchelastic, restore_signal_handlers)
-from multigpu.launcher.ports import BACKEND_NAME, DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
+from multigpu.launcher.agent_launch import (NVML_CUDA_CHECK, launch_config,  # noqa: F401 (theirs)
+                                            launch_with_agent, torchrun_argv)
+from multigpu.launcher.launch_common import (OUR_WORKERS, LaunchRun, check_command,  # noqa: F401
+                                             child_environment, logs_specs, stopped,
+                                             stopped_by_the_ranks)
+from multigpu.launcher.ports import DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
-from multigpu.launcher.stop_reason import STOP_SIGNALS, each_stopped_by_itself
+from multigpu.launcher.sessions import kill_workers_left, stop_wait
+from multigpu.launcher.stop_reason import each_stopped_by_itself
 from multigpu.core.errors import UsageError
 from multigpu.launcher.launch_options import AGENT_STARTED_ENV, LaunchOptions
-from multigpu.launcher.launch_failures import (REPORTS_ENV, RestartsSaid, err, say_next_step, rendezvous_failed_message, rendezvous_timeout_message,
-                                      report_child_failed)
+from multigpu.launcher.launch_failures import (REPORTS_ENV, err, rendezvous_failed_message,
+                                               report_child_failed, say_next_step)
+
 
 def add_launch_arguments(parser) -> None:
     """The launch flags shared by `multigpu train` and `multigpu run`."""
@@ -127,136 +118,14 @@ def python_command(module: str, *args: str) -> list[str]:
 def default_log_dir() -> str:
     return os.path.join("runs", "logs", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
-
-def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous,
-                  log_dir: str, *, python: bool = True) -> list[str]:
-    """The torchrun command line (without `torchrun`) for `python <cmd...>` on every device."""
-    if not cmd:
-        raise UsageError("nothing to launch: give a script or -m module")
-    argv = ["--nnodes", opts.nnodes, "--nproc-per-node", str(plan.nproc),
-            "--rdzv-backend", BACKEND_NAME, "--rdzv-endpoint", rdzv.endpoint,
-            "--rdzv-id", rdzv.run_id,
-            "--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv.conf.items()),
-            "--max-restarts", str(opts.max_restarts), "--log-dir", log_dir]
-    if rdzv.endpoint == ports.LOOPBACK_ENDPOINT:
-        argv += ["--local-addr", "127.0.0.1"]  # workers meet at the store on loopback
-    if _torchrun_has("--signals-to-handle"):  # SLURM's --signal sends SIGUSR1 before the end
-        argv += ["--signals-to-handle", STOP_SIGNALS]
-    if opts.tee:
-        argv += ["--tee", "3"]
-    # else: local rank 0 keeps the console, the others write files (logs_specs, not --redirects)
-    if not python:
-        argv.append("--no-python")
-    elif cmd[0] == "-m":
-        if len(cmd) < 2:
-            raise UsageError("-m needs a module name, e.g. -m mypackage.train")
-        argv.append("--module")
-        cmd = cmd[1:]
-    return argv + list(cmd)
-
-
-def launch_config(argv: list[str], plan: DevicePlan, opts: LaunchOptions, log_dir: str):
-    """torchrun's (LaunchConfig, entrypoint, its args) for `argv` (torchrun_argv), with the logs
-    split of the top (logs_specs)."""
-    import torch.distributed.run as torchrun
-
-    args = torchrun.get_args_parser().parse_args(argv)
-    if args.master_port is None:  # as torchrun.run does (only its static rendezvous reads it)
-        args.master_port = 29500
-    with _cuda_counted_by_nvml():
-        config, entrypoint, entry_args = torchrun.config_from_args(args)
-    if not opts.tee and plan.nproc > 1:
-        config.logs_specs = logs_specs(log_dir, plan.nproc)
-    return config, entrypoint, entry_args
-
-
-NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
-
-def _cuda_counted_by_nvml():
-    """torch's CUDA checks through NVML while torchrun's LaunchConfig is made: it asks
-    torch.cuda.is_available() and device_count() to pick a default NUMA binding (none outside
-    Meta), and the default check starts the CUDA driver (cuInit) in the launcher, which never
-    uses CUDA. The user's own setting of the variable is kept; ours is not passed to the ranks."""
-    return environ_set({NVML_CUDA_CHECK: os.environ.get(NVML_CUDA_CHECK, "1")})
-
-
-def logs_specs(log_dir: str, nproc: int):
-    """Local rank 0 on this console (a tty: colours, progress bars), every other rank's stdout and
-    stderr in files under `log_dir`; for any number of local ranks."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-
-    return DefaultLogsSpecs(log_dir=log_dir, redirects={r: Std.ALL for r in range(1, nproc)})
-
-
-def _torchrun_has(option: str) -> bool:
-    import torch.distributed.run as torchrun
-
-    return any(option in a.option_strings for a in torchrun.get_args_parser()._actions)
-
-
-def _tell_foreign_libraries(plan: DevicePlan, opts: LaunchOptions) -> None:
-    """A script written for HF Accelerate or Lightning Fabric under `multigpu run`: on GPUs both
-    read torchrun's environment, but on CPU processes each would run alone (Accelerate needs
-    cpu=True to go multi-process, Fabric counts one CPU device): N separate jobs, without a
-    word. So they are told, through the variables they read, unless the user set them."""
-    if plan.accelerator == "cpu":
-        os.environ.setdefault("ACCELERATE_USE_CPU", "1")
-        os.environ.setdefault("LT_ACCELERATOR", "cpu")
-        os.environ.setdefault("LT_DEVICES", str(plan.nproc))
-    if opts.nnodes.isdigit() and opts.nnodes != "1":
-        os.environ.setdefault("LT_NUM_NODES", opts.nnodes)
-
-
-@contextlib.contextmanager
-def child_environment(plan: DevicePlan, opts: LaunchOptions, log_dir: str | None = None):
-    """The environment the agent copies into every worker; ours is restored afterwards."""
-    saved = dict(os.environ)
-    try:
-        os.environ[orphans.LAUNCHER_PID_ENV] = str(os.getpid())  # workers watch it (orphans.py)
-        os.environ[watchdog.HANG_TIMEOUT_ENV] = f"{opts.hang_timeout:g}"
-        if log_dir:
-            os.environ[watchdog.LOG_DIR_ENV] = str(Path(log_dir).resolve())
-            # torch's NCCL flight recorder: record the last collectives, dump them on a timeout
-            if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # its old name
-                os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE",
-                                  str(Path(log_dir).resolve() / "nccl_trace_rank_"))
-        if not _torchrun_has("--signals-to-handle"):
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = STOP_SIGNALS
-        cvd = plan.cuda_visible_devices()
-        if cvd is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = cvd
-        # NCCL_*, NVSHMEM_* and TORCH_SYMM_MEM_* pass through as the user set them: no site rule
-        # of ours (such as NVLink SHARP off) is imposed on anyone's machine.
-        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # ids as nvidia-smi shows them
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc)))
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        _tell_foreign_libraries(plan, opts)
-        if opts.tee:
-            os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
-        if opts.max_restarts > 0:
-            # Restarted workers reuse the rendezvous store they share with the agent, whose keys
-            # still hold the dead group's addresses: gloo then connects to ports that are gone
-            # (plain torchrun --standalone fails the same way, torch 2.13). A store per attempt
-            # makes restarts work, at the price of torch picking that store's port with
-            # bind-then-close, so only with --max-restarts.
-            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 # --------------------------------------------------------------------------- launching
 
 def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True,
            on_usage_error: Callable[[], None] | None = None,
            next_step: Callable[[], str | None] | None = None,
            ranks_say_their_stop: bool = False) -> int:
-    """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`, through
-    torch.distributed.run; returns the exit code (non-zero when any rank failed).
+    """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`; returns the
+    exit code (non-zero when any rank failed).
     `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2);
     only for a `cmd` that is one of multigpu's own commands (launch_failures.report_child_failed).
     `next_step`: the line (if any) that says how to go on after a failure the ranks could not
@@ -268,115 +137,85 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     if rdzv.named_port:
         ports.check_named_port(*rdzv.named_port)
     log_dir = opts.log_dir or default_log_dir()
-    argv = torchrun_argv(cmd, plan, opts, rdzv, log_dir, python=python)
+    check_command(cmd)
     print(f"multigpu: {header(plan, opts, rdzv, log_dir)}", file=sys.stderr, flush=True)
+    run = LaunchRun(cmd, plan, opts, rdzv, log_dir, python, on_usage_error, next_step,
+                    ranks_say_their_stop)
+    if parse_nnodes(opts.nnodes)[1] > 1:
+        return launch_with_agent(run)
+    return _launch_here(run)
 
+
+def _launch_here(run: LaunchRun) -> int:
+    """launch() on one machine: the ranks started and watched by local_loop, its end said."""
     # torch is imported here, after the checks, so that user mistakes are reported at once.
-    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
-    from torch.distributed.launcher.api import elastic_launch
 
-    ports.register_rendezvous_backend()
-    ports.OBSERVER.reset()
-    with _agent_tamed(plan, opts, log_dir, ranks_say_their_stop) as (signals, close):
-        config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
-        ours = on_usage_error is not None or _runs_our_worker(cmd)
-        if ours:  # multigpu's own workers: leave their echoes to the report
+    from multigpu.launcher import local_loop
+
+    with child_environment(run.plan, run.opts, run.log_dir):
+        if run.ours:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
         began = time.time()
         os.environ[AGENT_STARTED_ENV] = repr(began)  # the workers' time: lines split the launch here
         try:
-            elastic_launch(config, entrypoint)(*entry_args)
-            return 0
-        except ChildFailedError as exc:
-            if ranks_say_their_stop and (code := each_stopped_by_itself(close.exit_codes)):
-                return _stopped_by_the_ranks(code, opts)
-            code = report_child_failed(exc, log_dir, node=_node_name(opts),
-                                       on_usage_error=on_usage_error, since=began, ours=ours)
-            if code != 2:  # 2: bad input, said in one line; nothing to go on from
-                say_next_step(next_step)
-            return code
-        except SignalException as exc:
-            said = ranks_say_their_stop and _shows_rank_0(opts) and \
-                each_stopped_by_itself(close.exit_codes) == 128 + int(exc.sigval)
-            return _stopped(exc.sigval, signals, getattr(config, "shutdown_timeout", None),
-                            next_step, said_by_the_ranks=said)
-        except RendezvousError as exc:  # a RendezvousTimeoutError too: the nodes did not all come
-            timed_out = isinstance(exc, RendezvousTimeoutError)
-            err("error: " + (rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())
-                             if timed_out else rendezvous_failed_message(exc, opts, rdzv)))
-            return 1
-        except Exception as exc:  # torchrun's agent itself failed: one line, the logs say more
+            held = _named_port_held(run)  # noqa: F841 (held for the launch)
+            result = local_loop.run(_loop_spec(run))
+        except Exception as exc:  # the launcher itself failed: one line, the logs say more
             if os.environ.get("MULTIGPU_DEBUG"):
                 raise
-            err(f"error: torchrun's agent failed ({type(exc).__name__}: {exc}); "
-                 f"logs of every rank: {log_dir}")
+            err("error: " + (rendezvous_failed_message(exc, run.opts, run.rdzv)
+                             if isinstance(exc, _StoreFailed) else
+                             f"the launcher failed ({type(exc).__name__}: {exc}); "
+                             f"logs of every rank: {run.log_dir}"))
             kill_workers_left()
             return 1
+        if result.stop.signals:
+            sig = result.stop.sig
+            said = run.ranks_say_their_stop and each_stopped_by_itself(result.exit_codes) == 128 + int(sig)
+            return stopped(sig, result.stop, stop_wait(), run.next_step, said_by_the_ranks=said)
+        if not result.failures:
+            return 0
+        if run.ranks_say_their_stop and (code := each_stopped_by_itself(result.exit_codes)):
+            return stopped_by_the_ranks(code, run.opts)
+        code = report_child_failed(ChildFailedError(run.cmd[0], result.failures), run.log_dir,
+                                   on_usage_error=run.on_usage_error, since=began, ours=run.ours)
+        if code != 2:  # 2: bad input, said in one line; nothing to go on from
+            say_next_step(run.next_step)
+        return code
 
 
-@contextlib.contextmanager
-def _agent_tamed(plan: DevicePlan, opts: LaunchOptions, log_dir: str, ranks_stop_together: bool):
-    """torch's agent as a launch runs it (agent_hooks): the workers' environment, its signal
-    handlers and logs undone after, a second signal that kills at once, restarts said, and the
-    attempts' close; yields (SecondSignalKills, AttemptClose)."""
-    with child_environment(plan, opts, log_dir), restore_signal_handlers(), quiet_torchelastic(), \
-            SecondSignalKills() as signals, RanksStopTogether(ranks_stop_together), \
-            RestartsSaid(opts.max_restarts), \
-            AttemptClose(asked_to_stop=lambda: signals.signals > 0,
-                         ranks_stop_together=ranks_stop_together) as close:
-        yield signals, close
+class _StoreFailed(RuntimeError):
+    """The store on the port the user named could not be made (the port taken meanwhile)."""
 
 
-def _stopped(sig: signal.Signals, signals: "SecondSignalKills", shutdown_timeout: float | None,
-             next_step: Callable[[], str | None] | None, said_by_the_ranks: bool = False) -> int:
-    """The agent was stopped by `sig` (and stopped the ranks): said in one line, unless the ranks
-    said it (`said_by_the_ranks`) and stopped in time; the exit code."""
-    at_once = kill_workers_left() or signals.signals > 1
-    wait = shutdown_timeout or AGENT_STOP_WAIT
-    waited_out = not at_once and signals.waited_out(wait)
-    if said_by_the_ranks and not (at_once or waited_out):
-        return 128 + int(sig)
-    err(f"stopped by {sig.name}; every rank of this node was stopped"
-        + (" (a second signal: killed at once)" if at_once else "")
-        + (f" (killed: they had not stopped {wait} s after the signal)" if waited_out else ""))
-    if at_once or waited_out:  # else the ranks stopped after a checkpoint and said so
-        say_next_step(next_step)
-    return 128 + int(sig)
-
-# the modules `multigpu run` starts a Python script with (plain, and --auto), named, not imported
-OUR_WORKERS = ("multigpu.launcher.worker", "multigpu.auto.worker")
-
-
-def _runs_our_worker(cmd: list[str]) -> bool:
-    """Whether `cmd` is `multigpu run`'s python_command(one of OUR_WORKERS, ...)."""
-    return any(w in cmd[:6] and cmd[cmd.index(w) - 1] == "-m" for w in OUR_WORKERS)
-
-
-def _shows_rank_0(opts: LaunchOptions) -> bool:
-    """Whether this node's console shows rank 0: one machine, or the node given rank 0 (a node
-    whose rank the rendezvous decides is not known to)."""
-    return parse_nnodes(opts.nnodes)[1] == 1 or opts.node_rank == 0
-
-
-def _stopped_by_the_ranks(code: int, opts: LaunchOptions) -> int:
-    """A stop signal sent to a rank, not to the launcher (`kill PID`): the ranks stopped together
-    and rank 0 said where and how to go on; another node's launcher says what its ranks did."""
-    if not _shows_rank_0(opts):
-        err(f"stopped: every rank of this node stopped on {signal.Signals(code - 128).name} (sent "
-            "to a rank); rank 0's node says where and how to go on")
-    return code
-
-
-def _node_name(opts: LaunchOptions) -> str | None:
-    """'node 1 (gpu-b07)' in a launch of several nodes, None on one machine."""
-    if parse_nnodes(opts.nnodes)[1] == 1:
+def _named_port_held(run: LaunchRun):
+    """--master-port on one machine: a store on that port for the length of the launch, as
+    torch's rendezvous held it; the ranks meet at a store of their own (local_rendezvous)."""
+    if run.rdzv.named_port is None:
         return None
-    import socket
+    from multigpu.launcher.local_rendezvous import named_port_store
 
-    rank = "?" if opts.node_rank is None else opts.node_rank
-    return f"node {rank} ({socket.gethostname()})"
+    host, port = ports.parse_endpoint(run.rdzv.endpoint, DEFAULT_PORT)
+    try:
+        return named_port_store(host, port)
+    except Exception as exc:
+        raise _StoreFailed(str(exc)) from exc
+
+
+def _loop_spec(run: LaunchRun):
+    """What local_loop runs: the logs split as the header says (local rank 0 on the console,
+    the others in files; --tee: every rank on both)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    from multigpu.launcher.local_loop import LoopSpec
+
+    plan, opts = run.plan, run.opts
+    logs = (logs_specs(run.log_dir, plan.nproc) if not opts.tee and plan.nproc > 1 else
+            DefaultLogsSpecs(log_dir=run.log_dir, tee=Std.ALL if opts.tee else Std.NONE))
+    return LoopSpec(cmd=run.cmd, nproc=plan.nproc, run_id=run.rdzv.run_id, logs=logs,
+                    max_restarts=opts.max_restarts, python=run.python, tee=opts.tee,
+                    ranks_stop_together=run.ranks_say_their_stop)
 
 
 def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str) -> str:
@@ -392,3 +231,4 @@ def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str
         first = "rank 0" if hi == 1 else "this node's local rank 0"
         shown = f"{first} shown here, the other ranks logged in {log_dir}"
     return f"{plan.describe()}{where}; {shown}"
+

@@ -214,6 +214,8 @@ def _create_rendezvous_handler(params):
             OBSERVER.saw(result[0] if result else None)
             return result
 
+    from multigpu.launcher.local_rendezvous import loopback_store
+
     loopback = params.endpoint == LOOPBACK_ENDPOINT
     store = loopback_store(params.get_as_int("read_timeout", 60)) if loopback else None
     if store is None:
@@ -265,28 +267,6 @@ def _no_join_skew(handler) -> None:
         finally:
             dynamic_rendezvous._delay = skew
     handler.next_rendezvous = next_rendezvous
-
-
-def loopback_store(timeout_s: int):
-    """A TCPStore server listening on 127.0.0.1 only (one torch creates binds every interface):
-    we bind the socket, port 0 so the kernel picks, and hand it over. None where this torch
-    cannot take a socket (then torch binds as it always has)."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(1024)
-        store = TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, multi_tenant=True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=sock.fileno())
-    except (TypeError, RuntimeError, ValueError, OSError):
-        sock.close()
-        return None
-    sock.detach()  # the store owns the socket now
-    return store
 
 
 def register_rendezvous_backend() -> None:

@@ -1,0 +1,234 @@
+"""The ranks of one machine, started and watched by the launcher itself (launch.launch for
+--nnodes 1), with torch's public API only; several nodes keep torch's elastic agent.
+
+One attempt: a fresh store on loopback (local_rendezvous), the N ranks started with
+subprocess.Popen, each in a session of its own, with the environment torch's agent gives a
+worker, their logs laid out by torch's DefaultLogsSpecs (<log dir>/<run id>_*/attempt_<n>/<local
+rank>/{stdout,stderr}.log and error.json, TORCHELASTIC_ERROR_FILE), --tee through torch's TailLog
+with `[rankN]:` prefixes. Not torch's start_processes: its PContext.wait() stops every rank the
+moment one fails, so nothing could be said to the ranks first (stop_reason) nor the others let
+end by themselves (RANKS_STOP_WAIT).
+
+The rules, as torch's agent with multigpu's hooks (agent_hooks) applied them:
+  - all ranks exit 0: done. A rank fails: which ranks ended and how is written for the others
+    (stop_reason), unless each stopped on a stop signal (then, in multigpu train, the others get
+    RANKS_STOP_WAIT s to end too); the rest get SIGTERM, 30 s, then SIGKILL; what is left of
+    each failed rank's session is killed (sessions.end_session_left).
+  - --max-restarts: a warning line, then the next attempt (not after ranks that stopped
+    together on a signal, in multigpu train).
+  - a stop signal to the launcher is passed on to every rank's process group; they get
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s, then SIGKILL; a second signal kills them at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from multigpu.launcher import local_rendezvous, sessions, stop_reason
+from multigpu.launcher.launch_failures import err, restart_line
+from multigpu.launcher.local_rendezvous import Attempt, rank_command, rank_environment
+
+MONITOR_INTERVAL = 0.1  # s between two looks at the ranks (torchrun's --monitor-interval)
+STOP_SIGNALS = [getattr(signal, s) for s in stop_reason.STOP_SIGNALS.split(",")]
+
+
+@dataclass
+class LoopSpec:
+    """What the loop runs: `cmd` on `nproc` ranks (python: with this Python, torchrun's way)."""
+    cmd: list[str]
+    nproc: int
+    run_id: str
+    logs: Any  # torch's DefaultLogsSpecs: one per launch, its run folder made at the first attempt
+    max_restarts: int = 0
+    python: bool = False
+    tee: bool = False
+    ranks_stop_together: bool = False  # multigpu train: its ranks stop together, and say it
+    ranks_store: Callable[[], tuple[Any, int]] = local_rendezvous.ranks_store
+
+
+@dataclass
+class LoopResult:
+    failures: dict = field(default_factory=dict)  # rank -> ProcessFailure, in the order seen
+    exit_codes: dict = field(default_factory=dict)  # local rank -> exit code, at the end
+    stop: StopSignals | None = None
+
+
+class StopSignals:
+    """The launcher's handlers of the stop signals while the ranks run: the first is passed on to
+    every rank's process group, a second kills them at once. Only in the main thread (elsewhere
+    Python has no handlers: the ranks then stop with the launcher's own end)."""
+
+    def __init__(self):
+        self.signals, self.sig, self.first_at = 0, None, None
+        self.ranks: Ranks | None = None
+
+    def waited_out(self, wait: float) -> bool:
+        """Whether the wait after the first signal (`wait` s) ran out: the ranks that had not
+        stopped were killed, maybe in the middle of a checkpoint."""
+        return self.first_at is not None and time.monotonic() - self.first_at >= 0.97 * wait
+
+    def _handler(self, signum, frame) -> None:
+        self.signals += 1
+        self.sig = signal.Signals(signum)
+        self.first_at = self.first_at or time.monotonic()
+        if self.ranks is not None:
+            self.ranks.kill() if self.signals > 1 else self.ranks.send(self.sig)
+
+    def __enter__(self):
+        self._saved = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                self._saved[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._saved.items():
+            signal.signal(s, handler)
+
+
+class Ranks:
+    """The processes of one attempt, by local rank."""
+
+    def __init__(self, spec: LoopSpec, attempt: Attempt, stop: StopSignals):
+        envs = {r: rank_environment(r, attempt) for r in range(spec.nproc)}
+        dest = spec.logs.reify(envs)  # the attempt's folders; TORCHELASTIC_ERROR_FILE in envs
+        self.error_files: dict[int, str] = dest.error_files
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.failures: dict = {}
+        self.signalled: set[int] = set()
+        for r in range(spec.nproc):
+            if stop.signals:  # asked to stop while starting: the others are not started
+                break
+            self.procs[r] = _popen(rank_command(spec.cmd, r, spec.python), envs[r],
+                                   dest.stdouts[r], dest.stderrs[r])
+        self.tails = _tails(dest, spec.nproc) if spec.tee else []
+
+    def poll(self) -> None:
+        """The ranks that ended with a code other than 0 since the last look, as failures."""
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        for r, p in self.procs.items():
+            if r not in self.failures and p.poll() not in (None, 0):
+                self.failures[r] = ProcessFailure(local_rank=r, pid=p.pid, exitcode=p.returncode,
+                                                  error_file=self.error_files[r])
+
+    def codes(self) -> dict[int, int | None]:
+        return {r: p.poll() for r, p in self.procs.items()}
+
+    def running(self) -> list[int]:
+        return [r for r, code in self.codes().items() if code is None]
+
+    def send(self, sig: signal.Signals) -> None:
+        """`sig` to the process group of each running rank not given one yet."""
+        for r in self.running():
+            if r not in self.signalled:
+                self.signalled.add(r)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.procs[r].pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL to every rank's process group and to what they started."""
+        for r in self.running():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.procs[r].pid, signal.SIGKILL)
+        sessions.kill_workers_left()
+
+    def wait(self, until: float) -> None:
+        """Until every rank has ended or time.monotonic() is `until`."""
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(until - time.monotonic(), 0))
+
+    def close(self, sig: signal.Signals, until: float) -> None:
+        """`sig` to the ranks still running, SIGKILL to those left at `until`; then the failures
+        it made counted, the --tee tails ended, and the sessions of failed ranks killed."""
+        self.send(sig)
+        self.wait(until)
+        if self.running():
+            self.kill()
+            self.wait(time.monotonic() + sessions.AGENT_STOP_WAIT)  # bounded: a D-state rank
+        self.poll()
+        for tail in self.tails:
+            tail.stop()
+        for p in self.procs.values():
+            if p.poll() not in (None, 0):
+                sessions.end_session_left(p.pid)
+
+
+def _popen(cmd: list[str], env: dict[str, str], stdout: str, stderr: str) -> subprocess.Popen:
+    """One rank in a session of its own, its output to its log files ("": this console)."""
+    with contextlib.ExitStack() as files:
+        out, errs = (files.enter_context(open(path, "w")) if path else None  # noqa: SIM115
+                     for path in (stdout, stderr))
+        return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=errs,
+                                start_new_session=True)
+
+
+def _tails(dest, nproc: int) -> list:
+    """--tee: every rank's stdout and stderr logs shown on this console, `[rankN]:` first."""
+    from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+    prefixes = {r: f"[rank{r}]:" for r in range(nproc)}
+    return [TailLog("default", dest.tee_stdouts, sys.stdout, prefixes).start(),
+            TailLog("default", dest.tee_stderrs, sys.stderr, prefixes).start()]
+
+
+def run(spec: LoopSpec) -> LoopResult:
+    """Every attempt of the launch, until one ends: all ranks done, a failure with no restart
+    left, or a stop signal. The result says which (launch.launch reports it)."""
+    with StopSignals() as stop:
+        for number in range(spec.max_restarts + 1):
+            store, port = spec.ranks_store()  # held until the attempt's ranks have ended
+            ranks = Ranks(spec, Attempt(spec.run_id, spec.nproc, number, spec.max_restarts, port),
+                          stop)
+            stop.ranks = ranks
+            _watch(ranks, spec, stop)
+            del store
+            result = LoopResult(dict(ranks.failures), ranks.codes(), stop)
+            if stop.signals or not ranks.failures or number == spec.max_restarts:
+                return result
+            if spec.ranks_stop_together and \
+                    stop_reason.all_stopped_by_signal(f.exitcode for f in ranks.failures.values()):
+                return result  # a stop asked for, by a signal to a rank: no restart
+            err(f"warning: {restart_line(ranks.failures, number + 1, spec.max_restarts)}")
+    return result
+
+
+def _watch(ranks: Ranks, spec: LoopSpec, stop: StopSignals) -> None:
+    """Look at the ranks until they have all ended, one failed, or the launcher got a stop
+    signal; the attempt closed accordingly."""
+    while True:
+        if stop.signals:  # passed on by the handler; the ranks get the shutdown timeout
+            at_once = stop.signals > 1  # two before the ranks were all started: no wait
+            ranks.close(stop.sig, time.monotonic() if at_once else stop.first_at + sessions.stop_wait())
+            return
+        ranks.poll()
+        if ranks.failures:
+            _close_failed(ranks, spec, stop)
+            return
+        if not ranks.running():
+            ranks.close(signal.SIGTERM, time.monotonic())
+            return
+        time.sleep(MONITOR_INTERVAL)
+
+
+def _close_failed(ranks: Ranks, spec: LoopSpec, stop: StopSignals) -> None:
+    """An attempt a rank failed: before the others get SIGTERM, which local ranks ended and how,
+    for them to read (stop_reason), unless each ended on a stop signal (then, where the ranks
+    stop together, the others get RANKS_STOP_WAIT s to end by themselves first)."""
+    ended = {r: code for r, code in ranks.codes().items() if code not in (None, 0)}
+    if stop_reason.all_stopped_by_signal(ended.values()):
+        if spec.ranks_stop_together and not stop.signals:
+            sessions.let_the_others_end(ranks.procs.values(), sessions.RANKS_STOP_WAIT)
+        ended = {}  # a stop on a signal, not a failure to say
+    if ended and not stop.signals:
+        stop_reason.write(ranks.error_files, ended)
+    ranks.close(signal.SIGTERM, time.monotonic() + sessions.AGENT_STOP_WAIT)

@@ -1,0 +1,105 @@
+"""Where the ranks of one machine meet, and what each is told (local_loop).
+
+The launcher holds a fresh TCPStore for each attempt, on 127.0.0.1, its port picked by the kernel
+while the socket is bound (no pick-then-bind race: many jobs can start at once), and tells every
+rank to join it as a client: TORCHELASTIC_USE_AGENT_STORE=True makes init_process_group(env://)
+connect to MASTER_ADDR:MASTER_PORT without hosting a store of its own (torch.distributed.
+rendezvous; the keys are not prefixed by the attempt, so each attempt gets a new store). The
+ranks' environment is the one torch's LocalElasticAgent gives a worker (its _start_workers, torch
+2.13), so scripts written for torchrun see no difference. Public torch API only.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from multigpu.launcher.stop_reason import STOP_SIGNALS
+
+LOOPBACK = "127.0.0.1"
+ROLE = "default"  # torchrun's role name for its workers
+
+
+def loopback_store(timeout_s: int):
+    """A TCPStore server listening on 127.0.0.1 only (one torch creates binds every interface):
+    we bind the socket, port 0 so the kernel picks, and hand it over (master_listen_fd). None
+    where this torch cannot take a socket."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(1024)
+        store = TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, multi_tenant=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.fileno())
+    except (TypeError, RuntimeError, ValueError, OSError):
+        sock.close()
+        return None
+    sock.detach()  # the store owns the socket now
+    return store
+
+
+def ranks_store(timeout_s: int = 300):
+    """(store, port) the ranks of one attempt meet at: loopback_store, else a TCPStore on port
+    0 (the kernel picks as it binds; every interface then)."""
+    store = loopback_store(timeout_s)
+    if store is None:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+    return store, store.port
+
+
+def named_port_store(host: str, port: int):
+    """The store on the port the user named (--master-port on one machine), held for the launch
+    as torch's rendezvous held it: a second launch on that port fails at once, not midway."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=60))
+
+
+@dataclass
+class Attempt:
+    """What every rank of one attempt shares."""
+    run_id: str
+    nproc: int
+    number: int  # 0, then 1 for the first restart (TORCHELASTIC_RESTART_COUNT)
+    max_restarts: int
+    master_port: int
+
+
+def rank_environment(local_rank: int, attempt: Attempt) -> dict[str, str]:
+    """The variables torch's LocalElasticAgent sets for one worker of a one-node group (global
+    rank = local rank), added to the launcher's environment; TORCHELASTIC_ERROR_FILE comes with
+    the log folders (DefaultLogsSpecs.reify)."""
+    n = str(attempt.nproc)
+    env = {
+        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
+        "ROLE_RANK": str(local_rank), "ROLE_NAME": ROLE,
+        "LOCAL_WORLD_SIZE": n, "WORLD_SIZE": n, "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": n,
+        "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(attempt.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt.number),
+        "TORCHELASTIC_MAX_RESTARTS": str(attempt.max_restarts),
+        "TORCHELASTIC_RUN_ID": attempt.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(True),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        # torchrun's launch_agent sets it for its own handlers; a worker inherits it
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": STOP_SIGNALS,
+    }
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    return env
+
+
+def rank_command(cmd: list[str], local_rank: int, python: bool) -> list[str]:
+    """`cmd` as torchrun runs it for one rank: with this Python unbuffered (`python -u script`,
+    `-m module`: cmd starts with "-m") unless python=False; torchrun's ${local_rank} macro
+    replaced."""
+    if python:
+        cmd = [os.getenv("PYTHON_EXEC", sys.executable), "-u", *cmd]
+    return [a.replace("${local_rank}", str(local_rank)) for a in cmd]
