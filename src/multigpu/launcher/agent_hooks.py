@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from multigpu.launcher import stop_reason
 from multigpu.launcher.sessions import (AGENT_STOP_WAIT, RANKS_STOP_WAIT,  # noqa: F401 (theirs)

@@ -8,7 +8,8 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from multigpu.launcher import ports, watchdog
 from multigpu.launcher.ports import Rendezvous, parse_nnodes
