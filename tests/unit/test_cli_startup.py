@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -181,3 +182,28 @@ def test_the_program_ends_with_its_code_after_every_thread_and_atexit_hook(tmp_p
     assert done.returncode == code, done.stderr
     assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "hook").read_text() == "ran"
     assert "the last line" in done.stdout
+
+
+def test_an_error_a_ctrl_c_left_behind_is_the_ctrl_cs_stop(monkeypatch, capsys):
+    """A Ctrl-C inside a C module's import (numpy's, while torch imports) can leave that module
+    half made, and the next import fails instead of stopping: "ImportError: cannot load module
+    more than once per process", a traceback and exit 1 (a Ctrl-C storm on the 2-core VM, 1 of
+    12 tries). Caused here: a real SIGINT, caught where the import swallowed it, then that error."""
+    import signal as signals
+
+    from multigpu import cli
+    from multigpu.cli import gpus
+
+    def half_made_import(args):
+        try:
+            os.kill(os.getpid(), signals.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(gpus, "main", half_made_import)
+    monkeypatch.delenv("MULTIGPU_DEBUG", raising=False)
+    assert cli.main(["gpus"]) == 130
+    assert capsys.readouterr().err == "multigpu: interrupted\n"
+    assert signals.getsignal(signals.SIGINT) is signals.default_int_handler

@@ -173,19 +173,49 @@ def _end_now(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()  # a job's clock (timeline.py) starts with the command
+    noted: list[int] = []
+    with _noting_interrupts(noted):
+        try:
+            return _main(list(sys.argv[1:] if argv is None else argv), started)
+        except KeyboardInterrupt:  # while the parser's modules import, before a command runs
+            if os.environ.get("MULTIGPU_DEBUG"):
+                raise
+            print("multigpu: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `multigpu sweep --dry-run ... | head`: the reader has gone
+            if os.environ.get("MULTIGPU_DEBUG"):
+                raise
+            # what is still buffered would raise again as the interpreter flushes it at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + 13  # as a program ended by SIGPIPE, which Python turns into this error
+        except BaseException:
+            if not noted or os.environ.get("MULTIGPU_DEBUG"):
+                raise
+            # what a Ctrl-C inside an import leaves (numpy's C module half made: "cannot load
+            # module more than once per process" at the next import) is the Ctrl-C's stop
+            print("multigpu: interrupted", file=sys.stderr)
+            return 130
+
+
+@contextlib.contextmanager
+def _noting_interrupts(noted: list[int]):
+    """SIGINT raises KeyboardInterrupt as Python's own handler does, and is noted in `noted`
+    (unless SIGINT is ignored, or handled by someone else, or this is not the main thread)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def on_sigint(signum, frame):
+        noted.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv), started)
-    except KeyboardInterrupt:  # while the parser's modules import, before a command runs
-        if os.environ.get("MULTIGPU_DEBUG"):
-            raise
-        print("multigpu: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `multigpu sweep --dry-run ... | head`: the reader has gone
-        if os.environ.get("MULTIGPU_DEBUG"):
-            raise
-        # what is still buffered would raise again as the interpreter flushes it at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + 13  # as a program ended by SIGPIPE, which Python turns into this error
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _main(argv: list[str], started: float) -> int:
