@@ -323,8 +323,9 @@ def check_data_fits(cfg: TrainConfig, plan) -> None:
     from multigpu.core.data import ShardedBatchSampler
 
     kind, _, count = cfg.input.data.partition(":")
-    if kind != "synthetic" or not count.isdigit() or not isinstance(cfg.input.batch_size, int):
-        return
+    if kind != "synthetic" or not count.isdigit() or int(count) < 1 or \
+            not isinstance(cfg.input.batch_size, int):
+        return  # synthetic:0 is the data spec's own error
     per_process = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 and \
         cfg.parallel.strategy == "dp" else 1
     ShardedBatchSampler(int(count), cfg.input.batch_size, num_ranks=plan.nproc,
