@@ -44,12 +44,23 @@ def test_a_script_s_traceback_is_the_one_python_prints(tmp_path):
     assert "runpy" in debug.stderr and alone.stderr.splitlines()[-1] in debug.stderr
 
 
+def test_a_script_python_cannot_parse_is_refused_before_any_process_starts(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("x = (\n")
+    done = multigpu("run", "--devices", "cpu:1", "--log-dir", tmp_path / "logs", script)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"multigpu: error: {script}:1: Python cannot parse it ('(' was never closed): fix this "
+        "line (a Python 2 script needs porting); no process was started"]
+    assert not (tmp_path / "logs").exists()
+
+
 @pytest.mark.parametrize("source", [
     "import asyncio\n\n\nasync def main():\n    raise asyncio.CancelledError()\n\nasyncio.run(main())\n",
-    "x = (\n"], ids=["a BaseException", "a line Python cannot parse"])
+    "def f():\n    yield from undefined_name\n\nlist(f())\n"], ids=["a BaseException", "a NameError"])
 def test_a_script_s_own_error_of_any_kind_is_printed_as_python_prints_it(tmp_path, source):
-    """asyncio's CancelledError is a BaseException, not an Exception; a script that does not
-    parse fails in runpy's compile, before any frame of its own: Python shows no frame for it."""
+    """asyncio's CancelledError is a BaseException, not an Exception; a NameError inside a
+    generator: each as Python prints it, without a frame of multigpu's."""
     script = tmp_path / "script.py"
     script.write_text(source)
     alone = subprocess.run([sys.executable, script], capture_output=True, text=True)

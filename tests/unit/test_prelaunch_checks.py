@@ -71,5 +71,5 @@ def test_a_script_python_cannot_parse(here, capsys, auto):
     (here / "bad.py").write_text("import torch\ndef f(:\n")
     assert cli.main(["run", *auto, "--devices", "cpu:2", "bad.py"]) == 2
     assert said(capsys) == (
-        "multigpu: error: bad.py:2: Python cannot parse it (invalid syntax), so all 2 processes "
-        "would die at start; fix this line (a Python 2 script needs porting)")
+        "multigpu: error: bad.py:2: Python cannot parse it (invalid syntax): fix this line (a "
+        "Python 2 script needs porting); no process was started")

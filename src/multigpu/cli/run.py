@@ -102,7 +102,7 @@ def main(args) -> int:
     if plan.crowded():
         print(f"multigpu: warning: {plan.crowded()}", file=sys.stderr)
     if source is not None:
-        refuse_unparsable(source, plan.nproc)  # no process started to die on it
+        refuse_unparsable(source)  # no process started to die on it
     if source is not None and not args.auto:  # its checks are for a script that is distributed
         check_source(source, plan, args.master_port)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
@@ -119,18 +119,19 @@ def auto_command(target: str, cmd: list[str], python: bool, batch: str | None) -
     return launch.python_command("multigpu.auto.worker", batch or BATCH_MODES[0], *cmd)
 
 
-def refuse_unparsable(source: Path, nproc: int) -> None:
+def refuse_unparsable(source: Path) -> None:
     """A Python script that Python cannot parse stops here, in one line, not in N processes."""
-    from multigpu.doctor.script_checks import syntax_finding
+    from multigpu.doctor.script_checks import syntax_error
 
     try:
         data = source.read_bytes()
     except OSError:
         return  # a module's source, or one that cannot be read: the launch says what it finds
     if source.suffix == ".py" or data.startswith(b"#!") and b"python" in data.split(b"\n", 1)[0]:
-        found = syntax_finding(source, data, nproc)
+        found = syntax_error(source, data)
         if found is not None:
-            raise UsageError(f"{found.where}: {found.message}")
+            raise UsageError(f"{found[0]}: Python cannot parse it ({found[1]}): fix this line (a "
+                             "Python 2 script needs porting); no process was started")
 
 
 def check_source(source: Path, plan, master_port: int | None) -> None:

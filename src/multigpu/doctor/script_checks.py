@@ -41,15 +41,23 @@ def script_findings(path: Path, *, nproc: int, gpus: bool, master_port: int | No
 
 # --- Python: the checks -------------------------------------------------------------------------
 
-def syntax_finding(path: Path, data: bytes, nproc: int) -> Finding | None:
-    """A fail when Python cannot parse the script (every process would die at start), else None."""
+def syntax_error(path: Path, data: bytes) -> tuple[str, str] | None:
+    """(file:line, Python's reason) where Python cannot parse the script, else None."""
     try:
         ast.parse(data, filename=str(path))
     except (SyntaxError, ValueError) as e:  # ValueError: a null byte
-        return Finding("fail", "syntax", f"Python cannot parse it ({getattr(e, 'msg', e)}), so all "
-                       f"{nproc} processes would die at start; fix this line (a Python 2 script "
-                       "needs porting)", where=f"{path}:{getattr(e, 'lineno', None) or 1}")
+        return f"{path}:{getattr(e, 'lineno', None) or 1}", str(getattr(e, "msg", e))
     return None
+
+
+def syntax_finding(path: Path, data: bytes, nproc: int) -> Finding | None:
+    """A fail when Python cannot parse the script (every process would die at start), else None."""
+    found = syntax_error(path, data)
+    if found is None:
+        return None
+    where, why = found
+    return Finding("fail", "syntax", f"Python cannot parse it ({why}), so all {nproc} processes "
+                   "would die at start; fix this line (a Python 2 script needs porting)", where=where)
 
 
 def _python_findings(path: Path, data: bytes, *, nproc: int, gpus: bool,
