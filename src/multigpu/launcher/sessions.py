@@ -67,10 +67,36 @@ def end_session_left(sid: int) -> None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(sid, signal.SIGKILL)  # first the fork server, which could start more
+    killed = []
     for proc in psutil.process_iter():
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to see
             if os.getsid(proc.pid) == sid:
                 os.kill(proc.pid, signal.SIGKILL)
+                killed.append(proc)
+    _until_gone(killed, LEFTOVERS_WAIT)
+
+
+LEFTOVERS_WAIT = 5.0  # s a killed leftover is given to be gone (a zombie counts as gone)
+
+
+def _until_gone(procs, wait: float) -> None:
+    """Until every process of `procs` has ended (or `wait` s): a SIGKILLed process takes a moment
+    to die, and a launcher that ended at once left it running behind it (the leftovers test, on
+    the loaded VM, once the launcher's own exit took no time)."""
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while procs and time.monotonic() < deadline:
+        procs = [p for p in procs if _running(p, psutil)]
+        if procs:
+            time.sleep(0.02)
+
+
+def _running(proc, psutil) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def kill_workers_left() -> int:
