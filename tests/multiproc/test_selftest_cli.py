@@ -36,17 +36,16 @@ def test_selftest_passes_on_two_cpu_processes(tmp_path):
 
 
 @pytest.mark.extended
-def test_unwritable_checkpoint_folder_is_a_failed_check_with_its_cause(tmp_path):
+def test_a_checkpoint_folder_that_is_a_file_is_one_line_before_any_check(tmp_path):
+    """Every path option of every command (issue 40, item 2): refused before the launch, in one
+    line, exit 2, the user's file untouched (the self-test ran and failed its checkpoint check
+    before)."""
     not_a_folder = tmp_path / "ckpt"
     not_a_folder.write_text("a file where the folder should be")
     logs = tmp_path / "logs"
     proc = multigpu("test", "--devices", "cpu:2", "--checkpoint-dir", not_a_folder, "--log-dir", logs)
-    assert proc.returncode == 1
-    rows = table(proc.stdout)
-    assert rows["checkpoint"][0] == "FAIL"
-    assert rows["checkpoint"][1].startswith(f"every rank: saving {not_a_folder}/selftest-")
-    assert rows["checkpoint"][1].endswith(f"failed on rank 0: [Errno 17] File exists: '{not_a_folder}'")
-    assert rows["DDP training"][0] == rows["autocast fp16"][0] == "ok"  # later checks still ran
-    assert f"multigpu: self-test FAILED; every rank's log: {logs}" in proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"multigpu: error: --checkpoint-dir {not_a_folder}: a file "
+                                        "is there, not a folder; give another path"]
+    assert not logs.exists() and "Traceback" not in proc.stdout + proc.stderr
     assert not_a_folder.read_text() == "a file where the folder should be"
