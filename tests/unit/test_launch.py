@@ -602,60 +602,6 @@ def test_a_second_rank_failing_like_the_console_rank_is_not_printed_again(tmp_pa
     assert launch_failures._same_error_shown_above(failures, texts, 1, [tmp_path]) is None
 
 
-@pytest.mark.parametrize("nodes, skew", [(1, []), (2, [0.2])])
-def test_a_one_node_rendezvous_joins_without_torch_s_random_skew(nodes, skew, monkeypatch):
-    """torch sleeps a random 0-0.3 s before a node's first join, to spread the nodes' arrival;
-    one node has nothing to spread, and its workers would start that much later."""
-    import torch.distributed.elastic.rendezvous.utils as rdzv_utils
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    slept = []
-
-    class Clock:  # the rendezvous' time module: its sleeps recorded, not slept
-        def __getattr__(self, name):
-            import time
-            return getattr(time, name)
-
-        def sleep(self, seconds):
-            slept.append(seconds)
-
-    monkeypatch.setattr(rdzv_utils, "time", Clock())
-    monkeypatch.setattr(rdzv_utils.random, "uniform", lambda low, high: 0.2)
-    params = RendezvousParameters(backend=ports.BACKEND_NAME, endpoint=ports.LOOPBACK_ENDPOINT,
-                                  run_id=f"skew-{nodes}", min_nodes=1, max_nodes=nodes,
-                                  join_timeout="30", read_timeout="30", is_host="1",
-                                  last_call_timeout="1")
-    handler = ports._create_rendezvous_handler(params)
-    try:
-        handler.next_rendezvous()  # one node joins: enough for min_nodes=1
-    finally:
-        handler.shutdown()
-    assert [s for s in slept if s == 0.2] == skew
-
-
-def test_the_rendezvous_names_its_events_as_torch_does_without_reading_every_frame_s_source(monkeypatch):
-    """torch's dynamic rendezvous named each recorded event's method with inspect.stack()."""
-    import inspect
-
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
-
-    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)
-    names = []
-    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event",
-                        lambda **event: names.append(event["name"]))
-    params = RendezvousParameters(backend=ports.BACKEND_NAME, endpoint=ports.LOOPBACK_ENDPOINT,
-                                  run_id="names", min_nodes=1, max_nodes=1, join_timeout="30",
-                                  read_timeout="30", is_host="1")
-    handler = ports._create_rendezvous_handler(params)
-    monkeypatch.setattr(inspect, "stack", lambda *a: pytest.fail("inspect.stack() was called"))
-    try:
-        handler.next_rendezvous()
-    finally:
-        handler.shutdown()
-    assert "DynamicRendezvousHandler.next_rendezvous" in names
-    assert "_DistributedRendezvousOpExecutor.run" in names
-
-
 TWIN_TRACEBACK = """Traceback (most recent call last):
   File "train.py", line 9, in <module>
     loss.backward()

@@ -216,12 +216,11 @@ def _private_torch_uses(source: str) -> list[str]:
 
 
 def test_the_private_torch_check_finds_what_the_agent_s_patches_use():
-    from multigpu.launcher import agent_hooks, ports
-
     import inspect
 
+    from multigpu.launcher import agent_hooks
+
     assert _private_torch_uses(inspect.getsource(agent_hooks))  # api._terminate_process_handler = ...
-    assert _private_torch_uses(inspect.getsource(ports))  # dynamic_rendezvous._delay
 
 
 def test_a_launch_on_one_machine_uses_no_private_torch_name_nor_patches_torch():

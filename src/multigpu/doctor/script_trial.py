@@ -48,7 +48,7 @@ def trial_findings(cmd: list[str], plan, steps: int, timeout: float,
     backstop = Backstop(timeout + (trial.PEERS_WAIT_SECONDS if plan.nproc > 1 else 0) + BACKSTOP_GRACE)
     with environ_set(env), backstop:
         code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
-                             python=False)
+                             python=False, our_worker=True)
     records = _read_records(folder, plan.nproc)
     findings = record_findings(records, plan.nproc, steps, code, logs=folder / "logs",
                                timeout=timeout, killed=backstop.fired,

@@ -52,8 +52,6 @@ def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: R
             "--rdzv-id", rdzv.run_id,
             "--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv.conf.items()),
             "--max-restarts", str(opts.max_restarts), "--log-dir", log_dir]
-    if rdzv.endpoint == ports.LOOPBACK_ENDPOINT:
-        argv += ["--local-addr", "127.0.0.1"]  # workers meet at the store on loopback
     if _torchrun_has("--signals-to-handle"):  # SLURM's --signal sends SIGUSR1 before the end
         argv += ["--signals-to-handle", STOP_SIGNALS]
     if opts.tee:

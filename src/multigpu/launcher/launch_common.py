@@ -18,9 +18,6 @@ from multigpu.launcher.launch_failures import err, say_next_step
 from multigpu.launcher.launch_options import LaunchOptions
 from multigpu.launcher.ports import Rendezvous, parse_nnodes
 
-# the modules `multigpu run` starts a Python script with (plain, and --auto), named, not imported
-OUR_WORKERS = ("multigpu.launcher.worker", "multigpu.auto.worker")
-
 
 @dataclass
 class LaunchRun:
@@ -34,16 +31,12 @@ class LaunchRun:
     on_usage_error: Callable[[], None] | None = None
     next_step: Callable[[], str | None] | None = None
     ranks_say_their_stop: bool = False
+    our_worker: bool = False  # the ranks run one of multigpu's workers, which says its own errors
 
     @property
     def ours(self) -> bool:
         """Whether the ranks run multigpu's own commands (their echoes left to the report)."""
-        return self.on_usage_error is not None or runs_our_worker(self.cmd)
-
-
-def runs_our_worker(cmd: list[str]) -> bool:
-    """Whether `cmd` is `multigpu run`'s python_command(one of OUR_WORKERS, ...)."""
-    return any(w in cmd[:6] and cmd[cmd.index(w) - 1] == "-m" for w in OUR_WORKERS)
+        return self.on_usage_error is not None or self.our_worker
 
 
 def _tell_foreign_libraries(plan: DevicePlan, opts: LaunchOptions) -> None:

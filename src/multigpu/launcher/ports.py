@@ -214,59 +214,8 @@ def _create_rendezvous_handler(params):
             OBSERVER.saw(result[0] if result else None)
             return result
 
-    from multigpu.launcher.local_rendezvous import loopback_store
-
-    loopback = params.endpoint == LOOPBACK_ENDPOINT
-    store = loopback_store(params.get_as_int("read_timeout", 60)) if loopback else None
-    if store is None:
-        _, store = c10d.create_backend(params)  # binds (or connects to) the TCP store
-    handler = create_handler(store, ObservedC10dBackend(store, params.run_id), params)
-    _cheap_event_names()
-    if params.max_nodes == 1:
-        _no_join_skew(handler)
-    if loopback and hasattr(handler, "_create_tcp_store_server"):
-        # The agent also hosts the workers' store (MASTER_ADDR:MASTER_PORT); on loopback too.
-        torch_default = handler._create_tcp_store_server
-        handler._create_tcp_store_server = lambda addr, port: loopback_store(300) or torch_default(addr, port)
-    return handler
-
-
-def _cheap_event_names() -> None:
-    """torch's rendezvous names the method behind each event it records through inspect.stack(),
-    which reads the source lines of every frame: 12 events, 0.13 s of a 2-process launch on a CPU
-    here, part of it before the workers start. The same name, read from the frame itself."""
-    import sys
-
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    def get_method_name(depth: int = 2) -> str:
-        try:
-            return sys._getframe(depth).f_code.co_name  # as inspect.stack()[depth].function
-        except ValueError:  # a stack less deep
-            return "no_method_name"
-
-    if hasattr(dynamic_rendezvous, "get_method_name"):
-        dynamic_rendezvous.get_method_name = get_method_name
-
-
-def _no_join_skew(handler) -> None:
-    """Before its first join torch's rendezvous sleeps a random 0-0.3 s, to spread the nodes'
-    arrival at the store; a rendezvous of one node has nothing to spread, and its workers start
-    that much later. Its other waits (polling a store every second) stay."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    skew = getattr(dynamic_rendezvous, "_delay", None)
-    if skew is None:  # a torch without it: nothing to skip
-        return
-    join = handler.next_rendezvous
-
-    def next_rendezvous(*args, **kwargs):
-        dynamic_rendezvous._delay = lambda seconds: None if isinstance(seconds, tuple) else skew(seconds)
-        try:
-            return join(*args, **kwargs)
-        finally:
-            dynamic_rendezvous._delay = skew
-    handler.next_rendezvous = next_rendezvous
+    _, store = c10d.create_backend(params)  # binds (or connects to) node 0's TCP store
+    return create_handler(store, ObservedC10dBackend(store, params.run_id), params)
 
 
 def register_rendezvous_backend() -> None:
