@@ -57,7 +57,7 @@ def test_banded_weights_are_the_dense_ones():
     dense = crop_resize._weights(start, length, extent, SIZE, 320)
     dense = torch.where(flip.bool().view(-1, 1, 1), dense.flip(1), dense)
     taps = crop_resize._taps([300, 20, 7, 97], SIZE)
-    band = crop_resize._band_weights(start, length, extent, SIZE, 320, flip, taps, torch.float32)
+    band = crop_resize._band_weights(start, length, extent, (SIZE, 320, taps), flip, torch.float32)
     assert band.shape == dense.shape
     assert (band - dense).abs().max() < 1e-6
     assert torch.allclose(band.sum(-1), torch.ones(4, SIZE))

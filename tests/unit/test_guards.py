@@ -10,7 +10,7 @@ from multigpu.core import console
 from multigpu.train.config import TrainConfig
 from multigpu.core.distributed import DistEnv
 from multigpu.core.guards import SKIPPED_RUN_STEPS, FirstNonFinite, Found, SkippedRun
-from multigpu.train.train_guards import TrainGuards, global_batch_note, nonfinite_message
+from multigpu.train.train_guards import TrainGuards, global_batch_note, nonfinite_fix, nonfinite_message
 from multigpu.train.training import learning_rate
 
 NAN, INF = float("nan"), float("inf")
@@ -124,8 +124,8 @@ def test_non_finite_weights_stop_at_the_step_that_made_them(tmp_path):
 
 def test_a_checkpoint_from_elsewhere_is_named_for_resume_and_a_scheduled_lr_too(tmp_path):
     text = nonfinite_message(Found(3, "inf"), step=40, where="epoch 3, batch 4 of 10",
-                             last_good=tmp_path / "old.pt", out=tmp_path / "run", lr=0.05,
-                             clip_grad_norm=None, lr_now=5.0)
+                             last_good=tmp_path / "old.pt", out=tmp_path / "run",
+                             fix=nonfinite_fix(0.05, None, lr_now=5.0))
     assert "the loss became inf at step 40" in text
     assert "Lower --lr (now 0.05, 5 at that step after --scheduler)" in text
     assert text.endswith(f"resume from it with --resume {tmp_path / 'old.pt'}")

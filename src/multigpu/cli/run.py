@@ -107,7 +107,8 @@ def main(args) -> int:
         check_source(source, plan, args.master_port)
     devices.lease(plan, f"multigpu run {target}", args.min_free_memory)
     opts = launch.options_from_args(args)
-    return launch.launch(cmd + script_args, plan, opts, python=False, our_worker=python)
+    return launch.launch(cmd + script_args, plan, opts, python=False,
+                         reporting=launch.Reporting(our_worker=python))
 
 
 def auto_command(target: str, cmd: list[str], python: bool, batch: str | None) -> list[str]:

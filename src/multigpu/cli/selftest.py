@@ -72,7 +72,7 @@ def main(args) -> int:
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
     opts = launch.LaunchOptions(log_dir=log_dir, hang_timeout=args.hang_timeout, start_timeout=120)
-    code = launch.launch(cmd, plan, opts, python=False, our_worker=True)
+    code = launch.launch(cmd, plan, opts, python=False, reporting=launch.Reporting(our_worker=True))
     if not result.is_file():
         print(f"multigpu: the self-test did not finish (exit status {code}); every rank's log: "
               f"{log_dir}", file=sys.stderr)

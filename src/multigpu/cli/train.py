@@ -82,7 +82,7 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.train.setup_checks import refuse_stale_worker_env
-    from multigpu.launcher.launch import in_worker, launch, options_from_args, python_command
+    from multigpu.launcher.launch import Reporting, in_worker, launch, options_from_args, python_command
     from multigpu.launcher.stop_reason import stopped_by_signal
     from multigpu.train import runfolder
     from multigpu.train.folder_users import OUT_RESERVED_ENV
@@ -123,8 +123,9 @@ def main(args: argparse.Namespace) -> int:
                               *config_to_argv(cfg))
         # bad input the workers found is said in one line (on_usage_error), and so is ours
         with _untrained_removed(clean_up, out):
-            code = launch(argv, plan, opts, python=False, on_usage_error=clean_up,
-                          next_step=lambda: _resume_line(out, typed), ranks_say_their_stop=True)
+            code = launch(argv, plan, opts, python=False, reporting=Reporting(
+                on_usage_error=clean_up, next_step=lambda: _resume_line(out, typed),
+                ranks_say_their_stop=True))
         if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
             with _deaf_to_ctrl_c():  # (nothing trained: only then) a start-up stopped, or failed unheard
                 _say_removed(clean_up(), out)

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 
@@ -48,11 +49,10 @@ def trial_findings(cmd: list[str], plan, steps: int, timeout: float,
     backstop = Backstop(timeout + (trial.PEERS_WAIT_SECONDS if plan.nproc > 1 else 0) + BACKSTOP_GRACE)
     with environ_set(env), backstop:
         code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
-                             python=False, our_worker=True)
+                             python=False, reporting=launch.Reporting(our_worker=True))
     records = _read_records(folder, plan.nproc)
-    findings = record_findings(records, plan.nproc, steps, code, logs=folder / "logs",
-                               timeout=timeout, killed=backstop.fired,
-                               loaders=loaders or _loader_findings)
+    findings = record_findings(records, plan.nproc, steps, TrialEnd(code, timeout, backstop.fired),
+                               logs=folder / "logs", loaders=loaders or _loader_findings)
     findings.append(side_effect_finding(before, snapshot(root, skip=folder), root))
     if code == 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -97,10 +97,18 @@ def _read_records(folder: Path, ranks: int) -> list[dict]:
     return records
 
 
-def record_findings(records: list[dict], ranks: int, steps: int, code: int, logs: Path,
-                    timeout: float = 0.0, killed: bool = False,
+@dataclass(frozen=True)
+class TrialEnd:
+    """How the trial's launch ended: its exit code, its time limit, whether the backstop killed it."""
+    code: int
+    timeout: float = 0.0
+    killed: bool = False
+
+
+def record_findings(records: list[dict], ranks: int, steps: int, end: TrialEnd, logs: Path,
                     loaders: LoaderFindings | None = None) -> list[Finding]:
     """The findings of the ranks' records (trial.py): one line per check, as doctor prints them."""
+    code, timeout, killed = end.code, end.timeout, end.killed
     stopped = [r for r in records if "stopped_at" in r]
     errors = [r for r in records if r.get("error")]
     timed = [r for r in records if "timed_out" in r]

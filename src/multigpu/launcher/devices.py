@@ -323,12 +323,14 @@ def resolve_devices(spec: str, *, one_process: bool = False,
                              "--devices 0,1 --min-free-memory 0 to share busy ones")
         return _gpu_plan(free[:value], one_process, cvd)
 
-    return _named_plan(spec, value, vis, free, states, min_free_memory_gb, one_process, cvd)
+    return _named_plan(spec, value, vis, min_free_memory_gb, one_process, cvd)
 
 
-def _named_plan(spec: str, ids: list[int], vis: list, free: list, states: str, min_free_memory_gb: float,
-                one_process: bool, cvd) -> DevicePlan:
+def _named_plan(spec: str, ids: list[int], vis: list, min_free_memory_gb: float, one_process: bool,
+                cvd) -> DevicePlan:
     """--devices 0,3: those GPUs, each there and free (or a one-line refusal saying which not)."""
+    free = [v for v in vis if busy_reason(v.info, min_free_memory_gb) is None]
+    states = _states(vis, min_free_memory_gb)
     by_id = {v.id: v for v in vis}
     for i in ids:
         if i not in by_id:

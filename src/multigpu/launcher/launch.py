@@ -21,12 +21,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
 
 from multigpu.launcher import ports, sysinfo, watchdog
 from multigpu.launcher.agent_launch import (NVML_CUDA_CHECK, launch_config,  # noqa: F401 (theirs)
                                             launch_with_agent, torchrun_argv)
-from multigpu.launcher.launch_common import (LaunchRun, check_command,  # noqa: F401
+from multigpu.launcher.launch_common import (LaunchRun, Reporting, check_command,  # noqa: F401
                                              child_environment, logs_specs, stopped,
                                              stopped_by_the_ranks)
 from multigpu.launcher.ports import DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
@@ -120,29 +119,19 @@ def default_log_dir() -> str:
 
 # --------------------------------------------------------------------------- launching
 
+NO_REPORTING = Reporting()  # a command not of ours: the launcher says how its ranks ended
+
 def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True,
-           on_usage_error: Callable[[], None] | None = None,
-           next_step: Callable[[], str | None] | None = None,
-           ranks_say_their_stop: bool = False, our_worker: bool = False) -> int:
+           reporting: Reporting = NO_REPORTING) -> int:
     """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`; returns the
-    exit code (non-zero when any rank failed).
-    `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2);
-    only for a `cmd` that is one of multigpu's own commands (launch_failures.report_child_failed).
-    `next_step`: the line (if any) that says how to go on after a failure the ranks could not
-    say themselves (a rank killed, a second signal that killed them at once).
-    `ranks_say_their_stop`: rank 0 says how the ranks stopped after a stop signal (multigpu
-    train: where, and the checkpoint to go on from); then the launcher of rank 0's node adds no
-    line of its own when every rank of the node stopped by itself.
-    `our_worker`: `cmd` runs one of multigpu's workers (multigpu.launcher.worker, or --auto's,
-    which the caller names: the launcher never names a module of a layer above it)."""
+    exit code (non-zero when any rank failed). `reporting`: who says what when the ranks end."""
     rdzv = plan_rendezvous(opts)
     if rdzv.named_port:
         ports.check_named_port(*rdzv.named_port)
     log_dir = opts.log_dir or default_log_dir()
     check_command(cmd)
     print(f"multigpu: {header(plan, opts, rdzv, log_dir)}", file=sys.stderr, flush=True)
-    run = LaunchRun(cmd, plan, opts, rdzv, log_dir, python, on_usage_error, next_step,
-                    ranks_say_their_stop, our_worker)
+    run = LaunchRun(cmd, plan, opts, rdzv, log_dir, python, reporting)
     if parse_nnodes(opts.nnodes)[1] > 1:
         return launch_with_agent(run)
     return _launch_here(run)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 
@@ -19,6 +19,25 @@ from multigpu.launcher.launch_options import LaunchOptions
 from multigpu.launcher.ports import Rendezvous, parse_nnodes
 
 
+@dataclass(frozen=True)
+class Reporting:
+    """Who says what when the ranks end, for launch.launch.
+    `on_usage_error`: called when the ranks stopped on bad input, said in one line (exit 2);
+    only for a command that is one of multigpu's own (launch_failures.report_child_failed).
+    `next_step`: the line (if any) that says how to go on after a failure the ranks could not
+    say themselves (a rank killed, a second signal that killed them at once).
+    `ranks_say_their_stop`: rank 0 says how the ranks stopped after a stop signal (multigpu
+    train: where, and the checkpoint to go on from); then the launcher of rank 0's node adds no
+    line of its own when every rank of the node stopped by itself.
+    `our_worker`: the command runs one of multigpu's workers (multigpu.launcher.worker, or
+    --auto's, which the caller names: the launcher never names a module of a layer above it),
+    which says its own errors."""
+    on_usage_error: Callable[[], None] | None = None
+    next_step: Callable[[], str | None] | None = None
+    ranks_say_their_stop: bool = False
+    our_worker: bool = False
+
+
 @dataclass
 class LaunchRun:
     """One launch, as launch.launch was asked for it (its arguments say what each is)."""
@@ -28,15 +47,24 @@ class LaunchRun:
     rdzv: Rendezvous
     log_dir: str
     python: bool = True
-    on_usage_error: Callable[[], None] | None = None
-    next_step: Callable[[], str | None] | None = None
-    ranks_say_their_stop: bool = False
-    our_worker: bool = False  # the ranks run one of multigpu's workers, which says its own errors
+    reporting: Reporting = field(default_factory=Reporting)
+
+    @property
+    def on_usage_error(self) -> Callable[[], None] | None:
+        return self.reporting.on_usage_error
+
+    @property
+    def next_step(self) -> Callable[[], str | None] | None:
+        return self.reporting.next_step
+
+    @property
+    def ranks_say_their_stop(self) -> bool:
+        return self.reporting.ranks_say_their_stop
 
     @property
     def ours(self) -> bool:
         """Whether the ranks run multigpu's own commands (their echoes left to the report)."""
-        return self.on_usage_error is not None or self.our_worker
+        return self.on_usage_error is not None or self.reporting.our_worker
 
 
 def _tell_foreign_libraries(plan: DevicePlan, opts: LaunchOptions) -> None:

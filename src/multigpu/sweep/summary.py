@@ -229,12 +229,12 @@ def _figure(plt, scored: list[RunResult], keys: list[str], name: str, higher: bo
     varying = [a for a in axes if len(a.values) > 1] or axes[:1]
     if len(varying) == 1:
         return _lines(plt, scored, varying[0], None, name, higher)
-    outer, y, x = varying[:-2], varying[-2], varying[-1]
+    outer, x = varying[:-2], varying[-1]
     present = {tuple(a.coord(r) for a in outer) for r in scored}
     panels = [p for p in itertools.product(*(a.values for a in outer)) if p in present]
     if len(panels) > MAX_PANELS:
         return _lines(plt, scored, x, varying[0], name, higher)
-    return _heatmaps(plt, scored, outer, y, x, panels, name, higher)
+    return _heatmaps(plt, scored, varying, panels, name, higher)
 
 
 def _lines(plt, scored: list[RunResult], x: _Axis, by: _Axis | None, name: str, higher: bool):
@@ -259,11 +259,13 @@ def _lines(plt, scored: list[RunResult], x: _Axis, by: _Axis | None, name: str, 
     return fig
 
 
-def _heatmaps(plt, scored: list[RunResult], outer: list[_Axis], y: _Axis, x: _Axis,
-              panels: list[tuple], name: str, higher: bool):
-    """One heat map per panel (a combination of the `outer` keys), each on its own colour scale."""
+def _heatmaps(plt, scored: list[RunResult], varying: list[_Axis], panels: list[tuple], name: str,
+              higher: bool):
+    """One heat map per panel (a combination of the keys before the last two, `varying`'s y and
+    x), each on its own colour scale."""
     import numpy as np
 
+    outer, y, x = varying[:-2], varying[-2], varying[-1]
     cells = _best_cells(scored, [*outer, y, x], higher)
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)

@@ -78,18 +78,22 @@ def _resize_chunk(images, boxes, flips, size: int, band: bool) -> torch.Tensor:
     padded = torch.zeros((len(images), 3, rows, cols), dtype=dtype, device=device)
     for k, (image, (r0, r1, c0, c1)) in enumerate(zip(images, windows, strict=True)):
         padded[k, :, :r1 - r0, :c1 - c0] = image[:, r0:r1, c0:c1]  # the one op an image costs
-    wy, wx = _axis_weights(boxes, windows, flips, size, rows, cols, band, dtype, device)
+    wy, wx = _axis_weights(boxes, windows, flips, size, padded, band)
     return (wy[:, None] @ padded @ wx.transpose(1, 2)[:, None]).float()
 
 
-def _axis_weights(boxes, windows, flips, size: int, rows: int, cols: int, band: bool, dtype, device):
-    """(wy (N, size, rows), wx (N, size, cols)) in dtype, wx's rows reversed where flipped."""
+def _axis_weights(boxes, windows, flips, size: int, padded: torch.Tensor, band: bool):
+    """(wy (N, size, rows), wx (N, size, cols)) in the dtype and on the device of `padded`
+    (N, 3, rows, cols), wx's rows reversed where flipped."""
+    rows, cols, dtype, device = *padded.shape[-2:], padded.dtype, padded.device
     info = torch.tensor([(left, top, w, h, r0, r1, c0, c1, flip) for (left, top, w, h), (r0, r1, c0, c1), flip
                          in zip(boxes, windows, flips, strict=True)], dtype=torch.float64).to(device)
     left, top, width, height, r0, r1, c0, c1, flip = info.unbind(1)
     if band:
-        return (_band_weights(top - r0, height, r1 - r0, size, rows, None, _taps([b[3] for b in boxes], size), dtype),
-                _band_weights(left - c0, width, c1 - c0, size, cols, flip, _taps([b[2] for b in boxes], size), dtype))
+        return (_band_weights(top - r0, height, r1 - r0, (size, rows, _taps([b[3] for b in boxes], size)),
+                              None, dtype),
+                _band_weights(left - c0, width, c1 - c0, (size, cols, _taps([b[2] for b in boxes], size)),
+                              flip, dtype))
     wy = _weights(top - r0, height, r1 - r0, size, rows)
     wx = _weights(left - c0, width, c1 - c0, size, cols)
     wx = torch.where(flip.bool().view(-1, 1, 1), wx.flip(1), wx)
@@ -125,11 +129,12 @@ def _taps(lengths: list[int], size: int) -> int:
     return math.ceil(2 * max(max(lengths) / size, 1.0)) + 2
 
 
-def _band_weights(start, length, extent, size: int, span: int, flip, taps: int, dtype) -> torch.Tensor:
-    """_weights' values (reversed along the output where `flip`), computed for the `taps`
-    pixels from the first one each output pixel can reach and scattered into zeros: the dense
+def _band_weights(start, length, extent, grid: tuple[int, int, int], flip, dtype) -> torch.Tensor:
+    """_weights' values (reversed along the output where `flip`), `grid` (size, span, taps):
+    computed for the `taps` pixels from the first one each output pixel can reach and scattered into zeros: the dense
     form was ~10 float64 passes over N x size x span, this is one fill of it in `dtype`.
     Taps outside the window go to a spare column that is cut off."""
+    size, span, taps = grid
     scale = (length / size)[:, None, None]
     support = scale.clamp(min=1.0)
     out = torch.arange(size, device=start.device, dtype=start.dtype)[None, :, None]

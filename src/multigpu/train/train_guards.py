@@ -28,17 +28,22 @@ def lr_text(lr: float, lr_now: float | None = None) -> str:
     return f"now {lr:g}, {lr_now:g} at that step after --scheduler"
 
 
+def nonfinite_fix(lr: float, clip_grad_norm: float | None, lr_now: float | None = None) -> str:
+    """What to change when the loss became NaN/inf. `lr`: --lr; `lr_now`: the optimizer's, where
+    a scheduler changed it."""
+    clip = ("add --clip-grad-norm 1.0" if clip_grad_norm is None
+            else f"lower --clip-grad-norm (now {clip_grad_norm:g})")
+    return f"Lower --lr ({lr_text(lr, lr_now)}), {clip}, or check the data for NaN"
+
+
 def nonfinite_message(found: Found, *, step: int, where: str, last_good: Path | None, out: Path,
-                      lr: float, clip_grad_norm: float | None, lr_now: float | None = None) -> str:
-    """The one line `multigpu train` ends with when the loss or the weights became NaN/inf.
-    `lr`: --lr; `lr_now`: the optimizer's, where a scheduler changed it."""
+                      fix: str) -> str:
+    """The one line `multigpu train` ends with when the loss or the weights became NaN/inf
+    (`fix`: nonfinite_fix's)."""
     what = ("the weights became NaN/inf (the loss was still finite)" if found.kind == "weights"
             else f"the loss became {found.kind}")
     kept = (f"the last good checkpoint is {last_good}" if last_good is not None
             else "no checkpoint was saved before it")
-    clip = ("add --clip-grad-norm 1.0" if clip_grad_norm is None
-            else f"lower --clip-grad-norm (now {clip_grad_norm:g})")
-    fix = f"Lower --lr ({lr_text(lr, lr_now)}), {clip}, or check the data for NaN"
     if last_good is None:
         return f"{what} at step {step} ({where}); weights after it are not saved: {kept}. {fix}"
     source = out if Path(last_good).parent == checkpoints_folder(out) else last_good
@@ -101,7 +106,7 @@ class TrainGuards:
         where = f"epoch {epoch}, batch {before + found.index + 1} of {per_epoch}"
         return NonFiniteLoss(nonfinite_message(
             found, step=base + found.index + 1, where=where, last_good=last_good, out=self.out,
-            lr=self.lr, clip_grad_norm=self.clip_grad_norm, lr_now=self._lr_now()))
+            fix=nonfinite_fix(self.lr, self.clip_grad_norm, self._lr_now())))
 
     def _look_at_skipped(self) -> None:
         if self.skipped is None:

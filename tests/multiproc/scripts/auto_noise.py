@@ -15,7 +15,7 @@ before = {"torch": torch.randn(3).tolist(), "numpy": np.random.rand(3).tolist()}
 model = torch.nn.Linear(3, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 during = []
-for epoch in range(2):
+for _epoch in range(2):
     for x, y in DataLoader(data, batch_size=8, shuffle=True):
         z = torch.randn(len(x), 3) * 0.01
         noise = np.random.normal(0, 0.01, size=(len(x), 1))
