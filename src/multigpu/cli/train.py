@@ -358,6 +358,10 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
     same = not cfg.out or Path(cfg.out).resolve() == source.resolve()
     if source.is_dir() and runfolder.untrained_run_folder(source) and same:
         why = "no checkpoint"
+    elif cfg.out and same and _only_logs(source):
+        # --out R --resume R started on several nodes at once: another node's launcher made R's
+        # logs/ before node 0 claimed R (runfolder.reserve's nodes_log)
+        why = "only the logs of a launch"
     elif cfg.out and same and not source.exists() and not source.is_symlink():
         why = "no such folder: a run stopped while it started leaves none"
     else:
@@ -366,6 +370,14 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
                  f"there yet ({why}); starting from scratch in it")
     cfg.out, cfg.checkpointing.resume = cfg.out or cfg.checkpointing.resume, None
     return True
+
+
+def _only_logs(path: Path) -> bool:
+    """A folder holding a launch's logs/ and nothing else (no config.json, no checkpoint)."""
+    from multigpu.train import runfolder
+
+    return ((path / runfolder.LOGS).is_dir() and not (path / runfolder.CONFIG).exists()
+            and runfolder.nothing_trained(path, logs=True))
 
 
 def _plan_devices(cfg: TrainConfig):
