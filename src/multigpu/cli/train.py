@@ -15,7 +15,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 from multigpu.core import checkpoint_schema as schema
-from multigpu.train import configfile, provenance, timeline
+from multigpu.train import configfile, global_batch, provenance, timeline
 from multigpu.launcher import devices
 from multigpu.core import compiling, console, fileio
 from multigpu.cli import strategy_checks
@@ -104,6 +104,7 @@ def main(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     if opts.nnodes == "1":
         check_data_fits(cfg, plan)
+        global_batch.check_before_launch(cfg, _devices_of(cfg, plan))
     check_resume(cfg)
     fileio.check_can_make(runfolder.out_for(cfg) or "runs", "--out")
     if opts.log_dir:
@@ -327,10 +328,14 @@ def check_data_fits(cfg: TrainConfig, plan) -> None:
     if kind != "synthetic" or not count.isdigit() or int(count) < 1 or \
             not isinstance(cfg.input.batch_size, int):
         return  # synthetic:0 is the data spec's own error
-    per_process = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 and \
-        cfg.parallel.strategy == "dp" else 1
     ShardedBatchSampler(int(count), cfg.input.batch_size, num_ranks=plan.nproc,
-                        devices_per_rank=per_process)
+                        devices_per_rank=_devices_of(cfg, plan) // plan.nproc)
+
+
+def _devices_of(cfg: TrainConfig, plan) -> int:
+    """The devices sharing each step: one per process, or a DataParallel process's GPUs."""
+    dp = plan.nproc == 1 and len(plan.gpu_ids) > 1 and cfg.parallel.strategy == "dp"
+    return len(plan.gpu_ids) if dp else plan.nproc
 
 
 def _json_object(path: Path) -> dict:
@@ -354,6 +359,10 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
     same = not cfg.out or Path(cfg.out).resolve() == source.resolve()
     if source.is_dir() and runfolder.untrained_run_folder(source) and same:
         why = "no checkpoint"
+    elif cfg.out and same and _only_logs(source):
+        # --out R --resume R started on several nodes at once: another node's launcher made R's
+        # logs/ before node 0 claimed R (runfolder.reserve's nodes_log)
+        why = "only the logs of a launch"
     elif cfg.out and same and not source.exists() and not source.is_symlink():
         why = "no such folder: a run stopped while it started leaves none"
     else:
@@ -362,6 +371,14 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
                  f"there yet ({why}); starting from scratch in it")
     cfg.out, cfg.checkpointing.resume = cfg.out or cfg.checkpointing.resume, None
     return True
+
+
+def _only_logs(path: Path) -> bool:
+    """A folder holding a launch's logs/ and nothing else (no config.json, no checkpoint)."""
+    from multigpu.train import runfolder
+
+    return ((path / runfolder.LOGS).is_dir() and not (path / runfolder.CONFIG).exists()
+            and runfolder.nothing_trained(path, logs=True))
 
 
 def _plan_devices(cfg: TrainConfig):

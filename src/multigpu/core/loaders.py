@@ -233,6 +233,13 @@ def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_r
         len(dataset), loader.batch_size, num_ranks=num_ranks, rank=rank,
         devices_per_rank=devices_per_rank, shuffle=shuffle, seed=seed,
         drop_last=loader.drop_last if drop_last is None else drop_last)
+    return wrap_sharded(loader, sampler, device, on_step, accumulate)
+
+
+def wrap_sharded(loader: DataLoader, sampler: ShardedBatchSampler, device: torch.device,
+                 on_step: Callable[[StepInfo | None], None], accumulate: int = 1) -> PreparedLoader:
+    """`loader` rebuilt around `sampler` (a ShardedBatchSampler of its dataset), its settings kept."""
+    dataset, seed = _dataset_and_order(loader)[0], sampler.seed
     workers = loader.num_workers
     served = dataset
     if workers:  # random augmentation in workers: a function of (seed, epoch, sample) alone

@@ -33,6 +33,8 @@ from multigpu.core.data import StepInfo
 from multigpu.core.loaders import shard_loader
 from multigpu.core.distributed import DistEnv, init_distributed
 from multigpu.core.errors import UsageError
+from multigpu.core.global_batch import BatchPlan, check_global_batch, plan_batch
+from multigpu.core.global_batch_sampler import shard_global
 from multigpu.core.guards import Bypass
 from multigpu.core.precision import Precision, resolve_precision
 from multigpu.core.strategies import DDPOptions, Strategy, make_strategy
@@ -40,7 +42,7 @@ from multigpu.core.strategies import DDPOptions, Strategy, make_strategy
 
 def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int] | None = None,
           accelerator: str = "auto", seed: int = 0, accumulate: int = 1,
-          ddp: DDPOptions | None = None, options: object | None = None,
+          global_batch_size: int | None = None, ddp: DDPOptions | None = None, options: object | None = None,
           log_dir: str | Path | None = None, loggers: str = "tensorboard,csv",
           install_hooks: bool = False) -> Runtime:
     """Read the launcher's environment, create the process group, return a Runtime.
@@ -59,6 +61,10 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
                 with seed + rank, so dropout and augmentation differ between ranks; DDP copies
                 rank 0's initial weights to the others.
     accumulate: micro-batches per optimizer step; the all-reduce runs only on the last one.
+    global_batch_size: samples per optimizer step over all devices, the same on any device
+                count: prepare() shares each step out and chooses the micro-batch (at most the
+                DataLoader's batch_size, which is then the largest per device) and the
+                accumulation (multigpu.core.global_batch). Not with accumulate.
     ddp:        DDPOptions for the DDP engine (find_unused_parameters, static_graph, ...).
     options:    the strategy's options object: DDPOptions, or FSDPOptions for fsdp
                 (shard_modules=(MyBlock,), min_params, reshard_after_forward, cpu_offload,
@@ -79,6 +85,7 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
     """
     if accumulate < 1:
         raise UsageError(f"accumulate={accumulate} must be 1 or more")
+    check_global_batch(global_batch_size, accumulate)
     log_names = run_loggers.parse(loggers)
     gpu_index = devices[0] if devices else None  # dp too: its first GPU, never GPU 0 by default
     env = init_distributed(accelerator, gpu_index=gpu_index, install_hooks=install_hooks)
@@ -86,8 +93,10 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
     strat = make_strategy(strategy, env, device_ids=tuple(devices or ()),
                           options=tuple(o for o in (*given, ddp) if o is not None))
     seed_everything(seed + env.rank)
-    return Runtime(env, strat, make_precision(precision, strat), seed=seed, accumulate=accumulate,
-                   log_to=(Path(log_dir), log_names) if log_dir is not None else None)
+    rt = Runtime(env, strat, make_precision(precision, strat), seed=seed, accumulate=accumulate,
+                 log_to=(Path(log_dir), log_names) if log_dir is not None else None)
+    rt.global_batch = global_batch_size
+    return rt
 
 
 def make_precision(kind: str, strategy: Strategy) -> Precision:
@@ -118,6 +127,8 @@ class Runtime:
         self.env, self.strategy, self.precision = env, strategy, precision
         self.seed, self.accumulate = seed, accumulate
         self.step_info: StepInfo | None = None  # set by prepared loaders before each batch
+        self.global_batch: int | None = None  # setup(global_batch_size=G)
+        self.batch_plan: BatchPlan | None = None  # G's plan, from the first loader prepared
         self._models: list[nn.Module] = []
         self._replaced: dict[int, weakref.ref] = {}  # parameters a strategy replaced (fsdp)
         self._stepped: set[int] = set()  # optimizers rt.step has checked
@@ -270,15 +281,29 @@ class Runtime:
 
         The returned loader yields this rank's share of every global step (batch_size samples per
         device, every sample once per epoch, the same number of steps on every rank), moved to
-        the device."""
+        the device. With setup(global_batch_size=G), G samples per optimizer step instead, the
+        loader's batch_size the largest per device (multigpu.core.global_batch)."""
+        if self.global_batch is not None:
+            return self._prepare_global(loader, drop_last)
         return shard_loader(loader, num_ranks=self.env.world_size, rank=self.env.rank,
                             devices_per_rank=self.strategy.devices_per_process, device=self.device,
                             seed=self.seed, on_step=self._on_step, accumulate=self.accumulate,
                             drop_last=drop_last)
 
+    def _prepare_global(self, loader: DataLoader, drop_last: bool | None):
+        devices = self.env.world_size * self.strategy.devices_per_process
+        plan = plan_batch(self.global_batch, devices, loader.batch_size or 1)
+        if self.batch_plan is None:  # the training loader's (prepared first) sets the accumulation
+            self.batch_plan, self.accumulate = plan, plan.accumulate
+        return shard_global(loader, plan, layout=(self.env.world_size, self.env.rank,
+                                                  self.strategy.devices_per_process),
+                            device=self.device, seed=self.seed, on_step=self._on_step,
+                            drop_last=drop_last)
+
     def _on_step(self, info: StepInfo | None) -> None:
         self.step_info = info  # None once a loader is exhausted: no stale weights afterwards
-        if self.accumulate > 1 and info is not None:
+        # with a global batch, an epoch's last step can take more micro-batches than the others
+        if (self.accumulate > 1 or self.global_batch is not None) and info is not None:
             for model in self._models:
                 self.strategy.set_grad_sync(model, info.sync)
 
@@ -313,8 +338,9 @@ class Runtime:
             weight = info.local_count * self.env.world_size / info.window_count
             if weight != 1.0:
                 loss = loss * weight
-        elif self.accumulate > 1:
-            raise UsageError("setup(accumulate=N) counts micro-batches through the loaders that "
+        elif self.accumulate > 1 or self.global_batch is not None:
+            given = "global_batch_size=G" if self.global_batch is not None else "accumulate=N"
+            raise UsageError(f"setup({given}) counts micro-batches through the loaders that "
                              "rt.prepare() returns; this batch came from elsewhere: prepare the "
                              "training DataLoader, or use accumulate=1")
         self.precision.backward(loss)

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from multigpu.launcher import ports, sysinfo, watchdog
+from multigpu.launcher import cluster_env, ports, sysinfo, watchdog
 from multigpu.launcher.agent_launch import (NVML_CUDA_CHECK, launch_config,  # noqa: F401 (theirs)
                                             launch_with_agent, torchrun_argv)
 from multigpu.launcher.launch_common import (LaunchRun, Reporting, check_command,  # noqa: F401
@@ -42,7 +42,8 @@ def add_launch_arguments(parser) -> None:
     """The launch flags shared by `multigpu train` and `multigpu run`."""
     g = parser.add_argument_group("launch (one machine or several)")
     g.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
-                   help="machines taking part (default 1; inside a SLURM step: SLURM_NNODES)")
+                   help="machines taking part (default 1; inside a SLURM step: SLURM_NNODES; "
+                        "under Kubeflow Trainer or SkyPilot: PET_NNODES, SKYPILOT_NUM_NODES)")
     g.add_argument("--node-rank", type=int, default=None, metavar="R",
                    help="this machine's rank, 0..N-1; node 0 hosts the rendezvous")
     g.add_argument("--master-addr", default=None, metavar="HOST",
@@ -71,7 +72,8 @@ def add_launch_arguments(parser) -> None:
 
 
 def options_from_args(args) -> LaunchOptions:
-    """LaunchOptions from parsed flags, filled in from SLURM when run inside a multi-node step."""
+    """LaunchOptions from parsed flags, filled in from SLURM when run inside a multi-node step, or
+    from Kubeflow Trainer's or SkyPilot's variables (cluster_env) on several nodes."""
     opts = LaunchOptions(
         nnodes=args.nnodes or "1", node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
@@ -98,7 +100,24 @@ def options_from_args(args) -> LaunchOptions:
         if opts.master_addr is None and opts.rdzv_endpoint is None:
             opts.master_addr = slurm["master_addr"]
         opts.rdzv_id = opts.rdzv_id or slurm["rdzv_id"]
+    elif args.nnodes is None and (cluster := cluster_env.cluster_launch_defaults()):
+        _use_cluster(opts, cluster)
     return opts
+
+
+def _use_cluster(opts: LaunchOptions, found: dict) -> None:
+    """Kubeflow's or SkyPilot's launch facts (cluster_env), where no flag said otherwise; node 0's
+    name waited for until it resolves."""
+    opts.nnodes = found["nnodes"]
+    if opts.node_rank is None:
+        opts.node_rank = found["node_rank"]
+    if opts.rdzv_endpoint is None:
+        opts.master_addr = opts.master_addr or found.get("master_addr")
+        opts.master_port = opts.master_port or found.get("master_port")
+    opts.rdzv_id = opts.rdzv_id or found.get("rdzv_id")
+    if opts.master_addr and opts.rdzv_endpoint is None and opts.master_addr == found.get("master_addr"):
+        cluster_env.wait_for_master(opts.master_addr, found["master_name"], opts.start_timeout,
+                                    lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def in_worker() -> bool:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from multigpu.core import console
 from multigpu.core.runtime import Runtime
+from multigpu.train import global_batch
 from multigpu.train.config import TrainConfig
 from multigpu.train.control import Control
 from multigpu.train.train_guards import global_batch_note
@@ -18,6 +19,10 @@ def announce_run(cfg: TrainConfig, rt: Runtime, job, config: dict, control: Cont
                  f"{len(job.data.val)} val), {rt.strategy.describe()}, {rt.precision.kind}, "
                  f"global batch {config['global_batch']}, checkpoints "
                  f"{control.cadence.describe()} -> {out}")
+    if rt.batch_plan is not None:  # --global-batch-size: its own lines
+        for line in global_batch.announce(rt.batch_plan, len(job.data.train), cfg.input.drop_last):
+            console.info(line)
+        return
     _global_batch(cfg, rt, config["global_batch"])
     _last_step(cfg, rt, len(job.data.train))
 

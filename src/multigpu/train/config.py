@@ -86,7 +86,7 @@ def _run_fields():
 
 
 # The flat settings in the order users see them: `--help`, config.json and a relaunch's argv.
-FLAT_NAMES = ("model", "data", "epochs", "batch_size", "lr", "optimizer", "weight_decay",
+FLAT_NAMES = ("model", "data", "epochs", "batch_size", "global_batch_size", "lr", "optimizer", "weight_decay",
               "scheduler", "step_size", "gamma", "precision", "strategy", "devices",
               "min_free_memory", "seed", "out", "image_size", "seq_length", "future_length",
               "accumulate", "clip_grad_norm", "drop_last", "bad_images", "decode", "workers",

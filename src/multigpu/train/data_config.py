@@ -15,7 +15,8 @@ class DataConfig:
     data: str = option("digits", "digits | synthetic:N | folder:PATH (train/ and val/ inside) | "
                                  "timeseries:CSV | timeseries:co2 | timeseries:macro (embedded)")
     batch_size: int | str = option(64, "samples per device per step (the global batch is this "
-                                       "times the number of GPUs or processes), or auto: the "
+                                       "times the number of GPUs or processes; with "
+                                       "--global-batch-size, the largest per device), or auto: the "
                                        "largest that fits on every GPU, found by real steps at "
                                        "the start", metavar="N|auto", at_least=1, example=64)
     image_size: int | None = option(None, "image side for synthetic and folder data (default: "

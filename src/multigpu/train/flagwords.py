@@ -15,6 +15,7 @@ FLAGS = {
     "setup.strategy": "--strategy {}",
     "setup.precision": "--precision {}",
     "setup.accumulate": "--accumulate {}",
+    "setup.global_batch_size": "--global-batch-size {}",
     "setup.accelerator": "--devices cpu:N",  # the CPU: CPU processes at launch
     "compile_model.mode": "--compile {}",
     "DataLoader.batch_size": "--batch-size",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from multigpu.core.global_batch import check_global_batch
 from multigpu.core.options import check_options, option
 
 
@@ -23,9 +24,16 @@ class OptimConfig:
                                 "last only)", at_least=1)
     clip_grad_norm: float | None = option(None, "clip the global gradient norm to this value",
                                           above=0, example=1.0)
+    global_batch_size: int | None = option(None, "samples per optimizer step over all devices, "
+                                                 "the same on any device count: --batch-size "
+                                                 "(or auto) is then the largest per device, and "
+                                                 "the accumulation makes up the rest; a resume "
+                                                 "on other devices keeps it", at_least=1,
+                                           metavar="G", example=256)
 
     def __post_init__(self):
         check_options(self)
+        check_global_batch(self.global_batch_size, self.accumulate)  # not beside --accumulate
 
     @property
     def learning_rate(self) -> float:

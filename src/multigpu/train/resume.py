@@ -9,7 +9,7 @@ from multigpu.core import checkpoint_schema as schema
 from multigpu.core.errors import UsageError
 from multigpu.core.loaders import sample_seed
 from multigpu.core.runtime import Runtime, seed_everything
-from multigpu.train import runfolder
+from multigpu.train import global_batch, runfolder
 from multigpu.train.config import TrainConfig
 from multigpu.train.runstate import ResumePoint, RunState
 from multigpu.train.training import Job
@@ -31,8 +31,9 @@ def restore(cfg: TrainConfig, rt: Runtime, job: Job, point: ResumePoint, out: Pa
              if run.position else f"after epoch {run.completed_epochs}")
     console.info(f"resumed from {point.path} ({where}, step {run.global_step}; saved by "
                  f"{point.state.get(schema.WORLD_SIZE)} x {point.state.get(schema.STRATEGY)})"
-                 + batch_change(point.state, cfg.input.batch_size,
-                                cfg.input.batch_size * rt.strategy.devices_per_process * rt.world_size))
+                 + (global_batch.resume_words(point.state, rt.batch_plan) if rt.batch_plan else
+                    batch_change(point.state, cfg.input.batch_size,
+                                 cfg.input.batch_size * rt.strategy.devices_per_process * rt.world_size)))
     if run.completed_epochs >= cfg.epochs:
         console.info(f"the run is complete ({run.completed_epochs} of {cfg.epochs} epochs): nothing "
                      f"left to train; a larger --epochs trains on from here")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu.train import imagefolder, provenance
+from multigpu.train import global_batch, imagefolder, provenance
 from multigpu.core import compiling, console
 from multigpu.train.config import TrainConfig, flatten
 from multigpu.train.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
@@ -80,9 +80,9 @@ def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module, steps: int
     steps, which --compile auto decides on."""
     mode = cfg.compile
     if mode == "auto":
-        mode, why = auto_mode(rt.device.type, rt.strategy.name, cfg.optim.accumulate, steps or 0)
+        mode, why = auto_mode(rt.device.type, rt.strategy.name, rt.accumulate, steps or 0)
         console.info(why)
-    compiling.check(mode, rt.device.type, rt.strategy.name, cfg.optim.accumulate)
+    compiling.check(mode, rt.device.type, rt.strategy.name, rt.accumulate)
     return compiling.compile_model(model, mode)
 
 
@@ -236,7 +236,7 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     if head is not None:
         head.imports_done()  # its modules complete before the wrapping uses them
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
-    model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // cfg.optim.accumulate)
+    model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // rt.accumulate)
     mark("prepare")
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
     scheduler = make_scheduler(cfg, optimizer)
@@ -262,7 +262,7 @@ def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: 
             "global_batch": cfg.input.batch_size * rt.strategy.devices_per_process * rt.world_size,
             "train_size": len(job.data.train), "val_size": len(job.data.val), "task": job.data.task,
             "input_shape": list(job.data.input_shape), "num_outputs": job.data.num_outputs,
-            "provenance": provenance.run_facts(rt, launch)}
+            "provenance": provenance.run_facts(rt, launch), **global_batch.config_facts(rt.batch_plan)}
 
 
 def oom_message(cfg: TrainConfig, rt: Runtime) -> str:

@@ -131,6 +131,7 @@ def _setup(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str, hea
     try:
         rt = setup(cfg.parallel.strategy, precision_for(cfg.numerics.precision, cfg.model), devices=device_ids,
                    accelerator=accelerator, seed=cfg.seed, accumulate=cfg.optim.accumulate,
+                   global_batch_size=cfg.optim.global_batch_size,
                    options=strategy_options(cfg), install_hooks=True)
     except BaseException:
         head.cancel()
