@@ -12,7 +12,8 @@
 With train options it checks the launch environment, the devices, the precision, what the last
 step of each epoch will be, the validation set's sharding, and runs one real training and
 evaluation step on the first device: parameters without a gradient, peak memory, and the largest
-per-GPU batch that fits. With a script it reads the script's source for the traps a source shows,
+per-GPU batch that fits; it ends with what up to 20 timed steps predict: the time an epoch, the
+whole run and its device-hours, evaluation and checkpoint pauses included. With a script it reads the script's source for the traps a source shows,
 then runs it as `multigpu run` would, in the current folder, and stops every rank right after its
 first optimizer step (--steps N: the N-th): the parameters without a gradient, the training
 DataLoaders that are not sharded, the batch per rank and the peak memory, as the ranks saw them.
@@ -106,7 +107,12 @@ def main(args: argparse.Namespace) -> int:
     if script:
         return report(_script_checks(args, script))
     print(HEADLINE, flush=True)
-    return report(_train_checks(args))
+    findings = _train_checks(args)
+    last = [f for f in findings if f.check == "estimate"]  # probe.ESTIMATE: not a check, the end
+    code = report([f for f in findings if f not in last])
+    for f in last:
+        print(f"estimate   {f.message}", flush=True)
+    return code
 
 
 def _script_checks(args, script: list[str]):
