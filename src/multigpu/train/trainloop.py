@@ -45,6 +45,7 @@ from multigpu.core.runtime import Runtime, setup
 from multigpu.train.timeline import Timeline
 from multigpu.train.head_start import HeadStart
 from multigpu.train.step_profile import StepProfile
+from multigpu.train.run_estimate import RunEstimate
 from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cores_per_process, learning_rate,
                                      loader_workers, oom_message, strategy_options, resolved_config)
 
@@ -220,6 +221,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
                          clip_grad_norm=cfg.optim.clip_grad_norm)
     job.train_loader.set_last_epoch(cfg.epochs - 1)  # its workers decode nothing past the run's end
+    estimate = RunEstimate.for_run(cfg, rt, job, run.epoch)
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
@@ -228,6 +230,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         def after_step(cursor, epoch=epoch, base=base, begun=run, last=last):
             step = base + cursor.steps
             guards.stepped()
+            estimate.after_step(cursor.steps, epoch)
             if job.decode is not None:
                 job.decode.after_step(cursor, rt.env)
             log.step(step, epoch, cursor, job.optimizer)
@@ -271,6 +274,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         last = record
         if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
             _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)
+    estimate.done()
     return record
 
 
