@@ -225,7 +225,13 @@ def test_a_script_is_run_up_to_its_steps_on_two_ranks_then_stopped_with_nothing_
                               "8 over the 2 ranks")
     assert found["side effects"] == (f"ok    side effects   files the script wrote under {tmp_path} before it "
                              "was stopped (new: started-0.txt, started-1.txt) are left as they are")
-    assert proc.stdout.splitlines()[-1] == "9 checks: 0 failed, 0 warnings"
+    *_, summary, estimate = proc.stdout.splitlines()
+    assert summary == "9 checks: 0 failed, 0 warnings"
+    # steps 2 and 3 timed (the first is the start-up's), the epoch from the loader's 8 batches
+    said = re.fullmatch(r"estimate   ~(.+) an epoch of 8 steps \(training (.+)\) \(from 2 measured "
+                        r"steps, ±\d+ %\); not in it: start-up, the first step, evaluation and "
+                        r"checkpoints \(the script's own\)", estimate)
+    assert said and seconds_of(said.group(1)) == seconds_of(said.group(2)), estimate
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "finished.txt").exists(), "the script ran past its third step"
     pids = [int((tmp_path / f"started-{r}.txt").read_text()) for r in (0, 1)]
