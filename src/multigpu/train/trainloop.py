@@ -42,6 +42,7 @@ from multigpu.train.model_names import precision_for
 from multigpu.train.resume import restore
 from multigpu.train.runstate import RunState, resume_point
 from multigpu.core.runtime import Runtime, setup
+from multigpu.core.stragglers import ranks_record
 from multigpu.train.timeline import Timeline
 from multigpu.train.head_start import HeadStart
 from multigpu.train.step_profile import StepProfile
@@ -69,6 +70,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         make_deterministic()
     rt = _setup(cfg, device_ids, accelerator, head)
     _say_from_rank0(rt)
+    rt.stragglers.say = False  # on the epoch line instead (ranks_record)
     clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
@@ -249,6 +251,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
 
         record = {"epoch": epoch, "step": base + steps, "lr": job.optimizer.param_groups[0]["lr"]}
         record |= _train_epoch(cfg, rt, job, run, epoch, after_step, first_nonfinite, clock)
+        record |= ranks_record(rt.stragglers.take())  # each rank's own time: who held the rest back
         _stop_if_diverged(guards, saver, steps, job.model)
         _count_bad_images(rt, job, record)
         record |= _validate(cfg, rt, job, clock)
@@ -382,7 +385,7 @@ def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
                  f"val_loss {record['val_loss']:.4f}{acc}  "
                  f"({record['train_samples']} train / {record['val_samples']} val samples)  "
                  f"{record['epoch_seconds']:.1f} s  {record['samples_per_second']:,.0f} samples/s"
-                 f"{_wait_text(record['input_wait'])}")
+                 f"{_wait_text(record['input_wait'])}{'; ' + record['straggler'] if 'straggler' in record else ''}")
 
 
 def _wait_text(share: float) -> str:
