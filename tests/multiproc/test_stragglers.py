@@ -67,7 +67,8 @@ def test_a_rank_slow_in_its_loader_is_named_by_the_library_s_prepared_model(tmp_
 
 
 def test_an_even_run_of_20_epochs_names_no_rank(tmp_path):
-    proc = run(*TRAIN[:4], "synthetic:100", *TRAIN[5:], "--epochs", "20", "--out", tmp_path / "run",
+    # 13 batches a rank and epoch: a burst of the machine's other work rarely covers a median
+    proc = run(*TRAIN, "--epochs", "20", "--out", tmp_path / "run",
                cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(tmp_path / "run")

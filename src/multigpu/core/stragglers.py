@@ -16,12 +16,13 @@ gradients on) the ranks gather their figures (one collective), and rank 0 judges
 
 - a rank whose own time a typical batch (wait for data + compute, each the median over the
   epoch's batches) is more than SLOW over the median of the others', and by at least MIN_MS, is
-  slow in that epoch. SLOW = 25 %: a rank that much slower costs every rank a fifth of the job,
-  and the figures of an even run stay within it where its steps are long enough to time; they
-  are not on a CPU shared with other work at steps of 1-2 ms: in 20-epoch even runs of two ranks
-  on our 2-core VM (load 5-12) the slower rank was 2-337 % over the other (means; medians
-  since), but never by more than 4 ms a batch with the medians, 14 ms with the means of 7-batch
-  epochs. Hence MIN_MS = 5 ms, and the medians;
+  slow in that epoch. SLOW = 25 %: a rank that much slower costs every rank a fifth of its time;
+  a chosen figure, not one measured on GPUs. MIN_MS = 5 ms: at steps of 1-2 ms on a CPU shared
+  with other work nothing relative holds. In three 20-epoch even runs of two ranks on our
+  2-core VM (load 5-12) the slower rank was up to 337 % over the other in an epoch; with epoch
+  means, 14 ms once, twice in a row once (a false report); with the medians, under 5 ms in all
+  but 1 and 2 epochs of two runs (12 and 15 ms: a burst of other work as long as a 7-batch
+  epoch), never two in a row;
 - it is named when the same rank is slow in two epochs in a row (a burst of other work on one
   machine is not), and in each epoch after while it stays so:
 
