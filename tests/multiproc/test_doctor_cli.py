@@ -40,8 +40,25 @@ def test_a_train_setup_on_two_cpu_processes_passes_every_check_with_its_figures(
     assert ("1442 training samples, 32 per device x 2 devices = 64 per step: 23 steps; the last "
             "has 34 (17+17 per process)") in found["last step"]
     assert "each of the 355 validation samples counted once over 2 processes" in found["evaluation"]
-    assert proc.stdout.splitlines()[-1] == "7 checks: 0 failed, 0 warnings"
+    *_, summary, estimate = proc.stdout.splitlines()
+    assert summary == "7 checks: 0 failed, 0 warnings"
     assert not list(tmp_path.iterdir()), "doctor writes nothing"
+    said = re.fullmatch(r"estimate   ~(.+) an epoch of 23 steps \(training (.+), evaluation (.+), "
+                        r"checkpoint (.+)\), ~(.+) for 10 epochs, ([\d.]+|under 0.01) CPU-hours on 2 "
+                        r"CPU processes \(from (\d+) measured steps, ±\d+ %\); not in it: start-up, "
+                        r"a first epoch's compile \(--compile\), --decode auto's trial, a cold page "
+                        r"cache, the all-reduce between devices \(one device timed\)", estimate)
+    assert said, estimate
+    epoch, training, evaluation, checkpoint, total = map(seconds_of, said.groups()[:5])
+    assert epoch == pytest.approx(training + evaluation + checkpoint, abs=0.15)
+    assert total == pytest.approx(10 * epoch, rel=0.1, abs=1.0)  # each rounded as said
+    assert 3 <= int(said.group(7)) <= 20
+
+
+def seconds_of(said: str) -> float:
+    """'4.2 s', '12 s', '3.5 min', '1.2 h' in seconds."""
+    number, unit = said.split()
+    return float(number) * {"s": 1, "min": 60, "h": 3600, "days": 86400}[unit]
 
 
 def test_gpus_that_are_not_there_fail_with_the_fix_and_exit_1(tmp_path):
@@ -208,7 +225,13 @@ def test_a_script_is_run_up_to_its_steps_on_two_ranks_then_stopped_with_nothing_
                               "8 over the 2 ranks")
     assert found["side effects"] == (f"ok    side effects   files the script wrote under {tmp_path} before it "
                              "was stopped (new: started-0.txt, started-1.txt) are left as they are")
-    assert proc.stdout.splitlines()[-1] == "9 checks: 0 failed, 0 warnings"
+    *_, summary, estimate = proc.stdout.splitlines()
+    assert summary == "9 checks: 0 failed, 0 warnings"
+    # steps 2 and 3 timed (the first is the start-up's), the epoch from the loader's 8 batches
+    said = re.fullmatch(r"estimate   ~(.+) an epoch of 8 steps \(training (.+)\) \(from 2 measured "
+                        r"steps, ±\d+ %\); not in it: start-up, the first step, evaluation and "
+                        r"checkpoints \(the script's own\)", estimate)
+    assert said and seconds_of(said.group(1)) == seconds_of(said.group(2)), estimate
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "finished.txt").exists(), "the script ran past its third step"
     pids = [int((tmp_path / f"started-{r}.txt").read_text()) for r in (0, 1)]

@@ -97,6 +97,35 @@ def test_rank_0_ends_with_where_the_job_s_time_went(one_and_two_process_runs):
     assert float(other) >= 0  # the parts, each timed on its own, add up to no more than the whole
 
 
+def test_rank_0_says_the_estimate_after_its_first_timed_steps_and_compares_it_at_the_end(
+        one_and_two_process_runs):
+    import re
+
+    _, two, proc = one_and_two_process_runs
+    said = [line for line in proc.stdout.splitlines() if line.startswith("estimate: ")]
+    assert len(said) == 2, proc.stdout[-3000:]
+    first = re.fullmatch(r"estimate: ~(.+) an epoch of 26 steps \(training (.+), evaluation (.+)\), "
+                         r"~(.+) for 2 epochs, under 0.01 CPU-hours on 2 CPU processes \(from 20 "
+                         r"measured steps, ±\d+ %\); not in it: start-up, checkpoint pauses, a first "
+                         r"epoch's compile \(--compile\)", said[0])
+    assert first, said[0]
+    epoch, training, evaluation, total = (float(t.split()[0]) for t in first.groups())  # all in s
+    assert epoch == pytest.approx(training + evaluation, abs=0.15)
+    assert total == pytest.approx(2 * epoch, abs=0.15)
+    # 5 batches skipped, 20 timed up to the last but one: before the first epoch's line
+    lines = proc.stdout.splitlines()
+    assert lines.index(said[0]) < next(i for i, line in enumerate(lines) if line.startswith("epoch 1 "))
+    closing = re.fullmatch(r"estimate: the 2 epochs took ([\d.]+) s, estimated ~([\d.]+) s "
+                           r"\((\d+) % (longer|shorter) than estimated\)", said[1])
+    assert closing and float(closing.group(2)) == total, said[1]
+    real = float(closing.group(1))
+    assert real >= sum(r["epoch_seconds"] for r in read_metrics(two)) - 0.1  # evaluation and more too
+    # both said to 0.1 s: the percentage, of the unrounded times, within what that rounding moves
+    rounding = (0.05 / total + real * 0.05 / total**2) * 100 + 1
+    assert int(closing.group(3)) == pytest.approx(abs(real - total) / total * 100, abs=rounding)
+    assert lines.index(said[1]) == next(i for i, line in enumerate(lines) if line.startswith("time: ")) - 1
+
+
 def test_two_process_checkpoint_loads_into_a_bare_model(one_and_two_process_runs):
     _, two, _ = one_and_two_process_runs
     state = torch.load(two / "checkpoints" / "last.pt", weights_only=True)

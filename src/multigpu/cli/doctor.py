@@ -12,12 +12,16 @@
 With train options it checks the launch environment, the devices, the precision, what the last
 step of each epoch will be, the validation set's sharding, and runs one real training and
 evaluation step on the first device: parameters without a gradient, peak memory, and the largest
-per-GPU batch that fits. With a script it reads the script's source for the traps a source shows,
-then runs it as `multigpu run` would, in the current folder, and stops every rank right after its
-first optimizer step (--steps N: the N-th): the parameters without a gradient, the training
-DataLoaders that are not sharded, the batch per rank and the peak memory, as the ranks saw them.
-What the script writes before that step stays (listed); nothing after it runs. A script that
-reaches no torch.optim step within --trial-timeout is stopped there. --no-step: read only.
+per-GPU batch that fits; it ends with what up to 20 timed steps predict: the time an epoch, the
+whole run and its device-hours, evaluation and checkpoint pauses included. With a script it
+reads the script's source for the traps a source shows, then runs it as `multigpu run` would, in
+the current folder, and stops every rank right after its first optimizer step (--steps N: the
+N-th): the parameters without a gradient, the training DataLoaders that are not sharded, the
+batch per rank and the peak memory, as the ranks saw them. What the script writes before that
+step stays (listed); nothing after it runs. A script that reaches no torch.optim step within
+--trial-timeout is stopped there. With --steps 3 or more it ends with the time a step from the
+steps after the first, and an epoch where its training DataLoader's length is known. --no-step:
+read only.
 With --auto: each change of `multigpu run --auto` at its line in the script, the refusals its
 source shows (warn: --auto refuses what the script does when it runs, so the run decides), then
 the script under --auto up to its first optimizer step, where a refusal is a fail.
@@ -77,8 +81,6 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.train.findings import report
-
     script = list(args.script)
     if script[:1] == ["--"]:
         script = script[1:]
@@ -104,9 +106,20 @@ def main(args: argparse.Namespace) -> int:
                          "script has no such step to time: leave --scaling out, or give train "
                          "options, e.g. multigpu doctor --model resnet18 --data ... --scaling")
     if script:
-        return report(_script_checks(args, script))
+        return _report(_script_checks(args, script))
     print(HEADLINE, flush=True)
-    return report(_train_checks(args))
+    return _report(_train_checks(args))
+
+
+def _report(findings) -> int:
+    """The checks, their count, then the estimate (not a check: what the steps timed predict)."""
+    from multigpu.train.findings import report
+
+    last = [f for f in findings if f.check == "estimate"]
+    code = report([f for f in findings if f not in last])
+    for f in last:
+        print(f"estimate   {f.message}", flush=True)
+    return code
 
 
 def _script_checks(args, script: list[str]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 import warnings
 from collections.abc import Callable
 
@@ -61,6 +62,7 @@ class PreparedLoader:
         self._live = None       # the DataLoader iterator kept from one epoch to the next
         self._next = None       # (epoch, start) of _live's next batch, once an epoch was taken whole
         self._turn = 0          # which iteration may take batches from _live
+        self.watch = None       # stragglers.Stragglers of a training loader: its waits, its epochs
 
     def __len__(self) -> int:
         """Steps of the next (or current) iteration."""
@@ -115,11 +117,17 @@ class PreparedLoader:
         else:
             batches = ((info, _finished(move_to_device(b, self.device, False), self.device, finish))
                        for info, b in batches)
+        watch, began = self.watch, time.perf_counter()
         for info, batch in batches:
+            if watch is not None:
+                watch.waited(time.perf_counter() - began)
             self.position += info.global_count
             self.on_step(info)
             yield batch
+            began = time.perf_counter()
         self.on_step(None)
+        if watch is not None:
+            watch.epoch_end(epoch)
 
     def _take(self, epoch: int, start: int, steps: int):
         """The `steps` batches of epoch `epoch` from position `start`: from the iterator that

@@ -38,6 +38,7 @@ from multigpu.core.global_batch_sampler import shard_global
 from multigpu.core.guards import Bypass
 from multigpu.core.precision import Precision, resolve_precision
 from multigpu.core.strategies import DDPOptions, Strategy, make_strategy
+from multigpu.core.stragglers import Stragglers
 
 
 def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int] | None = None,
@@ -119,7 +120,9 @@ class Runtime:
     It wraps what a loop needs around the user's own objects: `prepare()` the model, optimizer and
     loaders; `autocast()`, `backward()` and `step()` in the loop; `save()` and `load()` for
     checkpoints; `print()` on rank 0. Attributes: `env` (DistEnv), `strategy`, `precision`
-    (Precision), `step_info` (StepInfo of the batch the prepared loader yielded last).
+    (Precision), `step_info` (StepInfo of the batch the prepared loader yielded last),
+    `stragglers` (each rank's own time of every epoch and the rank that holds the others back:
+    `rt.stragglers.take()` after an epoch gives (every rank's figures, the sentence or None)).
     """
 
     def __init__(self, env: DistEnv, strategy: Strategy, precision: Precision, *, seed: int = 0,
@@ -137,6 +140,7 @@ class Runtime:
         self._logs = None
         self._log_step = 0
         self._bypass = Bypass(env.is_main)  # loss.backward() / optimizer.step() around the runtime
+        self.stragglers = Stragglers(env, strategy.device)  # which rank holds the others back
 
     # --- convenience views ----------------------------------------------------------------------
     @property
@@ -273,6 +277,7 @@ class Runtime:
         kept = {id(p) for p in self.strategy.unwrap(wrapped).parameters()}
         self._replaced.update((id(p), weakref.ref(p)) for p in before if id(p) not in kept)
         wrapped.register_forward_pre_hook(_warn_eval_with_grad)
+        self.stragglers.watch(wrapped)
         self._models.append(wrapped)
         return wrapped
 
@@ -284,11 +289,15 @@ class Runtime:
         the device. With setup(global_batch_size=G), G samples per optimizer step instead, the
         loader's batch_size the largest per device (multigpu.core.global_batch)."""
         if self.global_batch is not None:
-            return self._prepare_global(loader, drop_last)
-        return shard_loader(loader, num_ranks=self.env.world_size, rank=self.env.rank,
-                            devices_per_rank=self.strategy.devices_per_process, device=self.device,
-                            seed=self.seed, on_step=self._on_step, accumulate=self.accumulate,
-                            drop_last=drop_last)
+            prepared = self._prepare_global(loader, drop_last)
+        else:
+            prepared = shard_loader(loader, num_ranks=self.env.world_size, rank=self.env.rank,
+                                    devices_per_rank=self.strategy.devices_per_process,
+                                    device=self.device, seed=self.seed, on_step=self._on_step,
+                                    accumulate=self.accumulate, drop_last=drop_last)
+        if self.stragglers.counts(prepared):
+            prepared.watch = self.stragglers
+        return prepared
 
     def _prepare_global(self, loader: DataLoader, drop_last: bool | None):
         devices = self.env.world_size * self.strategy.devices_per_process

@@ -1,6 +1,7 @@
 """One real training step and one evaluation step of a `multigpu train` setup, on one device:
 the parameters that get no gradient (trap 6), the peak memory of each (trap 2), and on a GPU the
-largest per-GPU batch that fits (batchfit.py), all before any run starts.
+largest per-GPU batch that fits (batchfit.py), and the run's time from more steps timed
+(timing.py), all before any run starts.
 
 The step is multigpu's own (engine.py's pieces, the Runtime's backward and step), in one process
 with strategy single: DDP's buckets add about one copy of the gradients to the peak shown.
@@ -18,6 +19,7 @@ from multigpu.train.findings import Finding
 from multigpu.train.engine import prepare_inputs
 
 GIB = 2**30
+ESTIMATE = "estimate"  # the check the doctor's report leaves for its last line
 
 
 def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
@@ -50,16 +52,24 @@ def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
     if not cuda:
         findings.append(Finding("ok", "memory", f"one step ran on the CPU in {step_seconds:.2f} s "
                                                 "(host memory not checked)", trap=2))
-        return findings
+        return findings + [_estimate_finding(cfg, plan, rt, job)]
     eval_peak = _eval_peak(rt, job)
     total = torch.cuda.get_device_properties(rt.device).total_memory
     findings.append(Finding("ok", "memory", f"peak on {rt.device} ({total / GIB:.0f} GiB) with "
                                             f"--batch-size {cfg.input.batch_size}: {train_peak / GIB:.2f} GiB "
                                             f"in a training step, {eval_peak / GIB:.2f} GiB in "
                                             "evaluation", trap=2))
+    findings.append(_estimate_finding(cfg, plan, rt, job))  # before the search: it grows the batch
     if find_batch:
         findings.append(_fit_finding(cfg, rt, job, batch, total))
     return findings
+
+
+def _estimate_finding(cfg, plan, rt, job) -> Finding:
+    """The run's time, from steps timed here (timing.py); the doctor says it last."""
+    from multigpu.doctor.timing import run_estimate
+
+    return Finding("ok", ESTIMATE, run_estimate(cfg, plan, rt, job).line())
 
 
 def _train_step(rt, job, batch) -> tuple[list[str], int]:

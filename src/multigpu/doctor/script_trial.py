@@ -137,8 +137,27 @@ def record_findings(records: list[dict], ranks: int, steps: int, end: TrialEnd, 
         found.append(_unused_finding(records))
     if ranks > 1:
         found += (loaders or _loader_findings)(records, ranks)
-    found += [f for f in (_batch_finding(records, ranks), _memory_finding(records)) if f]
+    found += [f for f in (_batch_finding(records, ranks), _memory_finding(records),
+                          step_estimate(records, ranks)) if f]
     return found
+
+
+def step_estimate(records: list[dict], ranks: int) -> Finding | None:
+    """The time a step (from the second on: the first is the start-up's), and an epoch where the
+    training DataLoader's length is known, from rank 0's steps; None with fewer than 3 steps."""
+    from multigpu.train.estimate import Estimate, spread
+
+    first = next((r for r in records if r["rank"] == 0), records[0])
+    times = first.get("step_times") or []
+    if len(times) < 3:
+        return None
+    samples = [b - a for a, b in zip(times, times[1:])]  # step 2's time on
+    batches = next((ld["batches"] for ld in first["loaders"] if ld.get("batches")), None)
+    cuda = bool(first.get("memory", {}).get("gpus"))
+    estimate = Estimate(sum(samples) / len(samples), spread(samples), len(samples), ranks, cuda,
+                        batches=batches, leaves_out=("start-up", "the first step",
+                                                     "evaluation and checkpoints (the script's own)"))
+    return Finding("ok", "estimate", estimate.line())
 
 
 def _timeout_finding(records: list[dict], timed: list[dict], ranks: int, steps: int,

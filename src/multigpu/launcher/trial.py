@@ -74,6 +74,7 @@ class Trial:
         self.unused_fatal = False  # DDP without find_unused_parameters: the next forward fails
         self._counts: dict[int, int] = {}
         self._first: int | None = None  # the optimizer that stepped first counts the steps
+        self.step_times: list[float] = []  # seconds from the start to each of its steps (the estimate)
         self._ending = threading.Lock()  # held by the first of: the last step, the end, the timer
 
     def install(self) -> None:
@@ -121,6 +122,8 @@ class Trial:
             self._first = key
             self.batch = self._model_batch(
                 {id(p) for g in optimizer.param_groups for p in g["params"]})
+        if key == self._first:
+            self.step_times.append(round(time.perf_counter() - self.started, 6))
         if count == 1:
             self._check_unused(optimizer)
         if self.unused_fatal or (key == self._first and count >= self.steps):
@@ -216,7 +219,8 @@ class Trial:
         record = {"rank": self.rank, "world": self.world, "steps": self._counts.get(self._first, 0),
                   "seconds": round(time.perf_counter() - self.started, 2), "batch": batch,
                   "loaders": list(self.loaders.values()), "unused": self.unused,
-                  "unused_fatal": self.unused_fatal, "memory": _memory(), **extra}
+                  "unused_fatal": self.unused_fatal, "memory": _memory(),
+                  "step_times": self.step_times, **extra}
         from multigpu.core import fileio  # here: a worker imports this module before the script
 
         # whole or absent: the doctor and the peers read it

@@ -42,9 +42,11 @@ from multigpu.train.model_names import precision_for
 from multigpu.train.resume import restore
 from multigpu.train.runstate import RunState, resume_point
 from multigpu.core.runtime import Runtime, setup
+from multigpu.core.stragglers import ranks_record
 from multigpu.train.timeline import Timeline
 from multigpu.train.head_start import HeadStart
 from multigpu.train.step_profile import StepProfile
+from multigpu.train.run_estimate import RunEstimate
 from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cores_per_process, learning_rate,
                                      loader_workers, oom_message, strategy_options, resolved_config)
 
@@ -68,6 +70,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         make_deterministic()
     rt = _setup(cfg, device_ids, accelerator, head)
     _say_from_rank0(rt)
+    rt.stragglers.say = False  # on the epoch line instead (ranks_record)
     clock.mark("process group")
     if rt.device.type == "cuda" and not cfg.deterministic:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
@@ -221,6 +224,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
     guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
                          clip_grad_norm=cfg.optim.clip_grad_norm)
     job.train_loader.set_last_epoch(cfg.epochs - 1)  # its workers decode nothing past the run's end
+    estimate = RunEstimate.for_run(cfg, rt, job, run.epoch)
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step
@@ -229,6 +233,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         def after_step(cursor, epoch=epoch, base=base, begun=run, last=last):
             step = base + cursor.steps
             guards.stepped()
+            estimate.after_step(cursor.steps, epoch)
             if job.decode is not None:
                 job.decode.after_step(cursor, rt.env)
             log.step(step, epoch, cursor, job.optimizer)
@@ -247,6 +252,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
 
         record = {"epoch": epoch, "step": base + steps, "lr": job.optimizer.param_groups[0]["lr"]}
         record |= _train_epoch(cfg, rt, job, run, epoch, after_step, first_nonfinite, clock)
+        record |= ranks_record(rt.stragglers.take())  # each rank's own time: who held the rest back
         _stop_if_diverged(guards, saver, steps, job.model)
         _count_bad_images(rt, job, record)
         record |= _validate(cfg, rt, job, clock)
@@ -272,6 +278,7 @@ def _epochs(cfg: TrainConfig, rt: Runtime, job: Job, run: RunState, control: Con
         last = record
         if epoch < cfg.epochs and (stop := control.agree_stop()):  # asked for during evaluation
             _save_or_stop(rt, saver, control, run, last, stop, out, saved=True)
+    estimate.done()
     return record
 
 
@@ -379,7 +386,7 @@ def _report(rt: Runtime, out: Path, record: dict, classification: bool) -> None:
                  f"val_loss {record['val_loss']:.4f}{acc}  "
                  f"({record['train_samples']} train / {record['val_samples']} val samples)  "
                  f"{record['epoch_seconds']:.1f} s  {record['samples_per_second']:,.0f} samples/s"
-                 f"{_wait_text(record['input_wait'])}")
+                 f"{_wait_text(record['input_wait'])}{'; ' + record['straggler'] if 'straggler' in record else ''}")
 
 
 def _wait_text(share: float) -> str:
