@@ -96,7 +96,8 @@ def test_a_misspelt_command_is_named_with_the_nearest_real_one(typed, hint, caps
         "--help lists the options\n")
 
 
-FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
+FORMS = ("digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), "
+         "shards:DIR (WebDataset tar shards), timeseries:CSV")
 
 
 @pytest.mark.parametrize("spec, said", [
