@@ -94,7 +94,7 @@ def test_a_truncated_shard_is_refused_in_one_line_naming_it(tmp_path):
     shard = shards / "train-000001.tar"
     data = shard.read_bytes()
     last = [m for m in tarfile.open(shard)][-1]
-    for cut in (last.offset_data + 10, last.offset_data + last.size + 10):  # in a member, at the end
+    for cut in (3000, last.offset_data + 10, last.offset_data + last.size + 10):  # early, late, at the end
         shard.write_bytes(data[:cut])
         with pytest.raises(UsageError) as excinfo:
             check_shards(str(shards))
@@ -211,3 +211,26 @@ def test_a_folder_of_shards_given_without_its_form_is_named_with_it(tmp_path):
     assert str(excinfo.value) == (f"unknown data spec {str(shards)!r}: it is a folder of tar "
                                   "shards; for WebDataset shards (train-*.tar, val-*.tar) use "
                                   f"--data shards:{shards}")
+
+
+def test_doctor_says_what_the_shards_hold_warns_of_an_index_in_the_cache_and_fails_a_truncated_shard(
+        tmp_path, monkeypatch, capsys):
+    from multigpu import cli
+
+    shards = write_shards(make_folder(tmp_path / "imgs"), tmp_path / "shards")
+    monkeypatch.setenv("MULTIGPU_CACHE_DIR", str(tmp_path / "cache"))
+    (shards / "val-000002.tar.idx.json").mkdir()  # that index cannot be kept beside its shard
+    argv = ["doctor", "--model", "cnn", "--data", f"shards:{shards}", "--image-size", "8",
+            "--batch-size", "2", "--devices", "cpu:2", "--no-step"]
+    assert cli.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "shards  " in line]
+    assert lines[0] == ("ok    shards         8 train / 8 val images in 3 + 3 shards, 2 classes; read at "
+                        "random through their indexes: every sample once an epoch, on any device count")
+    assert lines[1].startswith(f"warn  shards         no classes.json beside the shards in {shards}: ")
+    assert lines[2].startswith(f"warn  shards         1 shard indexes are in {tmp_path / 'cache' / 'shard-index'}, "
+                               "not beside the shards (their folder cannot be written)")
+    shard = shards / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    assert f"fail  options        shard '{shard}' is truncated (" in out

@@ -13,7 +13,8 @@ DECODE_CHOICES = ("auto", "cpu", "gpu")  # --decode (imagefolder.use_decode)
 @dataclass
 class DataConfig:
     data: str = option("digits", "digits | synthetic:N | folder:PATH (train/ and val/ inside) | "
-                                 "shards:DIR (train-*.tar, val-*.tar) | timeseries:CSV | timeseries:co2 | timeseries:macro (embedded)")
+                                 "shards:DIR (train-*.tar, val-*.tar) | timeseries:CSV | "
+                                 "timeseries:co2 | timeseries:macro (embedded)")
     batch_size: int | str = option(64, "samples per device per step (the global batch is this "
                                        "times the number of GPUs or processes), or auto: the "
                                        "largest that fits on every GPU, found by real steps at "

@@ -65,6 +65,12 @@ def shard_samples(shard: Path) -> list[Sample]:
     return samples
 
 
+def where_indexed(shard: Path) -> Path | None:
+    """The valid index of `shard` (beside it or in the cache folder), or None."""
+    stat = _stat(shard)
+    return next((place for place in index_places(shard) if _read_index(place, stat) is not None), None)
+
+
 def index_places(shard: Path) -> list[Path]:
     """Where the index of `shard` may be: beside it, then in the cache folder."""
     name = hashlib.sha256(str(shard.resolve()).encode()).hexdigest()[:32]
@@ -117,8 +123,8 @@ def scan(shard: Path) -> list[Sample]:
                     _take(tar, shard, member, images, labels)
             end = tar.offset
     except tarfile.TarError as exc:
-        if "end of data" in str(exc) or "truncated" in str(exc):  # tarfile's words for a cut tar
-            raise _truncated(shard, str(exc)) from None
+        if not _ends_whole(shard):  # what tarfile met is the cut, whatever it calls it
+            raise _truncated(shard, f"it ends without its end-of-archive blocks; tarfile: {exc}") from None
         raise UsageError(f"shard '{shard}' is not a readable tar ({exc}): write it again "
                          "(multigpu pack, or webdataset's TarWriter)") from None
     _check_whole(shard, images, end)
@@ -185,6 +191,13 @@ def _check_whole(shard: Path, images: dict[str, tarfile.TarInfo], end: int) -> N
         where = f"member '{cut.name}' ends past the file's {size} bytes" if cut else \
             f"it has no end-of-archive block after byte {end}"
         raise _truncated(shard, where)
+
+
+def _ends_whole(shard: Path) -> bool:
+    """A whole tar ends with two zero blocks (tar and tarfile pad to them); a cut one with data."""
+    with open(shard, "rb") as f:
+        f.seek(max(0, shard.stat().st_size - 2 * _BLOCK))
+        return f.read() == bytes(2 * _BLOCK)
 
 
 def _truncated(shard: Path, why: str) -> UsageError:

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from multigpu.core.errors import UsageError
-from multigpu.train.shard_index import shard_samples
+from multigpu.train.shard_index import shard_samples, where_indexed
 
 CLASSES_FILE = "classes.json"
 FORMS = "shards:DIR (DIR/train-*.tar and DIR/val-*.tar) or shards:train=PATTERN,val=PATTERN"
@@ -132,3 +132,35 @@ def check_shards(arg: str) -> None:
         for shard, samples in shards:
             for s in samples:
                 check_label(shard, s.key, s.label, classes)
+
+
+def shard_findings(arg: str):
+    """doctor's lines for `--data shards:ARG` (after check_shards passed): what the shards hold,
+    and the two things that cost a run something: class names that are only numbers, and indexes
+    kept in this machine's cache (the shards' folder cannot be written), which every other node
+    without that cache builds again."""
+    from multigpu.train.findings import Finding
+
+    train, val, folder = split_shards(arg)
+    indexed = [shard_samples(shard) for shard in train]
+    classes = class_names(folder, indexed)
+    images = sum(len(samples) for samples in indexed), sum(len(shard_samples(s)) for s in val)
+    findings = [Finding("ok", "shards", f"{images[0]} train / {images[1]} val images in "
+                                        f"{len(train)} + {len(val)} shards, {len(classes)} classes; "
+                                        "read at random through their indexes: every sample once "
+                                        "an epoch, on any device count")]
+    if not (folder / CLASSES_FILE).is_file():
+        findings.append(Finding("warn", "shards", f"no {CLASSES_FILE} beside the shards in {folder}: "
+                                                  "the classes are named by their indices 0.."
+                                                  f"{len(classes) - 1}; write one "
+                                                  '({"classes": ["name", ...]}), as multigpu pack does'))
+    cached = [s for s in train + val if (where_indexed(s) or s).parent != s.parent]
+    if cached:
+        findings.append(Finding("warn", "shards", f"{len(cached)} shard indexes are in "
+                                                  f"{where_indexed(cached[0]).parent}, not beside "
+                                                  "the shards (their folder cannot be written): a "
+                                                  "node without that folder reads every tar's "
+                                                  "headers again; set MULTIGPU_CACHE_DIR to a "
+                                                  "shared folder, or index once where the shards "
+                                                  "can be written"))
+    return findings
