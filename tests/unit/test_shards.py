@@ -234,3 +234,17 @@ def test_doctor_says_what_the_shards_hold_warns_of_an_index_in_the_cache_and_fai
     assert cli.main(argv) == 1
     out = capsys.readouterr().out
     assert f"fail  options        shard '{shard}' is truncated (" in out
+
+
+def test_a_process_keeps_few_shards_open_however_many_it_reads(tmp_path, monkeypatch):
+    from multigpu.train import shards as shards_module
+
+    shards = write_shards(make_folder(tmp_path / "imgs"), tmp_path / "shards", per_shard=2)
+    monkeypatch.setattr(shards_module, "_OPEN_FILES", 2, raising=False)
+    train = load_data(f"shards:{shards}", input_kind="image", image_size=8).train
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(2):
+        got = [bytes(train._data(i).numpy()) for i in range(len(train))]  # 4 shards in turn
+        assert len(os.listdir("/proc/self/fd")) <= before + 2
+    plain = load_data(f"folder:{tmp_path / 'imgs'}", input_kind="image", image_size=8).train
+    assert got == [open(p, "rb").read() for p, _ in plain.samples]

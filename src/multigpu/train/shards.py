@@ -14,13 +14,14 @@ SHARD:MEMBER), the CPU workers' decode and the GPU decoders' (the JPEG's bytes s
 shard), `--decode auto`. `ShardedImages` is the same dataset for a script of one's own, to pass to
 a DataLoader and `rt.prepare`.
 
-Reads are os.pread on a descriptor each process opens per shard on first use: positional reads
-share no file offset, so loader workers and the GPU path's replacement thread need no lock.
+Reads are os.pread on a descriptor each process opens per shard on first use (64 at most at once):
+positional reads share no file offset, so forked workers may read through the same shard.
 """
 from __future__ import annotations
 
 import io
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,8 @@ from multigpu.train.data_bundle import IMAGENET_MEAN, IMAGENET_STD, DataBundle
 from multigpu.train.imagefolder import ImageFolderDataset
 from multigpu.train.shard_index import shard_samples
 from multigpu.train.shard_layout import check_label, class_names, expand_split, listed, split_shards
+
+_OPEN_FILES = 64  # shard descriptors a process keeps open
 
 
 class ShardDataset(ImageFolderDataset):
@@ -54,28 +57,42 @@ class ShardDataset(ImageFolderDataset):
         super().__init__(names, classes, image_size, train, bad_images, decoder)
         self.shards = [str(s) for s in shards]
         self._where = np.asarray(where, dtype=np.int64).reshape(-1, 3)  # shard, offset, size
-        self._files: dict[int, int] = {}
+        self._files: dict[int, int] = {}  # shard number -> descriptor, least recently used first
+        self._lock: threading.Lock | None = None
         self._pid = os.getpid()
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_files"] = {}  # descriptors are this process's own
+        state["_files"], state["_lock"] = {}, None  # descriptors and locks are this process's own
         return state
-
-    def _fd(self, number: int) -> int:
-        if self._pid != os.getpid():  # a forked worker: its parent's descriptors share offsets
-            self._files, self._pid = {}, os.getpid()  # (pread does not move them), opened anew anyway
-        fd = self._files.get(number)
-        if fd is None:
-            fd = self._files[number] = os.open(self.shards[number], os.O_RDONLY)
-        return fd
 
     def _data(self, at: int) -> torch.Tensor:
         number, offset, size = (int(v) for v in self._where[at])
-        data = os.pread(self._fd(number), size, offset)
+        with self._own_lock():  # the GPU path's replacement thread reads too (_fd may close one)
+            data = os.pread(self._fd(number), size, offset)
         if len(data) != size:  # the shard shrank since it was indexed
             raise OSError(f"{len(data)} of its {size} bytes are in the shard")
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def _own_lock(self) -> threading.Lock:
+        if self._pid != os.getpid():  # a forked worker: the parent's descriptors are copies
+            for fd in self._files.values():
+                os.close(fd)
+            self._files, self._lock, self._pid = {}, None, os.getpid()
+        if self._lock is None:
+            self._lock = threading.Lock()
+        return self._lock
+
+    def _fd(self, number: int) -> int:
+        """The shard's descriptor, opened on first use; at most _OPEN_FILES at once (a data set
+        of thousands of shards would pass the usual limit of 1024 a process, in each worker)."""
+        fd = self._files.pop(number, None)
+        if fd is None:
+            if len(self._files) >= _OPEN_FILES:
+                os.close(self._files.pop(next(iter(self._files))))  # the least recently used
+            fd = os.open(self.shards[number], os.O_RDONLY)
+        self._files[number] = fd  # last: the most recently used
+        return fd
 
     def _opened(self, at: int):
         return _Member(self._data(at).numpy().tobytes(), self.samples[at][0].rpartition(":")[2])
