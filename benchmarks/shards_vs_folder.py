@@ -124,9 +124,8 @@ def main() -> None:
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
               for name, runs in result["runs"].items()}
     result["median"] = median
-    result["shards_over_folder"] = {
-        "loader_images_per_s": round(median["shards"]["loader_images_per_s"] / median["folder"]["loader_images_per_s"], 3),
-        "epoch_s": round(median["shards"]["epoch_s"] / median["folder"]["epoch_s"], 3)}
+    result["shards_over_folder"] = {key: round(median["shards"][key] / median["folder"][key], 3)
+                                    for key in ("loader_images_per_s", "epoch_s")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("pack", "median", "shards_over_folder", "page_cache")}, indent=1))
