@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from multigpu.train import shard_pack
 from tests.unit.test_shards import make_folder, write_shards
 
 from .conftest import multigpu, read_metrics
@@ -56,3 +57,21 @@ def test_train_on_shards_on_two_processes_trains_every_sample_once(tmp_path, sha
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"cnn on shards:{shards} (12 train / 12 val)" in proc.stdout
     assert read_metrics(tmp_path / "run")[0]["train_samples"] == 12
+
+
+@pytest.mark.parametrize("splitter", ["none", pytest.param("split_by_node", marks=pytest.mark.extended)])
+def test_auto_splits_a_script_s_own_webdataset_pipeline_every_sample_once(tmp_path, shards, splitter):
+    """webdataset's pipeline over the training shards multigpu pack wrote (keys without dots,
+    which webdataset's reader would cut at the first): with nodesplitter=None every process reads
+    them all and --auto keeps its positions; with split_by_node each rank reads its own shards,
+    and --auto pools what lies past the shortest stream."""
+    packed = tmp_path / "packed"
+    shard_pack.pack(str(shards.parent / "imgs"), packed, shard_size=9000)
+    assert len(list(packed.glob("train-*.tar"))) == 7  # split_by_node: 4 on rank 0, 3 on rank 1
+    script = Path(__file__).parent / "scripts" / "auto_webdataset_train.py"
+    proc = multigpu("run", "--auto", "--devices", "cpu:2", script, packed, splitter, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"seen_rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) and all(batch for s in seen for batch in s)
+    keys = [k for s in seen for batch in s for k in batch]
+    assert len(keys) == len(set(keys)) == 12, "every sample of the shards once"
