@@ -23,13 +23,14 @@ _EXPORTS = {
     "Runtime": "runtime", "setup": "runtime",
     "DDPOptions": "strategies", "FSDPOptions": "strategies", "unwrap_model": "strategies",
     "load_model": "multigpu.train.trained_model",  # a model `multigpu train` trained
+    "ShardedImages": "multigpu.train.shards",  # WebDataset tar shards as a dataset
 }
 
 __all__ = [
     "setup", "Runtime", "DistEnv", "init_distributed", "destroy_distributed", "Precision",
     "DDPOptions", "FSDPOptions", "ShardedBatchSampler", "StepInfo", "Sums", "MeanMetric", "Accuracy",
     "reduce_tensor", "clean_state_dict", "load_model_state", "unwrap_model", "UsageError",
-    "compile_model", "begin_step", "load_model",
+    "compile_model", "begin_step", "load_model", "ShardedImages",
 ]
 
 

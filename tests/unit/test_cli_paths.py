@@ -24,6 +24,7 @@ FILE = "f.pt is a file, not a folder; give a path whose parents are folders"
     (["bench", "--data", "real", "--data-dir", "/proc/x"], f"--data-dir /proc/x: {PROC}"),
     (["export", "--out", "/proc/x.pt", "run"], f"--out /proc/x.pt: {PROC}"),
     (["plot", "--out", "f.pt/curves.png", "run"], f"--out f.pt/curves.png: {FILE}"),
+    (["pack", "folder:run", "--out", "/proc/x"], f"--out /proc/x: {PROC}"),
 ])
 def test_a_path_that_cannot_be_made_is_one_line_and_nothing_is_made(argv, said, tmp_path,
                                                                      monkeypatch, capsys):

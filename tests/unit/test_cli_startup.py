@@ -32,7 +32,7 @@ def _probe(*argv: str) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["run", "--help"],
                                   ["bench", "--help"], ["gpus", "--help"], ["env", "--help"],
-                                  ["plot", "--help"], ["export", "--help"]])
+                                  ["plot", "--help"], ["export", "--help"], ["pack", "--help"]])
 def test_help_imports_no_heavy_module(argv):
     result, _ = _probe(*argv)
     assert result == {"code": 0, "loaded": []}
@@ -92,11 +92,12 @@ def test_a_misspelt_command_is_named_with_the_nearest_real_one(typed, hint, caps
     assert ended.value.code == 2
     assert capsys.readouterr().err == (
         f"multigpu: error: argument COMMAND: invalid choice: '{typed}' (choose from 'train', 'run', "
-        f"'sweep', 'doctor', 'gpus', 'env', 'bench', 'plot', 'export', 'test'){hint}; multigpu "
+        f"'sweep', 'doctor', 'gpus', 'env', 'bench', 'plot', 'export', 'pack', 'test'){hint}; multigpu "
         "--help lists the options\n")
 
 
-FORMS = "digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV"
+FORMS = ("digits, synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), "
+         "shards:DIR (WebDataset tar shards), timeseries:CSV")
 
 
 @pytest.mark.parametrize("spec, said", [

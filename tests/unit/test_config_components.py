@@ -90,7 +90,8 @@ def _refused(make) -> UsageError:
     (lambda: DataConfig(workers=-1), "DataConfig(workers=-1) must be a number at least 0, e.g. "
      "DataConfig(workers=4)", "--workers -1 must be a number at least 0, e.g. --workers 4"),
     (lambda: DataConfig(data="synth"), "unknown data spec 'synth': use one of digits, "
-     "synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), timeseries:CSV", None),
+     "synthetic:N (e.g. synthetic:5000), folder:PATH (ImageFolder layout), shards:DIR (WebDataset tar shards), "
+     "timeseries:CSV", None),
     (lambda: OptimConfig(lr=0.0), "OptimConfig(lr=0.0) must be a number more than 0, e.g. "
      "OptimConfig(lr=0.001)", "--lr 0 must be a number more than 0, e.g. --lr 0.001"),
     (lambda: OptimConfig(clip_grad_norm=float("nan")), "OptimConfig(clip_grad_norm=nan) must be a "

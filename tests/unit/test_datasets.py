@@ -293,7 +293,7 @@ def test_unknown_spec_lists_the_forms(spec):
         load(spec)
     assert str(excinfo.value) == (
         f"unknown data spec {spec!r}: use one of digits, synthetic:N (e.g. synthetic:5000), "
-        "folder:PATH (ImageFolder layout), timeseries:CSV"
+        "folder:PATH (ImageFolder layout), shards:DIR (WebDataset tar shards), timeseries:CSV"
     )
 
 

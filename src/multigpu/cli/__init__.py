@@ -32,6 +32,7 @@ COMMANDS = {
     "bench": "bench",
     "plot": "plot",
     "export": "export",
+    "pack": "pack",
     "test": "selftest",
 }
 

@@ -276,7 +276,14 @@ def _plan_checks(cfg: TrainConfig, plan):
         return [Finding("fail", "data", say(exc))]
     ranks = plan.nproc
     per_rank = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 else 1
-    return [last_step_finding(len(data.train), cfg.input.batch_size, ranks=ranks,
+    kind, _, arg = cfg.input.data.partition(":")
+    if kind == "shards":
+        from multigpu.train.shard_layout import shard_findings
+
+        shards = shard_findings(arg)
+    else:
+        shards = []
+    return shards + [last_step_finding(len(data.train), cfg.input.batch_size, ranks=ranks,
                               devices_per_rank=per_rank, drop_last=cfg.input.drop_last),
             eval_coverage_finding(len(data.val), cfg.input.batch_size, ranks=ranks,
                                   devices_per_rank=per_rank)]

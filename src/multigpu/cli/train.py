@@ -15,7 +15,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 from multigpu.core import checkpoint_schema as schema
-from multigpu.train import configfile, global_batch, provenance, timeline
+from multigpu.train import configfile, data_specs, global_batch, provenance, timeline
 from multigpu.launcher import devices
 from multigpu.core import compiling, console, fileio
 from multigpu.cli import strategy_checks
@@ -57,11 +57,14 @@ def validate(cfg: TrainConfig) -> None:
     """What the parent checks beyond the values themselves (each component refused those when
     `cfg` was made): a folder that is not there costs one line instead of N crashing workers."""
     from multigpu.train.folder_layout import check_folder
+    from multigpu.train.shard_layout import check_shards
     from multigpu.train.step_profile import window_from_env
 
     kind, _, path = cfg.input.data.partition(":")
     if kind == "folder" and path:
         check_folder(path)  # a mistyped path, an empty class: one line now, not after the launch
+    if kind == "shards" and path:
+        check_shards(path)  # the same, and each shard's index built here once, not by every rank
     window_from_env()  # MULTIGPU_PROFILE_STEPS, if set
 
 
@@ -399,7 +402,7 @@ def _plan_devices(cfg: TrainConfig):
         from multigpu.core.strategies.fsdp import OFFLOAD_NEEDS_GPUS
         raise UsageError(OFFLOAD_NEEDS_GPUS)
     if (cfg.input.decode == "gpu" and plan.accelerator != "cuda"
-            and cfg.input.data.startswith("folder:")):
+            and data_specs.is_images(cfg.input.data)):
         raise UsageError(f"--decode gpu decodes JPEGs on GPUs, and this run is on {plan.accelerator}: "
                          "use --decode cpu (the loader workers decode) or auto")
     return plan

@@ -13,7 +13,8 @@ DECODE_CHOICES = ("auto", "cpu", "gpu")  # --decode (imagefolder.use_decode)
 @dataclass
 class DataConfig:
     data: str = option("digits", "digits | synthetic:N | folder:PATH (train/ and val/ inside) | "
-                                 "timeseries:CSV | timeseries:co2 | timeseries:macro (embedded)")
+                                 "shards:DIR (train-*.tar, val-*.tar) | timeseries:CSV | "
+                                 "timeseries:co2 | timeseries:macro (embedded)")
     batch_size: int | str = option(64, "samples per device per step (the global batch is this "
                                        "times the number of GPUs or processes; with "
                                        "--global-batch-size, the largest per device), or auto: the "
@@ -26,11 +27,11 @@ class DataConfig:
     future_length: int = option(1, "timeseries: horizon predicted by each window", at_least=1)
     drop_last: bool = option(False, "drop the last partial step of each epoch instead of "
                                     "training on it")
-    bad_images: str = option("skip", "folder: data, an image that cannot be decoded: skip (the "
+    bad_images: str = option("skip", "folder: and shards: data, an image that cannot be decoded: skip (the "
                                      "next readable image takes its place, it is named and "
                                      "counted; the run stops if over 1 %% of an epoch's images "
                                      "are bad) or fail", choices=("skip", "fail"))
-    decode: str = option("auto", "folder: data, where JPEGs are decoded: gpu (nvImageCodec on "
+    decode: str = option("auto", "folder: and shards: data, where JPEGs are decoded: gpu (nvImageCodec on "
                                  "the GPU's JPEG engines where multigpu[nvimgcodec] is "
                                  "installed, else torchvision's nvJPEG; the crops on the GPU "
                                  "too, overlapped with the step), cpu (in the loader workers), "

@@ -14,6 +14,8 @@
 - `folder:PATH`: images in `PATH/train/<class>/*.jpg` and `PATH/val/<class>/*.jpg` (ImageFolder
   layout; classes are the sorted folder names under train/). Training images get a random resized
   crop and a random flip; validation images are resized and centre-cropped.
+- `shards:DIR` or `shards:train=PATTERN,val=PATTERN`: the same images packed into WebDataset tar
+  shards (shards.py), read at random through an index of their offsets, augmented as `folder:`.
 - `timeseries:CSV`: a numeric CSV (header row optional), or `timeseries:co2` / `timeseries:macro`,
   two small public-domain series shipped inside the package (series/SOURCE.md). Windows of
   `seq_length` rows, shape (seq_length, columns), predict the next `future_length` rows flattened.
@@ -78,6 +80,10 @@ def load_data(
         from multigpu.train.imagefolder import load_folder
 
         return load_folder(arg, _positive(image_size, "--image-size"), bad_images=bad_images)
+    if kind == "shards":
+        from multigpu.train.shards import load_shards
+
+        return load_shards(arg, _positive(image_size, "--image-size"), bad_images=bad_images)
     seq = _positive(seq_length, "--seq-length")  # timeseries:
     return _timeseries(arg, seq, _positive(future_length, "--future-length"))
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from multigpu.core.strategies import registry
-from multigpu.train import imagefolder
+from multigpu.train import data_specs, imagefolder
 from multigpu.train.config import TrainConfig
 from multigpu.train.training import load_run_data
 
@@ -79,7 +79,7 @@ class HeadStart:
 
         modules, early = ((COMPILER,), early_modules(torch.__version__)) if compiles else ((), ())
         early += ("triton",) if cfg.compile else ()
-        folder = cfg.input.data.startswith("folder:")
+        folder = data_specs.is_images(cfg.input.data)
         head = cls(lambda: load_run_data(cfg), modules, imagefolder.default_decoder, early, on_part) \
             if folder else cls(None, modules, early=early, on_part=on_part)
         if not distributed:

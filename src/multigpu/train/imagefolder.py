@@ -59,6 +59,8 @@ class ImageFolderDataset(Dataset):
     """Decodes images with PIL; training samples get a random resized crop and flip, validation a
     centre crop. An unreadable file is handled per `bad_images` (module docstring)."""
 
+    bad_fix = "delete or replace the file"  # what --bad-images fail's line tells the user to do
+
     def __init__(self, samples: list[tuple[str, int]], classes: list[str], image_size: int,
                  train: bool, bad_images: str = "skip", decoder: str | None = None,
                  on_gpu: bool = False, cpu_share: float = 0.0) -> None:
@@ -122,7 +124,7 @@ class ImageFolderDataset(Dataset):
             try:
                 # A walk to the next readable file stays on the CPU: a file sent to the GPU
                 # and failing there would be counted by the replacement and by its own sample.
-                image = (on_gpu and offset == 0 and self._encoded(path, at)) or self._read(path, generator)
+                image = (on_gpu and offset == 0 and self._encoded(path, at)) or self._read(at, generator)
             except Exception as exc:  # PIL: OSError, SyntaxError, ValueError, DecompressionBombError;
                 self._bad(path, exc, count=own and offset == 0)  # torchvision: RuntimeError
                 continue
@@ -147,7 +149,7 @@ class ImageFolderDataset(Dataset):
             return None  # the hybrid's share, spread evenly over the indices
         if Path(path).suffix.lower() not in (".jpg", ".jpeg"):
             return None
-        data = gpu_images.read_bytes(path)
+        data = self._data(at=index)
         size = gpu_images.gpu_readable(memoryview(data.numpy()))
         if size is None:
             return None
@@ -179,25 +181,34 @@ class ImageFolderDataset(Dataset):
         return self._item(index + 1, on_gpu=False, own=False,
                           generator=torch.Generator().manual_seed(seed))
 
-    def _read(self, path: str, generator=None) -> torch.Tensor:
+    def _data(self, at: int) -> torch.Tensor:
+        """Sample `at`'s file, its bytes as uint8 (shards.ShardDataset: from its shard)."""
+        return gpu_images.read_bytes(self.samples[at][0])
+
+    def _opened(self, at: int):
+        """What PIL opens for sample `at`: its path (shards.ShardDataset: its bytes)."""
+        return self.samples[at][0]
+
+    def _read(self, at: int, generator=None) -> torch.Tensor:
+        path = self.samples[at][0]
         if self.decoder == "torchvision" and Path(path).suffix.lower() in _TORCHVISION_SUFFIXES:
-            from torchvision.io import ImageReadMode, decode_image, read_file
+            from torchvision.io import ImageReadMode, decode_image
             from torchvision.transforms.v2 import functional as TF
 
-            image = decode_image(read_file(path), mode=ImageReadMode.RGB)
+            image = decode_image(self._data(at), mode=ImageReadMode.RGB)
             if image.ndim == 4:  # an animated GIF: its first frame, as PIL reads it
                 image = image[0]
             (left, top, w, h), flip, _ = self._crop(image.shape[2], image.shape[1], generator)
             image = TF.resized_crop(image, top, left, h, w, [self.image_size] * 2, antialias=True)
             return (image.flip(-1) if flip else image).contiguous()
-        image = _decode(path)
+        image = _decode(self._opened(at))
         (left, top, w, h), flip, _ = self._crop(*image.size, generator)
         return _to_tensor(_resize_box(image, (left, top, w, h), flip, self.image_size))
 
     def _bad(self, path: str, exc: BaseException, count: bool = True) -> None:
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self.bad_images == "fail":
-            raise BadImageError(f"cannot read image '{path}' ({why}): delete or replace the file, "
+            raise BadImageError(f"cannot read image '{path}' ({why}): {self.bad_fix}, "
                                 "or pass --bad-images skip to train without it")
         if count:
             row = _EPOCH_ROWS if self.sample_epoch is None else self.sample_epoch % _EPOCH_ROWS
@@ -227,7 +238,8 @@ def default_decoder() -> str:
     return "torchvision"
 
 
-def _decode(path: str):
+def _decode(path):
+    """RGB pixels of `path`: a file's path, or a file object of its bytes."""
     from PIL import Image
 
     with Image.open(path) as raw:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu.train import global_batch, imagefolder, provenance
+from multigpu.train import data_specs, global_batch, imagefolder, provenance
 from multigpu.core import compiling, console
 from multigpu.train.config import TrainConfig, flatten
 from multigpu.train.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
@@ -92,7 +92,7 @@ def learning_rate(cfg: TrainConfig) -> float:
 
 def image_size(cfg: TrainConfig) -> int | None:
     """The image side the data is made at (synthetic images, folder: data); others have none."""
-    made = cfg.input.data.startswith("folder:") or (cfg.input.data.startswith("synthetic:")
+    made = data_specs.is_images(cfg.input.data) or (cfg.input.data.startswith("synthetic:")
                                               and model_input_kind(cfg.model) == "image")
     return (cfg.input.image_size or default_image_size(cfg.model)) if made else cfg.input.image_size
 
@@ -213,7 +213,7 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     `head`: the run's head_start.HeadStart, whose thread did the decoder, the folder's listing and
     the compiler's import meanwhile: data is then the wait for them, prepare the wait for it."""
     in_line = head is None or not head.loads_data
-    if in_line and cfg.input.data.startswith("folder:"):
+    if in_line and data_specs.is_images(cfg.input.data):
         imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
         mark("decoder")
     data = load_run_data(cfg) if in_line else head.data()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from multigpu.train import batchfit, decode_choice, flagwords, folder_users, gpu_images, runfolder
+from multigpu.train import batchfit, data_specs, decode_choice, flagwords, folder_users, gpu_images, runfolder
 from multigpu.launcher import watchdog
 from multigpu.core import console, orphans
 from multigpu.core import checkpoint_schema as schema
@@ -368,7 +368,7 @@ def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | 
     if not input_bound(share, record["epoch_seconds"]):
         return None
     workers = loader_workers(cfg, rt)
-    gpu_decode_left = (cfg.input.data.startswith("folder:") and not getattr(job.data.train, "on_gpu", False)
+    gpu_decode_left = (data_specs.is_images(cfg.input.data) and not getattr(job.data.train, "on_gpu", False)
                        and gpu_images.gpu_decode_problem(rt.device) is None)
     return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt),
                             gpu_decode_left=gpu_decode_left,
