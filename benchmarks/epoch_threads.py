@@ -95,7 +95,8 @@ def sample(rank: psutil.Process, seconds: float) -> dict:
 def one_run(a, name: str, env: dict, flags: list, turn: int) -> dict:
     run = Path(a.out) / f"{name}-{turn}"
     cmd = [sys.executable, "-m", "multigpu", "train", "--model", a.model, "--data", f"folder:{a.folder}",
-           "--batch-size", str(a.batch_size), "--epochs", str(a.epochs), "--precision", a.precision, "--devices", a.devices,
+           "--batch-size", str(a.batch_size), "--epochs", str(a.epochs), "--precision", a.precision,
+           "--devices", a.devices,
            "--logger", "none", "--checkpoint-every", "0", "--log-every", "20", "--out", str(run), *flags]
     full_env = {**os.environ, **ENV, "MULTIGPU_PROFILE_STEPS": a.window, **env}
     log_path = run.with_suffix(".log")
