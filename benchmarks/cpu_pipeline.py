@@ -40,9 +40,9 @@ from multigpu.train import imagefolder
 SIZE = 224
 
 
-def make_folders(base: Path, images: int) -> dict[str, Path]:
+def make_folders(base: Path, images: int, kinds=imagegen.KINDS) -> dict[str, Path]:
     folders = {}
-    for kind in imagegen.KINDS:
+    for kind in kinds:
         folder = base / f"{kind}-{images}"
         if not (folder / "manifest.json").exists():
             imagegen.write_folder(folder, kind, images, 20)
@@ -232,10 +232,11 @@ def main() -> None:
     p.add_argument("--workers", default="1,2")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--kinds", default=",".join(imagegen.KINDS), help="folders to make and time")
     a = p.parse_args()
     torch.set_num_threads(1)  # as in a DataLoader worker
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    folders = make_folders(Path(a.data), a.images)
+    folders = make_folders(Path(a.data), a.images, a.kinds.split(","))
     result = {"what": "where a loader worker's time goes, folder: data decoded by the CPUs",
               "images": a.images, "batch": a.batch, "size": SIZE, "device": str(device),
               "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
