@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from multigpu.auto import BATCH_MODES
@@ -231,7 +232,7 @@ def _train_checks(args):
     try:
         cfg: TrainConfig = config_from_args(args)  # each component checks its values
         validate(cfg)
-        check_resume(cfg)  # the checkpoint that --resume names, read as train reads it
+        cfg = check_resume(cfg)  # the checkpoint that --resume names, read as train reads it
     except UsageError as exc:
         return [Finding("fail", "options", say(exc))]
     findings = setup_checks.launch_env_findings(os.environ)
@@ -245,7 +246,7 @@ def _train_checks(args):
         if plan.accelerator != "cuda" or not strategy.auto_batch:
             return findings + [Finding("fail", "batch size", "--batch-size auto needs one process "
                                                              "per GPU; give a number, e.g. --batch-size 64")]
-        cfg.input.batch_size = AUTO_PROBE_BATCH
+        cfg = replace(cfg, input=replace(cfg.input, batch_size=AUTO_PROBE_BATCH))
         findings.append(Finding("ok", "batch size", f"--batch-size auto: the checks below use "
                                                     f"{AUTO_PROBE_BATCH} per GPU; 'batch fit' is the size "
                                                     "auto picks on this GPU", trap=2))

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from collections.abc import Callable
 
@@ -108,12 +109,12 @@ def main(args: argparse.Namespace) -> int:
     if opts.nnodes == "1":
         check_data_fits(cfg, plan)
         global_batch.check_before_launch(cfg, _devices_of(cfg, plan))
-    check_resume(cfg)
+    cfg = check_resume(cfg)
     fileio.check_can_make(runfolder.out_for(cfg) or "runs", "--out")
     if opts.log_dir:
         fileio.check_can_make(opts.log_dir, "--log-dir")
     out, clean_up = _claim_folder(cfg, opts)
-    cfg.out = str(out)
+    cfg = replace(cfg, out=str(out))
     os.environ[OUT_RESERVED_ENV] = str(out.resolve())
     typed = getattr(args, "command_line", None) or ["multigpu", "train", *config_to_argv(cfg)]
     launch_facts = provenance.launch_facts(typed)
@@ -252,18 +253,20 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
-def check_resume(cfg: TrainConfig) -> None:
+def check_resume(cfg: TrainConfig) -> TrainConfig:
     """A --resume that cannot be used fails here, before a run folder is made (its checkpoint is
     read twice: here and on rank 0). Skipped when --out already has checkpoints of its own: the
-    run goes on from those."""
+    run goes on from those. The config the run goes on with: `cfg`, or, where nothing was trained
+    in the folder --resume names, the config of a fresh start in it."""
     if not cfg.checkpointing.resume:  # (before the imports: they load torch and the checkpoint code)
-        return
+        return cfg
     from multigpu.train.checkpoint_store import CheckpointStore
     from multigpu.train.runfolder import CONFIG
     from multigpu.train.runstate import load_source
 
-    if _nothing_trained_in(cfg):
-        return
+    fresh = _fresh_start(cfg)
+    if fresh is not None:
+        return fresh
     if cfg.out and CheckpointStore(schema.checkpoints_folder(Path(cfg.out))).has_checkpoints():
         # the run goes on from --out's own checkpoints, whose model its config.json names
         path = Path(cfg.out)
@@ -272,13 +275,15 @@ def check_resume(cfg: TrainConfig) -> None:
         state, path = load_source(cfg.checkpointing.resume)
         trained = state.get(schema.CONFIG) or {}
         if state.get(schema.FROM_STATE_DICT):
-            return _refuse_misfit_weights(cfg, path, state)
+            _refuse_misfit_weights(cfg, path, state)
+            return cfg
     saved = trained.get("model")
     if saved and saved != cfg.model:  # its weights would not fit: refuse before any change
         raise UsageError(f"--resume {path}: its checkpoints are of --model {saved}, and this run "
                          f"asks for --model {cfg.model}; give --model {saved}, or another "
                          "checkpoint")
     _refuse_other_shapes(cfg, path, trained)
+    return cfg
 
 
 def _refuse_other_shapes(cfg: TrainConfig, path: Path, trained: dict) -> None:
@@ -351,9 +356,10 @@ def _json_object(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _nothing_trained_in(cfg: TrainConfig) -> bool:
+def _fresh_start(cfg: TrainConfig) -> TrainConfig | None:
     """--resume of a run folder in which nothing was trained (a launch killed or stopped during
-    start-up): the run starts from scratch in it, said in one line; whether that is the case.
+    start-up): the run starts from scratch in it, said in one line; the config of that start, or
+    None when something was trained there.
     A stop during start-up removes the folder it made, so --resume X --out X, the command a job
     script repeats, also starts from scratch where X does not exist."""
     from multigpu.train import runfolder
@@ -369,11 +375,11 @@ def _nothing_trained_in(cfg: TrainConfig) -> bool:
     elif cfg.out and same and not source.exists() and not source.is_symlink():
         why = "no such folder: a run stopped while it started leaves none"
     else:
-        return False
+        return None
     console.info(f"multigpu train: --resume {cfg.checkpointing.resume}: nothing was trained "
                  f"there yet ({why}); starting from scratch in it")
-    cfg.out, cfg.checkpointing.resume = cfg.out or cfg.checkpointing.resume, None
-    return True
+    return replace(cfg, out=cfg.out or cfg.checkpointing.resume,
+                   checkpointing=replace(cfg.checkpointing, resume=None))
 
 
 def _only_logs(path: Path) -> bool:

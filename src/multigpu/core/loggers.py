@@ -35,7 +35,7 @@ TENSORBOARD_DIR = "tensorboard"
 _MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """Where a run's numbers go and how often; its loggers are checked (names, packages
     installed) when it is made, before anything is started."""

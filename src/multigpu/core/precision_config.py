@@ -9,7 +9,7 @@ from multigpu.core.options import check_options, option
 PRECISIONS = ("fp32", "bf16", "fp16")  # plus "auto", resolved by precision.resolve_precision()
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionConfig:
     precision: str = option("auto", "fp32 | bf16 | fp16 (with loss scaling) | auto (bf16 on GPUs "
                                     "that support it, else fp32; fp32 for lstm and tst)",

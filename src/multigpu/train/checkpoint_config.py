@@ -8,7 +8,7 @@ from multigpu.core.options import check_options, option
 from multigpu.train.control import Cadence
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     resume: str | None = option(None, "continue from a checkpoint file or a run folder (its "
                                       "newest readable checkpoint), from any strategy or device "

@@ -31,7 +31,7 @@ COMPONENTS = {"input": DataConfig, "optim": OptimConfig, "numerics": PrecisionCo
               "logging": LoggingConfig}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     model: str = option(MISSING, "built-in model (linear, mlp, cnn, resnet18, resnet50, vgg16, "
                                  "swin_t; lstm, tst for timeseries:), or torchvision:NAME / "

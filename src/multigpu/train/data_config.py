@@ -10,7 +10,7 @@ from multigpu.train.data_specs import check_spec
 DECODE_CHOICES = ("auto", "cpu", "gpu")  # --decode (imagefolder.use_decode)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     data: str = option("digits", "digits | synthetic:N | folder:PATH (train/ and val/ inside) | "
                                  "shards:DIR (train-*.tar, val-*.tar) | timeseries:CSV | "

@@ -8,7 +8,7 @@ from multigpu.core.global_batch import check_global_batch
 from multigpu.core.options import check_options, option
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float | None = option(None, "learning rate (default: 0.05 for sgd, 1e-3 for adam/adamw)",
                               above=0, example=0.001)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -79,7 +80,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # (orphans.py), then makes every rank save and stop (below).
     watchdog.start_from_env()
     out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
-    job = _build(cfg, rt, head, out, clock)
+    cfg, job = _build(cfg, rt, head, out, clock)  # the config with the batch size it found
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.checkpointing.keep)
     # a trained run's record is rewritten once the resumed run has trained a step, not before:
@@ -143,17 +144,19 @@ def _setup(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str, hea
     return rt
 
 
-def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path, clock: Timeline) -> Job:
+def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path,
+           clock: Timeline) -> tuple[TrainConfig, Job]:
     """The run's model, data, loaders and optimizer; --batch-size auto found first (the loaders
-    are built with it), --decode auto's trial planned."""
+    are built with it), --decode auto's trial planned. The config, with the batch size found."""
     if cfg.input.batch_size == batchfit.AUTO:
         head.imports_done()  # it loads the data too: not while the thread imports the decoder
-        cfg.input.batch_size = batchfit.auto_batch_size(
+        found = batchfit.auto_batch_size(
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
+        cfg = replace(cfg, input=replace(cfg.input, batch_size=found))
         clock.mark("batch size")
     job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True)
     job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
-    return job
+    return cfg, job
 
 
 def _say_from_rank0(rt: Runtime) -> None:

@@ -13,7 +13,7 @@ from multigpu.core.options import check_options, option
 from multigpu.core.strategies import registry
 
 
-@dataclass
+@dataclass(frozen=True)
 class StrategyConfig:
     strategy: str = option("auto", registry.HELP, choices=registry.NAMES)
     find_unused_parameters: bool = option(False, "let DDP search for parameters the loss does not "
