@@ -24,7 +24,7 @@ SECTIONS = [
     ("Distributed state", ["DistEnv", "init_distributed", "destroy_distributed"]),
     ("Mixed precision", ["Precision"]),
     ("Metrics across ranks", ["Sums", "MeanMetric", "Accuracy", "reduce_tensor"]),
-    ("Data sharding", ["ShardedBatchSampler", "StepInfo"]),
+    ("Data sharding", ["ShardedBatchSampler", "StepInfo", "ShardedImages"]),
     ("Models and checkpoints", ["DDPOptions", "FSDPOptions", "unwrap_model", "clean_state_dict",
                                 "load_model_state", "load_model", "compile_model", "begin_step"]),
     ("Errors", ["UsageError"]),

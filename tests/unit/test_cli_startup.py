@@ -150,8 +150,18 @@ def test_a_ctrl_c_while_the_program_ends_keeps_its_exit_code_without_a_traceback
     here by a SIGINT the process sends itself from there: the exit code stays, nothing printed."""
     late = ("import atexit; atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), "
             "time.sleep(0.3)))" if where == "atexit" else
-            "threading.Thread(target=lambda: (time.sleep(0.5), os.kill(os.getpid(), "
-            "signal.SIGINT), time.sleep(0.3))).start()")
+            # SIGINT once the main thread is in cli's _end_now (the exit code decided); a sleep of
+            # 0.5 s was not always enough on the loaded 2-core VM
+            "def ending():\n"
+            "    main = threading.main_thread().ident\n"
+            "    while True:\n"
+            "        frame, names = sys._current_frames().get(main), []\n"
+            "        while frame is not None:\n"
+            "            names.append(frame.f_code.co_name); frame = frame.f_back\n"
+            "        if '_end_now' in names: break\n"
+            "        time.sleep(0.01)\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.3)\n"
+            "threading.Thread(target=ending).start()")
     code = ("import os, signal, sys, threading, time\n" + late + "\n"
             "sys.argv = ['multigpu', 'gpus', '--help']\n"
             "import runpy; runpy.run_module('multigpu', run_name='__main__')\n")
