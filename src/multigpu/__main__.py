@@ -1,12 +1,15 @@
 import sys
 
-from multigpu.train import folder_users
-from multigpu.core import orphans
+from multigpu.core import orphans, startup_sigint
 
 # A worker of multigpu's launcher (`multigpu train` on several devices) watches its launcher from
-# here, before the CLI and torch are imported: one killed during start-up ends it too. It holds
-# the run folder while it lives (folder_users.py).
+# here, before the CLI and torch are imported: one killed during start-up ends it too. A Ctrl-C
+# the launcher passes on ends it at once until its training loop takes the signal over
+# (startup_sigint.py). It holds the run folder while it lives (folder_users.py).
 if orphans.watch_from_env() is not None:
+    startup_sigint.guard()
+    from multigpu.train import folder_users
+
     folder_users.hold_from_env()
 
 try:
