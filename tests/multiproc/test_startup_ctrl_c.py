@@ -29,17 +29,23 @@ def _first_lines(tmp_path, out):
     return run, run.wait_for(run.workers())
 
 
-# Put first on the workers' PYTHONPATH: at its first lookup of HOLD_MODULE, each rank drops an
-# object whose finalizer leaves a marker and waits there. Python prints a KeyboardInterrupt raised
-# inside a finalizer ("Exception ignored in ...") and goes on: a Ctrl-C that lands in one (torch's
-# and the imports' are brief, but many) was lost, the ranks trained on to exit 0.
+# Put first on a launch's PYTHONPATH: at its first lookup of HOLD_MODULE, each process that
+# HOLD_IN names (the ranks, or the launcher) drops an object whose finalizer leaves a marker and
+# waits there, dropping a KeyboardInterrupt as Python does in a finalizer (there it prints
+# "Exception ignored in ..." and goes on) and as a C call that clears errors does, silently: a
+# Ctrl-C that lands in such a place was lost (the storm's lost tries said nothing): the ranks, or
+# the launch, went on and trained to exit 0.
 _IN_A_FINALIZER = """
 import os, sys, time
 
 class _Held:
     def __del__(self):
-        open(os.path.join(os.environ["HOLD_MARKERS"], "rank" + os.environ["RANK"]), "w").close()
-        time.sleep(120)
+        name = "rank" + os.environ["RANK"] if "RANK" in os.environ else "launcher"
+        open(os.path.join(os.environ["HOLD_MARKERS"], name), "w").close()
+        try:
+            time.sleep(120)
+        except KeyboardInterrupt:
+            pass
 
 class _Finder:
     done = False
@@ -50,39 +56,56 @@ class _Finder:
             _Held()
         return None
 
-if "LOCAL_RANK" in os.environ:
+if ("LOCAL_RANK" in os.environ) == (os.environ.get("HOLD_IN") == "ranks"):
     sys.meta_path.insert(0, _Finder())
 """
 
 
-def _a_finalizer(tmp_path, out):
-    """Both ranks inside a finalizer, before their process group."""
+def _held_in_a_finalizer(tmp_path, out, where: str, module: str, markers_seen: tuple[str, ...]):
     (tmp_path / "hold").mkdir()
     (tmp_path / "hold" / "sitecustomize.py").write_text(_IN_A_FINALIZER)
     markers = tmp_path / "markers"
     markers.mkdir()
     env = cli_env()
-    env.update(PYTHONPATH=f"{tmp_path / 'hold'}{os.pathsep}{env['PYTHONPATH']}",
-               HOLD_MODULE="multigpu.core.distributed", HOLD_MARKERS=str(markers),
+    env.update(PYTHONPATH=f"{tmp_path / 'hold'}{os.pathsep}{env['PYTHONPATH']}", HOLD_IN=where,
+               HOLD_MODULE=module, HOLD_MARKERS=str(markers),
                TORCH_ELASTIC_SHUTDOWN_TIMEOUT=SHUTDOWN_WAIT)
     run = Launch(out, env=env)
-    run.wait_for(lambda: all((markers / f"rank{r}").exists() for r in (0, 1)))
+    run.wait_for(lambda: all((markers / m).exists() for m in markers_seen))
+    return run
+
+
+def _a_finalizer_of_the_ranks(tmp_path, out):
+    """Both ranks inside a finalizer, before their process group."""
+    run = _held_in_a_finalizer(tmp_path, out, "ranks", "multigpu.core.distributed", ("rank0", "rank1"))
     return run, run.wait_for(run.workers())
 
 
-@pytest.mark.parametrize("moment", [_first_lines, _a_finalizer],
-                         ids=["a rank's first lines", "a finalizer"])
-def test_ctrl_c_while_the_ranks_start_is_one_line_and_stops_them_at_once(tmp_path, moment):
+def _a_finalizer_of_the_launcher(tmp_path, out):
+    """The launcher inside a finalizer, as it imports the launch loop (no rank started yet)."""
+    return _held_in_a_finalizer(tmp_path, out, "launcher", "multigpu.launcher.local_loop",
+                                ("launcher",)), []
+
+
+RANK_0 = "multigpu: interrupted"  # said by rank 0, the launcher adding nothing
+LAUNCHER = "multigpu: stopped by SIGINT; every rank of this node was stopped"  # no rank had started
+
+
+@pytest.mark.parametrize("moment, line", [(_first_lines, RANK_0), (_a_finalizer_of_the_ranks, RANK_0),
+                                          (_a_finalizer_of_the_launcher, LAUNCHER)],
+                         ids=["a rank's first lines", "a finalizer of the ranks",
+                              "a finalizer of the launcher"])
+def test_ctrl_c_while_the_ranks_start_is_one_line_and_stops_them_at_once(tmp_path, moment, line):
     out = tmp_path / "run"
     run, workers = moment(tmp_path, out)
     run.proc.send_signal(signal.SIGINT)
     said = run.finish(timeout=120)
     assert run.proc.returncode == 128 + signal.SIGINT, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
-    # rank 0's line alone: not the launcher's "stopped by SIGINT; ... (killed: they had not
-    # stopped 15 s after the signal)" of a rank that went on waiting
-    assert said.count("multigpu: interrupted") == 1, said[-3000:]
-    assert "stopped by SIGINT" not in said, said[-3000:]
+    # one line: not also the launcher's "stopped by SIGINT; ... (killed: they had not stopped
+    # 15 s after the signal)" of a rank that went on
+    assert said.count(line) == 1, said[-3000:]
+    assert said.count("multigpu: interrupted") + said.count("stopped by SIGINT") == 1, said[-3000:]
     assert said.count(f"multigpu train: nothing was trained: {out} removed") == 1, said[-3000:]
     assert not out.exists()
     assert_workers_end(out, workers)

@@ -31,6 +31,7 @@ MESSAGE = b"multigpu: interrupted\n"
 class _State:
     handler = None  # ours, while installed
     over = False
+    heard = False  # the launcher's: a SIGINT its handler saw, not yet acted on by a launch
     lock = threading.Lock()
 
 
@@ -59,6 +60,20 @@ def guard() -> bool:
 def over() -> None:
     """The training loop's stop handlers are installed: SIGINT is theirs from now on."""
     _State.over = True
+
+
+def heard() -> None:
+    """In the launcher, from its SIGINT handler (cli._noting_interrupts): a Ctrl-C came. Its
+    KeyboardInterrupt normally ends the command; one that Python dropped (raised inside a
+    finalizer, where it is printed at most, or in a C call that clears errors) would otherwise
+    let the launch start the ranks, which trained on to exit 0 (the storm saw it once)."""
+    _State.heard = True
+
+
+def take_heard() -> bool:
+    """Whether a SIGINT was heard (heard()) and not taken yet: the launch stops on it."""
+    was, _State.heard = _State.heard, False
+    return was
 
 
 def _watch(read: int) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from multigpu.core import startup_sigint
 from multigpu.launcher import local_rendezvous, sessions, stop_reason
 from multigpu.launcher.launch_failures import err, restart_line
 from multigpu.launcher.local_rendezvous import Attempt, rank_command, rank_environment
@@ -87,6 +88,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for s in STOP_SIGNALS:
                 self._saved[s] = signal.signal(s, self._handler)
+        if startup_sigint.take_heard():  # a Ctrl-C whose KeyboardInterrupt was dropped: no rank starts
+            self._handler(signal.SIGINT, None)
         return self
 
     def __exit__(self, *exc):
