@@ -1,3 +1,4 @@
+import signal
 import sys
 
 # A worker of multigpu's launcher (`multigpu train` on several devices) watches its launcher from
@@ -12,6 +13,8 @@ try:
         from multigpu.train import folder_users
 
         folder_users.hold_from_env()
+    else:  # (a rank is born with SIGINT blocked: local_loop)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from multigpu.cli import entry
 except KeyboardInterrupt:  # Ctrl-C in the first moments (of the launcher): one line, as later
     print("multigpu: interrupted", file=sys.stderr)

@@ -87,13 +87,38 @@ def _a_finalizer_of_the_launcher(tmp_path, out):
                                 ("launcher",)), []
 
 
+# Rank 0 held in Python's own start-up, where `site` imports sitecustomize: before any line of
+# multigpu, a KeyboardInterrupt there ended it in a traceback.
+_IN_SITE = """
+import os, time
+
+if os.environ.get("RANK") == "0":
+    open(os.path.join(os.environ["HOLD_MARKERS"], "rank0"), "w").close()
+    time.sleep(5)
+"""
+
+
+def _pythons_start_up(tmp_path, out):
+    (tmp_path / "hold").mkdir()
+    (tmp_path / "hold" / "sitecustomize.py").write_text(_IN_SITE)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = cli_env()
+    env.update(PYTHONPATH=f"{tmp_path / 'hold'}{os.pathsep}{env['PYTHONPATH']}",
+               HOLD_MARKERS=str(markers), TORCH_ELASTIC_SHUTDOWN_TIMEOUT=SHUTDOWN_WAIT)
+    run = Launch(out, env=env)
+    run.wait_for(lambda: (markers / "rank0").exists())
+    return run, run.wait_for(run.workers())
+
+
 RANK_0 = "multigpu: interrupted"  # said by rank 0, the launcher adding nothing
 LAUNCHER = "multigpu: stopped by SIGINT; every rank of this node was stopped"  # no rank had started
 
 
-@pytest.mark.parametrize("moment, line", [(_first_lines, RANK_0), (_a_finalizer_of_the_ranks, RANK_0),
+@pytest.mark.parametrize("moment, line", [(_pythons_start_up, RANK_0), (_first_lines, RANK_0),
+                                          (_a_finalizer_of_the_ranks, RANK_0),
                                           (_a_finalizer_of_the_launcher, LAUNCHER)],
-                         ids=["a rank's first lines", "a finalizer of the ranks",
+                         ids=["python's start-up", "a rank's first lines", "a finalizer of the ranks",
                               "a finalizer of the launcher"])
 def test_ctrl_c_while_the_ranks_start_is_one_line_and_stops_them_at_once(tmp_path, moment, line):
     out = tmp_path / "run"

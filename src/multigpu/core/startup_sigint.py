@@ -37,7 +37,15 @@ class _State:
 
 def guard() -> bool:
     """From now until over(), a SIGINT ends this process (see the module). Only in the main
-    thread, and not where SIGINT is ignored (nohup, a background job); whether it is on."""
+    thread, and not where SIGINT is ignored (nohup, a background job); whether it is on. SIGINT
+    is unblocked either way."""
+    try:
+        return _install()
+    finally:  # born with SIGINT blocked (local_loop): one that came meanwhile is delivered now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _install() -> bool:
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is signal.SIG_IGN or _State.handler is not None:
         return False
