@@ -25,13 +25,20 @@ COMMAND = ["train", "--model", "cnn", "--data", "digits", "--batch-size", "4", "
            "--workers", "0"]
 
 
+def sigint_default() -> None:
+    """SIGINT as a terminal's command has it: a shell that ran the tests in the background set it
+    ignored for its children, and a launcher that ignored it was not stopped by the tests' Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Launch:
     """`multigpu train COMMAND --out OUT` started, its output read line by line as it comes."""
 
     def __init__(self, out: Path, *extra: str, devices="cpu:2", env=None):
         self.proc = subprocess.Popen([sys.executable, "-m", "multigpu", *COMMAND, "--devices", devices,
                                       "--out", str(out), *extra], env=env or cli_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=sigint_default)
         track(self.proc)
         self.lines: list[str] = []
         self._readers = [threading.Thread(target=self._read, args=(s,), daemon=True)

@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 
+from multigpu.core import startup_sigint
 from multigpu.core.errors import Stopped, UsageError
 from multigpu.train.provenance import PrintVersion
 
@@ -209,6 +210,7 @@ def _noting_interrupts(noted: list[int]):
 
     def on_sigint(signum, frame):
         noted.append(signum)
+        startup_sigint.heard()  # for a launch, should the KeyboardInterrupt be dropped
         signal.default_int_handler(signum, frame)
 
     signal.signal(signal.SIGINT, on_sigint)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from multigpu.core import startup_sigint
 from multigpu.launcher import local_rendezvous, sessions, stop_reason
 from multigpu.launcher.launch_failures import err, restart_line
 from multigpu.launcher.local_rendezvous import Attempt, rank_command, rank_environment
@@ -87,6 +88,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for s in STOP_SIGNALS:
                 self._saved[s] = signal.signal(s, self._handler)
+        if startup_sigint.take_heard():  # a Ctrl-C whose KeyboardInterrupt was dropped: no rank starts
+            self._handler(signal.SIGINT, None)
         return self
 
     def __exit__(self, *exc):
@@ -104,11 +107,19 @@ class Ranks:
         self.procs: dict[int, subprocess.Popen] = {}
         self.failures: dict = {}
         self.signalled: set[int] = set()
+        # multigpu train's ranks are born with SIGINT blocked (a mask stays through fork and
+        # exec): one passed on before a rank can take it (Python's start-up, `site`) waits until
+        # its first line unblocks it (startup_sigint.guard), instead of a traceback from there
+        blocked = {signal.SIGINT} if spec.ranks_stop_together else set()
         for r in range(spec.nproc):
             if stop.signals:  # asked to stop while starting: the others are not started
                 break
-            self.procs[r] = _popen(rank_command(spec.cmd, r, spec.python), envs[r],
-                                   dest.stdouts[r], dest.stderrs[r])
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+            try:
+                self.procs[r] = _popen(rank_command(spec.cmd, r, spec.python), envs[r],
+                                       dest.stdouts[r], dest.stderrs[r])
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
         self.tails = _tails(dest, spec.nproc) if spec.tee else []
 
     def poll(self) -> None:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from multigpu.core import console
+from multigpu.core import console, startup_sigint
 from multigpu.core.errors import UsageError
 from multigpu.launcher import stop_reason
 
@@ -102,6 +102,7 @@ class Control:
                     continue
                 with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                     saved[sig] = signal.signal(sig, self._on_signal)
+            startup_sigint.over()  # a Ctrl-C no longer ends the rank at once: it stops together
             yield self
         finally:
             for sig, handler in saved.items():
