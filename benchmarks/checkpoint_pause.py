@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from multigpu.train.checkpoint_store import CheckpointStore
-from multigpu.train.config import TrainConfig
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.engine import StepSettings, train_step
-from multigpu.train.models import build_model, is_convnet
-from multigpu.train.runstate import RunState
+from multigpu.train.models.catalog import build_model, is_convnet
+from multigpu.train.checkpoints.runstate import RunState
 from multigpu.core.runtime import setup
-from multigpu.train.checkpointer import Checkpointer
+from multigpu.train.checkpoints.checkpointer import Checkpointer
 from multigpu.train.training import make_optimizer
 
 

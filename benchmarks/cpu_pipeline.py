@@ -34,8 +34,8 @@ import torch.multiprocessing  # noqa: F401  (registers tensors' reductions: by s
 from torch.utils.data import DataLoader, Dataset
 
 from multigpu.bench import imagegen
-from multigpu.core.loaders import PerSampleSeed, shard_loader
-from multigpu.train import imagefolder
+from multigpu.core.loading.loaders import PerSampleSeed, shard_loader
+from multigpu.train.data import imagefolder
 
 SIZE = 224
 

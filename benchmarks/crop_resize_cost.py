@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_path_contention import resnet50_step, time_steps, with_thread  # noqa: E402
 
 from multigpu.bench import imagegen  # noqa: E402
-from multigpu.train import crop_resize, imagefolder  # noqa: E402
+from multigpu.train.data import crop_resize, imagefolder  # noqa: E402
 
 SIZE = 224
 

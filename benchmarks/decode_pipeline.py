@@ -30,8 +30,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from multigpu.bench import imagegen
-from multigpu.train import gpu_images, imagefolder, jpeg_decoders
-from multigpu.core.loaders import shard_loader
+from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
+from multigpu.core.loading.loaders import shard_loader
 
 
 def decoders(device) -> dict:

@@ -74,7 +74,7 @@ def with_thread(work, measure, dev, side, images_per_call=128):
 
 
 def main():
-    from multigpu.train import gpu_images, imagefolder, jpeg_decoders
+    from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
 
     dev = torch.device("cuda", 0)
     step = resnet50_step(dev)

@@ -3,7 +3,7 @@
     python benchmarks/image_transforms.py --out DIR [--images 300] [--rounds 5] [--size 224]
 
 What one DataLoader worker (one thread) does per training and validation image of `folder:` data,
-through multigpu.train.imagefolder.ImageFolderDataset as shipped, with each of its decoders:
+through multigpu.train.data.imagefolder.ImageFolderDataset as shipped, with each of its decoders:
 - `pil`: PIL decode, one resize of the crop box, flip (the path without torchvision);
 - `torchvision`: torchvision.io.decode_image into a uint8 tensor, then transforms.v2 on it;
 - `tv-pil`: the alternative not taken, transforms.v2 on the PIL image, then PILToTensor.
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from multigpu.train import imagefolder
+from multigpu.train.data import imagefolder
 
 
 def make_images(folder: Path, count: int, seed: int = 0) -> list[str]:

@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-from multigpu.train.datasets import load_data  # noqa: E402
-from multigpu.train.seqmodels import build_sequence_model  # noqa: E402
+from multigpu.train.data.datasets import load_data  # noqa: E402
+from multigpu.train.models.seqmodels import build_sequence_model  # noqa: E402
 
 
 def reduce_mean(t: torch.Tensor, world: int) -> torch.Tensor:

@@ -24,10 +24,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import multigpu
 from multigpu.train.engine import StepSettings, train_step
-from multigpu.train.step_profile import kernel_times
+from multigpu.train.rundir.step_profile import kernel_times
 from multigpu.bench.spec import DDP_VARIANTS
-from multigpu.train.models import build_model
-from multigpu.train.config import TrainConfig
+from multigpu.train.models.catalog import build_model
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.training import ddp_options
 
 # "default" (multigpu train's DDP settings: training.ddp_options) or one of bench's multigpu-ddp:VARIANT settings.

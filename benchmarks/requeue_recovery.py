@@ -29,7 +29,7 @@ ARGS = ["--model", "mlp", "--data", "synthetic:6000", "--epochs", "3", "--batch-
 
 
 def newest_step(out: Path) -> int:
-    from multigpu.train.checkpoint_store import CheckpointStore
+    from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 
     try:
         entries = CheckpointStore(out / "checkpoints").entries()

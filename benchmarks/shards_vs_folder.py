@@ -31,9 +31,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from multigpu.bench import imagegen
-from multigpu.core.loaders import shard_loader
-from multigpu.train import shard_index, shard_layout, shard_pack
-from multigpu.train.datasets import load_data
+from multigpu.core.loading.loaders import shard_loader
+from multigpu.train.data import shard_index, shard_layout, shard_pack
+from multigpu.train.data.datasets import load_data
 
 SIZE, BATCH = 224, 32
 

@@ -33,7 +33,7 @@ def build(name: str, image_size: int):
 
         return getattr(torchvision.models, name)(num_classes=10)
     except ImportError:  # (this machine has no torchvision) the same kind of network, ours
-        from multigpu.train.models import build_model
+        from multigpu.train.models.catalog import build_model
 
         return build_model(name, (3, image_size, image_size), 10)
 

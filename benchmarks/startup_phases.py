@@ -10,7 +10,7 @@ turns, trial by trial, so that a drift of the machine spreads over all of them; 
 is printed. --bare adds, on each GPU count, a bare torchrun script (startup_bare.py: torch,
 init_process_group, DDP, one step) in the same turns, the floor that every DDP script pays, and
 the same script with its workers forked from torchrun's agent (bare-fork: no second torch import).
-The figures come from rank 0's `time:` line (train/timeline.py): `first_step_s` is the command until
+The figures come from rank 0's `time:` line (train/rundir/timeline.py): `first_step_s` is the command until
 the first optimizer step was done, `starting_s` until training could begin, `parts` the marked parts
 (they add up to starting_s), `meanwhile` the parts a thread did beside them. Every trial's line and
 figures go to --out/trials.jsonl, the medians to --out/summary.json.

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import multigpu                                                        # multigpu
-from multigpu.train.datasets import load_data
-from multigpu.train.models import build_model
+from multigpu.train.data.datasets import load_data
+from multigpu.train.models.catalog import build_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=5)

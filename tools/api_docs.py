@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     sys.path.insert(0, str(REPO / "src"))
-    from multigpu.core.fileio import atomic_write_text
+    from multigpu.core.system.fileio import atomic_write_text
 
     atomic_write_text(PAGE, text)
     print(f"wrote {PAGE.relative_to(REPO)} ({len(text.splitlines())} lines)")

@@ -35,7 +35,7 @@ import json
 import os
 import sys
 from io import open as _open  # the real one: under --auto, ranks other than 0 write the script's
-# files to copies of their own (multigpu.auto.files); these records are the harness's, not its
+# files to copies of their own (multigpu.auto.writes.files); these records are the harness's, not its
 
 _FOLDER = os.environ.get("AUTO_PUBLIC_RECORD")
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -33,7 +33,7 @@ def datasets(folder: str):
 
 
 def model(classes: int):
-    from multigpu.train.models import build_model
+    from multigpu.train.models.catalog import build_model
 
     return build_model("resnet50", (3, 224, 224), classes)
 

@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 # first use (PEP 562), so that `multigpu --help` and the CLI's usage errors answer without
 # importing torch (about 1.5 s).
 _EXPORTS = {
-    "clean_state_dict": "checkpoint", "load_model_state": "checkpoint",
+    "clean_state_dict": "checkpoints.checkpoint", "load_model_state": "checkpoints.checkpoint",
     "begin_step": "compiling", "compile_model": "compiling",
-    "ShardedBatchSampler": "data", "StepInfo": "data",
+    "ShardedBatchSampler": "loading.data", "StepInfo": "loading.data",
     "DistEnv": "distributed", "destroy_distributed": "distributed", "init_distributed": "distributed",
     "UsageError": "errors",
     "Accuracy": "metrics", "MeanMetric": "metrics", "Sums": "metrics", "reduce_tensor": "metrics",
     "Precision": "precision",
     "Runtime": "runtime", "setup": "runtime",
     "DDPOptions": "strategies", "FSDPOptions": "strategies", "unwrap_model": "strategies",
-    "load_model": "multigpu.train.trained_model",  # a model `multigpu train` trained
-    "ShardedImages": "multigpu.train.shards",  # WebDataset tar shards as a dataset
+    "load_model": "multigpu.train.models.trained_model",  # a model `multigpu train` trained
+    "ShardedImages": "multigpu.train.data.shards",  # WebDataset tar shards as a dataset
 }
 
 __all__ = [
@@ -49,14 +49,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs, which do not run __getattr__
-    from multigpu.core.checkpoint import clean_state_dict, load_model_state
+    from multigpu.core.checkpoints.checkpoint import clean_state_dict, load_model_state
     from multigpu.core.compiling import begin_step, compile_model
-    from multigpu.core.data import ShardedBatchSampler, StepInfo
+    from multigpu.core.loading.data import ShardedBatchSampler, StepInfo
     from multigpu.core.distributed import DistEnv, destroy_distributed, init_distributed
     from multigpu.core.errors import UsageError
     from multigpu.core.metrics import Accuracy, MeanMetric, Sums, reduce_tensor
     from multigpu.core.precision import Precision
     from multigpu.core.runtime import Runtime, setup
     from multigpu.core.strategies import DDPOptions, FSDPOptions, unwrap_model
-    # load_model (multigpu.train.trained_model) is left out: a static import of the train layer
+    # load_model (multigpu.train.models.trained_model) is left out: a static import of the train layer
     # here would make every module that imports multigpu import it, as the layers forbid

@@ -6,11 +6,12 @@ import sys
 # the launcher passes on ends it at once until its training loop takes the signal over
 # (startup_sigint.py). It holds the run folder while it lives (folder_users.py).
 try:
-    from multigpu.core import orphans, startup_sigint
+    from multigpu.core.system import orphans
+    from multigpu.core import startup_sigint
 
     if orphans.watch_from_env() is not None:
         startup_sigint.guard()
-        from multigpu.train import folder_users
+        from multigpu.train.rundir import folder_users
 
         folder_users.hold_from_env()
     else:  # (a rank is born with SIGINT blocked: local_loop)

@@ -6,7 +6,7 @@ Run on a machine with a GPU and torchvision:  pytest -m gpu tests/gpu/test_crop_
 import pytest
 import torch
 
-from multigpu.train import crop_resize
+from multigpu.train.data import crop_resize
 from tests.unit.test_crop_resize import PIL_WEIGHTS, pictures_and_crops, pil_crops
 
 GPU = torch.device("cuda", 0)

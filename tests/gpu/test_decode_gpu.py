@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from multigpu.train import gpu_images, imagefolder, jpeg_decoders
+from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
 from tests.multiproc.conftest import multigpu as run_multigpu
 from tests.multiproc.conftest import read_metrics
 from tests.unit.test_gpu_images import make_folder, samples, scene

@@ -1,4 +1,4 @@
-"""GPU tier for the start-up (train/head_start.py, train/timeline.py): on 2 GPUs, where CUDA and
+"""GPU tier for the start-up (train/head_start.py, train/rundir/timeline.py): on 2 GPUs, where CUDA and
 NCCL start and torchvision is installed, a worker's thread imports the compiler's modules while the
 group forms, then torchvision, the folder's listing and the compiler, and the run trains exactly
 as one that does all of it in line (MULTIGPU_HEAD_START=0).

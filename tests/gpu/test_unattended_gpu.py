@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 from tests.gpu.conftest import gpu_env
 from tests.multiproc.conftest import track
 

@@ -21,8 +21,8 @@ import psutil
 import pytest
 import torch
 
-from multigpu.train.checkpoint_store import CheckpointStore
-from multigpu.core.fileio import sha256_file
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
+from multigpu.core.system.fileio import sha256_file
 from tests.unit.test_loggers import scalars
 
 from .conftest import cli_env, multigpu, read_metrics, track

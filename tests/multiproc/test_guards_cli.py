@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 
 from .conftest import multigpu
 

@@ -80,7 +80,7 @@ def test_the_installed_wheel_trains_digits_importing_no_optional_package(tmp_pat
     wheel = _wheel(tmp_path)
     site, watched = tmp_path / "site", tmp_path / "imports"
     with zipfile.ZipFile(wheel) as zf:  # a pure-Python wheel installs by unpacking
-        assert "multigpu/train/data_files/digits.npz" in zf.namelist()
+        assert "multigpu/train/data/data_files/digits.npz" in zf.namelist()
         zf.extractall(site)
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -105,7 +105,7 @@ def test_the_installed_wheel_trains_digits_importing_no_optional_package(tmp_pat
     ours = {(name, by.removeprefix(f"{site}/").split(":")[0])
             for tried in seen.values() for name, by in tried if by.startswith(f"{site}/")}
     # curves.png asks for matplotlib through extras.require, which names the extra when it is absent
-    assert ours == {("matplotlib", "multigpu/core/extras.py")}, seen
+    assert ours == {("matplotlib", "multigpu/core/system/extras.py")}, seen
     assert not (out / "curves.png").exists()
 
 

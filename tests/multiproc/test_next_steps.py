@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 
 from .conftest import cli_env, suspend
 

@@ -47,7 +47,7 @@ def kill_all(proc: subprocess.Popen) -> None:
 
 
 def newest_step(out: Path) -> int:
-    from multigpu.train.checkpoint_store import CheckpointStore
+    from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 
     entries = CheckpointStore(out / "checkpoints").entries()
     return entries[-1].global_step if entries else -1

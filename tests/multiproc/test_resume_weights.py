@@ -5,7 +5,7 @@ model, or a legacy pickle of a whole module, is refused in one line, leaving no 
 import pytest
 import torch
 
-from multigpu.train.models import build_model
+from multigpu.train.models.catalog import build_model
 
 from .conftest import multigpu
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.train import shard_pack
+from multigpu.train.data import shard_pack
 from tests.unit.test_shards import make_folder, write_shards
 
 from .conftest import multigpu, read_metrics

@@ -22,10 +22,10 @@ def _first_lines(tmp_path, out):
     """Rank 0 held in the first lines of `python -m multigpu`, where it looks up the run folder's
     module (before the CLI's own handling of a KeyboardInterrupt); rank 1 goes on into its process
     group's set-up, where it waits in torch's C++ for rank 0 at the store."""
-    env, markers = held_at(tmp_path, rank0=("multigpu.train.folder_users", 120, False))
+    env, markers = held_at(tmp_path, rank0=("multigpu.train.rundir.folder_users", 120, False))
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = SHUTDOWN_WAIT
     run = Launch(out, env=env)
-    run.wait_for(lambda: (markers / "rank0-multigpu.train.folder_users").exists())
+    run.wait_for(lambda: (markers / "rank0-multigpu.train.rundir.folder_users").exists())
     return run, run.wait_for(run.workers())
 
 

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 UNUSED = ("torchvision", "matplotlib", "tensorboard", "PIL", "timm", "pandas", "sklearn", "mlflow",
           "wandb")
 # Modules only a worker needs: the launcher has torch for torchrun's agent, and nothing of these
-WORKERS_ONLY = ("multigpu.train.trainloop", "multigpu.train.training", "multigpu.train.models",
-                "multigpu.train.checkpoint_store", "multigpu.train.runstate",
-                "multigpu.core.checkpoint", "multigpu.core.runtime", "torch._dynamo",
+WORKERS_ONLY = ("multigpu.train.trainloop", "multigpu.train.training", "multigpu.train.models.catalog",
+                "multigpu.train.checkpoints.checkpoint_store", "multigpu.train.checkpoints.runstate",
+                "multigpu.core.checkpoints.checkpoint", "multigpu.core.runtime", "torch._dynamo",
                 "torch.distributed.checkpoint")
 
 LAUNCHER = """

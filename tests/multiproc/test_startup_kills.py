@@ -301,8 +301,8 @@ import sys, time
 
 class _Slow:
     def find_spec(self, name, path=None, target=None):
-        if name == "multigpu.launcher.watchdog":
-            print("importing multigpu.launcher.watchdog", file=sys.stderr, flush=True)
+        if name == "multigpu.launcher.rank.watchdog":
+            print("importing multigpu.launcher.rank.watchdog", file=sys.stderr, flush=True)
             time.sleep(60)
         return None
 
@@ -315,9 +315,9 @@ def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path):
     env = cli_env()
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
     run = Launch(tmp_path / "run", env=env)
-    run.wait_for(run.line("importing multigpu.launcher.watchdog"))
+    run.wait_for(run.line("importing multigpu.launcher.rank.watchdog"))
     run.proc.send_signal(signal.SIGINT)
     said = run.finish(timeout=60)
     assert run.proc.returncode == 130, said
-    assert said.splitlines() == ["importing multigpu.launcher.watchdog", "multigpu: interrupted"], said
+    assert said.splitlines() == ["importing multigpu.launcher.rank.watchdog", "multigpu: interrupted"], said
     assert not (tmp_path / "run").exists()

@@ -2,7 +2,7 @@
 empty folder: the embedded series needs no file, and val_mae/val_rmse reach metrics.jsonl."""
 import pytest
 
-from multigpu.train.datasets import load_data
+from multigpu.train.data.datasets import load_data
 
 from .conftest import multigpu, read_metrics
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from multigpu.train.models import build_model
+from multigpu.train.models.catalog import build_model
 
 from .conftest import multigpu, read_metrics
 
@@ -280,7 +280,7 @@ def test_validation_on_two_processes_evaluates_the_saved_model(tmp_path):
     evaluation every rank takes rank 0's, so the metrics are those of the checkpoint."""
     from multigpu import setup
     from multigpu.train import engine, training
-    from multigpu.train.config import FLAT_NAMES, TrainConfig
+    from multigpu.train.settings.config import FLAT_NAMES, TrainConfig
 
     out = tmp_path / "bn"
     proc = multigpu("train", "--model", "cnn", "--data", "digits", "--epochs", "1",

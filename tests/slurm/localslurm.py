@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterator
 
-from multigpu.core.orphans import set_death_signal
+from multigpu.core.system.orphans import set_death_signal
 
 NODE_CPUS = 4
 PARTITION = "debug"

@@ -18,7 +18,7 @@ from torch import nn
 from multigpu.core import console
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import Api, Text, UsageError
-from multigpu.train.flagwords import FLAGS, say
+from multigpu.train.settings.flagwords import FLAGS, say
 from tests.unit.test_doctor_setup import _HalfUsed
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "multigpu" / "core"  # the library
@@ -106,8 +106,8 @@ def test_a_library_warning_is_said_with_flags_where_the_command_line_asks_for_it
 def test_no_message_of_the_library_names_a_flag():
     """The core's errors and warnings (the arguments of UsageError, Text, warn) hold no flag;
     `multigpu run --devices N`, a command in backticks, is what a library user types too."""
-    core = ["runtime.py", "runtime_checkpoints.py", "distributed.py", "precision.py", "data.py",
-            "loaders.py", "metrics.py", "guards.py", "compiling.py",
+    core = ["runtime.py", "checkpoints/runtime_checkpoints.py", "distributed.py", "precision.py",
+            "loading/data.py", "loading/loaders.py", "metrics.py", "guards.py", "compiling.py",
             *(f"strategies/{p.name}" for p in (SRC / "strategies").glob("*.py"))]
     found = []
     for name in core:
@@ -126,7 +126,7 @@ def test_no_message_of_the_library_names_a_flag():
 def test_every_flag_of_the_table_is_one_that_multigpu_train_takes():
     import argparse
 
-    from multigpu.train.config import add_config_arguments
+    from multigpu.train.settings.config import add_config_arguments
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
@@ -175,6 +175,6 @@ def _cuda_without_gpus():
 
 
 def _no_step_left():
-    from multigpu.core.data import plan_global_steps
+    from multigpu.core.loading.data import plan_global_steps
 
     plan_global_steps(3, 8, 1, drop_last=True)

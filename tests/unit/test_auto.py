@@ -12,8 +12,10 @@ from torch import nn
 from torch.utils.data import (DataLoader, Dataset, RandomSampler,
                               SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
 
-from multigpu.auto import devices, gradients, loaders, notes, saving
-from multigpu.core.data import ShardedBatchSampler
+from multigpu.auto import devices, gradients, notes
+from multigpu.auto.data import loaders
+from multigpu.auto.writes import saving
+from multigpu.core.loading.data import ShardedBatchSampler
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import UsageError
 

@@ -1,4 +1,4 @@
-"""--auto's files on a rank other than 0 (multigpu.auto.files): what it writes lands in its own
+"""--auto's files on a rank other than 0 (multigpu.auto.writes.files): what it writes lands in its own
 copies, it reads those back, and the user's folder stays as rank 0 leaves it. Here one process
 plays rank 1 in a folder of its own; tests/multiproc/test_auto_files.py runs the real thing."""
 import glob
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from multigpu.auto import files, overlay
+from multigpu.auto.writes import files, overlay
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from torch import nn
 
 from multigpu.auto.first_step import names_global_batch
 from multigpu.auto.summed_loss import SummedLoss, summed_over
-from multigpu.auto.training_reads import TrainingReads
+from multigpu.auto.data.training_reads import TrainingReads
 
 
 @pytest.mark.parametrize("message, named", [

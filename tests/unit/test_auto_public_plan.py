@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.auto.loaders import per_process_batch
+from multigpu.auto.data.loaders import per_process_batch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from multigpu.auto import loaders, streams
-from multigpu.core.data import ShardedBatchSampler
+from multigpu.auto.data import loaders, streams
+from multigpu.core.loading.data import ShardedBatchSampler
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import UsageError
 

@@ -9,7 +9,7 @@ from multigpu.bench import report, runner, spec, stats
 from multigpu.bench.spec import BenchSettings, Task
 from multigpu.launcher.devices import DevicePlan
 from multigpu.core.errors import UsageError
-from multigpu.train.flagwords import say
+from multigpu.train.settings.flagwords import say
 
 SYNTHETIC = {"synthetic": ("synthetic", 1000)}  # data kind -> (Task.data, num_outputs)
 REAL = {"real": ("folder:/x", 10)}
@@ -605,7 +605,7 @@ def test_machine_label():
 
 def test_jpeg_folder_is_generated_once_in_imagefolder_layout(tmp_path):
     from multigpu.bench import realdata
-    from multigpu.train.datasets import load_data
+    from multigpu.train.data.datasets import load_data
 
     folder = realdata.ensure_image_folder(tmp_path, 30, 16, workers=1)
     again = realdata.ensure_image_folder(tmp_path, 20, 16, workers=1)

@@ -69,7 +69,7 @@ def test_the_detailed_folder_has_imagenet_like_files_sizes_and_modes(tmp_path):
     from PIL import Image
 
     from multigpu.bench import imagegen
-    from multigpu.train.datasets import load_data
+    from multigpu.train.data.datasets import load_data
 
     folder = realdata.ensure_image_folder(tmp_path, 66, 224, workers=1, kind="detailed")
     assert folder.name == "jpeg-detailed-66"

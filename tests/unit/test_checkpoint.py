@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import multigpu
-from multigpu.core import checkpoint
+from multigpu.core.checkpoints import checkpoint
 
 
 def small_model():

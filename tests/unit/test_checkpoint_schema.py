@@ -15,12 +15,12 @@ from torch import nn
 
 import multigpu
 from multigpu import cli
-from multigpu.train import runstate
-from multigpu.core import checkpoint
-from multigpu.core import checkpoint_schema as schema
-from multigpu.train.checkpoint_store import CheckpointStore
-from multigpu.train.folder_users import OUT_RESERVED_ENV
-from multigpu.train.runstate import RunState
+from multigpu.train.checkpoints import runstate
+from multigpu.core.checkpoints import checkpoint
+from multigpu.core.checkpoints import checkpoint_schema as schema
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
+from multigpu.train.rundir.folder_users import OUT_RESERVED_ENV
+from multigpu.train.checkpoints.runstate import RunState
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 NEWER = ("{}: checkpoint format 3 was written by a newer multigpu (this one reads format 1 to 2); "
@@ -48,13 +48,13 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_the_schema_imports_neither_torch_nor_another_multigpu_module():
-    code = ("import sys, multigpu.core.checkpoint_schema; print('torch' in sys.modules, "
+    code = ("import sys, multigpu.core.checkpoints.checkpoint_schema; print('torch' in sys.modules, "
             "sorted(m for m in sys.modules if m.startswith('multigpu')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(SRC)}).stdout
     # multigpu.core: the package that holds it, a docstring
-    assert out.strip() == ("False ['multigpu', 'multigpu.core', 'multigpu.core.checkpoint_schema', "
-                           "'multigpu.core.errors']")
+    assert out.strip() == ("False ['multigpu', 'multigpu.core', 'multigpu.core.checkpoints', "
+                           "'multigpu.core.checkpoints.checkpoint_schema', 'multigpu.core.errors']")
 
 
 def test_the_run_fields_are_those_runstate_saves():

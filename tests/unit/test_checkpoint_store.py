@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from multigpu.core import checkpoint, fileio
-from multigpu.train.checkpoint_store import CheckpointStore, step_file_name
+from multigpu.core.checkpoints import checkpoint
+from multigpu.core.system import fileio
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore, step_file_name
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # Writes checkpoints of ~1 MB forever, each holding its step; keeps 2.
 WRITER = """
 import sys, torch
-from multigpu.train.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 store = CheckpointStore(sys.argv[1], keep=2)
 store.acquire()
 entries = store.entries()
@@ -147,7 +148,7 @@ def test_a_big_checkpoint_is_found_complete_without_being_read(store):
 
 
 def test_a_second_writer_is_refused_with_the_holders_pid(store, monkeypatch):
-    import multigpu.train.checkpoint_store as cs
+    import multigpu.train.checkpoints.checkpoint_store as cs
 
     monkeypatch.setattr(cs, "LOCK_WAIT_SECONDS", 0.2)
     other = CheckpointStore(store.folder)
@@ -158,7 +159,7 @@ def test_a_second_writer_is_refused_with_the_holders_pid(store, monkeypatch):
 def test_a_finished_writer_leaves_no_lock_file_and_one_waiting_holds_the_file_that_is_there(tmp_path):
     import threading
 
-    import multigpu.train.checkpoint_store as cs
+    import multigpu.train.checkpoints.checkpoint_store as cs
 
     first = CheckpointStore(tmp_path)
     first.acquire()
@@ -260,7 +261,7 @@ def test_a_full_disk_fails_the_save_and_leaves_the_previous_checkpoint_intact(tm
     manifest = (folder / "manifest.json").read_text()
     store.release()
     script = ("import sys, torch\n"
-              "from multigpu.train.checkpoint_store import CheckpointStore\n"
+              "from multigpu.train.checkpoints.checkpoint_store import CheckpointStore\n"
               "s = CheckpointStore(sys.argv[1]); s.acquire()\n"
               "try:\n"
               "    s.write({'w': torch.zeros(250_000)}, global_step=2, run={}, best=False)\n"

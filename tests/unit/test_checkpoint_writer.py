@@ -1,7 +1,7 @@
 """The background writer's snapshot: copies that training can no longer change, in their layout."""
 import torch
 
-from multigpu.train.checkpoint_writer import BackgroundWriter, staging_buffer
+from multigpu.train.checkpoints.checkpoint_writer import BackgroundWriter, staging_buffer
 
 
 def test_staging_buffers_keep_a_dense_layout_and_fall_back_to_contiguous():

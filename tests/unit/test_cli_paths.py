@@ -3,7 +3,7 @@ the option, exit 2, before anything is made or started (issue 40, item 2: traceb
 import pytest
 
 from multigpu.core.errors import UsageError
-from multigpu.core.fileio import check_can_make
+from multigpu.core.system.fileio import check_can_make
 
 PROC = "nothing can be made in /proc (No such file or directory); give a folder you can write"
 FILE = "f.pt is a file, not a folder; give a path whose parents are folders"

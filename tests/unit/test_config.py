@@ -1,7 +1,7 @@
 """`multigpu train`'s flags, built from TrainConfig's fields."""
 import argparse
 
-from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
+from multigpu.train.settings.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 
 
 def parse(*argv: str) -> TrainConfig:

@@ -13,12 +13,12 @@ from multigpu.core.errors import UsageError
 from multigpu.core.loggers import LoggingConfig
 from multigpu.core.precision_config import PrecisionConfig
 from multigpu.core.strategies.options import StrategyConfig
-from multigpu.train.checkpoint_config import CheckpointConfig
-from multigpu.train.config import (FLAT_NAMES, TrainConfig, add_config_arguments, config_from_args,
+from multigpu.train.settings.checkpoint_config import CheckpointConfig
+from multigpu.train.settings.config import (FLAT_NAMES, TrainConfig, add_config_arguments, config_from_args,
                                    config_to_argv, flatten)
-from multigpu.train.data_config import DataConfig
-from multigpu.train.flagwords import say
-from multigpu.train.optim_config import OptimConfig
+from multigpu.train.data.data_config import DataConfig
+from multigpu.train.settings.flagwords import say
+from multigpu.train.settings.optim_config import OptimConfig
 
 BEFORE = json.loads((Path(__file__).parent / "data" / "train_flags.json").read_text())
 

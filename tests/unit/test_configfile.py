@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from multigpu import cli
-from multigpu.train.config import TrainConfig, config_from_args, flatten
+from multigpu.train.settings.config import TrainConfig, config_from_args, flatten
 
 
 def parse(*argv):
@@ -125,7 +125,7 @@ def test_config_json_repeats_the_run_with_its_provenance(tmp_path, monkeypatch):
 
 
 def test_outside_a_git_repository_there_is_no_git_key(tmp_path, monkeypatch):
-    from multigpu.train import provenance
+    from multigpu.train.rundir import provenance
 
     assert provenance.git_state(str(tmp_path)) is None
     assert "git" not in provenance.launch_facts(["multigpu", "train"], str(tmp_path))

@@ -86,7 +86,7 @@ def test_the_agent_s_sigterm_after_a_failure_is_said_as_that_failure(tmp_path, m
     (attempt / "0").mkdir(parents=True)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "0" / "error.json"))
     if written:
-        from multigpu.launcher import stop_reason
+        from multigpu.launcher.rank import stop_reason
 
         stop_reason.write({0: str(attempt / "0" / "error.json"), 1: str(attempt / "1" / "error.json")},
                           {1: -signal.SIGKILL})

@@ -3,8 +3,8 @@ sent, with the samples unchanged and each once an epoch (benchmarks/cpu_pipeline
 import torch
 from torch.utils.data import DataLoader
 
-from multigpu.core.loaders import PerSampleSeed, shard_loader
-from multigpu.train import gpu_images
+from multigpu.core.loading.loaders import PerSampleSeed, shard_loader
+from multigpu.train.data import gpu_images
 from tests.unit.test_gpu_images import folder_data, make_folder
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multigpu.bench import imagegen
-from multigpu.train import crop_resize, imagefolder
+from multigpu.train.data import crop_resize, imagefolder
 
 SIZE = 56
 PIL_WEIGHTS = list(crop_resize.VARIANTS)

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from multigpu.core.data import ShardedBatchSampler, plan_global_steps
-from multigpu.core.loaders import shard_loader
+from multigpu.core.loading.data import ShardedBatchSampler, plan_global_steps
+from multigpu.core.loading.loaders import shard_loader
 from multigpu.core.errors import UsageError
 
 
@@ -60,7 +60,7 @@ def test_dataparallel_last_batch_never_smaller_than_gpu_count():
 @pytest.mark.parametrize("n", [8607, 8610, 8613, 90, 91, 1001])
 def test_dataparallel_chunks_give_every_gpu_two_samples(n):
     # DataParallel splits with torch.chunk: 10 samples over 4 GPUs would be 3, 3, 3, 1.
-    from multigpu.core.data import chunk_sizes
+    from multigpu.core.loading.data import chunk_sizes
 
     _, (batches,) = epoch_indices(n, 4, 1, devices=4)
     assert sum(len(b) for b in batches) == n
@@ -250,7 +250,7 @@ def test_loader_workers_keep_out_of_the_ranks_process_group_but_die_on_sigterm()
 def test_per_sample_seeds_hold_behind_a_subset_too():
     from torch.utils.data import Dataset, Subset
 
-    from multigpu.core.loaders import PerSampleSeed
+    from multigpu.core.loading.loaders import PerSampleSeed
 
     class Noisy(Dataset):
         def __len__(self):
@@ -273,7 +273,7 @@ def test_per_sample_seeding_draws_as_torch_manual_seed_and_queues_no_cuda_seedin
     import numpy as np
     from torch.utils.data import Dataset
 
-    from multigpu.core.loaders import PerSampleSeed, sample_seed
+    from multigpu.core.loading.loaders import PerSampleSeed, sample_seed
 
     class Draws(Dataset):
         def __len__(self):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from multigpu.train import imagefolder
-from multigpu.train.datasets import load_data
+from multigpu.train.data import imagefolder
+from multigpu.train.data.datasets import load_data
 from multigpu.core.errors import UsageError
 
 # torchvision's path runs where torchvision imports (the GPU machines), PIL's everywhere
@@ -72,7 +72,7 @@ def test_bundled_digits_match_the_fixed_checksums():
 
 def test_bundled_digits_are_scikit_learns():
     import sklearn.datasets as sklearn_datasets  # the dev extra brings it: a failure, not a skip
-    from multigpu.train.datasets import digits_arrays
+    from multigpu.train.data.datasets import digits_arrays
 
     reference = sklearn_datasets.load_digits()
     pixels, labels = digits_arrays()
@@ -335,7 +335,7 @@ def test_unreadable_images_are_counted_in_their_own_epoch_while_workers_run_ahea
     (loaders.EpochAfterEpoch); those batches' bad files are epoch 1's, not epoch 0's."""
     from torch.utils.data import DataLoader
 
-    from multigpu.core.loaders import shard_loader
+    from multigpu.core.loading.loaders import shard_loader
 
     _image_folder(tmp_path, bad=["train/a/0.png", "train/a/1.png", "train/b/0.png"])
     train = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8).train
@@ -351,7 +351,7 @@ def test_unreadable_images_are_counted_in_their_own_epoch_while_workers_run_ahea
 
 
 def test_with_bad_images_fail_the_first_one_stops_with_its_name(tmp_path, decoder):
-    from multigpu.train.imagefolder import BadImageError
+    from multigpu.train.data.imagefolder import BadImageError
 
     _image_folder(tmp_path, bad=["train/b/0.png"])
     data = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8, bad_images="fail")

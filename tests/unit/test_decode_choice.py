@@ -1,8 +1,8 @@
 """--decode auto's trial: its windows, its rates and its pick (decode_choice)."""
 import torch
 
-from multigpu.train import decode_choice
-from multigpu.train.decode_choice import Plan, pick, rates
+from multigpu.train.data import decode_choice
+from multigpu.train.data.decode_choice import Plan, pick, rates
 
 
 def test_the_windows_leave_the_queued_batches_out_and_reverse_the_second_round():

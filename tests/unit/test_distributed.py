@@ -189,7 +189,7 @@ def test_a_rank_that_never_comes_costs_the_others_the_timeout_not_more(store, mo
 
 
 def test_the_worker_tears_down_a_group_the_script_left_alive(tmp_path):
-    from multigpu.launcher import worker
+    from multigpu.launcher.rank import worker
 
     torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     worker._finish_group({"clean": True}, None, None)

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from multigpu.train import batchfit
-from multigpu.train.findings import Finding, report
+from multigpu.core.findings import Finding, report
 from multigpu.doctor.probe import _train_step, _unused_finding
-from multigpu.train.setup_checks import (eval_coverage_finding, last_step_finding,
+from multigpu.train.checks.setup_checks import (eval_coverage_finding, last_step_finding,
                                           launch_env_findings, refuse_stale_worker_env)
 from multigpu.train.engine import StepSettings
 from multigpu.core.errors import UsageError
@@ -127,7 +127,7 @@ def test_the_probe_step_names_every_parameter_without_a_gradient():
 
 def test_bf16_on_a_gpu_without_bf16_units_fails_with_the_fix(monkeypatch):
     from multigpu.launcher.devices import DevicePlan
-    from multigpu.train.setup_checks import precision_findings
+    from multigpu.train.checks.setup_checks import precision_findings
 
     plan = DevicePlan("cuda", (0, 1), 2, gpu_names=("Tesla V100-SXM2-32GB",) * 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (7, 0))  # Volta

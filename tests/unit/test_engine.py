@@ -3,7 +3,7 @@ import re
 
 import torch
 
-from multigpu.train.data_bundle import IMAGENET_MEAN, IMAGENET_STD
+from multigpu.train.data.data_bundle import IMAGENET_MEAN, IMAGENET_STD
 from multigpu.train.engine import StepSettings, prepare_inputs
 
 
@@ -26,7 +26,7 @@ def test_float_inputs_pass_through_untouched():
 def test_out_of_memory_message_names_the_cause_and_three_fixes(monkeypatch):
     from types import SimpleNamespace
 
-    from multigpu.train.config import TrainConfig
+    from multigpu.train.settings.config import TrainConfig
     from multigpu.train.training import oom_message as _oom_message
 
     gib = 2**30
@@ -92,7 +92,7 @@ def test_compile_modes_that_record_cuda_graphs_are_refused_where_they_cannot_run
 
     from multigpu.core import compiling
     from multigpu.core.errors import UsageError
-    from multigpu.train.flagwords import say
+    from multigpu.train.settings.flagwords import say
 
     def refused(*args, **kwargs) -> UsageError:
         with pytest.raises(UsageError) as caught:

@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 
 
 def test_a_written_file_gets_the_mode_of_any_new_file_not_0600(tmp_path):

@@ -4,8 +4,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from multigpu.train import trainloop
-from multigpu.train.timeline import Timeline
-from multigpu.core import orphans
+from multigpu.train.rundir.timeline import Timeline
+from multigpu.core.system import orphans
 
 
 class _Control:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from multigpu.core.errors import UsageError
-from multigpu.core.global_batch import BatchPlan, nearest_working, plan_batch
-from multigpu.core.global_batch_sampler import GlobalBatchSampler
-from multigpu.train.flagwords import say
-from multigpu.train.optim_config import OptimConfig
+from multigpu.core.loading.global_batch import BatchPlan, nearest_working, plan_batch
+from multigpu.core.loading.global_batch_sampler import GlobalBatchSampler
+from multigpu.train.settings.flagwords import say
+from multigpu.train.settings.optim_config import OptimConfig
 
 
 @pytest.mark.parametrize("devices, largest, micro, accumulate", [

@@ -7,10 +7,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from multigpu.train import gpu_images, imagefolder
-from multigpu.train.datasets import load_data
+from multigpu.train.data import gpu_images, imagefolder
+from multigpu.train.data.datasets import load_data
 from multigpu.core.errors import UsageError
-from multigpu.core.loaders import PerSampleSeed, shard_loader
+from multigpu.core.loading.loaders import PerSampleSeed, shard_loader
 
 CPU = torch.device("cpu")
 
@@ -203,7 +203,7 @@ def test_auto_times_the_ways_in_the_job_and_deterministic_keeps_the_rule(tmp_pat
 def test_crop_resize_in_chunks_upscaling_and_flipped_is_pils(monkeypatch):
     from PIL import Image as PILImage
 
-    from multigpu.train import crop_resize
+    from multigpu.train.data import crop_resize
 
     pictures = [scene(400, 300, 1), scene(60, 40, 2), scene(123, 77, 3)]
     boxes = [(10, 20, 300, 250), (5, 3, 20, 30), (0, 0, 123, 77)]  # shrink, enlarge, whole
@@ -226,7 +226,7 @@ def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises
     import contextlib
     import threading
 
-    from multigpu.core import prefetch_thread
+    from multigpu.core.loading import prefetch_thread
 
     class Stub:
         def __init__(self, *args, **kwargs):

@@ -7,10 +7,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import multigpu
 from multigpu.core import console
-from multigpu.train.config import TrainConfig
+from multigpu.train.settings.config import TrainConfig
 from multigpu.core.distributed import DistEnv
 from multigpu.core.guards import SKIPPED_RUN_STEPS, FirstNonFinite, Found, SkippedRun
-from multigpu.train.train_guards import TrainGuards, global_batch_note, nonfinite_fix, nonfinite_message
+from multigpu.train.checks.train_guards import TrainGuards, global_batch_note, nonfinite_fix, nonfinite_message
 from multigpu.train.training import learning_rate
 
 NAN, INF = float("nan"), float("inf")
@@ -279,7 +279,7 @@ def test_the_global_batch_note():
 
 
 def test_an_input_bound_epoch_is_one_that_waited_a_large_share_and_at_least_a_second():
-    from multigpu.train.train_guards import input_bound
+    from multigpu.train.checks.train_guards import input_bound
 
     assert input_bound(0.41, 10.0) and input_bound(0.3, 3.4)
     assert not input_bound(0.29, 100.0)  # a share the step can live with
@@ -287,7 +287,7 @@ def test_an_input_bound_epoch_is_one_that_waited_a_large_share_and_at_least_a_se
 
 
 def test_an_input_bound_epoch_is_named_with_fixes_that_fit_its_data():
-    from multigpu.train.train_guards import input_bound_note
+    from multigpu.train.checks.train_guards import input_bound_note
 
     assert input_bound_note(2, 0.41, 14, cores=16, one_gather=False, gpu_decode_left=True) == (
         "epoch 2 waited 41% of its time for the next batch: the input, not the training step, sets "

@@ -7,7 +7,7 @@ import pytest
 
 from multigpu.core.errors import UsageError
 from multigpu.train import training
-from multigpu.train.config import TrainConfig
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.head_start import HeadStart
 from tests.unit.test_datasets import make_image_folder
 
@@ -15,7 +15,7 @@ from tests.unit.test_datasets import make_image_folder
 # start on folder data, then what the thread did and whether the compiler is loaded after it.
 PROBE = """
 import json, sys
-from multigpu.train.config import TrainConfig
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.head_start import HeadStart
 cfg = TrainConfig.from_flat(model="cnn", data="folder:" + sys.argv[1], image_size=8)
 parts = []
@@ -42,7 +42,7 @@ def test_a_ddp_run_on_folder_data_gets_its_decoder_listing_and_compiler_from_the
 # a torch._dynamo being imported (it clears the compiler's caches when it finds it in sys.modules).
 BEFORE_THE_GROUP = """
 import json, sys, time
-from multigpu.train.config import TrainConfig
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.head_start import HeadStart
 head = HeadStart.begin(TrainConfig.from_flat(model="mlp", data="synthetic:64"), env={"WORLD_SIZE": "2"})
 deadline = time.monotonic() + 120
@@ -69,7 +69,7 @@ def test_the_compiler_itself_is_imported_only_once_the_group_has_formed():
 
 CANCELLED = """
 import json, sys, time
-from multigpu.train.config import TrainConfig
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.head_start import HeadStart
 head = HeadStart.begin(TrainConfig.from_flat(model="mlp", data="synthetic:64"), env={"WORLD_SIZE": "2"})
 deadline = time.monotonic() + 120

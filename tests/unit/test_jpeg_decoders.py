@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from multigpu.core.errors import UsageError
-from multigpu.train import gpu_images, imagefolder, jpeg_decoders
+from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
 from tests.unit.test_gpu_images import folder_data, make_folder, samples, scene
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)

@@ -63,8 +63,8 @@ def test_no_import_circle_function_level_imports_included():
     assert _circles(graph) == []
 
 
-@pytest.mark.parametrize("importer, imported", [("multigpu.core.distributed", "multigpu.core.orphans"),
-                                                ("multigpu.train.announce", "multigpu.train.setup_checks")])
+@pytest.mark.parametrize("importer, imported", [("multigpu.core.distributed", "multigpu.core.system.orphans"),
+                                                ("multigpu.train.announce", "multigpu.train.checks.setup_checks")])
 def test_function_level_imports_are_in_the_graph(importer, imported):
     """Both are imported inside a function only: a graph without them would let a layer break."""
     graph = grimp.build_graph("multigpu", cache_dir=None)

@@ -1,4 +1,4 @@
-"""Loader worker processes in a process group of their own from birth (core/loader_workers.py):
+"""Loader worker processes in a process group of their own from birth (core/loading/loader_workers.py):
 what still reaches them, and what the contexts leave to the user's own processes."""
 import gc
 import multiprocessing
@@ -10,7 +10,7 @@ import time
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from multigpu.core.loader_workers import own_group_context
+from multigpu.core.loading.loader_workers import own_group_context
 
 
 def test_a_worker_the_rank_ends_while_it_starts_ends():
@@ -41,7 +41,7 @@ def _report(queue) -> None:
 
 FORKSERVER_AFTER = """
 import multiprocessing, signal, time
-from multigpu.core.loader_workers import own_group_context
+from multigpu.core.loading.loader_workers import own_group_context
 ours = own_group_context("forkserver").Process(target=time.sleep, args=(0,))
 ours.start(); ours.join(30)
 theirs = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from multigpu.core.data import ShardedBatchSampler
-from multigpu.core.loaders import PerSampleSeed, shard_loader
+from multigpu.core.loading.data import ShardedBatchSampler
+from multigpu.core.loading.loaders import PerSampleSeed, shard_loader
 
 N, BATCH, SEED = 40, 4, 3  # 10 steps an epoch; 2 workers x prefetch_factor 2 ask 4 batches ahead
 

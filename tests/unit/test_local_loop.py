@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from multigpu.launcher import local_loop, sessions, stop_reason
+from multigpu.launcher import local_loop, sessions
+from multigpu.launcher.rank import stop_reason
 from multigpu.launcher.local_loop import LoopSpec
 
 

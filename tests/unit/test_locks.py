@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from multigpu.core import locks
+from multigpu.core.system import locks
 
 HOLDER = """
 import os, sys, time
-from multigpu.core import locks
+from multigpu.core.system import locks
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
 print(locks.lock(fd, shared=sys.argv[2] == "shared"), flush=True)
 if len(sys.argv) > 3:

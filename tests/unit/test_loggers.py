@@ -9,7 +9,7 @@ import pytest
 from multigpu.core import loggers
 from multigpu.core.errors import UsageError
 from multigpu.core.loggers import LoggingConfig
-from multigpu.train.flagwords import say
+from multigpu.train.settings.flagwords import say
 
 
 def scalars(folder):

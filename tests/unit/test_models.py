@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from multigpu.core.errors import UsageError
-from multigpu.train.models import MODEL_NAMES, build_model, default_image_size, is_convnet, model_input_kind
-from multigpu.train.seqmodels import SEQUENCE_MODELS
-from multigpu.train.swin import WindowAttention
+from multigpu.train.models.catalog import MODEL_NAMES, build_model, default_image_size, is_convnet, model_input_kind
+from multigpu.train.models.seqmodels import SEQUENCE_MODELS
+from multigpu.train.models.swin import WindowAttention
 
 # Parameter counts of the reference ImageNet models (torchvision), for (3, 224, 224) in, 1000 out.
 REFERENCE_PARAMETERS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "vgg16": 138_357_544, "swin_t": 28_288_354}

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from multigpu.train import training
-from multigpu.train.config import TrainConfig
-from multigpu.train.optim_config import OptimConfig
+from multigpu.train.settings.config import TrainConfig
+from multigpu.train.settings.optim_config import OptimConfig
 
 FUSED, FOREACH = {"fused": True}, {"foreach": True}
 # strategy -> whether its prepared parameters are DTensors (fsdp shards them; the others keep

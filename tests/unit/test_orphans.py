@@ -6,7 +6,7 @@ import sys
 import textwrap
 import time
 
-from multigpu.core import orphans
+from multigpu.core.system import orphans
 
 
 def test_a_worker_whose_launcher_died_before_its_first_line_exits_at_once(tmp_path):
@@ -17,7 +17,7 @@ def test_a_worker_whose_launcher_died_before_its_first_line_exits_at_once(tmp_pa
         import os, sys, time
         while os.getppid() == int(sys.argv[1]):  # the launcher still lives: wait for its death
             time.sleep(0.01)
-        from multigpu.core import orphans
+        from multigpu.core.system import orphans
         orphans.watch_from_env()
         print("went on", file=sys.stderr)
     """)

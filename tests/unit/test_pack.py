@@ -10,8 +10,8 @@ import pytest
 
 from multigpu import cli
 from multigpu.core.errors import UsageError
-from multigpu.train import shard_pack
-from multigpu.train.shards import load_shards
+from multigpu.train.data import shard_pack
+from multigpu.train.data.shards import load_shards
 from tests.unit.test_shards import make_folder
 
 wds = pytest.importorskip("webdataset")

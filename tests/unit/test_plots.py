@@ -7,7 +7,7 @@ from PIL import Image
 
 pytest.importorskip("matplotlib")
 
-from multigpu.train import plots, runfolder  # noqa: E402 (after the skip without matplotlib)
+from multigpu.train.rundir import plots, runfolder  # noqa: E402 (after the skip without matplotlib)
 
 
 def test_curves_png_is_whole_and_a_file_beside_it_is_left_as_it_was(tmp_path):

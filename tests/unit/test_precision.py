@@ -66,7 +66,7 @@ def test_auto_precision_is_fp32_on_cpu_and_unknown_is_an_error():
 
 
 def test_auto_is_fp32_for_the_small_sequence_models_and_an_explicit_choice_stands():
-    from multigpu.train.model_names import precision_for
+    from multigpu.train.models.model_names import precision_for
 
     assert [precision_for("auto", m) for m in ("lstm", "tst")] == ["fp32", "fp32"]
     assert [precision_for("auto", m) for m in ("resnet50", "mlp", "torchvision:resnet18")] == ["auto"] * 3

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from multigpu.train import folder_users, runfolder
+from multigpu.train.rundir import folder_users, runfolder
 from multigpu.core.errors import UsageError
 
 
@@ -133,7 +133,7 @@ def test_node_0_claims_a_folder_where_another_node_already_writes_its_logs(tmp_p
 
 
 def test_a_continued_run_finds_the_batch_size_it_trained_with(tmp_path):
-    from multigpu.train.runfolder import trained_batch_size
+    from multigpu.train.rundir.runfolder import trained_batch_size
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -13,10 +13,10 @@ from torch.utils.data import DataLoader
 
 import multigpu
 from multigpu.core.errors import UsageError
-from multigpu.core.loaders import PerSampleSeed, shard_loader
-from multigpu.train import gpu_images, imagefolder, shard_index
-from multigpu.train.datasets import load_data
-from multigpu.train.shard_layout import check_shards, expand_braces
+from multigpu.core.loading.loaders import PerSampleSeed, shard_loader
+from multigpu.train.data import gpu_images, imagefolder, shard_index
+from multigpu.train.data.datasets import load_data
+from multigpu.train.data.shard_layout import check_shards, expand_braces
 from tests.unit.test_gpu_images import scene
 
 wds = pytest.importorskip("webdataset")  # the dev extra: shards as the library itself writes them
@@ -237,7 +237,7 @@ def test_doctor_says_what_the_shards_hold_warns_of_an_index_in_the_cache_and_fai
 
 
 def test_a_process_keeps_few_shards_open_however_many_it_reads(tmp_path, monkeypatch):
-    from multigpu.train import shards as shards_module
+    from multigpu.train.data import shards as shards_module
 
     shards = write_shards(make_folder(tmp_path / "imgs"), tmp_path / "shards", per_shard=2)
     monkeypatch.setattr(shards_module, "_OPEN_FILES", 2, raising=False)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from multigpu.core.errors import UsageError
-from multigpu.train import step_profile
+from multigpu.train.rundir import step_profile
 
 
 @pytest.mark.parametrize("text, window", [("100-119", (100, 119)), (" 7 ", (7, 7)), ("3 - 4", (3, 4)), ("", None)])

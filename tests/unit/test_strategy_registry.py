@@ -9,12 +9,12 @@ from torch import nn
 
 from multigpu.core import compiling
 from multigpu.cli import strategy_checks
-from multigpu.train.config import add_config_arguments
+from multigpu.train.settings.config import add_config_arguments
 from multigpu.core.errors import UsageError
-from multigpu.train.flagwords import say
-from multigpu.train.models import build_model
+from multigpu.train.settings.flagwords import say
+from multigpu.train.models.catalog import build_model
 from multigpu.core.strategies import STRATEGIES, registry
-from multigpu.core.checkpoint import named_optimizer_state, numbered_optimizer_state
+from multigpu.core.checkpoints.checkpoint import named_optimizer_state, numbered_optimizer_state
 from multigpu.core.strategies.fsdp import FSDPOptions, shard_units
 
 

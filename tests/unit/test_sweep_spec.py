@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from multigpu.cli.sweep import _split_rest, parse_duration
-from multigpu.train.configfile import read_mapping
+from multigpu.train.settings.configfile import read_mapping
 from multigpu.core.errors import UsageError
 from multigpu.sweep import pool as pools
 from multigpu.sweep import spec as specs

@@ -1,7 +1,7 @@
 import pytest
 
-from multigpu.train import timeline
-from multigpu.train.timeline import Timeline, command_start, mark_command_start
+from multigpu.train.rundir import timeline
+from multigpu.train.rundir.timeline import Timeline, command_start, mark_command_start
 
 
 class Clock:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import multigpu
-from multigpu.train.datasets import load_data
+from multigpu.train.data.datasets import load_data
 from multigpu.train.engine import StepSettings, evaluate
 from multigpu.core.errors import UsageError
-from multigpu.train.models import build_model, model_input_kind
-from multigpu.train.seqmodels import SEQUENCE_MODELS
+from multigpu.train.models.catalog import build_model, model_input_kind
+from multigpu.train.models.seqmodels import SEQUENCE_MODELS
 
 # Shape, header and the sha256 of the decompressed CSV text: the data every `timeseries:co2|macro`
 # run trains on (series/SOURCE.md says where it comes from).
@@ -85,7 +85,7 @@ def test_sequence_and_image_models_refuse_each_others_data():
 @pytest.mark.parametrize("name", sorted(EMBEDDED))
 def test_embedded_series_shape_header_and_checksum(name):
     shape, header, checksum = EMBEDDED[name]
-    packed = importlib.resources.files("multigpu.train").joinpath("series", f"{name}.csv.gz").read_bytes()
+    packed = importlib.resources.files("multigpu.train.data").joinpath("series", f"{name}.csv.gz").read_bytes()
     text = gzip.decompress(packed).decode("ascii")
     assert text.splitlines()[0] == header
     assert hashlib.sha256(text.encode()).hexdigest() == checksum
@@ -162,7 +162,7 @@ def test_error_off_by_c_normalised_units_is_c_times_std_in_original_units():
 def test_train_loaders_read_windows_a_batch_at_a_time_with_the_same_values():
     from torch.utils.data import default_collate
 
-    from multigpu.train.datasets import BatchedWindows, load_data
+    from multigpu.train.data.datasets import BatchedWindows, load_data
     from multigpu.train.training import make_loader
 
     data = load_data("timeseries:co2", input_kind="sequence", image_size=None, seq_length=12, future_length=3)

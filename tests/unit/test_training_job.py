@@ -1,7 +1,7 @@
 """training.build_job: what a run's loaders are made of."""
 from multigpu import setup
 from multigpu.train import training
-from multigpu.train.config import TrainConfig
+from multigpu.train.settings.config import TrainConfig
 
 
 def test_validation_starts_no_more_loader_workers_than_it_has_batches():

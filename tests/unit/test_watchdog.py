@@ -6,8 +6,8 @@ import sys
 import threading
 import time
 
-from multigpu.launcher import watchdog
-from multigpu.launcher.watchdog import hung, summarize, where
+from multigpu.launcher.rank import watchdog
+from multigpu.launcher.rank.watchdog import hung, summarize, where
 
 NOW = 1000.0
 
@@ -87,7 +87,7 @@ def test_the_error_file_holds_the_summary_for_the_launcher(tmp_path, monkeypatch
 EXITS_WHILE_THE_WATCHDOG_TALKS = """
 import datetime, os, sys, time
 import torch.distributed as dist
-from multigpu.launcher import watchdog
+from multigpu.launcher.rank import watchdog
 
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 os.environ.update(TORCHELASTIC_RUN_ID="t", MULTIGPU_HANG_TIMEOUT="0.5", WORLD_SIZE="2", RANK="0",

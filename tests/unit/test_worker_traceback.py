@@ -18,7 +18,7 @@ def _reported(tmp_path, debug: bool) -> str:
     env.pop("MULTIGPU_DEBUG", None)
     if debug:
         env["MULTIGPU_DEBUG"] = "1"
-    done = subprocess.run([sys.executable, "-P", "-m", "multigpu.launcher.worker", str(SCRIPT)],
+    done = subprocess.run([sys.executable, "-P", "-m", "multigpu.launcher.rank.worker", str(SCRIPT)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]
     return json.loads(err.read_text())["message"]
@@ -35,7 +35,7 @@ def test_the_reported_traceback_starts_at_the_script_or_at_the_first_frame(tmp_p
         assert len(frames) == 2, text
     else:  # python -m: runpy's _run_module_as_main first, then the worker's own call of main
         assert frames[0].endswith("in _run_module_as_main"), text
-        assert any("launcher/worker.py" in f and f.endswith("in <module>") for f in frames), text
+        assert any("launcher/rank/worker.py" in f and f.endswith("in <module>") for f in frames), text
 
 
 def test_a_keyboard_interrupt_the_script_raises_itself_is_its_error_not_a_stop(tmp_path):
@@ -45,7 +45,7 @@ def test_a_keyboard_interrupt_the_script_raises_itself_is_its_error_not_a_stop(t
     err = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(err)}
     env.pop("MULTIGPU_DEBUG", None)
-    done = subprocess.run([sys.executable, "-P", "-m", "multigpu.launcher.worker", str(script)],
+    done = subprocess.run([sys.executable, "-P", "-m", "multigpu.launcher.rank.worker", str(script)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]
     said = done.stderr.splitlines()

@@ -15,20 +15,21 @@ from __future__ import annotations
 import os
 import sys
 
-from multigpu.core import orphans
+from multigpu.core.system import orphans
 
 orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
 
 from multigpu.auto import BATCH_MODES, FIND_UNUSED_ENV, devices  # noqa: E402
 from multigpu.core.errors import UsageError  # noqa: E402
-from multigpu.launcher import worker  # noqa: E402
+from multigpu.launcher.rank import worker  # noqa: E402
 
 
 def prepare(mode: str) -> None:
     """This process's GPU, its process group and the patches, before the script runs."""
     devices.narrow_to_own_gpu()
-    from multigpu.auto import (batchnorm, files, first_step, gradients, loaders, notes, refusals,
-                               saving, seeds, summed_loss, tracing, training_reads)
+    from multigpu.auto import batchnorm, first_step, gradients, notes, refusals, seeds, summed_loss, tracing
+    from multigpu.auto.writes import files, saving
+    from multigpu.auto.data import loaders, training_reads
     from multigpu.core.distributed import init_distributed
 
     env = init_distributed(own_gpu=True)

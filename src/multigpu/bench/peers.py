@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from multigpu.bench.measure import Prepared, describe_optimizer, synthetic_batch
 from multigpu.bench.spec import Task
-from multigpu.train.models import build_model, is_convnet
-from multigpu.train.model_names import precision_for
+from multigpu.train.models.catalog import build_model, is_convnet
+from multigpu.train.models.model_names import precision_for
 from multigpu.core.precision import resolve_precision
 
 SEED = 0  # same initial weights as multigpu's setup(seed=0)

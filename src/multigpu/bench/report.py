@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 from multigpu.bench import stats, telemetry
 from multigpu.bench.spec import REAL_DECODE, Task, base_method
 
@@ -247,7 +247,7 @@ def _plot_batch_sweep(rows: list[dict], left, right) -> None:
 def plot(report: dict, path: Path) -> Path:
     """Two panels: throughput (with ideal linear scaling) and efficiency, against the GPU count,
     or against the batch size for a batch sweep at one GPU count."""
-    from multigpu.core.extras import require
+    from multigpu.core.system.extras import require
 
     matplotlib = require("matplotlib", "the benchmark plot", extra="bench")
     matplotlib.use("Agg")

@@ -19,7 +19,7 @@ from multigpu.bench.spec import (NUM_CLASSES, REAL_DECODE, BenchSettings, Group,
                                  plan_groups)
 from multigpu.launcher.devices import DevicePlan, resolve_devices
 from multigpu.core.errors import UsageError
-from multigpu.core.extras import MissingExtra
+from multigpu.core.system.extras import MissingExtra
 
 MAX_ATTEMPTS = 3  # per group: after a failed task (see blamed()), the rest is started again
 # Exit codes of a launch stopped because *we* got SIGINT/SIGTERM (Ctrl-C, `timeout`): stop there.
@@ -69,7 +69,7 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]
     """(folder, classes): --data folder:PATH's, or the cached JPEG folder, generated when missing
     (one image size, so one folder, for all)."""
     if s.folder:
-        from multigpu.train.imagefolder import load_folder
+        from multigpu.train.data.imagefolder import load_folder
 
         # Its layout checked here, in one line, not in every worker; the model's head its classes.
         return Path(s.folder).expanduser(), load_folder(s.folder, 224).num_outputs
@@ -86,7 +86,7 @@ def _image_folder(s: BenchSettings, counts: tuple[int, ...]) -> tuple[Path, int]
 
 
 def _default_size(model: str) -> int:
-    from multigpu.train.models import default_image_size
+    from multigpu.train.models.catalog import default_image_size
 
     return default_image_size(model)
 

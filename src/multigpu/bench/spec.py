@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from multigpu.core import compiling
 from multigpu.core.errors import UsageError
-from multigpu.core.extras import install_hint
+from multigpu.core.system.extras import install_hint
 from multigpu.core.strategies import STRATEGIES
 
 OURS_PREFIX = "multigpu-"  # multigpu-<strategy>: `multigpu train`'s step under that strategy
@@ -237,7 +237,7 @@ def parse_folder(text: str) -> str | None:
 
 
 def parse_models(text: str) -> tuple[str, ...]:
-    from multigpu.train.model_names import model_input_kind
+    from multigpu.train.models.model_names import model_input_kind
 
     models = tuple(dict.fromkeys(m.strip() for m in str(text).split(",") if m.strip()))
     if not models:
@@ -395,6 +395,6 @@ class _TaskMaker:
 
 
 def _default_image_size(model: str) -> int:
-    from multigpu.train.model_names import default_image_size
+    from multigpu.train.models.model_names import default_image_size
 
     return default_image_size(model)

@@ -74,7 +74,7 @@ def train_step_flops(model_name: str, input_shape: tuple[int, ...], num_outputs:
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
-    from multigpu.train.models import build_model
+    from multigpu.train.models.catalog import build_model
 
     try:
         with torch.device("meta"):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from multigpu.train import flagwords
+from multigpu.train.settings import flagwords
 from multigpu.core import console
 from multigpu.bench import measure, realdata, telemetry
 from multigpu.bench.measure import Prepared, synthetic_batch
@@ -43,8 +43,8 @@ from multigpu.core.strategies import STRATEGIES
 
 
 def _config(task: Task, strategy: str):
-    from multigpu.train.config import TrainConfig
-    from multigpu.train.model_names import precision_for
+    from multigpu.train.settings.config import TrainConfig
+    from multigpu.train.models.model_names import precision_for
 
     data = task.data if task.data.startswith("folder:") else "digits"  # synthetic: unused by it
     return TrainConfig.from_flat(model=task.model, data=data, batch_size=task.batch_size,
@@ -56,7 +56,7 @@ def _config(task: Task, strategy: str):
 
 def build_multigpu(task: Task, accelerator: str, strategy: str) -> Prepared:
     from multigpu.train.engine import StepSettings, train_step
-    from multigpu.train.models import build_model
+    from multigpu.train.models.catalog import build_model
     from multigpu.core.runtime import setup
     from multigpu.train.training import build_job, compile_prepared, make_optimizer, uses_channels_last
 

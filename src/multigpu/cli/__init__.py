@@ -20,7 +20,7 @@ import traceback
 
 from multigpu.core import startup_sigint
 from multigpu.core.errors import Stopped, UsageError
-from multigpu.train.provenance import PrintVersion
+from multigpu.train.rundir.provenance import PrintVersion
 
 # name -> module under multigpu.cli; the order is the order in --help.
 COMMANDS = {
@@ -104,7 +104,7 @@ def unknown_option_message(parser: argparse.ArgumentParser, command: str | None,
 def _leave_error_file(text: str) -> bool:
     """Under the launcher, what this worker failed with, for the launcher's report, which reads
     local rank 0 (its own output went to the console) only from there; whether it was written."""
-    from multigpu.launcher.watchdog import write_error_file
+    from multigpu.launcher.rank.watchdog import write_error_file
 
     return write_error_file(text.rstrip())
 
@@ -131,7 +131,7 @@ def one_line(exc: BaseException) -> str:
     """The message of a UsageError, the library's API names said as flags (flagwords); one raised
     in a DataLoader worker arrives wrapped in the worker's traceback ("Caught X in DataLoader
     worker process 0. Original Traceback ..."), whose last line is the message."""
-    from multigpu.train.flagwords import say
+    from multigpu.train.settings.flagwords import say
 
     text = say(exc)
     if "Original Traceback" not in text:

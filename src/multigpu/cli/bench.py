@@ -12,9 +12,9 @@ import signal
 import sys
 
 from multigpu.bench.spec import DDP_VARIANTS, DEFAULT_METHODS, METHODS
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 from multigpu.core.compiling import MODES as COMPILE_MODES
-from multigpu.train.model_names import MODEL_NAMES
+from multigpu.train.models.model_names import MODEL_NAMES
 
 EXAMPLES = """\
 examples:

@@ -35,11 +35,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from multigpu.auto import BATCH_MODES
-from multigpu.train import configfile
+from multigpu.train.settings import configfile
 from multigpu.core import console
-from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args
+from multigpu.train.settings.config import TrainConfig, add_config_arguments, config_from_args
 from multigpu.core.errors import UsageError
-from multigpu.train.flagwords import say
+from multigpu.train.settings.flagwords import say
 
 AUTO_PROBE_BATCH = 32
 DEFAULT_TRIAL_TIMEOUT = 300.0  # seconds: the start-up and first steps of most scripts, with room
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _report(findings) -> int:
     """The checks, their count, then the estimate (not a check: what the steps timed predict)."""
-    from multigpu.train.findings import report
+    from multigpu.core.findings import report
 
     last = [f for f in findings if f.check == "estimate"]
     code = report([f for f in findings if f not in last])
@@ -126,7 +126,7 @@ def _report(findings) -> int:
 def _script_checks(args, script: list[str]):
     from multigpu.doctor.script_checks import script_findings
     from multigpu.doctor.shell_checks import file_crlf_finding
-    from multigpu.train.setup_checks import device_findings, launch_env_findings
+    from multigpu.train.checks.setup_checks import device_findings, launch_env_findings
 
     given = script  # what the trial starts: a module stays a module (its relative imports)
     if script[0] == "-m" and len(script) > 1:  # -- -m pkg.train ARGS, as multigpu run -m takes it
@@ -170,7 +170,7 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
     starts it; not when a check above failed (it would hang or crash) or for a shell script."""
     from multigpu.launcher import devices, launch
     from multigpu.launcher.scripts import local_rank_args, script_command
-    from multigpu.train.findings import Finding
+    from multigpu.core.findings import Finding
     from multigpu.doctor.script_trial import trial_findings
 
     if failed:
@@ -184,7 +184,7 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
         if not python:
             return [Finding("ok", "script run", "not run: a shell script; doctor runs a Python "
                                                 "script or module given after --")]
-    cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args("auto", path))
+    cmd = launch.python_command("multigpu.launcher.rank.worker", *cmd, *local_rank_args("auto", path))
     devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
     return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout)
 
@@ -210,7 +210,7 @@ def _auto_checks(args, worker: list[str], script: list[str], path: Path, plan, n
     if not run:
         return findings
     if failed or any(f.level == "fail" for f in findings):
-        from multigpu.train.findings import Finding
+        from multigpu.core.findings import Finding
 
         return findings + [Finding("warn", "script run", "not run: a check above failed; fix "
                                                          "it, then doctor runs the script under "
@@ -225,8 +225,8 @@ def _auto_checks(args, worker: list[str], script: list[str], path: Path, plan, n
 
 def _train_checks(args):
     from multigpu.cli.train import check_resume, validate
-    from multigpu.train import setup_checks
-    from multigpu.train.findings import Finding
+    from multigpu.train.checks import setup_checks
+    from multigpu.core.findings import Finding
     from multigpu.core.strategies import registry
 
     try:
@@ -267,8 +267,8 @@ def _train_checks(args):
 
 def _plan_checks(cfg: TrainConfig, plan):
     """The last step of each epoch and the validation sharding, from the data's real sizes."""
-    from multigpu.train.findings import Finding
-    from multigpu.train.setup_checks import eval_coverage_finding, last_step_finding
+    from multigpu.core.findings import Finding
+    from multigpu.train.checks.setup_checks import eval_coverage_finding, last_step_finding
     from multigpu.train.training import load_run_data
 
     try:
@@ -279,7 +279,7 @@ def _plan_checks(cfg: TrainConfig, plan):
     per_rank = len(plan.gpu_ids) if plan.nproc == 1 and len(plan.gpu_ids) > 1 else 1
     kind, _, arg = cfg.input.data.partition(":")
     if kind == "shards":
-        from multigpu.train.shard_layout import shard_findings
+        from multigpu.train.data.shard_layout import shard_findings
 
         shards = shard_findings(arg)
     else:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from multigpu.core import checkpoint_schema as schema
-from multigpu.core import fileio
+from multigpu.core.checkpoints import checkpoint_schema as schema
+from multigpu.core.system import fileio
 from multigpu.core.errors import UsageError
 
 EXAMPLES = """\
@@ -36,7 +36,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.core import checkpoint
+    from multigpu.core.checkpoints import checkpoint
 
     given = Path(args.out) if args.out else None
     if given is not None:
@@ -65,13 +65,13 @@ def main(args: argparse.Namespace) -> int:
 
 def _newest(source: str):
     from multigpu.core import console
-    from multigpu.train.runstate import load_source
+    from multigpu.train.checkpoints.runstate import load_source
 
     return load_source(source, console.warn, flag="export")  # shards verified too
 
 
 def _whole(state: dict, path: Path, scratch: Path) -> dict:
-    from multigpu.core import sharded_checkpoint
+    from multigpu.core.checkpoints import sharded_checkpoint
 
     if not state.get(schema.SHARDS):
         return state

@@ -2,7 +2,7 @@
 
 The images' bytes are packed unchanged, each split shuffled with --seed, in shards of about
 --shard-size; DIR/classes.json names the classes. Stopped, the same command goes on where it
-was; at the end every image is checked to be in exactly one shard (multigpu.train.shard_pack).
+was; at the end every image is checked to be in exactly one shard (multigpu.train.data.shard_pack).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from multigpu.core.errors import UsageError
-from multigpu.core.fileio import check_can_make
+from multigpu.core.system.fileio import check_can_make
 
 EXAMPLES = """\
 examples:
@@ -36,7 +36,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.train import shard_pack
+    from multigpu.train.data import shard_pack
 
     kind, _, path = args.source.partition(":")
     if kind != "folder" or not path:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 from multigpu.core.errors import UsageError
-from multigpu.train.runfolder import METRICS
+from multigpu.train.rundir.runfolder import METRICS
 
 EXAMPLES = """\
 examples:
@@ -32,7 +32,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.train import plots
+    from multigpu.train.rundir import plots
 
     runs = [Path(r) for r in args.runs]
     for run in runs:

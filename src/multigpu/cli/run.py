@@ -35,7 +35,7 @@ from pathlib import Path
 
 from multigpu.launcher import devices, launch
 from multigpu.auto import BATCH_MODES, FIND_UNUSED_ENV
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 from multigpu.core.errors import UsageError
 from multigpu.launcher.scripts import local_rank_args, module_source, script_command
 
@@ -94,8 +94,9 @@ def main(args) -> int:
     elif args.auto_batch is not None or args.auto_unused:
         flag = f"--auto-batch {args.auto_batch}" if args.auto_batch else "--auto-unused"
         raise UsageError(f"{flag} is a choice of --auto: add --auto, or drop {flag.split()[0]}")
-    elif python:  # through multigpu.launcher.worker: the hang watchdog, then the script as python runs it
-        cmd = launch.python_command("multigpu.launcher.worker", *cmd, *local_rank_args(args.local_rank_arg, source))
+    elif python:  # through multigpu.launcher.rank.worker: the hang watchdog, then the script as python runs it
+        cmd = launch.python_command("multigpu.launcher.rank.worker", *cmd,
+                                    *local_rank_args(args.local_rank_arg, source))
     if args.log_dir:
         fileio.check_can_make(args.log_dir, "--log-dir")
     plan = devices.resolve_devices(args.devices, min_free_memory_gb=args.min_free_memory)
@@ -138,7 +139,7 @@ def refuse_unparsable(source: Path) -> None:
 def check_source(source: Path, plan, master_port: int | None) -> None:
     """The traps the script's source shows, said once before any process starts; one that is
     certain to hang until --hang-timeout (it sets MASTER_PORT itself) refuses the launch."""
-    from multigpu.train.findings import warn_all
+    from multigpu.core.findings import warn_all
     from multigpu.doctor.script_checks import script_findings
 
     try:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 from multigpu.launcher import devices
 
 DEFAULT_HANG_TIMEOUT = 60.0  # a check stuck in a collective is named after this long
@@ -67,7 +67,7 @@ def main(args) -> int:
     result = Path(log_dir) / "selftest.json"
     result.unlink(missing_ok=True)
     # what `multigpu run -m multigpu.doctor.selftest` starts: the watchdog, then the module
-    cmd = launch.python_command("multigpu.launcher.worker", "-m", "multigpu.doctor.selftest",
+    cmd = launch.python_command("multigpu.launcher.rank.worker", "-m", "multigpu.doctor.selftest",
                                 "--result", str(result))
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]

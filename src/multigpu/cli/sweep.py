@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 from multigpu.core.errors import UsageError
 
 # What a `multigpu train` run imports before its first step, in the order it does: the sweep's
@@ -140,7 +140,7 @@ def _resolve(args):
     file_path, command = _split_rest(args.rest)
     spec, options = specs.SweepSpec([]), {}
     if file_path:
-        from multigpu.train.configfile import read_mapping
+        from multigpu.train.settings.configfile import read_mapping
 
         data = read_mapping(file_path, "sweep file", examples=(
             "multigpu sweep sweep.yaml", "`command: multigpu train --model cnn --lr {lr}`"))

@@ -15,12 +15,16 @@ from dataclasses import replace
 from pathlib import Path
 from collections.abc import Callable
 
-from multigpu.core import checkpoint_schema as schema
-from multigpu.train import configfile, data_specs, global_batch, provenance, timeline
+from multigpu.core.checkpoints import checkpoint_schema as schema
+from multigpu.train.settings import configfile
+from multigpu.train.data import data_specs
+from multigpu.train import global_batch
+from multigpu.train.rundir import provenance, timeline
 from multigpu.launcher import devices
-from multigpu.core import compiling, console, fileio
+from multigpu.core import compiling, console
+from multigpu.core.system import fileio
 from multigpu.cli import strategy_checks
-from multigpu.train.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
+from multigpu.train.settings.config import TrainConfig, add_config_arguments, config_from_args, config_to_argv
 from multigpu.core.errors import UsageError
 
 EXAMPLES = """\
@@ -57,9 +61,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 def validate(cfg: TrainConfig) -> None:
     """What the parent checks beyond the values themselves (each component refused those when
     `cfg` was made): a folder that is not there costs one line instead of N crashing workers."""
-    from multigpu.train.folder_layout import check_folder
-    from multigpu.train.shard_layout import check_shards
-    from multigpu.train.step_profile import window_from_env
+    from multigpu.train.data.folder_layout import check_folder
+    from multigpu.train.data.shard_layout import check_shards
+    from multigpu.train.rundir.step_profile import window_from_env
 
     kind, _, path = cfg.input.data.partition(":")
     if kind == "folder" and path:
@@ -73,8 +77,8 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
     """A launch stopped by a stop signal (stop_reason.stopped_by_signal: Ctrl-C, a scheduler's
     SIGTERM) while its ranks were only exiting, every epoch and the last checkpoint complete,
     finished: exit 0, saying so. A rank's own death by a signal keeps its code."""
-    from multigpu.train import runfolder
-    from multigpu.launcher.stop_reason import stopped_by_signal
+    from multigpu.train.rundir import runfolder
+    from multigpu.launcher.rank.stop_reason import stopped_by_signal
 
     if not stopped_by_signal(code) or (done := runfolder.finished_checkpoint(out, epochs)) is None:
         return code
@@ -85,11 +89,11 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from multigpu.train.setup_checks import refuse_stale_worker_env
+    from multigpu.train.checks.setup_checks import refuse_stale_worker_env
     from multigpu.launcher.launch import Reporting, in_worker, launch, options_from_args, python_command
-    from multigpu.launcher.stop_reason import stopped_by_signal
-    from multigpu.train import runfolder
-    from multigpu.train.folder_users import OUT_RESERVED_ENV
+    from multigpu.launcher.rank.stop_reason import stopped_by_signal
+    from multigpu.train.rundir import runfolder
+    from multigpu.train.rundir.folder_users import OUT_RESERVED_ENV
 
     refuse_stale_worker_env(os.environ, console.warn)  # trap 8: LOCAL_RANK left by a launch
     cfg = config_from_args(args)  # each component refuses a value it cannot take
@@ -191,7 +195,7 @@ def _resume_line(out: Path, typed: list[str]) -> str | None:
     checksum of a large file holds the exit), when there is one."""
     import shlex
 
-    from multigpu.train.checkpoint_store import CheckpointStore
+    from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 
     try:
         complete = CheckpointStore(schema.checkpoints_folder(out)).newest_complete()
@@ -216,7 +220,7 @@ def _claim_folder(cfg: TrainConfig, opts) -> tuple[Path, Callable[[], str | None
     what the run wrote in it. Never a run that trained, nor on several nodes (node 0 owns the shared
     folder). The remover returns "folder", "contents" (the user's folder kept) or None (nothing
     removed)."""
-    from multigpu.train import runfolder
+    from multigpu.train.rundir import runfolder
 
     target = runfolder.out_for(cfg)  # None: a new folder under runs/
     made = _first_missing(Path(target) if target else Path("runs"))
@@ -260,9 +264,9 @@ def check_resume(cfg: TrainConfig) -> TrainConfig:
     in the folder --resume names, the config of a fresh start in it."""
     if not cfg.checkpointing.resume:  # (before the imports: they load torch and the checkpoint code)
         return cfg
-    from multigpu.train.checkpoint_store import CheckpointStore
-    from multigpu.train.runfolder import CONFIG
-    from multigpu.train.runstate import load_source
+    from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
+    from multigpu.train.rundir.runfolder import CONFIG
+    from multigpu.train.checkpoints.runstate import load_source
 
     fresh = _fresh_start(cfg)
     if fresh is not None:
@@ -317,8 +321,8 @@ def _refuse_misfit_weights(cfg: TrainConfig, path: Path, state: dict) -> None:
     start, from the model built on the meta device (no memory, no initialisation)."""
     import torch
 
-    from multigpu.train.models import build_model
-    from multigpu.train.resume import refuse_misfit
+    from multigpu.train.models.catalog import build_model
+    from multigpu.train.checkpoints.resume import refuse_misfit
     from multigpu.train.training import load_run_data
 
     data = load_run_data(cfg)
@@ -330,7 +334,7 @@ def _refuse_misfit_weights(cfg: TrainConfig, path: Path, state: dict) -> None:
 def check_data_fits(cfg: TrainConfig, plan) -> None:
     """Fewer samples than one step's devices, where the data's size is known without reading it
     (synthetic:N): the ranks' one line, before they start."""
-    from multigpu.core.data import ShardedBatchSampler
+    from multigpu.core.loading.data import ShardedBatchSampler
 
     kind, _, count = cfg.input.data.partition(":")
     if kind != "synthetic" or not count.isdigit() or int(count) < 1 or \
@@ -362,7 +366,7 @@ def _fresh_start(cfg: TrainConfig) -> TrainConfig | None:
     None when something was trained there.
     A stop during start-up removes the folder it made, so --resume X --out X, the command a job
     script repeats, also starts from scratch where X does not exist."""
-    from multigpu.train import runfolder
+    from multigpu.train.rundir import runfolder
 
     source = Path(cfg.checkpointing.resume)
     same = not cfg.out or Path(cfg.out).resolve() == source.resolve()
@@ -384,7 +388,7 @@ def _fresh_start(cfg: TrainConfig) -> TrainConfig | None:
 
 def _only_logs(path: Path) -> bool:
     """A folder holding a launch's logs/ and nothing else (no config.json, no checkpoint)."""
-    from multigpu.train import runfolder
+    from multigpu.train.rundir import runfolder
 
     return ((path / runfolder.LOGS).is_dir() and not (path / runfolder.CONFIG).exists()
             and runfolder.nothing_trained(path, logs=True))

@@ -286,7 +286,7 @@ def _meet_before_teardown(world_size: int, addr: str | None = None, port: str | 
 
 def launcher_gone() -> bool:
     """Whether the launcher that started this worker has died (the worker was re-parented)."""
-    from multigpu.core import orphans
+    from multigpu.core.system import orphans
 
     return orphans.gone() or (_launcher_pid is not None and os.getppid() != _launcher_pid)
 

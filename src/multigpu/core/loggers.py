@@ -22,9 +22,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from multigpu.core import fileio
+from multigpu.core.system import fileio
 from multigpu.core.errors import Api, Text, UsageError
-from multigpu.core.extras import install_hint
+from multigpu.core.system.extras import install_hint
 from multigpu.core.options import check_options, option
 
 NAMES = ("tensorboard", "csv", "mlflow", "wandb")

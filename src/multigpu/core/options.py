@@ -5,7 +5,7 @@ Each component (the strategy's options, precision, logging; the train applicatio
 checkpointing and optimisation) is a small dataclass of `option()` fields, defined beside the
 module that uses it and checked when it is made, so a mistake is refused where the value is
 defined, for a library caller and for `multigpu train` alike. The command line builds its flags
-from the same fields (train/config.py) and says these errors with its flags (train/flagwords.py).
+from the same fields (train/settings/config.py) and says these errors with its flags (train/settings/flagwords.py).
 Importing it does not import torch: the CLI checks its flags before that slow import.
 """
 from __future__ import annotations

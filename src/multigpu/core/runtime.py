@@ -27,14 +27,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu.core import runtime_checkpoints
+from multigpu.core.checkpoints import runtime_checkpoints
 from multigpu.core import loggers as run_loggers
-from multigpu.core.data import StepInfo
-from multigpu.core.loaders import shard_loader
+from multigpu.core.loading.data import StepInfo
+from multigpu.core.loading.loaders import shard_loader
 from multigpu.core.distributed import DistEnv, init_distributed
 from multigpu.core.errors import UsageError
-from multigpu.core.global_batch import BatchPlan, check_global_batch, plan_batch
-from multigpu.core.global_batch_sampler import shard_global
+from multigpu.core.loading.global_batch import BatchPlan, check_global_batch, plan_batch
+from multigpu.core.loading.global_batch_sampler import shard_global
 from multigpu.core.guards import Bypass
 from multigpu.core.precision import Precision, resolve_precision
 from multigpu.core.strategies import DDPOptions, Strategy, make_strategy
@@ -65,7 +65,7 @@ def setup(strategy: str = "auto", precision: str = "fp32", *, devices: list[int]
     global_batch_size: samples per optimizer step over all devices, the same on any device
                 count: prepare() shares each step out and chooses the micro-batch (at most the
                 DataLoader's batch_size, which is then the largest per device) and the
-                accumulation (multigpu.core.global_batch). Not with accumulate.
+                accumulation (multigpu.core.loading.global_batch). Not with accumulate.
     ddp:        DDPOptions for the DDP engine (find_unused_parameters, static_graph, ...).
     options:    the strategy's options object: DDPOptions, or FSDPOptions for fsdp
                 (shard_modules=(MyBlock,), min_params, reshard_after_forward, cpu_offload,
@@ -287,7 +287,7 @@ class Runtime:
         The returned loader yields this rank's share of every global step (batch_size samples per
         device, every sample once per epoch, the same number of steps on every rank), moved to
         the device. With setup(global_batch_size=G), G samples per optimizer step instead, the
-        loader's batch_size the largest per device (multigpu.core.global_batch)."""
+        loader's batch_size the largest per device (multigpu.core.loading.global_batch)."""
         if self.global_batch is not None:
             prepared = self._prepare_global(loader, drop_last)
         else:

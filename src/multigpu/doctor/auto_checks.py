@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 from multigpu.auto import CHANGES
 from multigpu.doctor.pysource import Source, code, const, dotted, kw, method
-from multigpu.train.findings import Finding
+from multigpu.core.findings import Finding
 
 _CUDA = re.compile(r"cuda(:\d+)?")
 _RANDOM = ("RandomSampler", "SubsetRandomSampler")

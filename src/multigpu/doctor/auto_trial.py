@@ -11,7 +11,7 @@ stops --auto's DDP at the next forward.
 from __future__ import annotations
 
 from multigpu.doctor.script_trial import trial_findings
-from multigpu.train.findings import Finding
+from multigpu.core.findings import Finding
 
 _FIX_UNUSED = ("use it in the forward, or freeze it (requires_grad_(False)), or run with "
                "`multigpu run --auto --auto-unused` (DDP then looks for unused parameters each "

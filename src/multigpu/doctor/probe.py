@@ -14,8 +14,8 @@ import time
 import torch
 
 from multigpu.train import batchfit
-from multigpu.train.config import TrainConfig
-from multigpu.train.findings import Finding
+from multigpu.train.settings.config import TrainConfig
+from multigpu.core.findings import Finding
 from multigpu.train.engine import prepare_inputs
 
 GIB = 2**30
@@ -25,7 +25,7 @@ ESTIMATE = "estimate"  # the check the doctor's report leaves for its last line
 def probe_findings(cfg: TrainConfig, plan, *, unused_fails: bool,
                    find_batch: bool = True) -> list[Finding]:
     """Findings of one step on the plan's first device (a GPU) or the CPU."""
-    from multigpu.train.model_names import precision_for
+    from multigpu.train.models.model_names import precision_for
     from multigpu.core.runtime import setup
     from multigpu.train.training import build_job
 

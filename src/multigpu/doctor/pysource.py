@@ -8,8 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from multigpu.train.findings import Finding
-from multigpu.train.setup_checks import LAUNCH_VARS
+from multigpu.core.findings import Finding
+from multigpu.train.checks.setup_checks import LAUNCH_VARS
 
 WRAPPERS = {"DataParallel": "dp", "DistributedDataParallel": "ddp", "DDP": "ddp"}
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 
-from multigpu.train.config import TrainConfig
-from multigpu.train.findings import Finding
+from multigpu.train.settings.config import TrainConfig
+from multigpu.core.findings import Finding
 
 POOR = 0.6  # scaling efficiency under which communication and waiting dominate
 

@@ -12,9 +12,9 @@ import functools
 import re
 from pathlib import Path
 
-from multigpu.train.findings import Finding
+from multigpu.core.findings import Finding
 from multigpu.doctor.pysource import Source, code, const, dotted, kw, method
-from multigpu.train.setup_checks import LAUNCH_VARS
+from multigpu.train.checks.setup_checks import LAUNCH_VARS
 from multigpu.doctor.shell_checks import is_python, shell_findings
 from multigpu.launcher.scripts import LOCAL_RANK_FLAGS, detect_local_rank_flag
 

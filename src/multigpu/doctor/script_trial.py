@@ -2,7 +2,7 @@
 ranks saw: parameters without a gradient (trap 6), training DataLoaders that are not sharded,
 the batch per rank, the peak memory (trap 2).
 
-The script is started as `multigpu run` starts it (multigpu.launcher.worker on every device of the plan,
+The script is started as `multigpu run` starts it (multigpu.launcher.rank.worker on every device of the plan,
 the same working folder, its GPUs leased), with a trial folder of the doctor's own in the
 environment; trial.py in each worker records what it sees and ends the process right after the
 N-th optimizer step, before anything after it runs (checkpoints, the rest of training, `finally`
@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 
-from multigpu.core.environ import environ_set
-from multigpu.launcher import launch, trial
-from multigpu.train.findings import Finding
+from multigpu.core.system.environ import environ_set
+from multigpu.launcher import launch
+from multigpu.launcher.rank import trial
+from multigpu.core.findings import Finding
 
 LoaderFindings = Callable[[list, int], list]  # (records, ranks) -> findings
 GIB = 2**30
@@ -38,7 +39,7 @@ _FIX_UNUSED = ("remove the unused module, freeze it (requires_grad_(False)), or 
 
 def trial_findings(cmd: list[str], plan, steps: int, timeout: float,
                    loaders: LoaderFindings | None = None) -> list[Finding]:
-    """Run `cmd` (a multigpu.launcher.worker command line) on every device of `plan` up to its `steps`-th
+    """Run `cmd` (a multigpu.launcher.rank.worker command line) on every device of `plan` up to its `steps`-th
     optimizer step, for `timeout` seconds at most; the findings of what its ranks recorded
     (`loaders`: how its training DataLoaders are told, when not as a distributed script's)."""
     folder = Path(tempfile.mkdtemp(prefix="multigpu-doctor-"))

@@ -1,6 +1,6 @@
 """What `multigpu test` runs on every device: the checks of the self-test, one process per device.
 
-    python -P -m multigpu.launcher.worker -m multigpu.doctor.selftest --result FILE [--checkpoint-dir DIR]
+    python -P -m multigpu.launcher.rank.worker -m multigpu.doctor.selftest --result FILE [--checkpoint-dir DIR]
 
 Started by the real launcher (`multigpu test` builds the same command as `multigpu run -m`). Every
 rank runs every check and records (check, status, detail); a check that fails records its cause
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(args)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
-    from multigpu.core.fileio import atomic_write_text
+    from multigpu.core.system.fileio import atomic_write_text
 
     import torch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from multigpu.train.findings import Finding
+from multigpu.core.findings import Finding
 from multigpu.launcher.scripts import is_python, shebang  # noqa: F401 (doctor's checks use both)
 
 _SHELL_SUFFIXES = (".sh", ".bash", ".zsh", ".ksh")

@@ -104,7 +104,7 @@ def _eval_seconds(rt, job, sync) -> float:
 def _checkpoint_seconds(rt, job) -> float:
     """How long a checkpoint holds training up: the state gathered and copied aside, as
     Checkpointer.save does before its background write (which doctor skips: it writes nothing)."""
-    from multigpu.train.checkpoint_writer import BackgroundWriter
+    from multigpu.train.checkpoints.checkpoint_writer import BackgroundWriter
 
     writer = BackgroundWriter()
     try:

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable
 
-from multigpu.launcher import stop_reason
+from multigpu.launcher.rank import stop_reason
 from multigpu.launcher.sessions import (AGENT_STOP_WAIT, RANKS_STOP_WAIT,  # noqa: F401 (theirs)
                                         end_session_left, kill_workers_left, let_the_others_end,
                                         restore_signal_handlers)
@@ -63,7 +63,7 @@ class AttemptClose:
       died (kill -9, the OOM killer, a crash) leaves its children to live on. Most notice and
       exit, not all, nor at once: loader workers started through a fork server hold the server
       alive, and it them; the loader workers of `--auto` and of multigpu's loaders
-      (core/loader_workers.py) sit in process groups of their own and look for their parent only
+      (core/loading/loader_workers.py) sit in process groups of their own and look for their parent only
       every few seconds, into the next attempt, and only between items. The session of each rank
       that did not end with 0 (torch starts each rank in one of its own, and they stay in it) is
       ended with SIGKILL."""

@@ -26,7 +26,7 @@ import contextlib
 import os
 import time
 
-from multigpu.core.environ import environ_set
+from multigpu.core.system.environ import environ_set
 from multigpu.launcher import ports
 from multigpu.launcher.agent_hooks import (AGENT_STOP_WAIT, AttemptClose, RanksStopTogether,
                                            SecondSignalKills, kill_workers_left,
@@ -40,7 +40,7 @@ from multigpu.launcher.launch_failures import (REPORTS_ENV, RestartsSaid, err, r
                                                say_next_step)
 from multigpu.launcher.launch_options import AGENT_STARTED_ENV, LaunchOptions
 from multigpu.launcher.ports import BACKEND_NAME, Rendezvous
-from multigpu.launcher.stop_reason import STOP_SIGNALS, each_stopped_by_itself
+from multigpu.launcher.rank.stop_reason import STOP_SIGNALS, each_stopped_by_itself
 
 
 def torchrun_argv(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous,

@@ -22,7 +22,8 @@ import os
 import sys
 import time
 
-from multigpu.launcher import cluster_env, ports, sysinfo, watchdog
+from multigpu.launcher import cluster_env, ports, sysinfo
+from multigpu.launcher.rank import watchdog
 from multigpu.launcher.agent_launch import (NVML_CUDA_CHECK, launch_config,  # noqa: F401 (theirs)
                                             launch_with_agent, torchrun_argv)
 from multigpu.launcher.launch_common import (LaunchRun, Reporting, check_command,  # noqa: F401
@@ -31,7 +32,7 @@ from multigpu.launcher.launch_common import (LaunchRun, Reporting, check_command
 from multigpu.launcher.ports import DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
 from multigpu.launcher.sessions import kill_workers_left, stop_wait
-from multigpu.launcher.stop_reason import each_stopped_by_itself
+from multigpu.launcher.rank.stop_reason import each_stopped_by_itself
 from multigpu.core.errors import UsageError
 from multigpu.launcher.launch_options import AGENT_STARTED_ENV, LaunchOptions
 from multigpu.launcher.launch_failures import (REPORTS_ENV, err, rendezvous_failed_message,

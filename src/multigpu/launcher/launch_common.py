@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 
-from multigpu.core import orphans
-from multigpu.launcher import watchdog
+from multigpu.core.system import orphans
+from multigpu.launcher.rank import watchdog
 from multigpu.launcher.devices import DevicePlan
 from multigpu.launcher.launch_failures import err, say_next_step
 from multigpu.launcher.launch_options import LaunchOptions
@@ -29,7 +29,7 @@ class Reporting:
     `ranks_say_their_stop`: rank 0 says how the ranks stopped after a stop signal (multigpu
     train: where, and the checkpoint to go on from); then the launcher of rank 0's node adds no
     line of its own when every rank of the node stopped by itself.
-    `our_worker`: the command runs one of multigpu's workers (multigpu.launcher.worker, or
+    `our_worker`: the command runs one of multigpu's workers (multigpu.launcher.rank.worker, or
     --auto's, which the caller names: the launcher never names a module of a layer above it),
     which says its own errors."""
     on_usage_error: Callable[[], None] | None = None

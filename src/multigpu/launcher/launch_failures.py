@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from collections.abc import Callable
 
-from multigpu.launcher import ports, watchdog
+from multigpu.launcher import ports
+from multigpu.launcher.rank import watchdog
 from multigpu.launcher.ports import Rendezvous, parse_nnodes
-from multigpu.launcher.stop_reason import how_it_ended
+from multigpu.launcher.rank.stop_reason import how_it_ended
 
 if TYPE_CHECKING:
     from multigpu.launcher.launch_options import LaunchOptions

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multigpu.launcher import watchdog
+from multigpu.launcher.rank import watchdog
 
 # time.time() when the launcher handed over to torchrun's agent, in every worker's environment:
-# a worker's `time:` line splits the launch there (train/timeline.py)
+# a worker's `time:` line splits the launch there (train/rundir/timeline.py)
 AGENT_STARTED_ENV = "MULTIGPU_AGENT_STARTED_AT"
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from multigpu.core import locks
+from multigpu.core.system import locks
 
 LEASE_DIR_ENV = "MULTIGPU_LEASE_DIR"
 HELD_ENV = "MULTIGPU_LEASES"

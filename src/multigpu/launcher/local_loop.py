@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from multigpu.core import startup_sigint
-from multigpu.launcher import local_rendezvous, sessions, stop_reason
+from multigpu.launcher import local_rendezvous, sessions
+from multigpu.launcher.rank import stop_reason
 from multigpu.launcher.launch_failures import err, restart_line
 from multigpu.launcher.local_rendezvous import Attempt, rank_command, rank_environment
 

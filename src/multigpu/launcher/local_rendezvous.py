@@ -16,7 +16,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from multigpu.launcher.stop_reason import STOP_SIGNALS
+from multigpu.launcher.rank.stop_reason import STOP_SIGNALS
 
 LOOPBACK = "127.0.0.1"
 ROLE = "default"  # torchrun's role name for its workers

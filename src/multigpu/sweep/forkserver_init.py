@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 
-from multigpu.core.orphans import set_death_signal
+from multigpu.core.system.orphans import set_death_signal
 from multigpu.sweep.starter import SWEEP_PID_ENV
 
 

@@ -22,9 +22,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from multigpu.train import runfolder
+from multigpu.train.rundir import runfolder
 from multigpu.launcher import ports
-from multigpu.core.checkpoint_schema import checkpoints_folder
+from multigpu.core.checkpoints.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep import starter

@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass, field
 
 from multigpu.core.errors import UsageError
-from multigpu.core.extras import require
+from multigpu.core.system.extras import require
 from multigpu.sweep.pool import parse_per_run
 from multigpu.sweep.state import RunState, SweepFolder, format_duration
 

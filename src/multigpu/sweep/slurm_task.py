@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from multigpu.core.checkpoint_schema import checkpoints_folder
+from multigpu.core.checkpoints.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.launcher import ports
 from multigpu.launcher.ports import DEFAULT_PORT

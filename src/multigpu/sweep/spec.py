@@ -263,7 +263,7 @@ def train_flags(command: list[str]) -> set[str] | None:
     """The names of multigpu train's settings when `command` is a train command, else None."""
     if subcommand(command) != "train":
         return None
-    from multigpu.train.config import FLAT_NAMES
+    from multigpu.train.settings.config import FLAT_NAMES
 
     return set(FLAT_NAMES)
 

@@ -45,8 +45,8 @@ import subprocess
 import sys
 import traceback
 
-from multigpu.core.environ import environ_set
-from multigpu.core.orphans import alive, set_death_signal
+from multigpu.core.system.environ import environ_set
+from multigpu.core.system.orphans import alive, set_death_signal
 
 # Imported first by the fork server, before the modules the sweep's caller names (what a
 # `multigpu train` run imports: cli/sweep.py's WARM_PRELOAD, the CLI's own modules among them,

@@ -25,10 +25,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from multigpu.core import fileio, locks
+from multigpu.core.system import fileio, locks
 from multigpu.core.errors import UsageError
-from multigpu.core.orphans import alive
-from multigpu.train import folder_users
+from multigpu.core.system.orphans import alive
+from multigpu.train.rundir import folder_users
 
 SWEEP_JSON, LOCK, LOG = "sweep.json", "sweep.lock", "sweep.log"
 STATUSES = ("done", "running", "failed", "stopped", "pending")

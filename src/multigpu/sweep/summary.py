@@ -34,8 +34,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from multigpu.core import fileio
-from multigpu.core.extras import MissingExtra, require
+from multigpu.core.system import fileio
+from multigpu.core.system.extras import MissingExtra, require
 from multigpu.sweep.state import format_duration
 
 SUMMARY_CSV, SUMMARY_MD, SUMMARY_PNG = "summary.csv", "summary.md", "summary.png"

@@ -7,9 +7,9 @@ from pathlib import Path
 from multigpu.core import console
 from multigpu.core.runtime import Runtime
 from multigpu.train import global_batch
-from multigpu.train.config import TrainConfig
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.control import Control
-from multigpu.train.train_guards import global_batch_note
+from multigpu.train.checks.train_guards import global_batch_note
 from multigpu.train.training import learning_rate
 
 
@@ -39,7 +39,7 @@ def _global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:
 
 def _last_step(cfg: TrainConfig, rt: Runtime, samples: int) -> None:
     """Trap 3, once on rank 0: what each epoch's last step is, when it is not a full one."""
-    from multigpu.train.setup_checks import last_step_finding
+    from multigpu.train.checks.setup_checks import last_step_finding
 
     said = last_step_finding(samples, cfg.input.batch_size, ranks=rt.world_size, drop_last=cfg.input.drop_last,
                              devices_per_rank=rt.strategy.devices_per_process).message

@@ -115,7 +115,7 @@ def _search_on_this_gpu(cfg, rt) -> tuple[int, int]:
     ranks that stop at different sizes cannot wait for each other. DDP's gradient buckets, about
     the gradients' size, are kept out of the budget."""
     from multigpu.train.engine import StepSettings, prepare_inputs
-    from multigpu.train.models import build_model
+    from multigpu.train.models.catalog import build_model
     from multigpu.train.training import load_run_data, make_optimizer
 
     data = load_run_data(cfg)

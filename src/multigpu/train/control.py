@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from multigpu.core import console, startup_sigint
 from multigpu.core.errors import UsageError
-from multigpu.launcher import stop_reason
+from multigpu.launcher.rank import stop_reason
 
 if TYPE_CHECKING:  # `multigpu train` parses --checkpoint-every before torch is imported
     from multigpu.core.distributed import DistEnv

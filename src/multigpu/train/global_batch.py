@@ -1,15 +1,15 @@
 """`multigpu train --global-batch-size G`: the same optimizer steps on any device count.
 
 The plan itself (the micro-batch and accumulation from the devices, an epoch's last step) is the
-library's (multigpu.core.global_batch, setup(global_batch_size=G)); this module says it the way
+library's (multigpu.core.loading.global_batch, setup(global_batch_size=G)); this module says it the way
 the command does: checked before the launch where the devices are known, in config.json, in the
 run's first lines and in the resume line.
 """
 from __future__ import annotations
 
-from multigpu.core import checkpoint_schema as schema
-from multigpu.core.global_batch import BatchPlan, plan_batch
-from multigpu.train.config import TrainConfig
+from multigpu.core.checkpoints import checkpoint_schema as schema
+from multigpu.core.loading.global_batch import BatchPlan, plan_batch
+from multigpu.train.settings.config import TrainConfig
 
 # config.json's facts of a run with a global batch (configfile.RUN_FACTS skips them in --config)
 FACTS = ("micro_batch", "accumulation")

@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable
 
 from multigpu.core.strategies import registry
-from multigpu.train import data_specs, imagefolder
-from multigpu.train.config import TrainConfig
+from multigpu.train.data import data_specs, imagefolder
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.training import load_run_data
 
 COMPILER = "torch._dynamo"  # DDP's constructor and --compile import it

@@ -17,12 +17,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from multigpu.train import data_specs, global_batch, imagefolder, provenance
+from multigpu.train.data import data_specs, imagefolder
+from multigpu.train import global_batch
+from multigpu.train.rundir import provenance
 from multigpu.core import compiling, console
-from multigpu.train.config import TrainConfig, flatten
-from multigpu.train.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
+from multigpu.train.settings.config import TrainConfig, flatten
+from multigpu.train.data.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
 from multigpu.train.engine import StepSettings
-from multigpu.train.models import build_model, default_image_size, is_convnet, model_input_kind
+from multigpu.train.models.catalog import build_model, default_image_size, is_convnet, model_input_kind
 from multigpu.core.runtime import Runtime
 from multigpu.core.strategies import DDPOptions, FSDPOptions, registry
 

@@ -22,31 +22,35 @@ from pathlib import Path
 
 import torch
 
-from multigpu.train import batchfit, data_specs, decode_choice, flagwords, folder_users, gpu_images, runfolder
-from multigpu.launcher import watchdog
-from multigpu.core import console, orphans
-from multigpu.core import checkpoint_schema as schema
-from multigpu.train.runlog import RunLog
-from multigpu.train.checkpoint_store import CheckpointStore
-from multigpu.train.checkpointer import Checkpointer
-from multigpu.train.config import TrainConfig
+from multigpu.train import batchfit
+from multigpu.train.data import data_specs, decode_choice, gpu_images
+from multigpu.train.settings import flagwords
+from multigpu.train.rundir import folder_users, runfolder
+from multigpu.launcher.rank import watchdog
+from multigpu.core import console
+from multigpu.core.system import orphans
+from multigpu.core.checkpoints import checkpoint_schema as schema
+from multigpu.train.rundir.runlog import RunLog
+from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
+from multigpu.train.checkpoints.checkpointer import Checkpointer
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.control import Control
 from multigpu.core.distributed import destroy_distributed, mark_failed
 from multigpu.train.engine import evaluate, train_epoch
 from multigpu.core.errors import Stopped, UsageError
 from multigpu.train.announce import announce_run
-from multigpu.train.train_guards import TrainGuards, input_bound, input_bound_note
-from multigpu.train.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
+from multigpu.train.checks.train_guards import TrainGuards, input_bound, input_bound_note
+from multigpu.train.data.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
 from multigpu.launcher.launch_failures import restart_note
 from multigpu.core.metrics import Sums
-from multigpu.train.model_names import precision_for
-from multigpu.train.resume import restore
-from multigpu.train.runstate import RunState, resume_point
+from multigpu.train.models.model_names import precision_for
+from multigpu.train.checkpoints.resume import restore
+from multigpu.train.checkpoints.runstate import RunState, resume_point
 from multigpu.core.runtime import Runtime, setup
 from multigpu.core.stragglers import ranks_record
-from multigpu.train.timeline import Timeline
+from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.head_start import HeadStart
-from multigpu.train.step_profile import StepProfile
+from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.run_estimate import RunEstimate
 from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cores_per_process, learning_rate,
                                      loader_workers, oom_message, strategy_options, resolved_config)

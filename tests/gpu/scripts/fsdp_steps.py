@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import multigpu
-from multigpu.core.checkpoint import to_cpu
-from multigpu.train.config import TrainConfig
-from multigpu.train.models import build_model
+from multigpu.core.checkpoints.checkpoint import to_cpu
+from multigpu.train.settings.config import TrainConfig
+from multigpu.train.models.catalog import build_model
 from multigpu.train.training import make_optimizer
 
 name, precision = sys.argv[1], sys.argv[2]

@@ -18,8 +18,8 @@ from torch._inductor import cudagraph_trees
 
 import multigpu
 from multigpu.train.engine import StepSettings, evaluate, train_step
-from multigpu.train.models import build_model
-from multigpu.train.config import TrainConfig
+from multigpu.train.models.catalog import build_model
+from multigpu.train.settings.config import TrainConfig
 from multigpu.train.training import ddp_options
 
 rt = multigpu.setup("ddp", "fp32", accelerator="cuda", seed=0,

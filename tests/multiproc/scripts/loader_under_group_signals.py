@@ -9,7 +9,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from multigpu.core.loaders import shard_loader
+from multigpu.core.loading.loaders import shard_loader
 
 STORM = ("import os, signal, time\n"
          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"

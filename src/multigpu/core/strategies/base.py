@@ -96,7 +96,7 @@ class Strategy(ABC):
 
     def load_model_state(self, model: nn.Module, state: dict) -> None:
         """Every rank, the whole state of `model_state_dict` (prefixed keys accepted)."""
-        from multigpu.core.checkpoint import load_model_state
+        from multigpu.core.checkpoints.checkpoint import load_model_state
         load_model_state(model, state)
 
     def load_optimizer_state(self, model: nn.Module | None, optimizer: torch.optim.Optimizer,

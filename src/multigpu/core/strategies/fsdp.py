@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.core import checkpoint, console
+from multigpu.core.checkpoints import checkpoint
+from multigpu.core import console
 from multigpu.core.distributed import DistEnv
 from multigpu.core.errors import Api, Text, UsageError
 from multigpu.core.strategies.base import Strategy

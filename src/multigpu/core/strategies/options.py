@@ -1,6 +1,6 @@
 """The strategy a run asks for and the options that go with it, as one checked value.
 
-`multigpu train` builds it from its flags (train/config.py); the run turns it into the strategy's
+`multigpu train` builds it from its flags (train/settings/config.py); the run turns it into the strategy's
 own options objects (DDPOptions, FSDPOptions). An option that only one strategy reads
 (registry.StrategyInfo.flags) is refused with another here, when the value is made.
 """

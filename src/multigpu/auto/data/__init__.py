@@ -1,0 +1,1 @@
+"""--auto's DataLoaders: split over the processes, streams included."""

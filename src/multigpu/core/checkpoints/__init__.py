@@ -1,0 +1,1 @@
+"""Checkpoint files: the schema, plain and sharded state, the runtime's saves."""

@@ -1,0 +1,1 @@
+"""Data loading: the exact sampler, the prepared loaders and their workers."""

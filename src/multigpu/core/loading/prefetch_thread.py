@@ -1,0 +1,56 @@
+"""Batches finished on the GPU by a thread, ahead of the step: for datasets with `on_device`.
+
+Decoding a batch of JPEGs on the GPU (gpu_images) holds its caller for milliseconds: nvJPEG's
+host side and its wait for the decode, then the crops. Done in the training loop's thread, that
+time adds to every step (measured on one H100, ResNet-50 batch 128: 61 % of the synthetic speed, against 97 %
+with the CPU workers decoding). Here a helper thread per loader copies and finishes each batch on
+its own CUDA stream, `depth` batches ahead; the training thread takes batches from the DataLoader
+and hands them over, then only makes its stream wait for a finished batch's event.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from multigpu.core.loading.data import map_tensors
+
+
+def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2):
+    """Yield (info, batch) from `batches` (pairs), each made ready by `prepare(batch)` (copied to
+    `device` and finished there) in a helper thread on a side stream, for the current stream to use.
+
+    The DataLoader is iterated here, in the caller's thread: with 0 workers its samples (and their
+    random crops, from torch's global generator) are made in the training thread, in order, as
+    without this; only the finishing runs in the helper, `depth` batches ahead."""
+    stream = torch.cuda.Stream(device)
+    helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-finish")
+    pending: deque = deque()
+    source = iter(batches)
+
+    def finish_one(batch):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            moved = prepare(batch)
+            done = torch.cuda.Event()
+            done.record(stream)
+            return moved, done
+
+    def submit() -> None:
+        for info, batch in source:
+            pending.append((info, helper.submit(finish_one, batch)))
+            return
+
+    try:
+        for _ in range(max(depth, 1)):
+            submit()
+        while pending:
+            info, future = pending.popleft()
+            moved, done = future.result()  # the helper's exception, raised here
+            submit()
+            current = torch.cuda.current_stream(device)
+            current.wait_event(done)
+            map_tensors(lambda t, stream=current: t.record_stream(stream), moved)
+            yield info, moved
+    finally:
+        helper.shutdown(wait=True, cancel_futures=True)

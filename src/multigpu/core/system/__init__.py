@@ -1,0 +1,1 @@
+"""The process's surroundings: environment, optional extras, files, locks, orphans."""

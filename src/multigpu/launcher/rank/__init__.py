@@ -1,0 +1,1 @@
+"""What runs inside each rank: the worker, its watchdog, trials, stop reasons."""

@@ -1,0 +1,1 @@
+"""Checks of a run's setup before and while it trains."""

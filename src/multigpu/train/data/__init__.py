@@ -1,0 +1,1 @@
+"""The data a run trains on: specs, datasets, image folders, crops, decoders."""

@@ -1,0 +1,1 @@
+"""The models `--model` names: built-in ones, sequence models, Swin."""

@@ -1,0 +1,1 @@
+"""The run folder and what is written in it: logs, provenance, plots, timeline."""
