@@ -60,9 +60,6 @@ CHANGES = (
      "the same on every process: each starts from rank 0's seeds (torch, random, numpy), so "
      "data the script makes itself is the same everywhere, as in one process; the script's own "
      "seed still wins (seeds.py)"),
-    ("random numbers drawn in training on a split DataLoader (a GAN's noise, dropout)",
-     "each process's own (torch, numpy) for its part of the batch, as one process draws one for "
-     "each sample; Python's random stays alike, for the script's decisions (seeds.py)"),
     ("torch.save(obj, path)", "written once, by rank 0 (or into a file the script opened: each "
                               "process pickles the script's own class), without module./_orig_mod. "
                               "prefixes; the others wait until the file exists; such a file loads "
