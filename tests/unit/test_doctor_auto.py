@@ -126,28 +126,6 @@ def test_training_that_auto_leaves_whole_is_a_warning_at_its_backward():
     assert not [f for f in lines(TUTORIAL) + lines(MNIST) if "auto unsplit" in f]
 
 
-def test_noise_drawn_in_a_training_loop_is_said_as_each_process_s_own(tmp_path):
-    script = tmp_path / "gan.py"
-    script.write_text(
-        "import random\nimport numpy as np\nimport torch\nfrom torch.utils.data import DataLoader\n"
-        "x = torch.randn(64, 3)\nloader = DataLoader(x, batch_size=8, shuffle=True)\n"
-        "model = torch.nn.Linear(3, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for batch in loader:\n"
-        "    z = np.random.normal(0, 1, (len(batch), 3))\n"
-        "    noise = torch.randn(len(batch), 3)\n"
-        "    skip = random.random() < 0.5\n"
-        "    model(batch + noise).sum().backward()\n    opt.step()\n")
-    seeds = [line for line in lines(script, ran=False) if "auto seeds" in line]
-    own = ("--auto: each process's own (torch, numpy) for its part of the batch, as one process "
-           "draws one for each sample; Python's random stays alike, for the script's decisions")
-    assert seeds == [f"ok    auto seeds     {script}:5: torch.randn(64, 3) (and line 12): --auto: the "
-                     "same on every process: each starts from rank 0's seeds (torch, random, "
-                     "numpy), so data the script makes itself is the same everywhere, as in one "
-                     "process; the script's own seed still wins",
-                     f"ok    auto seeds     {script}:10: np.random.normal(0, 1, (len(batch), 3)) "
-                     f"(and line 11): {own}"]
-
-
 def test_random_draws_of_a_script_that_seeds_nothing_are_said_and_a_seed_silences_them(tmp_path):
     script = tmp_path / "toy.py"
     body = ("import torch\nx = torch.randn(64, 3)\nmodel = torch.nn.Linear(3, 1)\n"

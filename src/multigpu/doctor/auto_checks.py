@@ -133,15 +133,6 @@ def _no_grad_loops(src: Source) -> Iterator[ast.AST]:
     return (node for node in _loader_loops(src) if src.in_no_grad(node.lineno))
 
 
-def _training_draws(src: Source) -> Iterator[ast.AST]:
-    """torch's and numpy's draws inside a `for ... in loader` loop with gradients on."""
-    for loop in _loader_loops(src):
-        if src.in_no_grad(loop.lineno):
-            continue
-        yield from (c for c in src.calls if loop.lineno < c.lineno <= loop.end_lineno
-                    and src.qualname(c.func).startswith(_DRAWS[:-1]))
-
-
 def _loader_loops(src: Source) -> Iterator[ast.For]:
     """`for ... in loader`: a loader by its name, or one built right there."""
     for node in src.nodes:
@@ -223,8 +214,7 @@ def _unseeded_draws(src: Source) -> Iterator[ast.AST]:
     if any(method(c) in _SEEDS or src.qualname(c.func).rsplit(".", 1)[-1] in _SEEDS
            for c in src.calls):
         return iter(())
-    in_training = set(map(id, _training_draws(src)))  # said as each process's own
-    return (c for c in src.calls if src.qualname(c.func).startswith(_DRAWS) and id(c) not in in_training)
+    return (c for c in src.calls if src.qualname(c.func).startswith(_DRAWS))
 
 
 _WRITES = ("numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt", "shutil.copy",
@@ -274,8 +264,6 @@ FINDERS: dict[str, tuple[str, Callable[[Source], Iterator[ast.AST]]]] = {
     "training without a torch.optim optimizer, or on batches from no DataLoader":
         ("auto unsplit", _unsplit),
     "random numbers the script draws without a seed": ("auto seeds", _unseeded_draws),
-    "random numbers drawn in training on a split DataLoader (a GAN's noise, dropout)":
-        ("auto seeds", _training_draws),
     "torch.save(obj, path)": ("auto save", _saves),
     "files the script writes (open(path, 'w'), savefig, np.save, save_image, shutil)":
         ("auto files", _writes),
