@@ -1,6 +1,8 @@
 """A GAN's step pattern with its noise inside the data (so it splits as the data does): two
 optimizers, D used in G's loss, D called twice before one backward, BatchNorm1d(eps=0.8) in G."""
-import json, os, sys
+import json
+import os
+import sys
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -14,7 +16,7 @@ loss = nn.BCELoss()
 oG = torch.optim.Adam(G.parameters(), lr=0.01, betas=(0.5, 0.999))
 oD = torch.optim.Adam(D.parameters(), lr=0.01, betas=(0.5, 0.999))
 loader = DataLoader(TensorDataset(real, noise), batch_size=16, shuffle=False)
-for epoch in range(3):
+for _epoch in range(3):
     for x, z in loader:
         valid, fake = torch.ones(len(x), 1), torch.zeros(len(x), 1)
         oG.zero_grad()
