@@ -1,4 +1,5 @@
 """`multigpu train`'s estimate against the time its epochs took, on a run long enough to tell."""
+import math
 import re
 
 import pytest
@@ -9,16 +10,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_a_30_second_cpu_run_takes_within_25_percent_of_its_estimate(tmp_path):
+    took, late, told = _run(tmp_path / "short", epochs=3)
+    if took < 30:  # a faster machine: as many epochs again as make 40 s here
+        took, late, told = _run(tmp_path / "long", epochs=min(60, math.ceil(3 * 40 / took)))
+    assert took >= 30, f"the run took {took:.0f} s: make it longer (more samples) to test the estimate"
+    assert late <= 25, told
+
+
+def _run(out, epochs: int) -> tuple[float, int, str]:
+    """(seconds the epochs took, % off the estimate, the estimate and epoch lines)."""
     proc = multigpu("train", "--model", "mlp", "--data", "synthetic:20000", "--batch-size", "32",
-                    "--workers", "0", "--epochs", "3", "--devices", "cpu:1", "--out", tmp_path / "run",
-                    timeout=600)
+                    "--workers", "0", "--epochs", str(epochs), "--devices", "cpu:1", "--out", out,
+                    timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stdout.splitlines() if line.startswith("estimate: the ")]
     assert len(said) == 1, proc.stdout[-3000:]
-    closing = re.fullmatch(r"estimate: the 3 epochs took ([\d.]+) (s|min), estimated ~[\d.]+ (s|min) "
-                           r"\((\d+) % (longer|shorter) than estimated\)", said[0])
+    closing = re.fullmatch(rf"estimate: the {epochs} epochs took ([\d.]+) (s|min), estimated ~[\d.]+ "
+                           r"(s|min) \((?:(\d+) % (?:longer|shorter) than estimated|as estimated)\)", said[0])
     assert closing, said[0]
     took = float(closing.group(1)) * (60 if closing.group(2) == "min" else 1)
-    assert took >= 30, f"the run took {took:.0f} s: make it longer (more samples) to test the estimate"
     told = [line for line in proc.stdout.splitlines() if line.startswith(("estimate", "epoch"))]
-    assert int(closing.group(4)) <= 25, "\n".join(told)
+    return took, int(closing.group(4) or 0), "\n".join(told)
