@@ -6,6 +6,7 @@ import json
 import pytest
 from PIL import Image
 
+from multigpu.train.rundir.runfolder import table_row
 from tests.unit.test_loggers import scalars
 
 from .conftest import REPO, multigpu, read_metrics
@@ -44,9 +45,11 @@ def test_metrics_csv_is_metrics_jsonl_as_a_table(run):
     epochs = read_metrics(run)
     assert len(rows) == len(epochs) == 3
     for row, record in zip(rows, epochs):
-        assert row.keys() == record.keys()
+        # every rank's figures of the epoch (2 ranks: data and compute ms each) as columns
+        assert {f"rank{r}_{k}" for r in (0, 1) for k in ("data_ms", "compute_ms")} <= row.keys()
+        assert row.keys() == table_row(record).keys()
         assert {k: float(v) for k, v in row.items()} == pytest.approx(
-            {k: float(v) for k, v in record.items()})
+            {k: float(v) for k, v in table_row(record).items()})
 
 
 def test_steps_csv_and_curves_png(run):

@@ -219,6 +219,7 @@ def _noting_interrupts(noted: list[int]):
     finally:
         if signal.getsignal(signal.SIGINT) is on_sigint:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        startup_sigint.take_heard()  # this command's Ctrl-C: not a later launch's in this process
 
 
 def _main(argv: list[str], started: float) -> int:

@@ -323,6 +323,19 @@ def read_metrics(out: Path) -> list[dict]:
 
 def write_metrics_csv(out: Path) -> None:
     """metrics.csv: metrics.jsonl as a table, one row per epoch, every key a column (written
-    whole from the JSON lines, so the two files always agree)."""
-    records = read_metrics(out)
+    whole from the JSON lines, so the two files always agree; table_row says how a list is)."""
+    records = [table_row(r) for r in read_metrics(out)]
     fileio.atomic_write_csv(out / METRICS_CSV, list(dict.fromkeys(k for r in records for k in r)), records)
+
+
+def table_row(record: dict) -> dict:
+    """A metrics.jsonl record as a row of plain values: each rank's figures (`ranks`, a list of
+    dicts) as columns rank<N>_<figure> of its numbers; any other list or dict left to the JSON."""
+    row = {}
+    for key, value in record.items():
+        if key == "ranks" and isinstance(value, list):
+            row |= {f"rank{r.get('rank', i)}_{k}": v for i, r in enumerate(value)
+                    for k, v in r.items() if k != "rank" and isinstance(v, (int, float))}
+        elif not isinstance(value, (list, dict)):
+            row[key] = value
+    return row
