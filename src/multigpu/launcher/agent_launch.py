@@ -109,9 +109,9 @@ def launch_with_agent(run: LaunchRun) -> int:
 
     ports.register_rendezvous_backend()
     ports.OBSERVER.reset()
-    with _agent_tamed(plan, opts, log_dir, run.ranks_say_their_stop) as (signals, close):
+    with _agent_tamed(plan, opts, log_dir, run.reporting.ranks_say_their_stop) as (signals, close):
         config, entrypoint, entry_args = launch_config(argv, plan, opts, log_dir)
-        if run.ours:  # multigpu's own workers: leave their echoes to the report
+        if run.reporting.ours:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
         began = time.time()
         os.environ[AGENT_STARTED_ENV] = repr(began)  # the workers' time: lines split the launch here
@@ -119,18 +119,19 @@ def launch_with_agent(run: LaunchRun) -> int:
             elastic_launch(config, entrypoint)(*entry_args)
             return 0
         except ChildFailedError as exc:
-            if run.ranks_say_their_stop and (code := each_stopped_by_itself(close.exit_codes)):
+            if run.reporting.ranks_say_their_stop and (code := each_stopped_by_itself(close.exit_codes)):
                 return stopped_by_the_ranks(code, opts)
             code = report_child_failed(exc, log_dir, node=node_name(opts),
-                                       on_usage_error=run.on_usage_error, since=began, ours=run.ours)
+                                       on_usage_error=run.reporting.on_usage_error, since=began,
+                                       ours=run.reporting.ours)
             if code != 2:  # 2: bad input, said in one line; nothing to go on from
-                say_next_step(run.next_step)
+                say_next_step(run.reporting.next_step)
             return code
         except SignalException as exc:
-            said = run.ranks_say_their_stop and shows_rank_0(opts) and \
+            said = run.reporting.ranks_say_their_stop and shows_rank_0(opts) and \
                 each_stopped_by_itself(close.exit_codes) == 128 + int(exc.sigval)
             wait = getattr(config, "shutdown_timeout", None) or AGENT_STOP_WAIT
-            return stopped(exc.sigval, signals, wait, run.next_step, said_by_the_ranks=said)
+            return stopped(exc.sigval, signals, wait, run.reporting.next_step, said_by_the_ranks=said)
         except RendezvousError as exc:  # a RendezvousTimeoutError too: the nodes did not all come
             timed_out = isinstance(exc, RendezvousTimeoutError)
             err("error: " + (rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())

@@ -165,7 +165,7 @@ def _launch_here(run: LaunchRun) -> int:
     from multigpu.launcher import local_loop
 
     with child_environment(run.plan, run.opts, run.log_dir):
-        if run.ours:  # multigpu's own workers: leave their echoes to the report
+        if run.reporting.ours:  # multigpu's own workers: leave their echoes to the report
             os.environ[REPORTS_ENV] = "1"
         began = time.time()
         os.environ[AGENT_STARTED_ENV] = repr(began)  # the workers' time: lines split the launch here
@@ -183,16 +183,17 @@ def _launch_here(run: LaunchRun) -> int:
             return 1
         if result.stop.signals:
             sig = result.stop.sig
-            said = run.ranks_say_their_stop and each_stopped_by_itself(result.exit_codes) == 128 + int(sig)
-            return stopped(sig, result.stop, stop_wait(), run.next_step, said_by_the_ranks=said)
+            said = run.reporting.ranks_say_their_stop and each_stopped_by_itself(result.exit_codes) == 128 + int(sig)
+            return stopped(sig, result.stop, stop_wait(), run.reporting.next_step, said_by_the_ranks=said)
         if not result.failures:
             return 0
-        if run.ranks_say_their_stop and (code := each_stopped_by_itself(result.exit_codes)):
+        if run.reporting.ranks_say_their_stop and (code := each_stopped_by_itself(result.exit_codes)):
             return stopped_by_the_ranks(code, run.opts)
         code = report_child_failed(ChildFailedError(run.cmd[0], result.failures), run.log_dir,
-                                   on_usage_error=run.on_usage_error, since=began, ours=run.ours)
+                                   on_usage_error=run.reporting.on_usage_error, since=began,
+                                   ours=run.reporting.ours)
         if code != 2:  # 2: bad input, said in one line; nothing to go on from
-            say_next_step(run.next_step)
+            say_next_step(run.reporting.next_step)
         return code
 
 
@@ -226,7 +227,7 @@ def _loop_spec(run: LaunchRun):
             DefaultLogsSpecs(log_dir=run.log_dir, tee=Std.ALL if opts.tee else Std.NONE))
     return LoopSpec(cmd=run.cmd, nproc=plan.nproc, run_id=run.rdzv.run_id, logs=logs,
                     max_restarts=opts.max_restarts, python=run.python, tee=opts.tee,
-                    ranks_stop_together=run.ranks_say_their_stop)
+                    ranks_stop_together=run.reporting.ranks_say_their_stop)
 
 
 def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str) -> str:

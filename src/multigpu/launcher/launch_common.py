@@ -37,6 +37,11 @@ class Reporting:
     ranks_say_their_stop: bool = False
     our_worker: bool = False
 
+    @property
+    def ours(self) -> bool:
+        """Whether the ranks run multigpu's own commands (their echoes left to the report)."""
+        return self.on_usage_error is not None or self.our_worker
+
 
 @dataclass
 class LaunchRun:
@@ -48,23 +53,6 @@ class LaunchRun:
     log_dir: str
     python: bool = True
     reporting: Reporting = field(default_factory=Reporting)
-
-    @property
-    def on_usage_error(self) -> Callable[[], None] | None:
-        return self.reporting.on_usage_error
-
-    @property
-    def next_step(self) -> Callable[[], str | None] | None:
-        return self.reporting.next_step
-
-    @property
-    def ranks_say_their_stop(self) -> bool:
-        return self.reporting.ranks_say_their_stop
-
-    @property
-    def ours(self) -> bool:
-        """Whether the ranks run multigpu's own commands (their echoes left to the report)."""
-        return self.on_usage_error is not None or self.reporting.our_worker
 
 
 def _tell_foreign_libraries(plan: DevicePlan, opts: LaunchOptions) -> None:
