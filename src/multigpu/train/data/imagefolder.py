@@ -195,12 +195,16 @@ class ImageFolderDataset(Dataset):
             from torchvision.io import ImageReadMode, decode_image
             from torchvision.transforms.v2 import functional as TF
 
-            image = decode_image(self._data(at), mode=ImageReadMode.RGB)
-            if image.ndim == 4:  # an animated GIF: its first frame, as PIL reads it
-                image = image[0]
-            (left, top, w, h), flip, _ = self._crop(image.shape[2], image.shape[1], generator)
-            image = TF.resized_crop(image, top, left, h, w, [self.image_size] * 2, antialias=True)
-            return (image.flip(-1) if flip else image).contiguous()
+            try:
+                image = decode_image(self._data(at), mode=ImageReadMode.RGB)
+            except RuntimeError:  # PIL next: it reads some files torchvision does not, and
+                image = None      # where neither can, its reason is the one users know
+            if image is not None:
+                if image.ndim == 4:  # an animated GIF: its first frame, as PIL reads it
+                    image = image[0]
+                (left, top, w, h), flip, _ = self._crop(image.shape[2], image.shape[1], generator)
+                image = TF.resized_crop(image, top, left, h, w, [self.image_size] * 2, antialias=True)
+                return (image.flip(-1) if flip else image).contiguous()
         image = _decode(self._opened(at))
         (left, top, w, h), flip, _ = self._crop(*image.size, generator)
         return _to_tensor(_resize_box(image, (left, top, w, h), flip, self.image_size))
