@@ -20,7 +20,7 @@ from multigpu.train.checkpoints.checkpointer import Checkpointer
 from multigpu.train.settings.config import TrainConfig
 from multigpu.train.control import Control
 from multigpu.core.distributed import mark_failed
-from multigpu.train.engine import evaluate, train_epoch
+from multigpu.train.engine import SoFar, evaluate, train_epoch
 from multigpu.core.errors import Stopped, UsageError
 from multigpu.train.checks.train_guards import TrainGuards, input_bound, input_bound_note
 from multigpu.train.data.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
@@ -64,9 +64,8 @@ def _train_epoch(loop: Loop, run: RunState, epoch: int, after_step, first_nonfin
     cfg, rt, job, clock = loop.cfg, loop.rt, loop.job, loop.clock
     began = time.perf_counter()
     try:
-        return train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
-                           job.settings, description=f"epoch {epoch}/{cfg.epochs}",
-                           start=run.position, carried=(run.loss_sum, run.position, run.seconds),
+        return train_epoch(rt, job, job.train_loader, description=f"epoch {epoch}/{cfg.epochs}",
+                           so_far=SoFar(run.position, run.loss_sum, run.position, run.seconds),
                            after_step=after_step, nonfinite=first_nonfinite)
     except torch.cuda.OutOfMemoryError:
         raise UsageError(oom_message(cfg, rt)) from None

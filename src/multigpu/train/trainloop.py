@@ -3,7 +3,7 @@
     rt = setup(...); out = the claimed run folder; job = build_job(cfg, rt)
     point = resume_point(...)                 rank 0 decides, every rank gets the same checkpoint
     for epoch in range(run.epoch, epochs + 1):
-        train_epoch(..., start=run.position)  after each optimizer step: control.after_step()
+        train_epoch(..., so_far=run.position) after each optimizer step: control.after_step()
                                               may save a checkpoint (--checkpoint-every) or stop
         evaluate; scheduler.step(); save the end-of-epoch checkpoint; metrics.jsonl line
 
