@@ -31,8 +31,7 @@ from multigpu.core.stragglers import ranks_record
 from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.run_estimate import RunEstimate
-from multigpu.train.training import (Job, cores_per_process, learning_rate,
-                                     loader_workers, oom_message)
+from multigpu.train.training import Job, cores_per_process, oom_message
 
 
 
@@ -80,7 +79,7 @@ def run_epochs(loop: Loop, run: RunState, last: dict | None) -> dict:
         loop.cfg, loop.rt, loop.job, loop.control, loop.saver, loop.out, loop.log, loop.clock)
     record = {}
     first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
-    guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
+    guards = TrainGuards(rt, job.optimizer, out, lr=job.plan.lr,
                          clip_grad_norm=cfg.optim.clip_grad_norm)
     job.train_loader.set_last_epoch(cfg.epochs - 1)  # its workers decode nothing past the run's end
     estimate = RunEstimate.for_run(cfg, rt, job, run.epoch)
@@ -226,7 +225,7 @@ def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | 
     share = record["input_wait"]
     if not input_bound(share, record["epoch_seconds"]):
         return None
-    workers = loader_workers(cfg, rt)
+    workers = job.plan.workers
     gpu_decode_left = (data_specs.is_images(cfg.input.data) and not getattr(job.data.train, "on_gpu", False)
                        and gpu_images.gpu_decode_problem(rt.device) is None)
     return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt),

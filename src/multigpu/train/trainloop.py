@@ -46,7 +46,7 @@ from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.head_start import HeadStart
 from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.epochs import Loop, run_epochs
-from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, loader_workers, strategy_options, resolved_config)
+from multigpu.train.training import PREFETCH_FACTOR, Job, build_job, resolved_config, strategy_options
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -152,7 +152,7 @@ def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path,
         cfg = replace(cfg, input=replace(cfg.input, batch_size=found))
         clock.mark("batch size")
     job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True)
-    job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
+    job.decode = decode_choice.trial_for(job.data, rt, job.plan.workers, PREFETCH_FACTOR, out)
     return cfg, job
 
 
