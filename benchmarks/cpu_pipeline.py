@@ -179,7 +179,7 @@ def whole_loader(dataset, workers: int, batch: int, epochs: int, device) -> dict
     timed = Timed(dataset)
     loader = DataLoader(timed, batch_size=batch, shuffle=True, num_workers=workers,
                         collate_fn=timed.collate, persistent_workers=True, prefetch_factor=4)
-    prepared = shard_loader(loader, num_ranks=1, rank=0, devices_per_rank=1, device=device, seed=0,
+    prepared = shard_loader(loader, layout=(1, 0, 1), device=device, seed=0,
                             on_step=lambda info: None)
     images = batches = 0
     for epoch in range(epochs):

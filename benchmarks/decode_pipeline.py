@@ -92,7 +92,7 @@ def loader_for(data, mode: str, workers: int, batch: int, device):
     train.cpu_share = float(mode.split("-")[1]) if mode.startswith("hybrid-") else 0.0
     loader = DataLoader(train, batch_size=batch, shuffle=True, num_workers=workers, collate_fn=train.collate,
                         persistent_workers=True, prefetch_factor=4)
-    return shard_loader(loader, num_ranks=1, rank=0, devices_per_rank=1, device=device, seed=0,
+    return shard_loader(loader, layout=(1, 0, 1), device=device, seed=0,
                         on_step=lambda info: None)
 
 

@@ -54,7 +54,7 @@ def loader_alone(spec: str, workers: int) -> float:
     train = load_data(spec, input_kind="image", image_size=SIZE).train
     loader = shard_loader(DataLoader(train, batch_size=BATCH, shuffle=True, num_workers=workers,
                                      collate_fn=train.collate),
-                          num_ranks=1, rank=0, devices_per_rank=1, device=torch.device("cpu"),
+                          layout=(1, 0, 1), device=torch.device("cpu"),
                           seed=0, on_step=lambda info: None)
     began, images = time.perf_counter(), 0
     for x, _ in loader:

@@ -93,7 +93,8 @@ def git(cwd, *args):
 
 def test_config_json_repeats_the_run_with_its_provenance(tmp_path, monkeypatch):
     """A run's config.json given back to --config resolves to the same config, in a new folder;
-    it records the real lr, workers and image size, the command, versions and the git commit."""
+    it records the real lr, workers and image size (and the run's whole plan), the command,
+    versions and the git commit."""
     monkeypatch.chdir(tmp_path)
     git(tmp_path, "init", "-q")
     (tmp_path / "train.txt").write_text("the user's code\n")
@@ -109,6 +110,9 @@ def test_config_json_repeats_the_run_with_its_provenance(tmp_path, monkeypatch):
 
     assert (first["lr"], first["image_size"]) == (0.05, 8)  # as resolved, not null
     assert first["workers"] >= 1  # synthetic data: the CPU cores per process, here
+    # what the run worked out, once (train/plan.py), as one block; --config skips it
+    assert first["plan"] == {"image_size": 8, "workers": first["workers"], "lr": 0.05, "batch_size": 16,
+                             "accumulate": 1, "global_batch": 16, "compile": None, "decode": None}
     assert (first["precision"], first["strategy"]) == ("fp32", "single")
     saved = {k: v for k, v in first.items() if k not in ("out", "provenance")}
     assert {k: v for k, v in second.items() if k not in ("out", "provenance")} == saved

@@ -40,7 +40,7 @@ def test_two_workers_give_every_sample_once_an_epoch_as_a_seeded_sample_is_made(
     train = folder_data(make_folder(tmp_path, per_class=9)).train  # 18 images
     loader = DataLoader(train, batch_size=4, shuffle=True, num_workers=2, collate_fn=train.collate,
                         persistent_workers=True)
-    prepared = shard_loader(loader, num_ranks=1, rank=0, devices_per_rank=1, device=CPU, seed=5,
+    prepared = shard_loader(loader, layout=(1, 0, 1), device=CPU, seed=5,
                             on_step=lambda info: None)
     seeded = PerSampleSeed(train, 5)
     for epoch in range(2):

@@ -98,8 +98,8 @@ def test_step_infos_give_window_counts_for_accumulation():
 def test_prepared_loader_reshuffles_each_epoch_and_reports_steps():
     ds = TensorDataset(torch.arange(10).float(), torch.arange(10))
     seen = []
-    loader = shard_loader(DataLoader(ds, batch_size=4, shuffle=True), num_ranks=1, rank=0,
-                          devices_per_rank=1, device=torch.device("cpu"), seed=0, on_step=seen.append)
+    loader = shard_loader(DataLoader(ds, batch_size=4, shuffle=True), layout=(1, 0, 1),
+                          device=torch.device("cpu"), seed=0, on_step=seen.append)
     first = [y.tolist() for _, y in loader]
     second = [y.tolist() for _, y in loader]
     assert sorted(sum(first, [])) == list(range(10)) and first != second
@@ -107,7 +107,7 @@ def test_prepared_loader_reshuffles_each_epoch_and_reports_steps():
 
 
 def _prepare(loader):
-    return shard_loader(loader, num_ranks=1, rank=0, devices_per_rank=1,
+    return shard_loader(loader, layout=(1, 0, 1),
                         device=torch.device("cpu"), seed=0, on_step=lambda info: None)
 
 
@@ -167,8 +167,8 @@ def test_a_prepared_loader_reports_and_restores_its_position():
     seen = []
 
     def loader(ranks=1):
-        return shard_loader(DataLoader(data, batch_size=4, shuffle=True), num_ranks=ranks, rank=0,
-                            devices_per_rank=1, device=torch.device("cpu"), seed=3, on_step=lambda i: None)
+        return shard_loader(DataLoader(data, batch_size=4, shuffle=True), layout=(ranks, 0, 1),
+                            device=torch.device("cpu"), seed=3, on_step=lambda i: None)
 
     a = loader()
     it = iter(a)
@@ -197,7 +197,7 @@ class RandomAugment(torch.utils.data.Dataset):
 
 def _augmentations(workers, start=0):
     loader = shard_loader(DataLoader(RandomAugment(), batch_size=4, shuffle=True, num_workers=workers),
-                          num_ranks=1, rank=0, devices_per_rank=1, device=torch.device("cpu"),
+                          layout=(1, 0, 1), device=torch.device("cpu"),
                           seed=5, on_step=lambda i: None)
     loader.set_epoch(2, start)
     return {int(x): float(r) for xs, rs in loader for x, r in zip(xs.flatten(), rs.flatten())}
@@ -228,7 +228,7 @@ def test_loader_workers_keep_out_of_the_ranks_process_group_but_die_on_sigterm()
 
     loader = shard_loader(DataLoader(WorkerIdentity(), batch_size=4, num_workers=1,
                                      persistent_workers=True),
-                          num_ranks=1, rank=0, devices_per_rank=1, device=torch.device("cpu"),
+                          layout=(1, 0, 1), device=torch.device("cpu"),
                           seed=0, on_step=lambda i: None)
     it = iter(loader)
     pid, pgid = next(it)[0].tolist()

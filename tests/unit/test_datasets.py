@@ -339,9 +339,8 @@ def test_unreadable_images_are_counted_in_their_own_epoch_while_workers_run_ahea
 
     _image_folder(tmp_path, bad=["train/a/0.png", "train/a/1.png", "train/b/0.png"])
     train = load_data(f"folder:{tmp_path}", input_kind="image", image_size=8).train
-    loader = shard_loader(DataLoader(train, batch_size=1, shuffle=True, num_workers=2), num_ranks=1,
-                          rank=0, devices_per_rank=1, device=torch.device("cpu"), seed=0,
-                          on_step=lambda info: None)
+    loader = shard_loader(DataLoader(train, batch_size=1, shuffle=True, num_workers=2), layout=(1, 0, 1),
+                          device=torch.device("cpu"), seed=0, on_step=lambda info: None)
     loader.set_last_epoch(2)
     counts = []
     for epoch in range(3):

@@ -189,7 +189,7 @@ class _SlowStep(torch.nn.Module):
 
 def test_an_epoch_says_which_share_of_its_time_went_to_waiting_for_batches():
     import multigpu
-    from multigpu.train.engine import train_epoch
+    from multigpu.train.engine import StepParts, train_epoch
 
     rt = multigpu.setup("single", "fp32", accelerator="cpu")
     shares = {}
@@ -197,7 +197,8 @@ def test_an_epoch_says_which_share_of_its_time_went_to_waiting_for_batches():
         loader = torch.utils.data.DataLoader(_SlowDataset(slow_input), batch_size=4)
         model, loader = rt.prepare(_SlowStep(slow_step), loader)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        record = train_epoch(rt, model, optimizer, torch.nn.functional.mse_loss, loader, StepSettings())
+        parts = StepParts(model, optimizer, torch.nn.functional.mse_loss, StepSettings())
+        record = train_epoch(rt, parts, loader)
         assert record["train_samples"] == 24
         shares["input" if slow_input else "step"] = record["input_wait"]
         if slow_input:  # 0.3 s of sleeping in the loader, all of it counted

@@ -138,7 +138,7 @@ def test_the_prepared_loader_decodes_on_the_device_and_resumes_exactly(tmp_path)
     def run(on_gpu, start=0, workers=2):
         train.on_gpu = on_gpu
         loader = DataLoader(train, batch_size=4, shuffle=True, num_workers=workers, collate_fn=train.collate)
-        prepared = shard_loader(loader, num_ranks=1, rank=0, devices_per_rank=1, device=CPU, seed=11,
+        prepared = shard_loader(loader, layout=(1, 0, 1), device=CPU, seed=11,
                                 on_step=lambda info: None)
         prepared.set_epoch(1, start)
         return [batch for batch in prepared]

@@ -35,7 +35,7 @@ class Recorded(Dataset):
 
 def prepared(dataset, workers, shuffle=True):
     return shard_loader(DataLoader(dataset, batch_size=BATCH, shuffle=shuffle, num_workers=workers),
-                        num_ranks=1, rank=0, devices_per_rank=1, device=torch.device("cpu"),
+                        layout=(1, 0, 1), device=torch.device("cpu"),
                         seed=SEED, on_step=lambda info: None)
 
 

@@ -197,7 +197,7 @@ def test_the_library_class_with_two_workers_gives_every_sample_once_an_epoch(tmp
                                  classes=["cat", "dog"])
     assert (val.train, len(val)) == (False, 8)
     loader = shard_loader(DataLoader(train, batch_size=3, shuffle=True, num_workers=2),
-                          num_ranks=1, rank=0, devices_per_rank=1, device=CPU, seed=5,
+                          layout=(1, 0, 1), device=CPU, seed=5,
                           on_step=lambda info: None)
     want = sorted(bytes(x.numpy()) for x, _ in every(train, seed=5))
     got = sorted(bytes(x.numpy()) for images, _ in loader for x in images)

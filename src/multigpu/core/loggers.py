@@ -25,7 +25,7 @@ from pathlib import Path
 from multigpu.core.system import fileio
 from multigpu.core.errors import Api, Text, UsageError
 from multigpu.core.system.extras import install_hint
-from multigpu.core.options import check_options, option
+from multigpu.core.options import Flag, check_options, option
 
 NAMES = ("tensorboard", "csv", "mlflow", "wandb")
 DEFAULT = "tensorboard,csv"
@@ -41,7 +41,7 @@ class LoggingConfig:
     installed) when it is made, before anything is started."""
     logger: str = option(DEFAULT, "where the numbers go besides metrics.jsonl: any of "
                                   "tensorboard, csv, mlflow, wandb (comma-separated; mlflow "
-                                  "and wandb stay local), or none", metavar="LIST")
+                                  "and wandb stay local), or none", flag=Flag("LIST"))
     log_every: int = option(50, "log the training loss, learning rate and speed every N steps",
                             at_least=1)
 

@@ -11,19 +11,27 @@ Importing it does not import torch: the CLI checks its flags before that slow im
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from multigpu.core.errors import Api, Text, UsageError
 
 
-def option(default=MISSING, help: str = "", *, choices=None, metavar=None, const=None,
+@dataclass(frozen=True)
+class Flag:
+    """How an option reads as a command-line flag, beyond its name: `metavar`, the word its usage
+    shows for the value; `const`, what the flag means given alone (None: it takes a value)."""
+    metavar: str | None = None
+    const: object = None
+
+
+def option(default=MISSING, help: str = "", *, choices=None, flag: Flag = Flag(),
            at_least=None, above=None, example=None):
-    """A field with its help text. `choices`: the values it takes. `const`: as a flag it may be
-    given alone and then means `const`. `at_least` / `above`: the smallest number it takes (that
-    number itself allowed, or not); any number must also be finite. `example`: the value the
-    refusal suggests (default: the bound, at least 1)."""
+    """A field with its help text. `choices`: the values it takes. `flag`: its spelling as a
+    command-line flag (Flag). `at_least` / `above`: the smallest number it takes (that number
+    itself allowed, or not); any number must also be finite. `example`: the value the refusal
+    suggests (default: the bound, at least 1)."""
     return field(default=default, metadata={
-        "help": help, "choices": choices, "metavar": metavar, "const": const,
+        "help": help, "choices": choices, "metavar": flag.metavar, "const": flag.const,
         "low": above if at_least is None else at_least, "inclusive": at_least is not None,
         "example": example})
 

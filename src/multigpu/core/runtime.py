@@ -291,9 +291,8 @@ class Runtime:
         if self.global_batch is not None:
             prepared = self._prepare_global(loader, drop_last)
         else:
-            prepared = shard_loader(loader, num_ranks=self.env.world_size, rank=self.env.rank,
-                                    devices_per_rank=self.strategy.devices_per_process,
-                                    device=self.device, seed=self.seed, on_step=self._on_step,
+            prepared = shard_loader(loader, layout=self._layout(), device=self.device,
+                                    seed=self.seed, on_step=self._on_step,
                                     accumulate=self.accumulate, drop_last=drop_last)
         if self.stragglers.counts(prepared):
             prepared.watch = self.stragglers
@@ -304,10 +303,12 @@ class Runtime:
         plan = plan_batch(self.global_batch, devices, loader.batch_size or 1)
         if self.batch_plan is None:  # the training loader's (prepared first) sets the accumulation
             self.batch_plan, self.accumulate = plan, plan.accumulate
-        return shard_global(loader, plan, layout=(self.env.world_size, self.env.rank,
-                                                  self.strategy.devices_per_process),
-                            device=self.device, seed=self.seed, on_step=self._on_step,
-                            drop_last=drop_last)
+        return shard_global(loader, plan, layout=self._layout(), device=self.device, seed=self.seed,
+                            on_step=self._on_step, drop_last=drop_last)
+
+    def _layout(self) -> tuple[int, int, int]:
+        """(ranks, this rank, devices per rank): how the loaders share out a step's batch."""
+        return self.env.world_size, self.env.rank, self.strategy.devices_per_process
 
     def _on_step(self, info: StepInfo | None) -> None:
         self.step_info = info  # None once a loader is exhausted: no stale weights afterwards

@@ -10,7 +10,7 @@ from multigpu.train import global_batch
 from multigpu.train.settings.config import TrainConfig
 from multigpu.train.control import Control
 from multigpu.train.checks.train_guards import global_batch_note
-from multigpu.train.training import learning_rate
+from multigpu.train.plan import RunPlan
 
 
 def announce_run(cfg: TrainConfig, rt: Runtime, job, config: dict, control: Control, out: Path) -> None:
@@ -23,15 +23,15 @@ def announce_run(cfg: TrainConfig, rt: Runtime, job, config: dict, control: Cont
         for line in global_batch.announce(rt.batch_plan, len(job.data.train), cfg.input.drop_last):
             console.info(line)
         return
-    _global_batch(cfg, rt, config["global_batch"])
+    _global_batch(cfg, rt, job.plan)
     _last_step(cfg, rt, len(job.data.train))
 
 
-def _global_batch(cfg: TrainConfig, rt: Runtime, per_step: int) -> None:
+def _global_batch(cfg: TrainConfig, rt: Runtime, plan: RunPlan) -> None:
     """Once, on rank 0: a global batch larger than one device's, and what that means for --lr
-    (training.learning_rate uses --lr as given: nothing is scaled)."""
+    (the plan's lr is --lr as given: nothing is scaled)."""
     devices = rt.world_size * rt.strategy.devices_per_process
-    note = global_batch_note(per_step // devices, devices, cfg.optim.accumulate, learning_rate(cfg),
+    note = global_batch_note(plan.global_batch // devices, devices, plan.accumulate, plan.lr,
                              lr_given=cfg.optim.lr is not None)
     if note:
         console.info(note)

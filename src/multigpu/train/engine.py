@@ -93,22 +93,41 @@ def _timed(loader, cursor: EpochCursor):
         began = time.perf_counter()
 
 
-def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loader,
-                settings: StepSettings, description: str = "train", *, start: int = 0,
-                carried: tuple[float, int, float] = (0.0, 0, 0.0),
-                after_step: Callable[[EpochCursor], None] | None = None,
+@dataclass(frozen=True)
+class StepParts:
+    """What a training step works on. `multigpu train`'s Job has the same four attributes and is
+    passed as it is."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    settings: StepSettings
+
+
+@dataclass(frozen=True)
+class SoFar:
+    """An epoch's part trained before a resume: where it stopped in the epoch's order, and the
+    loss sum, samples and seconds it had made."""
+    position: int = 0
+    loss_sum: float = 0.0
+    samples: int = 0
+    seconds: float = 0.0
+
+
+def train_epoch(rt: Runtime, parts: StepParts, loader, description: str = "train", *,
+                so_far: SoFar = SoFar(), after_step: Callable[[EpochCursor], None] | None = None,
                 nonfinite: FirstNonFinite | None = None) -> dict:
-    """Train one epoch (or its rest, from position `start` of its order, with the loss sum,
-    samples and seconds `carried` over from before the resume). `after_step(cursor)` runs after
-    every optimizer step; it may raise to leave the epoch (the loop holds no other state).
-    `nonfinite` records the first batch (counted from 0 in this call) whose loss is NaN/inf."""
+    """Train one epoch of `parts.model` (or its rest, from `so_far`: the position in its order
+    and the figures made before the resume). `after_step(cursor)` runs after every optimizer
+    step; it may raise to leave the epoch (the loop holds no other state). `nonfinite` records
+    the first batch (counted from 0 in this call) whose loss is NaN/inf."""
+    model, start = parts.model, so_far.position
     model.train()
     progress = EpochProgress(len(loader), description)
     cursor = EpochCursor(start, 0, torch.zeros((), dtype=torch.float64, device=rt.device), 0,
                          time.perf_counter(), begin=start)
     try:
         for batch in _timed(loader, cursor):
-            loss = train_step(rt, model, optimizer, loss_fn, batch, settings)
+            loss = train_step(rt, model, parts.optimizer, parts.loss_fn, batch, parts.settings)
             if nonfinite is not None:
                 nonfinite.observe(loss, cursor.steps)  # on the device: no sync
             info = rt.step_info
@@ -124,7 +143,8 @@ def train_epoch(rt: Runtime, model: nn.Module, optimizer, loss_fn: LossFn, loade
         progress.close()
     loss_sum, samples, waited = cursor.totals(rt.env)  # a sync point: the time includes all GPU work
     this_call = time.perf_counter() - cursor.start
-    loss_sum, samples, seconds = loss_sum + carried[0], samples + carried[1], this_call + carried[2]
+    loss_sum, samples, seconds = (loss_sum + so_far.loss_sum, samples + so_far.samples,
+                                  this_call + so_far.seconds)
     return {
         "train_loss": loss_sum / max(samples, 1),
         "train_samples": samples,

@@ -20,7 +20,7 @@ from multigpu.train.checkpoints.checkpointer import Checkpointer
 from multigpu.train.settings.config import TrainConfig
 from multigpu.train.control import Control
 from multigpu.core.distributed import mark_failed
-from multigpu.train.engine import evaluate, train_epoch
+from multigpu.train.engine import SoFar, evaluate, train_epoch
 from multigpu.core.errors import Stopped, UsageError
 from multigpu.train.checks.train_guards import TrainGuards, input_bound, input_bound_note
 from multigpu.train.data.imagefolder import MAX_BAD_ALWAYS_ALLOWED, MAX_BAD_FRACTION
@@ -31,8 +31,7 @@ from multigpu.core.stragglers import ranks_record
 from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.run_estimate import RunEstimate
-from multigpu.train.training import (Job, cores_per_process, learning_rate,
-                                     loader_workers, oom_message)
+from multigpu.train.training import Job, cores_per_process, oom_message
 
 
 
@@ -64,9 +63,8 @@ def _train_epoch(loop: Loop, run: RunState, epoch: int, after_step, first_nonfin
     cfg, rt, job, clock = loop.cfg, loop.rt, loop.job, loop.clock
     began = time.perf_counter()
     try:
-        return train_epoch(rt, job.model, job.optimizer, job.loss_fn, job.train_loader,
-                           job.settings, description=f"epoch {epoch}/{cfg.epochs}",
-                           start=run.position, carried=(run.loss_sum, run.position, run.seconds),
+        return train_epoch(rt, job, job.train_loader, description=f"epoch {epoch}/{cfg.epochs}",
+                           so_far=SoFar(run.position, run.loss_sum, run.position, run.seconds),
                            after_step=after_step, nonfinite=first_nonfinite)
     except torch.cuda.OutOfMemoryError:
         raise UsageError(oom_message(cfg, rt)) from None
@@ -81,7 +79,7 @@ def run_epochs(loop: Loop, run: RunState, last: dict | None) -> dict:
         loop.cfg, loop.rt, loop.job, loop.control, loop.saver, loop.out, loop.log, loop.clock)
     record = {}
     first, warned_input = run.epoch, False  # the first epoch's wait includes the workers' start
-    guards = TrainGuards(rt, job.optimizer, out, lr=learning_rate(cfg),
+    guards = TrainGuards(rt, job.optimizer, out, lr=job.plan.lr,
                          clip_grad_norm=cfg.optim.clip_grad_norm)
     job.train_loader.set_last_epoch(cfg.epochs - 1)  # its workers decode nothing past the run's end
     estimate = RunEstimate.for_run(cfg, rt, job, run.epoch)
@@ -227,7 +225,7 @@ def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | 
     share = record["input_wait"]
     if not input_bound(share, record["epoch_seconds"]):
         return None
-    workers = loader_workers(cfg, rt)
+    workers = job.plan.workers
     gpu_decode_left = (data_specs.is_images(cfg.input.data) and not getattr(job.data.train, "on_gpu", False)
                        and gpu_images.gpu_decode_problem(rt.device) is None)
     return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt),

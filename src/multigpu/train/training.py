@@ -24,6 +24,7 @@ from multigpu.core import compiling, console
 from multigpu.train.settings.config import TrainConfig, flatten
 from multigpu.train.data.datasets import BatchedWindows, DataBundle, WindowDataset, load_data
 from multigpu.train.engine import StepSettings
+from multigpu.train.plan import RunPlan, decode_path
 from multigpu.train.models.catalog import build_model, default_image_size, is_convnet, model_input_kind
 from multigpu.core.runtime import Runtime
 from multigpu.core.strategies import DDPOptions, FSDPOptions, registry
@@ -76,16 +77,21 @@ def auto_mode(device_type: str, strategy: str, accumulate: int, steps: int) -> t
                                "the first steps compile, the compile cache is kept for the next run")
 
 
-def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module, steps: int | None = None) -> nn.Module:
-    """The prepared model, compiled in --compile's mode (unchanged without it), once the run's
-    devices, strategy and accumulation are known to allow that mode. `steps`: the run's optimizer
-    steps, which --compile auto decides on."""
+def compile_mode(cfg: TrainConfig, rt: Runtime, steps: int | None = None) -> str | None:
+    """--compile's mode (None: not compiled), once the run's devices, strategy and accumulation
+    are known to allow it. `steps`: the run's optimizer steps, which --compile auto decides on
+    (and says so)."""
     mode = cfg.compile
     if mode == "auto":
         mode, why = auto_mode(rt.device.type, rt.strategy.name, rt.accumulate, steps or 0)
         console.info(why)
     compiling.check(mode, rt.device.type, rt.strategy.name, rt.accumulate)
-    return compiling.compile_model(model, mode)
+    return mode
+
+
+def compile_prepared(cfg: TrainConfig, rt: Runtime, model: nn.Module, steps: int | None = None) -> nn.Module:
+    """The prepared model, compiled in compile_mode's mode (unchanged without one)."""
+    return compiling.compile_model(model, compile_mode(cfg, rt, steps))
 
 
 def learning_rate(cfg: TrainConfig) -> float:
@@ -126,8 +132,9 @@ def holds_dtensors(params: list[torch.Tensor]) -> bool:
     return module is not None and any(isinstance(p, module.DTensor) for p in params)
 
 
-def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    lr = learning_rate(cfg)
+def make_optimizer(cfg: TrainConfig, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+    """`lr`: the run's plan's (default: learning_rate's rule)."""
+    lr = learning_rate(cfg) if lr is None else lr
     params = [p for p in model.parameters() if p.requires_grad]
     kernel = kernel_options(cfg.optim.optimizer, params[0].device.type if params else "cpu",
                             holds_dtensors(params))
@@ -179,6 +186,7 @@ class Job:
     train_loader: object
     val_loader: object
     settings: StepSettings
+    plan: RunPlan  # what the run worked out from its config, runtime and data, once
     decode: object | None = None  # --decode auto's trial (decode_choice.DecodeTrial), set by the run
 
     @property
@@ -213,7 +221,8 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     strategy's wrapping: DDP's constructor imports torch's compiler and broadcasts the weights;
     the loaders), optimizer (torch imports its compiler with the first one, where DDP did not).
     `head`: the run's head_start.HeadStart, whose thread did the decoder, the folder's listing and
-    the compiler's import meanwhile: data is then the wait for them, prepare the wait for it."""
+    the compiler's import meanwhile: data is then the wait for them, prepare the wait for it.
+    The job's `plan` holds what was worked out on the way (RunPlan)."""
     in_line = head is None or not head.loads_data
     if in_line and data_specs.is_images(cfg.input.data):
         imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
@@ -238,12 +247,25 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     if head is not None:
         head.imports_done()  # its modules complete before the wrapping uses them
     model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
-    model = compile_prepared(cfg, rt, model, steps=cfg.epochs * _length(train_loader) // rt.accumulate)
+    mode = compile_mode(cfg, rt, steps=cfg.epochs * _length(train_loader) // rt.accumulate)
+    model = compiling.compile_model(model, mode)
     mark("prepare")
-    optimizer = make_optimizer(cfg, rt.strategy.unwrap(model))
+    plan = _plan(cfg, rt, workers, mode, decode_path(data))
+    optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), plan.lr)
     scheduler = make_scheduler(cfg, optimizer)
     mark("optimizer")
-    return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings)
+    return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings, plan)
+
+
+def _plan(cfg: TrainConfig, rt: Runtime, workers: int, mode: str | None, decode: str | None) -> RunPlan:
+    """The run's plan once its loaders are prepared (a global batch's plan is made then)."""
+    split = rt.batch_plan  # --global-batch-size: its micro-batch and accumulation
+    batch = split.micro if split is not None else cfg.input.batch_size
+    devices = rt.strategy.devices_per_process * rt.world_size
+    return RunPlan(image_size=image_size(cfg), workers=workers, lr=learning_rate(cfg), batch_size=batch,
+                   accumulate=rt.accumulate,
+                   global_batch=split.global_batch if split is not None else cfg.input.batch_size * devices,
+                   compile=mode, decode=decode)
 
 
 def _length(loader) -> int:
@@ -258,10 +280,11 @@ def resolved_config(cfg: TrainConfig, rt: Runtime, job: Job, out: Path, launch: 
     """config.json: every setting as it was resolved for this run (given back to `--config`, it
     repeats the run), facts about the run (configfile.RUN_FACTS) and its provenance (`launch`:
     provenance.launch_facts). Collective."""
-    return {**flatten(cfg), "out": str(out), "lr": learning_rate(cfg), "image_size": image_size(cfg),
-            "workers": loader_workers(cfg, rt), "precision": rt.precision.kind,
+    plan = job.plan
+    return {**flatten(cfg), "out": str(out), "lr": plan.lr, "image_size": plan.image_size,
+            "workers": plan.workers, "precision": rt.precision.kind,
             "strategy": rt.strategy.name, "world_size": rt.world_size,
-            "global_batch": cfg.input.batch_size * rt.strategy.devices_per_process * rt.world_size,
+            "global_batch": plan.global_batch, "plan": plan.record(),
             "train_size": len(job.data.train), "val_size": len(job.data.val), "task": job.data.task,
             "input_shape": list(job.data.input_shape), "num_outputs": job.data.num_outputs,
             "provenance": provenance.run_facts(rt, launch), **global_batch.config_facts(rt.batch_plan)}

@@ -3,7 +3,7 @@
     rt = setup(...); out = the claimed run folder; job = build_job(cfg, rt)
     point = resume_point(...)                 rank 0 decides, every rank gets the same checkpoint
     for epoch in range(run.epoch, epochs + 1):
-        train_epoch(..., start=run.position)  after each optimizer step: control.after_step()
+        train_epoch(..., so_far=run.position) after each optimizer step: control.after_step()
                                               may save a checkpoint (--checkpoint-every) or stop
         evaluate; scheduler.step(); save the end-of-epoch checkpoint; metrics.jsonl line
 
@@ -46,7 +46,7 @@ from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.head_start import HeadStart
 from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.epochs import Loop, run_epochs
-from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, loader_workers, strategy_options, resolved_config)
+from multigpu.train.training import PREFETCH_FACTOR, Job, build_job, resolved_config, strategy_options
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -152,7 +152,7 @@ def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path,
         cfg = replace(cfg, input=replace(cfg.input, batch_size=found))
         clock.mark("batch size")
     job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True)
-    job.decode = decode_choice.trial_for(job.data, rt, loader_workers(cfg, rt), PREFETCH_FACTOR, out)
+    job.decode = decode_choice.trial_for(job.data, rt, job.plan.workers, PREFETCH_FACTOR, out)
     return cfg, job
 
 

@@ -28,7 +28,7 @@ def main(context: str | None, epochs: int) -> None:
     try:
         for epoch in range(epochs):  # workers that are not persistent start again each epoch
             loader = shard_loader(DataLoader(data, batch_size=8, num_workers=2, multiprocessing_context=context),
-                                  num_ranks=1, rank=0, devices_per_rank=1, device=torch.device("cpu"),
+                                  layout=(1, 0, 1), device=torch.device("cpu"),
                                   seed=0, on_step=lambda info: None)
             loader.set_epoch(epoch)
             batches += sum(1 for _ in loader)

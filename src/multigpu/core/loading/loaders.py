@@ -225,10 +225,12 @@ def _handoff(item, stream):
     return item
 
 
-def shard_loader(loader: DataLoader, *, num_ranks: int, rank: int, devices_per_rank: int,
-                 device: torch.device, seed: int, on_step: Callable[[StepInfo | None], None],
-                 accumulate: int = 1, drop_last: bool | None = None) -> PreparedLoader | DataLoader:
-    """Rebuild `loader` around a ShardedBatchSampler, keeping the user's loader settings."""
+def shard_loader(loader: DataLoader, *, layout: tuple[int, int, int], device: torch.device, seed: int,
+                 on_step: Callable[[StepInfo | None], None], accumulate: int = 1,
+                 drop_last: bool | None = None) -> PreparedLoader | DataLoader:
+    """Rebuild `loader` around a ShardedBatchSampler, keeping the user's loader settings.
+    `layout`: (ranks, this rank, devices per rank), as global_batch_sampler.shard_global takes it."""
+    num_ranks, rank, devices_per_rank = layout
     if isinstance(loader.dataset, IterableDataset):
         warnings.warn("an IterableDataset cannot be sharded exactly by multigpu: each rank gets "
                       "the whole stream unless the dataset splits itself by rank", stacklevel=3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multigpu.core.options import check_options, option
+from multigpu.core.options import Flag, check_options, option
 from multigpu.train.data.data_specs import check_spec
 
 DECODE_CHOICES = ("auto", "cpu", "gpu")  # --decode (imagefolder.use_decode)
@@ -19,7 +19,7 @@ class DataConfig:
                                        "times the number of GPUs or processes; with "
                                        "--global-batch-size, the largest per device), or auto: the "
                                        "largest that fits on every GPU, found by real steps at "
-                                       "the start", metavar="N|auto", at_least=1, example=64)
+                                       "the start", flag=Flag("N|auto"), at_least=1, example=64)
     image_size: int | None = option(None, "image side for synthetic and folder data (default: "
                                           "the model's own, e.g. 224 for resnet50)",
                                     at_least=1, example=224)

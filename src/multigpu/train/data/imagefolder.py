@@ -62,18 +62,17 @@ class ImageFolderDataset(Dataset):
     bad_fix = "delete or replace the file"  # what --bad-images fail's line tells the user to do
 
     def __init__(self, samples: list[tuple[str, int]], classes: list[str], image_size: int,
-                 train: bool, bad_images: str = "skip", decoder: str | None = None,
-                 on_gpu: bool = False, cpu_share: float = 0.0) -> None:
+                 train: bool, bad_images: str = "skip", decoder: str | None = None) -> None:
         if bad_images not in BAD_IMAGE_CHOICES:
             raise UsageError(f"--bad-images {bad_images}: choose skip or fail")
         self.samples, self.classes, self.image_size, self.train = samples, classes, image_size, train
         self.bad_images = bad_images
         # on_gpu: JPEGs leave the workers encoded and are decoded on the device (gpu_images), but
-        # for the `cpu_share` of samples (0-1) the workers decode anyway (a hybrid). The share is
-        # in shared memory and read per sample: --decode auto's trial (decode_choice) changes it
-        # in the running workers.
-        self._share = torch.tensor([cpu_share], dtype=torch.float64).share_memory_()
-        self.on_gpu, self.measure_decode = on_gpu, False
+        # for the `cpu_share` of samples (0-1) the workers decode anyway (a hybrid). Both are set
+        # by use_decode once the run's device is known. The share is in shared memory and read
+        # per sample: --decode auto's trial (decode_choice) changes it in the running workers.
+        self._share = torch.tensor([0.0], dtype=torch.float64).share_memory_()
+        self.on_gpu, self.measure_decode = False, False
         self.decoder = decoder or default_decoder()
         # Shared memory, so counts made in DataLoader workers reach the main process.
         self.bad_counts = torch.zeros(_EPOCH_ROWS + 1, _SLOTS, dtype=torch.int64).share_memory_()

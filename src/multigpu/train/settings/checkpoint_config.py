@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multigpu.core.options import check_options, option
+from multigpu.core.options import Flag, check_options, option
 from multigpu.train.control import Cadence
 
 
@@ -17,7 +17,7 @@ class CheckpointConfig:
                                       "continues in --out)")
     checkpoint_every: str = option("10m", "also checkpoint inside epochs: every N steps (500), "
                                           "or every so long (30s, 10m, 2h); 0: at the end of "
-                                          "each epoch only", metavar="N|TIME")
+                                          "each epoch only", flag=Flag("N|TIME"))
     keep: int = option(3, "checkpoints kept: the N newest, plus best.pt", at_least=1)
 
     def __post_init__(self):

@@ -17,7 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from multigpu.core.compiling import TRAIN_MODES as COMPILE_MODES
 from multigpu.core.loggers import LoggingConfig
-from multigpu.core.options import check_options, option
+from multigpu.core.options import Flag, check_options, option
 from multigpu.core.precision_config import PrecisionConfig
 from multigpu.core.strategies.options import StrategyConfig
 from multigpu.train.settings.checkpoint_config import CheckpointConfig
@@ -52,7 +52,7 @@ class TrainConfig:
                                        "graphs where they work and the run is long enough to win "
                                        "back compiling; compiled code is cached in "
                                        "~/.cache/multigpu/torch-compile)",
-                                 choices=COMPILE_MODES, metavar="MODE", const="default")
+                                 choices=COMPILE_MODES, flag=Flag(metavar="MODE", const="default"))
     deterministic: bool = option(False, "deterministic kernels (cuDNN, torch.use_deterministic_"
                                         "algorithms): an interrupted and resumed run ends with "
                                         "the same weights as an uninterrupted one, bit for bit")

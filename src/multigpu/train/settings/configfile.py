@@ -25,7 +25,7 @@ from multigpu.core.errors import UsageError
 FLAG = "--config"
 # Keys of a run's config.json that are facts about that run, not flags (training.resolved_config).
 RUN_FACTS = ("world_size", "global_batch", "train_size", "val_size", "task", "provenance",
-             "input_shape", "num_outputs", "micro_batch", "accumulation")  # the last: global_batch.FACTS
+             "input_shape", "num_outputs", "plan", "micro_batch", "accumulation")  # the last: global_batch.FACTS
 # Not carried over from a run's config.json: its folder is that run's, not the new one's.
 NOT_REPEATED = ("out", "resume")
 _NOT_SETTINGS = ("help", "debug", "config")

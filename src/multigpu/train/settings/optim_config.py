@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from multigpu.core.loading.global_batch import check_global_batch
-from multigpu.core.options import check_options, option
+from multigpu.core.options import Flag, check_options, option
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class OptimConfig:
                                                  "(or auto) is then the largest per device, and "
                                                  "the accumulation makes up the rest; a resume "
                                                  "on other devices keeps it", at_least=1,
-                                           metavar="G", example=256)
+                                           flag=Flag("G"), example=256)
 
     def __post_init__(self):
         check_options(self)
