@@ -179,6 +179,10 @@ def test_recovery_is_the_failure_to_the_next_first_step_and_the_samples_past_the
         f"recovery: restart 1 (cpu:1 dropped: on 2 devices): {rec.seconds:.1f} s from the failure to "
         "the first resumed step; 2 steps trained twice (48 samples trained before the failure past "
         "the checkpoint resumed from)")
-    (stale,) = lost_devices.recoveries(str(tmp_path), [restart], time.time() + 1)  # an earlier launch's
-    assert lost_devices.recovery_line(stale) == ("recovery: restart 1 (cpu:1 dropped: on 2 devices): "
-                                                 "no step trained after it")
+    # records of an earlier launch in the same folder are not this one's: no figures
+    assert lost_devices.recoveries(str(tmp_path), [restart], time.time() + 1) == []
+    second.close()
+    step_record.path_of(tmp_path, 0).unlink()  # the failed attempt recorded nothing
+    (late,) = lost_devices.recoveries(str(tmp_path), [restart], began)
+    assert (late.twice, late.samples) == (None, None)
+    assert lost_devices.recovery_line(late).endswith("s from the failure to the first resumed step")

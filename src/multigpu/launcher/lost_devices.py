@@ -127,7 +127,8 @@ class Recovery:
 def recoveries(log_dir: str, restarts: Sequence[Restart], since: float) -> list[Recovery]:
     """From the attempts' step records written after `since` (the launch's start: a record left
     by an earlier launch in the same folder is not this one's). Steps trained twice: the samples
-    the failed attempt had trained past the point the next one resumed from, in its steps."""
+    the failed attempt had trained past the point the next one resumed from, in its steps. No figures
+    for a restart of which neither attempt recorded a step."""
     def reached(attempt: int):
         r = step_record.read(log_dir, attempt)
         return r if r is not None and r.first_step_at >= since else None
@@ -135,6 +136,8 @@ def recoveries(log_dir: str, restarts: Sequence[Restart], since: float) -> list[
     out = []
     for r in restarts:
         before, after = reached(r.number - 1), reached(r.number)
+        if before is None and after is None:  # ranks that record no steps (a script of `run`)
+            continue
         seconds = after.first_step_at - r.failed_at if after is not None else None
         twice = samples = None
         if before is not None and after is not None and before.step_samples():
