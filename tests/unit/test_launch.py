@@ -41,7 +41,7 @@ def test_launch_flags_are_pinned():
     flags = {s for a in p._actions for s in a.option_strings} - {"-h", "--help"}
     assert flags == {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint",
                      "--rdzv-id", "--start-timeout", "--max-restarts", "--tee", "--log-dir",
-                     "--hang-timeout"}
+                     "--hang-timeout", "--min-devices", "--device-health"}
 
 
 def test_options_defaults(no_slurm):

@@ -90,7 +90,8 @@ def _finished_before_the_signal(code: int, out, epochs: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from multigpu.train.checks.setup_checks import refuse_stale_worker_env
-    from multigpu.launcher.launch import Reporting, in_worker, launch, options_from_args, python_command
+    from multigpu.launcher.launch import (Reporting, check_min_devices, in_worker, launch,
+                                          options_from_args)
     from multigpu.launcher.rank.stop_reason import stopped_by_signal
     from multigpu.train.rundir import runfolder
     from multigpu.train.rundir.folder_users import OUT_RESERVED_ENV
@@ -110,6 +111,7 @@ def main(args: argparse.Namespace) -> int:
     devices.lease(plan, f"multigpu train {cfg.out or f'--model {cfg.model} --data {cfg.input.data}'}",
                   cfg.min_free_memory)
     opts = options_from_args(args)
+    check_min_devices(opts, plan)
     if opts.nnodes == "1":
         check_data_fits(cfg, plan)
         global_batch.check_before_launch(cfg, _devices_of(cfg, plan))
@@ -128,13 +130,12 @@ def main(args: argparse.Namespace) -> int:
         console.warn(plan.crowded())
     if plan.nproc > 1 or opts.nnodes != "1":
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
-        argv = python_command("multigpu", *(["--debug"] if args.debug else []), "train",
-                              *config_to_argv(cfg))
         # bad input the workers found is said in one line (on_usage_error), and so is ours
         with _untrained_removed(clean_up, out):
-            code = launch(argv, plan, opts, python=False, reporting=Reporting(
+            code = launch(_worker_argv(cfg, args.debug), plan, opts, python=False, reporting=Reporting(
                 on_usage_error=clean_up, next_step=lambda: _resume_line(out, typed),
-                ranks_say_their_stop=True))
+                ranks_say_their_stop=True), reshape=global_batch.on_fewer_devices(
+                    cfg, lambda changed: _worker_argv(changed, args.debug)))
         if stopped_by_signal(code) or (code and not _any_output(out / runfolder.LOGS)):
             with _deaf_to_ctrl_c():  # (nothing trained: only then) a start-up stopped, or failed unheard
                 _say_removed(clean_up(), out)
@@ -147,6 +148,12 @@ def main(args: argparse.Namespace) -> int:
         run_training(cfg, device_ids=list(plan.gpu_ids) or None, accelerator=plan.accelerator,
                      launch=launch_facts, process_started=args.started_at)
     return 0
+
+
+def _worker_argv(cfg: TrainConfig, debug: bool) -> list[str]:
+    from multigpu.launcher.launch import python_command
+
+    return python_command("multigpu", *(["--debug"] if debug else []), "train", *config_to_argv(cfg))
 
 
 @contextlib.contextmanager

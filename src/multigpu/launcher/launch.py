@@ -31,6 +31,7 @@ from multigpu.launcher.launch_common import (LaunchRun, Reporting, check_command
                                              stopped_by_the_ranks)
 from multigpu.launcher.ports import DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
+from multigpu.launcher.lost_devices import devices_of, lost_device_policy, recoveries, recovery_line
 from multigpu.launcher.sessions import kill_workers_left, stop_wait
 from multigpu.launcher.rank.stop_reason import each_stopped_by_itself
 from multigpu.core.errors import UsageError
@@ -60,6 +61,13 @@ def add_launch_arguments(parser) -> None:
                    help="fail when not every node has joined after this long (default 300)")
     g.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart all workers up to N times after a failure (default 0)")
+    g.add_argument("--min-devices", type=int, default=None, metavar="M",
+                   help="with --max-restarts: when a rank dies on an unhealthy device, restart on "
+                        "the healthy ones while at least M are left (one machine; default: "
+                        "restart on the same devices)")
+    g.add_argument("--device-health", default=None, metavar="CMD",
+                   help="with --min-devices: a command that prints the unhealthy devices (cuda:1 "
+                        "or 1, cpu:1), asked after a rank died; GPUs are also checked through NVML")
     g.add_argument("--tee", action="store_true",
                    help="show every rank's output, prefixed with [rankN] (default: rank 0 only)")
     g.add_argument("--log-dir", default=None, metavar="DIR",
@@ -79,10 +87,12 @@ def options_from_args(args) -> LaunchOptions:
         nnodes=args.nnodes or "1", node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         start_timeout=args.start_timeout, max_restarts=args.max_restarts, tee=args.tee,
-        log_dir=args.log_dir, hang_timeout=args.hang_timeout)
+        log_dir=args.log_dir, hang_timeout=args.hang_timeout,
+        min_devices=getattr(args, "min_devices", None), device_health=getattr(args, "device_health", None))
     ports.parse_nnodes(opts.nnodes)  # before anything is made for the run
     if opts.max_restarts < 0:
         raise UsageError(f"--max-restarts {opts.max_restarts}: must be 0 or more, e.g. --max-restarts 3")
+    _check_lost_device_flags(opts)
     if not 0 < opts.start_timeout < float("inf"):
         raise UsageError(f"--start-timeout {args.start_timeout:g}: give seconds, more than 0, e.g. "
                          "--start-timeout 300")
@@ -104,6 +114,39 @@ def options_from_args(args) -> LaunchOptions:
     elif args.nnodes is None and (cluster := cluster_env.cluster_launch_defaults()):
         _use_cluster(opts, cluster)
     return opts
+
+
+def _check_lost_device_flags(opts: LaunchOptions) -> None:
+    """--min-devices and --device-health, as far as they can be checked without the devices."""
+    m = opts.min_devices
+    if m is not None and m < 1:
+        raise UsageError(f"--min-devices {m}: give 1 or more, the fewest devices the run may go "
+                         "on with, e.g. --min-devices 2")
+    if m is not None and opts.max_restarts < 1:
+        raise UsageError(f"--min-devices {m} drops a lost device when the run restarts: give "
+                         "--max-restarts N too, e.g. --max-restarts 2")
+    if opts.device_health is not None and m is None:
+        raise UsageError(f"--device-health {opts.device_health} is asked when a rank dies, to drop "
+                         "a lost device: give --min-devices M too (with --max-restarts N)")
+    if opts.device_health is not None and not opts.device_health.strip():
+        raise UsageError("--device-health needs a command, e.g. --device-health ./gpu_health.sh")
+
+
+def check_min_devices(opts: LaunchOptions, plan: DevicePlan) -> None:
+    """--min-devices against the launch's devices: one machine, one process per device, and
+    at most as many as the run has."""
+    m = opts.min_devices
+    if m is None:
+        return
+    if parse_nnodes(opts.nnodes)[1] > 1:
+        raise UsageError(f"--min-devices {m} works on one machine; several nodes restart through "
+                         "torch's agent on the same devices: leave --min-devices out")
+    if plan.accelerator == "cuda" and plan.nproc != len(plan.gpu_ids):
+        raise UsageError(f"--min-devices {m}: this run drives its {len(plan.gpu_ids)} GPUs from one "
+                         "process, which has no device to drop; leave --min-devices out")
+    if m > plan.nproc:
+        raise UsageError(f"--min-devices {m}: the run has {plan.nproc} device"
+                         f"{'s' if plan.nproc != 1 else ''}; give --min-devices {plan.nproc} or fewer")
 
 
 def _use_cluster(opts: LaunchOptions, found: dict) -> None:
@@ -142,16 +185,18 @@ def default_log_dir() -> str:
 NO_REPORTING = Reporting()  # a command not of ours: the launcher says how its ranks ended
 
 def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: bool = True,
-           reporting: Reporting = NO_REPORTING) -> int:
+           reporting: Reporting = NO_REPORTING, reshape=None) -> int:
     """Run `python <cmd>` (or `<cmd>` when python=False) on every device of `plan`; returns the
-    exit code (non-zero when any rank failed). `reporting`: who says what when the ranks end."""
+    exit code (non-zero when any rank failed). `reporting`: who says what when the ranks end;
+    `reshape(n)`: with --min-devices, the command for n devices (LaunchRun.reshape)."""
+    check_min_devices(opts, plan)
     rdzv = plan_rendezvous(opts)
     if rdzv.named_port:
         ports.check_named_port(*rdzv.named_port)
     log_dir = opts.log_dir or default_log_dir()
     check_command(cmd)
     print(f"multigpu: {header(plan, opts, rdzv, log_dir)}", file=sys.stderr, flush=True)
-    run = LaunchRun(cmd, plan, opts, rdzv, log_dir, python, reporting)
+    run = LaunchRun(cmd, plan, opts, rdzv, log_dir, python, reporting, reshape)
     if parse_nnodes(opts.nnodes)[1] > 1:
         return launch_with_agent(run)
     return _launch_here(run)
@@ -171,7 +216,8 @@ def _launch_here(run: LaunchRun) -> int:
         os.environ[AGENT_STARTED_ENV] = repr(began)  # the workers' time: lines split the launch here
         try:
             held = _named_port_held(run)  # noqa: F841 (held for the launch)
-            result = local_loop.run(_loop_spec(run))
+            with lost_device_policy(run) as lost:
+                result = local_loop.run(_loop_spec(run, lost))
         except Exception as exc:  # the launcher itself failed: one line, the logs say more
             if os.environ.get("MULTIGPU_DEBUG"):
                 raise
@@ -181,6 +227,8 @@ def _launch_here(run: LaunchRun) -> int:
                              f"logs of every rank: {run.log_dir}"))
             kill_workers_left()
             return 1
+        for rec in recoveries(run.log_dir, result.restarts, began):
+            err(recovery_line(rec))
         if result.stop.signals:
             sig = result.stop.sig
             said = run.reporting.ranks_say_their_stop and each_stopped_by_itself(result.exit_codes) == 128 + int(sig)
@@ -215,7 +263,7 @@ def _named_port_held(run: LaunchRun):
         raise _StoreFailed(str(exc)) from exc
 
 
-def _loop_spec(run: LaunchRun):
+def _loop_spec(run: LaunchRun, lost=None):
     """What local_loop runs: the logs split as the header says (local rank 0 on the console,
     the others in files; --tee: every rank on both)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -227,7 +275,8 @@ def _loop_spec(run: LaunchRun):
             DefaultLogsSpecs(log_dir=run.log_dir, tee=Std.ALL if opts.tee else Std.NONE))
     return LoopSpec(cmd=run.cmd, nproc=plan.nproc, run_id=run.rdzv.run_id, logs=logs,
                     max_restarts=opts.max_restarts, python=run.python, tee=opts.tee,
-                    ranks_stop_together=run.reporting.ranks_say_their_stop)
+                    ranks_stop_together=run.reporting.ranks_say_their_stop,
+                    devices=devices_of(plan), lost=lost)
 
 
 def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str) -> str:

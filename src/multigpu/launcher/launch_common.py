@@ -53,6 +53,8 @@ class LaunchRun:
     log_dir: str
     python: bool = True
     reporting: Reporting = field(default_factory=Reporting)
+    # --min-devices: the command for n devices (None: the same) and what the restart line adds
+    reshape: Callable[[int], tuple[list[str] | None, str]] | None = None
 
 
 def _tell_foreign_libraries(plan: DevicePlan, opts: LaunchOptions) -> None:

@@ -137,17 +137,19 @@ class RestartsSaid:
             self._cls._monitor_workers = self._original
 
 
-def restart_line(failures: dict, restart: int, total: int) -> str:
+def restart_line(failures: dict, restart: int, total: int, on: str = "") -> str:
     """'rank R (pid N) was killed by SIGKILL; restarting all workers (restart 1 of 2)', for the
     rank that failed first of its own (not stopped by the agent's SIGTERM) and, before the times,
     not with an echo of it (is_echo): a peer that lost it in a collective often ends first, and
-    the times are whole seconds (a rank without an error file: when the agent saw it end)."""
+    the times are whole seconds (a rank without an error file: when the agent saw it end).
+    `on`: where the restart runs instead, when not on the same devices (lost_devices)."""
     own = [(r, f) for r, f in failures.items()
            if f.exitcode != -signal.SIGTERM or _stopped_after_its_error(f)] or list(failures.items())
     rank, first = min(own, key=lambda item: (
-        is_echo(_error_text(getattr(item[1], "error_file_data", None) or {})), getattr(item[1], "timestamp", 0)))
+        is_echo(error_text(getattr(item[1], "error_file_data", None) or {})), getattr(item[1], "timestamp", 0)))
     how = "raised an error" if _stopped_after_its_error(first) else how_it_ended(first.exitcode)
-    return f"rank {rank} (pid {first.pid}) {how}; restarting all workers (restart {restart} of {total})"
+    where = on or "restarting all workers"
+    return f"rank {rank} (pid {first.pid}) {how}; {where} (restart {restart} of {total})"
 
 
 def _first_error(attempt: Path) -> str | None:
@@ -156,7 +158,7 @@ def _first_error(attempt: Path) -> str | None:
     found = []
     for path in attempt.glob("*/error.json"):
         try:
-            text = _error_text(json.loads(path.read_text()))
+            text = error_text(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
         if text and text.strip() and not is_echo(text):
@@ -167,7 +169,7 @@ def _first_error(attempt: Path) -> str | None:
     return f"local rank {rank}: {line[:200]}"
 
 
-def _error_text(data: dict) -> str | None:
+def error_text(data: dict) -> str | None:
     """The error in a torchelastic error file's data: multigpu's plain message, or @record's
     traceback; None for none ("<NONE>": torchrun's placeholder)."""
     msg = data.get("message")
@@ -253,7 +255,7 @@ def _stopped_after_its_error(failure) -> bool:
     file of its own (a `multigpu: error:` line is _usage_error's)."""
     if failure.exitcode != -signal.SIGTERM:
         return False
-    text = _error_text(getattr(failure, "error_file_data", None) or {})
+    text = error_text(getattr(failure, "error_file_data", None) or {})
     return bool(text) and text.lstrip().startswith("Traceback") and not is_echo(text)
 
 
@@ -342,7 +344,7 @@ def _echo(failure, text: str | None) -> bool:
 def _failure_text(failure, launch: list[Path], max_lines: int = 60) -> str | None:
     """The error a failed rank left: its error file (multigpu's workers and @record write one)
     or the end of its stderr log; from its last traceback on, at most `max_lines` lines."""
-    text = _error_text(getattr(failure, "error_file_data", None) or {})
+    text = error_text(getattr(failure, "error_file_data", None) or {})
     if text is None and (logs := _stderr_logs(launch, failure.local_rank)):
         text = logs[-1].read_text(errors="replace")
     text = (text or "").rstrip()

@@ -27,3 +27,5 @@ class LaunchOptions:
     tee: bool = False  # show every rank's output with a rank prefix
     log_dir: str | None = None  # per-rank logs go here (default: runs/logs/<time>-<pid>)
     hang_timeout: float = watchdog.DEFAULT_HANG_TIMEOUT  # 0: no hang watchdog
+    min_devices: int | None = None  # a lost device dropped while at least this many are left
+    device_health: str | None = None  # the site's health command (device_health)

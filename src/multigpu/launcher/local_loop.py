@@ -29,11 +29,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from multigpu.core import startup_sigint
-from multigpu.launcher import local_rendezvous, sessions
+from multigpu.launcher import local_rendezvous, lost_devices, sessions
+from multigpu.launcher.lost_devices import LostDevices, NextAttempt, Restart
 from multigpu.launcher.rank import stop_reason
 from multigpu.launcher.launch_failures import err, restart_line
 from multigpu.launcher.local_rendezvous import Attempt, rank_command, rank_environment
@@ -54,6 +55,8 @@ class LoopSpec:
     tee: bool = False
     ranks_stop_together: bool = False  # multigpu train: its ranks stop together, and say it
     ranks_store: Callable[[], tuple[Any, int]] = local_rendezvous.ranks_store
+    devices: tuple = ()  # device_health.Device of each local rank (--min-devices)
+    lost: LostDevices | None = None  # --min-devices: a lost device dropped (lost_devices)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class LoopResult:
     failures: dict = field(default_factory=dict)  # rank -> ProcessFailure, in the order seen
     exit_codes: dict = field(default_factory=dict)  # local rank -> exit code, at the end
     stop: StopSignals | None = None
+    restarts: list = field(default_factory=list)  # lost_devices.Restart of each restart
 
 
 class StopSignals:
@@ -107,6 +111,7 @@ class Ranks:
         self.error_files: dict[int, str] = dest.error_files
         self.procs: dict[int, subprocess.Popen] = {}
         self.failures: dict = {}
+        self.failed_at: float | None = None  # time.time() the first failure was seen
         self.signalled: set[int] = set()
         # multigpu train's ranks are born with SIGINT blocked (a mask stays through fork and
         # exec): one passed on before a rank can take it (Python's start-up, `site`) waits until
@@ -131,6 +136,7 @@ class Ranks:
             if r not in self.failures and p.poll() not in (None, 0):
                 self.failures[r] = ProcessFailure(local_rank=r, pid=p.pid, exitcode=p.returncode,
                                                   error_file=self.error_files[r])
+                self.failed_at = self.failed_at or time.time()
 
     def codes(self) -> dict[int, int | None]:
         return {r: p.poll() for r, p in self.procs.items()}
@@ -195,23 +201,52 @@ def _tails(dest, nproc: int) -> list:
 
 def run(spec: LoopSpec) -> LoopResult:
     """Every attempt of the launch, until one ends: all ranks done, a failure with no restart
-    left, or a stop signal. The result says which (launch.launch reports it)."""
+    left (or, with --min-devices, too few healthy devices), or a stop signal. The result says
+    which (launch.launch reports it)."""
+    restarts: list[Restart] = []
     with StopSignals() as stop:
         for number in range(spec.max_restarts + 1):
             store, port = spec.ranks_store()  # held until the attempt's ranks have ended
-            ranks = Ranks(spec, Attempt(spec.run_id, spec.nproc, number, spec.max_restarts, port),
-                          stop)
+            ranks = Ranks(spec, Attempt(spec.run_id, spec.nproc, number, spec.max_restarts, port,
+                                        _visible(spec.devices)), stop)
             stop.ranks = ranks
             _watch(ranks, spec, stop)
             del store
-            result = LoopResult(dict(ranks.failures), ranks.codes(), stop)
+            result = LoopResult(dict(ranks.failures), ranks.codes(), stop, restarts)
             if stop.signals or not ranks.failures or number == spec.max_restarts:
                 return result
             if spec.ranks_stop_together and \
                     stop_reason.all_stopped_by_signal(f.exitcode for f in ranks.failures.values()):
                 return result  # a stop asked for, by a signal to a rank: no restart
-            err(f"warning: {restart_line(ranks.failures, number + 1, spec.max_restarts)}")
+            spec, said = _next_spec(spec, ranks)
+            if spec is None:
+                err(f"error: {said}")
+                return result
+            restarts.append(Restart(number + 1, ranks.failed_at, tuple(
+                d.name for d in said.dropped), spec.nproc))
+            err(f"warning: {restart_line(ranks.failures, number + 1, spec.max_restarts, said.on)}"
+                + said.extra)
     return result
+
+
+def _next_spec(spec: LoopSpec, ranks: Ranks) -> tuple[LoopSpec | None, Any]:
+    """The spec of the attempt after a failure, and what the restart line says of it (a
+    NextAttempt); without one, (None, the line that says why)."""
+    if spec.lost is None:
+        return spec, NextAttempt(spec.devices, None, "")
+    found = lost_devices.next_attempt(spec.lost, spec.devices, ranks.failures)
+    if isinstance(found, lost_devices.Stop):
+        return None, found.line
+    if found.devices == tuple(spec.devices):
+        return spec, found
+    return replace(spec, devices=found.devices, nproc=len(found.devices),
+                   cmd=found.cmd or spec.cmd), found
+
+
+def _visible(devices) -> str | None:
+    """The ranks' CUDA_VISIBLE_DEVICES for an attempt on these devices (None: as launched)."""
+    tokens = [d.token for d in devices]
+    return ",".join(tokens) if tokens and all(tokens) else None
 
 
 def _watch(ranks: Ranks, spec: LoopSpec, stop: StopSignals) -> None:

@@ -71,6 +71,7 @@ class Attempt:
     number: int  # 0, then 1 for the first restart (TORCHELASTIC_RESTART_COUNT)
     max_restarts: int
     master_port: int
+    visible: str | None = None  # the ranks' CUDA_VISIBLE_DEVICES, where not the launcher's
 
 
 def rank_environment(local_rank: int, attempt: Attempt) -> dict[str, str]:
@@ -91,6 +92,8 @@ def rank_environment(local_rank: int, attempt: Attempt) -> dict[str, str]:
         # torchrun's launch_agent sets it for its own handlers; a worker inherits it
         "TORCHELASTIC_SIGNALS_TO_HANDLE": STOP_SIGNALS,
     }
+    if attempt.visible is not None:  # a lost GPU dropped (lost_devices)
+        env["CUDA_VISIBLE_DEVICES"] = attempt.visible
     if "OMP_NUM_THREADS" in os.environ:
         env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     return env

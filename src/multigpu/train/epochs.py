@@ -30,6 +30,7 @@ from multigpu.core.runtime import Runtime
 from multigpu.core.stragglers import ranks_record
 from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.rundir.step_profile import StepProfile
+from multigpu.launcher.rank.step_record import StepRecord
 from multigpu.train.run_estimate import RunEstimate
 from multigpu.train.training import Job, cores_per_process, oom_message
 
@@ -57,6 +58,7 @@ class Loop:
     log: RunLog
     clock: Timeline
     profile: StepProfile | None
+    steps: StepRecord | None = None  # rank 0 under the launcher: where this attempt got to
 
 
 def _train_epoch(loop: Loop, run: RunState, epoch: int, after_step, first_nonfinite) -> dict:
@@ -97,6 +99,8 @@ def run_epochs(loop: Loop, run: RunState, last: dict | None) -> dict:
             log.step(step, epoch, cursor, job.optimizer)
             if loop.profile is not None:
                 loop.profile.after_step(step, cursor.waited, epoch)
+            if loop.steps is not None:
+                loop.steps.stepped((epoch - 1) * len(job.data.train) + cursor.position)
             if saver.failed:
                 control.request_stop("checkpoint save failed")
             decision = control.after_step(step)

@@ -7,8 +7,12 @@ run's first lines and in the resume line.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from multigpu.core.checkpoints import checkpoint_schema as schema
-from multigpu.core.loading.global_batch import BatchPlan, plan_batch
+from multigpu.core.errors import UsageError
+from multigpu.core.loading.global_batch import BatchPlan, nearest_working, plan_batch
 from multigpu.train.settings.config import TrainConfig
 
 # config.json's facts of a run with a global batch (configfile.RUN_FACTS skips them in --config)
@@ -58,3 +62,26 @@ def resume_words(state: dict, plan: BatchPlan) -> str:
         words += (f" (saved as {micro} per device x {world} devices x {accumulation} "
                   f"micro-batch{'es' if accumulation != 1 else ''})")
     return words
+
+
+def on_fewer_devices(cfg: TrainConfig, command_of: Callable[[TrainConfig], list[str]]):
+    """--min-devices with --global-batch-size G: for the restart on n devices (a lost one
+    dropped), the command (None: the same) and what the restart line adds: G kept where n
+    devices can make it, else the nearest G that they can (the smaller of two as near).
+    None without a global batch."""
+    g = cfg.optim.global_batch_size
+    if g is None:
+        return None
+
+    def reshape(n: int) -> tuple[list[str] | None, str]:
+        largest = cfg.input.batch_size
+        if not isinstance(largest, int):  # --batch-size auto: the ranks check it
+            return None, f"; --global-batch-size {g} kept"
+        try:
+            return None, f"; --global-batch-size {g} kept: {plan_batch(g, n, largest).describe()}"
+        except UsageError:
+            near = min(nearest_working(g, n, largest), key=lambda x: (abs(x - g), x))
+        changed = replace(cfg, optim=replace(cfg.optim, global_batch_size=near))
+        return command_of(changed), (f"; --global-batch-size {g} cannot be made on {n} devices: "
+                                     f"{near} instead ({plan_batch(near, n, largest).describe()})")
+    return reshape

@@ -26,6 +26,7 @@ from multigpu.train.data import decode_choice
 from multigpu.train.settings import flagwords
 from multigpu.train.rundir import folder_users, runfolder
 from multigpu.launcher.rank import watchdog
+from multigpu.launcher.rank.step_record import StepRecord
 from multigpu.core import console
 from multigpu.core.system import orphans
 from multigpu.core.checkpoints import checkpoint_schema as schema
@@ -103,7 +104,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         with control.signal_handlers():
             if profile is not None:
                 profile.begin(run.global_step, run.epoch)  # a window from this launch's first step
-            loop = Loop(cfg, rt, job, control, saver, out, log, clock, profile)
+            steps = StepRecord.from_env(rt.is_main, (run.epoch - 1) * len(job.data.train) + run.position)
+            loop = Loop(cfg, rt, job, control, saver, out, log, clock, profile, steps)
             record = run_epochs(loop, run, point.state.get(schema.METRICS) if point else None)
         began = time.perf_counter()
         saver.finish()
