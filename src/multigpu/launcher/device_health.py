@@ -9,8 +9,8 @@ Three sources, each one's word enough to drop a device:
     CUDA_VISIBLE_DEVICES). A command that fails (non-zero exit) or runs past HEALTH_TIMEOUT
     costs one warning line and names no device.
   - NVML on GPUs, by default (nvidia-ml-py): the GPU gone (NVML cannot get its handle: lost or
-    not found), an Xid of the hardware's since the launch began (XID_HARDWARE), uncorrected ECC
-    errors since the launch began, retired pages pending, a failed row remapping. A query the
+    not found), an Xid of the hardware's since the launch began (nvml_health.XID_HARDWARE),
+    uncorrected ECC errors since the launch began, retired pages pending, a failed row remapping. A query the
     GPU does not support, or any other NVML error, says nothing: unknown is healthy.
   - The dead rank's own error (its torchelastic error file): a CUDA error of those classes
     (CUDA_HARDWARE: ECC uncorrectable, the GPU lost or fallen off the bus).
@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 HEALTH_TIMEOUT = 60.0  # s a --device-health command may take
 DEVICES_ENV = "MULTIGPU_DEVICES"
-# Xids NVIDIA's guide ties to the hardware, not to the program (13, 31, 43: a program's own fault)
-XID_HARDWARE = frozenset({48, 61, 62, 63, 64, 69, 74, 79, 92, 94, 95, 119, 120, 140})
 CUDA_HARDWARE = re.compile(r"uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorrectable|GPU is lost|"
                            r"fallen off the bus|uncontained|CUDA_ERROR_HARDWARE_STACK_ERROR",
                            re.IGNORECASE)
@@ -121,7 +119,7 @@ class DeviceHealth:
     def unhealthy(self, devices: Sequence[Device], failures: dict) -> list[Unhealthy]:
         found = from_errors(failures, devices)
         if self.nvml is not None:
-            found += self.nvml.unhealthy(devices)
+            found += [Unhealthy(d, why) for d, why in self.nvml.unhealthy(devices)]
         if self.command:
             found += [Unhealthy(d, f"--device-health {self.command}")
                       for d in run_command(self.command, devices, self.warn)]

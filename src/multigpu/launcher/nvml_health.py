@@ -3,7 +3,7 @@
 Made when the launch starts: NVML initialised for the launch, each GPU's uncorrected volatile ECC
 count taken as the baseline, and an event set registered for critical Xids. Asked after a rank
 died, a GPU is unhealthy when NVML cannot get its handle (the GPU lost, or not found), a hardware
-Xid (device_health.XID_HARDWARE) was reported for it since the start, its uncorrected ECC count
+Xid (XID_HARDWARE) was reported for it since the start, its uncorrected ECC count
 grew, retired pages are pending, or row remapping failed. Anything NVML cannot say (not
 supported, another error) is no finding: unknown is healthy.
 """
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+
+# Xids NVIDIA's guide ties to the hardware, not to the program (13, 31, 43: a program's own fault)
+XID_HARDWARE = frozenset({48, 61, 62, 63, 64, 69, 74, 79, 92, 94, 95, 119, 120, 140})
 
 
 class NvmlHealth:
@@ -68,8 +71,6 @@ class NvmlHealth:
             return None
         if h is None:
             return None
-        from multigpu.launcher.device_health import XID_HARDWARE
-
         index = None
         with contextlib.suppress(nv.NVMLError):
             index = str(nv.nvmlDeviceGetIndex(h))
@@ -86,12 +87,11 @@ class NvmlHealth:
         return None
 
     def unhealthy(self, devices: Sequence) -> list:
-        from multigpu.launcher.device_health import Unhealthy
-
+        """(device, why) of each GPU of `devices` NVML says is unhealthy."""
         if self.nv is None:
             return []
         self._drain_xids()
-        return [Unhealthy(d, why) for d in devices if d.name.startswith("cuda:")
+        return [(d, why) for d in devices if d.name.startswith("cuda:")
                 and (why := self.why(d)) is not None]
 
     def close(self) -> None:
