@@ -4,7 +4,8 @@ seedlike: numpy's global generator seeded torch.initial_seed() % 2**32, as seeds
   (torch's and numpy's MT19937 then give the same stream).
 dup: the batch's noise drawn for half the batch and held twice (np.random.normal / randint of a
   first dimension 64 -> 32 drawn, tiled), as the 2 ranks seeded alike make the global batch."""
-import runpy, sys
+import runpy
+import sys
 import numpy as np
 import torch
 

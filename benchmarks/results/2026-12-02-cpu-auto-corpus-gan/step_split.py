@@ -1,7 +1,9 @@
 """gan_step_exact.py's GAN step, but with shuffle=True so that --auto SPLITS the loader.
 Reference (REF=1, one process): the same batches, in the order --auto's sampler makes
 (randperm seeded torch.initial_seed() + epoch), batch 16 global."""
-import json, os, sys
+import json
+import os
+import sys
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
