@@ -4,8 +4,9 @@ rank 0 of `multigpu train` keeps, in <log dir>/steps-attempt<N>.txt, one fixed-w
     <time.time() of its first optimizer step> <samples it started from> <samples reached> <steps>
 
 rewritten in place (os.pwrite of 64 bytes, no rename, no sync: a few microseconds a step) after
-every optimizer step. Samples count over the run (the epochs before, and the position in this
-one): they say how far a run got on any device count; steps are this attempt's optimizer steps.
+every optimizer step, in launches that may restart (--max-restarts > 0: only a restart reads it).
+Samples count over the run (the epochs before, and the position in this one): they say how far
+a run got on any device count; steps are this attempt's optimizer steps.
 The file outlives a rank killed with -9 (the kernel holds the page), so the launcher reads how
 far the failed attempt got, and the time of the next attempt's first step, from here. Torch-free.
 """
@@ -50,6 +51,8 @@ class StepRecord:
     def from_env(cls, is_main: bool, start: int, env=os.environ) -> StepRecord | None:
         log_dir = env.get(watchdog.LOG_DIR_ENV)
         if not is_main or not log_dir or "TORCHELASTIC_RUN_ID" not in env:
+            return None
+        if env.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":  # no restart: nobody reads it
             return None
         try:
             return cls(path_of(log_dir, int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)),
