@@ -193,7 +193,13 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
                                                 "script or module given after --")]
     cmd = launch.python_command("multigpu.launcher.rank.worker", *cmd, *local_rank_args("auto", path))
     devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
-    return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout, scaling=args.scaling)
+    then = None
+    if args.scaling and plan.nproc > 1:  # the same script on its first device alone, after
+        from multigpu.doctor.scaling import script_scaling_findings
+
+        def then(records, cmd=cmd + rest):
+            return script_scaling_findings(cmd, plan, args.steps, args.trial_timeout, records)
+    return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout, then=then)
 
 
 def _auto_worker(args, script: list[str], path: Path) -> list[str]:

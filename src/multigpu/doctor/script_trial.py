@@ -38,21 +38,20 @@ _FIX_UNUSED = ("remove the unused module, freeze it (requires_grad_(False)), or 
 
 
 def trial_findings(cmd: list[str], plan, steps: int, timeout: float,
-                   loaders: LoaderFindings | None = None, *, scaling: bool = False) -> list[Finding]:
+                   loaders: LoaderFindings | None = None, *,
+                   then: Callable[[list], list] | None = None) -> list[Finding]:
     """Run `cmd` (a multigpu.launcher.rank.worker command line) on every device of `plan` up to its `steps`-th
     optimizer step, for `timeout` seconds at most; the findings of what its ranks recorded
     (`loaders`: how its training DataLoaders are told, when not as a distributed script's).
-    `scaling`: then on one device too, and the speed-up (scaling.py)."""
+    `then(records)`: more findings, from a trial that ended well (--scaling's on one device)."""
     root = Path.cwd()
     before = snapshot(root)  # the trial's folder is made after it
     run = run_trial(cmd, plan, steps, timeout)
     findings = record_findings(run.records, plan.nproc, steps, TrialEnd(run.code, timeout, run.killed),
                                logs=run.folder / "logs", loaders=loaders or _loader_findings)
     effects = side_effect_finding(before, snapshot(root, skip=run.folder), root)
-    if scaling and plan.nproc > 1 and run.code == 0:  # the same script on one device, after
-        from multigpu.doctor.scaling import script_scaling_findings
-
-        findings += script_scaling_findings(cmd, plan, steps, timeout, run.records)
+    if then is not None and run.code == 0:
+        findings += then(run.records)
     findings.append(effects)
     if run.code == 0:
         shutil.rmtree(run.folder, ignore_errors=True)

@@ -14,13 +14,13 @@ The steps are those of the first epoch after its first few (estimate.FirstSteps:
 start, the first step's own), timed by the host with one wait for the device at each end of the
 window: none per step. Right after that window rank 0 times, once, what the steps cannot show:
 a few evaluation batches of the bare model (eval_batch_seconds, shared with doctor's estimate;
-with --compile, or a sharded model, whose forward on one rank alone would compile again or wait
-for the others, evaluation is guessed from the step: estimate.FORWARD_SHARE) and a checkpoint's
-pause (checkpoints/pause.py, shared with doctor's), times the checkpoints an epoch holds (its
-end's, and --checkpoint-every's). The other ranks wait that long for rank 0 at their next
-all-reduce, once. The real time is that of the epochs of this launch, from the first one's start
-to the last one's end: evaluation, checkpoints and metrics in it, the start-up before it not (the
-`time:` line says that). A resumed run counts its first epoch whole.
+with --compile, a sharded model or DataParallel, whose forward on one rank alone would compile
+again, wait for the others or put a whole batch on one GPU, evaluation is guessed from the step:
+estimate.FORWARD_SHARE) and a checkpoint's pause (checkpoints/pause.py, shared with doctor's),
+times the checkpoints an epoch holds (its end's, and --checkpoint-every's). The other ranks wait
+that long for rank 0 at their next all-reduce, once. The real time is that of the epochs of this
+launch, from the first one's start to the last one's end: evaluation, checkpoints and metrics in
+it, the start-up before it not (the `time:` line says that). A resumed run counts its first epoch whole.
 """
 from __future__ import annotations
 
@@ -78,8 +78,11 @@ class RunEstimate:
 
     def _eval_seconds(self) -> float | None:
         """An epoch's evaluation, from batches of the bare model on this rank; None where that
-        forward differs from the run's (compiled, or sharded over the ranks)."""
-        if self.compiled or self.rt.strategy.sharded_state or not _length(self.job.val_loader):
+        forward differs from the run's (compiled, sharded over the ranks, or split over the GPUs
+        of one process: DataParallel's whole batch would go to its first GPU)."""
+        strategy = self.rt.strategy
+        if (self.compiled or strategy.sharded_state or strategy.devices_per_process > 1
+                or not _length(self.job.val_loader)):
             return None
         # A loader's iterator draws its seed from torch's stream: put back, the run's weights do
         # not depend on the step at which the window closed (a matter of time)
