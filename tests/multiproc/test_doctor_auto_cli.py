@@ -120,10 +120,10 @@ def test_auto_options_without_a_script_or_without_auto_are_one_line_errors(tmp_p
                          "the path of the script, e.g. multigpu doctor -- train.py, or -- -m "
                          "package.module"),
                         (["doctor", "--auto", "--scaling", "t.py"],
-                         "multigpu: error: --scaling times multigpu train's step on 1 and on all "
-                         "the devices; a script has no such step to time: leave --scaling out, or "
-                         "give train options, e.g. multigpu doctor --model resnet18 --data ... "
-                         "--scaling")):
+                         "multigpu: error: --scaling times a script's steps on 1 and on all the "
+                         "devices as it is; under --auto it is another script: leave --scaling "
+                         "out, or time the script without --auto, e.g. multigpu doctor --scaling "
+                         "--steps 3 -- t.py")):
         proc = multigpu(*args, cwd=tmp_path)
         assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [words], proc.stderr
         assert proc.stdout == "", "the error alone, without the report's headline"

@@ -88,7 +88,8 @@ def test_nothing_to_check_and_both_at_once_are_one_line_errors(tmp_path):
     for args, words in ((["doctor", "--devices", "cpu:2"], "--model is required"),
                         (["doctor", "--model", "mlp", "--", "t.py"], "not both"),
                         (["doctor", "--", "missing.py"], "script 'missing.py' not found"),
-                        (["doctor", "--trial-timeout", "0", "--", "t.py"], "--trial-timeout 0: give")):
+                        (["doctor", "--trial-timeout", "0", "--", "t.py"], "--trial-timeout 0: give"),
+                        (["doctor", "--scaling", "--", "t.py"], "--steps 1 times none; add --steps 3")):
         proc = multigpu(*args, cwd=tmp_path)
         assert proc.returncode == 2 and words in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -239,6 +240,23 @@ def test_a_script_is_run_up_to_its_steps_on_two_ranks_then_stopped_with_nothing_
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "a rank is still running"
     assert not list((tmp_path / "tmp").glob("multigpu-doctor-*")), "the trial folder was left behind"
     assert not (tmp_path / "runs").exists()
+
+
+def test_scaling_runs_the_script_again_on_one_device_and_says_the_speed_up_of_two(tmp_path):
+    proc = doctor_script(tmp_path, DDP_SCRIPT, "--steps", "4", "--scaling")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    *_, summary, estimate, scaling = proc.stdout.splitlines()
+    assert summary == "9 checks: 0 failed, 0 warnings" and estimate.startswith("estimate   ~")
+    said = re.fullmatch(r"scaling    ([\d.]+)x on 2 devices \((\d+) % of 2x one device\); measured: 1 "
+                        r"device ([\d.]+) ms a step, 2 devices ([\d.]+) ms, 4 samples each, the "
+                        r"script's own steps from the second on, on rank 0's clock; 2 CPU processes "
+                        r"share this host's \d+ cores \(and its other work\): a noise-prone figure, "
+                        r"not a GPU's", scaling)
+    assert said, scaling
+    x, share, one, two = map(float, said.groups())
+    assert x == pytest.approx(2 * one / two, rel=0.01, abs=0.01) and share == pytest.approx(50 * x, abs=1)
+    assert not (tmp_path / "finished.txt").exists(), "a trial ran past its fourth step"
+    assert not list((tmp_path / "tmp").glob("multigpu-doctor-*")), "a trial folder was left behind"
 
 
 def test_a_module_unused_in_forward_is_named_from_the_first_step_and_fails(tmp_path):

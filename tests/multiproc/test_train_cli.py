@@ -104,25 +104,27 @@ def test_rank_0_says_the_estimate_after_its_first_timed_steps_and_compares_it_at
     _, two, proc = one_and_two_process_runs
     said = [line for line in proc.stdout.splitlines() if line.startswith("estimate: ")]
     assert len(said) == 2, proc.stdout[-3000:]
-    first = re.fullmatch(r"estimate: ~(.+) an epoch of 26 steps \(training (.+), evaluation (.+)\), "
-                         r"~(.+) for 2 epochs, under 0.01 CPU-hours on 2 CPU processes \(from 20 "
-                         r"measured steps, ±\d+ %\); not in it: start-up, checkpoint pauses, a first "
-                         r"epoch's compile \(--compile\)", said[0])
+    first = re.fullmatch(r"estimate: ~(.+) an epoch of 26 steps \(training (.+), evaluation (.+), "
+                         r"checkpoint (.+)\), ~(.+) for 2 epochs, under 0.01 CPU-hours on 2 CPU "
+                         r"processes \(from 20 measured steps, ±\d+ %\); not in it: start-up, a "
+                         r"first epoch's compile \(--compile\)", said[0])
     assert first, said[0]
-    epoch, training, evaluation, total = (float(t.split()[0]) for t in first.groups())  # all in s
-    assert epoch == pytest.approx(training + evaluation, abs=0.15)
-    assert total == pytest.approx(2 * epoch, abs=0.15)
+    epoch, training, evaluation, checkpoint, total = (float(t.split()[0]) for t in first.groups())  # in s
+    assert epoch == pytest.approx(training + evaluation + checkpoint, rel=0.01)  # 3 figures each
+    assert total == pytest.approx(2 * epoch, rel=0.01)
+    assert evaluation > 0 and checkpoint > 0  # both timed on rank 0, not guessed
     # 5 batches skipped, 20 timed up to the last but one: before the first epoch's line
     lines = proc.stdout.splitlines()
     assert lines.index(said[0]) < next(i for i, line in enumerate(lines) if line.startswith("epoch 1 "))
-    closing = re.fullmatch(r"estimate: the 2 epochs took ([\d.]+) s, estimated ~([\d.]+) s "
-                           r"\((\d+) % (longer|shorter) than estimated\)", said[1])
+    closing = re.fullmatch(r"estimate: the 2 epochs took ([\d.]+) s, estimated ~([\d.]+) s \((.+)\)", said[1])
     assert closing and float(closing.group(2)) == total, said[1]
     real = float(closing.group(1))
-    assert real >= sum(r["epoch_seconds"] for r in read_metrics(two)) - 0.1  # evaluation and more too
-    # both said to 0.1 s: the percentage, of the unrounded times, within what that rounding moves
-    rounding = (0.05 / total + real * 0.05 / total**2) * 100 + 1
-    assert int(closing.group(3)) == pytest.approx(abs(real - total) / total * 100, abs=rounding)
+    assert real >= sum(r["epoch_seconds"] for r in read_metrics(two)) - 0.01  # evaluation and more too
+    if real < 5:  # a run this short is not compared: its start and end outweigh its steps
+        assert closing.group(3) == "under 5 s: too short a run to compare", said[1]
+    else:  # a loaded machine: the percentage, of times said to 3 figures
+        off = re.fullmatch(r"(\d+) % (longer|shorter) than estimated", closing.group(3))
+        assert off and int(off.group(1)) == pytest.approx(abs(real - total) / total * 100, abs=2), said[1]
     assert lines.index(said[1]) == next(i for i, line in enumerate(lines) if line.startswith("time: ")) - 1
 
 

@@ -12,22 +12,24 @@ def test_an_epoch_is_its_steps_evaluation_and_checkpoint_and_the_job_its_epochs(
     assert e.epoch_s == pytest.approx(313 * 0.12 + 3.0)
     assert e.total_s == pytest.approx(50 * (313 * 0.12 + 3.0))
     assert e.device_hours() == pytest.approx(4 * 50 * (313 * 0.12 + 3.0) / 3600)
-    assert e.line() == ("~41 s an epoch of 313 steps (training 38 s, evaluation 2.0 s, checkpoint "
-                        "1.0 s), ~34 min for 50 epochs, 2.25 GPU-hours on 4 GPUs (from 20 measured "
+    assert e.line() == ("~40.6 s an epoch of 313 steps (training 37.6 s, evaluation 2 s, checkpoint "
+                        "1 s), ~33.8 min for 50 epochs, 2.25 GPU-hours on 4 GPUs (from 20 measured "
                         "steps, ±6 %); not in it: start-up, a cold page cache")
 
 
 def test_without_the_epoch_s_steps_it_is_per_step_and_without_epochs_per_epoch():
     assert Estimate(0.1234, 0.04, 19, 2, False).line() == "~123 ms a step (from 19 measured steps, ±4 %)"
     assert Estimate(0.5, 0.0, 3, 1, False, batches=10).line() == (
-        "~5.0 s an epoch of 10 steps (training 5.0 s) (from 3 measured steps, ±0 %)")
+        "~5 s an epoch of 10 steps (training 5 s) (from 3 measured steps, ±0 %)")
     assert "on 1 CPU process (" in Estimate(0.5, 0.0, 3, 1, False, batches=10, epochs=2).line()
     assert "on 3 CPU processes (" in Estimate(0.5, 0.0, 3, 3, False, batches=10, epochs=2).line()
 
 
-@pytest.mark.parametrize("seconds, said", [(4.04, "4.0 s"), (41.4, "41 s"), (100, "1.7 min"), (2040, "34 min"),
-                                           (5.2 * 3600, "5.2 h"), (3.1 * 86400, "3.1 days")])
-def test_durations_are_rounded_as_an_estimate(seconds, said):
+@pytest.mark.parametrize("seconds, said", [(0.1234, "0.123 s"), (4.04, "4.04 s"), (41.44, "41.4 s"),
+                                           (89.4, "89.4 s"), (100, "1.67 min"), (2040, "34 min"),
+                                           (5.2 * 3600, "5.2 h"), (3.1 * 86400, "3.1 days"),
+                                           (1234.5 * 86400, "1234 days")])
+def test_durations_are_said_to_3_significant_figures(seconds, said):
     assert duration(seconds) == said
 
 
@@ -37,9 +39,17 @@ def test_the_spread_is_the_standard_error_of_the_mean_over_the_mean():
 
 
 def test_the_closing_comparison_says_how_far_off_the_estimate_was():
-    assert compared(35.0, 37.2, 3) == "estimate: the 3 epochs took 37 s, estimated ~35 s (6 % longer than estimated)"
-    assert compared(100.0, 80.0, 1) == ("estimate: the 1 epoch took 80 s, estimated ~1.7 min (20 % "
+    assert compared(35.0, 37.2, 3) == ("estimate: the 3 epochs took 37.2 s, estimated ~35 s (6 % longer "
+                                       "than estimated)")
+    assert compared(100.0, 80.0, 1) == ("estimate: the 1 epoch took 80 s, estimated ~1.67 min (20 % "
                                         "shorter than estimated)")
+    assert compared(5.0, 5.01, 2) == "estimate: the 2 epochs took 5.01 s, estimated ~5 s (as estimated)"
+
+
+def test_a_run_of_under_5_seconds_is_not_compared_with_its_estimate():
+    assert compared(0.0594, 0.147, 1) == ("estimate: the 1 epoch took 0.147 s, estimated ~0.0594 s "
+                                          "(under 5 s: too short a run to compare)")
+    assert compared(4.0, 4.99, 2).endswith("(under 5 s: too short a run to compare)")
 
 
 def test_first_steps_skip_the_first_batches_and_wait_for_the_device_only_at_the_window_s_ends():

@@ -21,7 +21,8 @@ batch per rank and the peak memory, as the ranks saw them. What the script write
 step stays (listed); nothing after it runs. A script that reaches no torch.optim step within
 --trial-timeout is stopped there. With --steps 3 or more it ends with the time a step from the
 steps after the first, and an epoch where its training DataLoader's length is known. --no-step:
-read only.
+read only. --scaling, with several devices: the speed-up of all of them over one, from steps timed
+on both (train options: through multigpu bench; a script: run again on its first device alone).
 With --auto: each change of `multigpu run --auto` at its line in the script, the refusals its
 source shows (warn: --auto refuses what the script does when it runs, so the run decides), then
 the script under --auto up to its first optimizer step, where a refusal is a fail.
@@ -68,8 +69,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-batch-search", action="store_true",
                    help="skip the search for the largest batch that fits (GPUs only)")
     p.add_argument("--scaling", action="store_true",
-                   help="also time a few steps on 1 and on all the devices (trap 4; about 30 s "
-                        "more, through multigpu bench)")
+                   help="with several devices, also time steps on 1 device and end with the "
+                        "speed-up of all of them (trap 4): train options through multigpu bench "
+                        "(30-60 s more on a CPU); a script (with --steps 3 or more) run again on "
+                        "its first device alone")
     p.add_argument("--auto", action="store_true",
                    help="with a script: say what `multigpu run --auto` will change in it, line by "
                         "line, then run it under --auto up to its first optimizer step")
@@ -102,10 +105,13 @@ def main(args: argparse.Namespace) -> int:
     if not script and not args.model:
         raise UsageError("--model is required to check a multigpu train run (e.g. --model "
                          "resnet18 --data ...); for a script: multigpu doctor -- train.py ARGS")
-    if script and args.scaling:
-        raise UsageError("--scaling times multigpu train's step on 1 and on all the devices; a "
-                         "script has no such step to time: leave --scaling out, or give train "
-                         "options, e.g. multigpu doctor --model resnet18 --data ... --scaling")
+    if args.scaling and args.auto:
+        raise UsageError("--scaling times a script's steps on 1 and on all the devices as it is; "
+                         "under --auto it is another script: leave --scaling out, or time the "
+                         "script without --auto, e.g. multigpu doctor --scaling --steps 3 -- t.py")
+    if script and args.scaling and args.steps < 3:
+        raise UsageError(f"--scaling times a script's steps from the second on, on 1 and on all the "
+                         f"devices: --steps {args.steps} times none; add --steps 3 or more")
     if script:
         return _report(_script_checks(args, script))
     print(HEADLINE, flush=True)
@@ -113,13 +119,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _report(findings) -> int:
-    """The checks, their count, then the estimate (not a check: what the steps timed predict)."""
+    """The checks, their count, then the estimate and the scaling (not checks: what the steps
+    timed predict)."""
     from multigpu.core.findings import report
 
-    last = [f for f in findings if f.check == "estimate"]
+    last = [f for f in findings if f.check == "estimate"] + [f for f in findings if f.check == "scaling"]
     code = report([f for f in findings if f not in last])
     for f in last:
-        print(f"estimate   {f.message}", flush=True)
+        print(f"{f.check:<10} {f.message}", flush=True)
     return code
 
 
@@ -186,7 +193,13 @@ def _script_trial(args, script: list[str], path: Path, plan, *, failed: bool):
                                                 "script or module given after --")]
     cmd = launch.python_command("multigpu.launcher.rank.worker", *cmd, *local_rank_args("auto", path))
     devices.lease(plan, f"multigpu doctor {script[0]}", args.min_free_memory)
-    return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout)
+    then = None
+    if args.scaling and plan.nproc > 1:  # the same script on its first device alone, after
+        from multigpu.doctor.scaling import script_scaling_findings
+
+        def then(records, cmd=cmd + rest):
+            return script_scaling_findings(cmd, plan, args.steps, args.trial_timeout, records)
+    return trial_findings(cmd + rest, plan, args.steps, args.trial_timeout, then=then)
 
 
 def _auto_worker(args, script: list[str], path: Path) -> list[str]:
@@ -259,9 +272,9 @@ def _train_checks(args):
         findings += probe_findings(cfg, plan, unused_fails=unused_fails,
                                    find_batch=not args.no_batch_search)
     if args.scaling and not any(f.level == "fail" for f in findings):
-        from multigpu.doctor.scaling import scaling_finding
+        from multigpu.doctor.scaling import scaling_findings
 
-        findings.append(scaling_finding(cfg, plan))
+        findings += scaling_findings(cfg, plan)
     return findings
 
 

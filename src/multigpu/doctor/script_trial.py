@@ -38,26 +38,47 @@ _FIX_UNUSED = ("remove the unused module, freeze it (requires_grad_(False)), or 
 
 
 def trial_findings(cmd: list[str], plan, steps: int, timeout: float,
-                   loaders: LoaderFindings | None = None) -> list[Finding]:
+                   loaders: LoaderFindings | None = None, *,
+                   then: Callable[[list], list] | None = None) -> list[Finding]:
     """Run `cmd` (a multigpu.launcher.rank.worker command line) on every device of `plan` up to its `steps`-th
     optimizer step, for `timeout` seconds at most; the findings of what its ranks recorded
-    (`loaders`: how its training DataLoaders are told, when not as a distributed script's)."""
-    folder = Path(tempfile.mkdtemp(prefix="multigpu-doctor-"))
+    (`loaders`: how its training DataLoaders are told, when not as a distributed script's).
+    `then(records)`: more findings, from a trial that ended well (--scaling's on one device)."""
     root = Path.cwd()
-    before = snapshot(root, skip=folder)
+    before = snapshot(root)  # the trial's folder is made after it
+    run = run_trial(cmd, plan, steps, timeout)
+    findings = record_findings(run.records, plan.nproc, steps, TrialEnd(run.code, timeout, run.killed),
+                               logs=run.folder / "logs", loaders=loaders or _loader_findings)
+    effects = side_effect_finding(before, snapshot(root, skip=run.folder), root)
+    if then is not None and run.code == 0:
+        findings += then(run.records)
+    findings.append(effects)
+    if run.code == 0:
+        shutil.rmtree(run.folder, ignore_errors=True)
+    return findings
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A trial's launch: its exit code, its ranks' records, its folder (records, logs), and
+    whether the backstop killed it."""
+    code: int
+    records: list[dict]
+    folder: Path
+    killed: bool
+
+
+def run_trial(cmd: list[str], plan, steps: int, timeout: float) -> Trial:
+    """`cmd` launched on the plan's devices up to its `steps`-th optimizer step, in a trial
+    folder of its own (the caller removes it)."""
+    folder = Path(tempfile.mkdtemp(prefix="multigpu-doctor-"))
     env = {trial.TRIAL_DIR_ENV: str(folder), trial.TRIAL_STEPS_ENV: str(steps),
            trial.TRIAL_TIMEOUT_ENV: f"{timeout:g}"}
     backstop = Backstop(timeout + (trial.PEERS_WAIT_SECONDS if plan.nproc > 1 else 0) + BACKSTOP_GRACE)
     with environ_set(env), backstop:
         code = launch.launch(cmd, plan, launch.LaunchOptions(log_dir=str(folder / "logs")),
                              python=False, reporting=launch.Reporting(our_worker=True))
-    records = _read_records(folder, plan.nproc)
-    findings = record_findings(records, plan.nproc, steps, TrialEnd(code, timeout, backstop.fired),
-                               logs=folder / "logs", loaders=loaders or _loader_findings)
-    findings.append(side_effect_finding(before, snapshot(root, skip=folder), root))
-    if code == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-    return findings
+    return Trial(code, _read_records(folder, plan.nproc), folder, backstop.fired)
 
 
 class Backstop:
@@ -148,17 +169,26 @@ def step_estimate(records: list[dict], ranks: int) -> Finding | None:
     training DataLoader's length is known, from rank 0's steps; None with fewer than 3 steps."""
     from multigpu.train.estimate import Estimate, spread
 
-    first = next((r for r in records if r["rank"] == 0), records[0])
-    times = first.get("step_times") or []
-    if len(times) < 3:
+    samples = step_samples(records)
+    if not samples:
         return None
-    samples = [b - a for a, b in zip(times, times[1:])]  # step 2's time on
+    first = next((r for r in records if r["rank"] == 0), records[0])
     batches = next((ld["batches"] for ld in first["loaders"] if ld.get("batches")), None)
     cuda = bool(first.get("memory", {}).get("gpus"))
     estimate = Estimate(sum(samples) / len(samples), spread(samples), len(samples), ranks, cuda,
                         batches=batches, leaves_out=("start-up", "the first step",
                                                      "evaluation and checkpoints (the script's own)"))
     return Finding("ok", "estimate", estimate.line())
+
+
+def step_samples(records: list[dict]) -> list[float]:
+    """Rank 0's seconds of each step from the second on (the first is the start-up's); [] with
+    fewer than 3 steps."""
+    if not records:
+        return []
+    first = next((r for r in records if r["rank"] == 0), records[0])
+    times = first.get("step_times") or []
+    return [b - a for a, b in zip(times, times[1:])] if len(times) >= 3 else []
 
 
 def _timeout_finding(records: list[dict], timed: list[dict], ranks: int, steps: int,

@@ -4,6 +4,8 @@ batches and one checkpoint's pause, scaled to the run's steps per rank and epoch
 
 Each step is timed to its end on the device (doctor may wait for the GPU: it trains nothing), with
 the loader's fetch in it; the first batches of each loader are not timed (its workers' start).
+Evaluation batches and a checkpoint's pause are timed by the code that times them for train's
+own estimate (run_estimate.eval_batch_seconds, checkpoints/pause.py).
 The steps timed are at most MEASURE_STEPS and at most MEASURE_BUDGET_S of them (a large model
 on a CPU), never fewer than MIN_STEPS. One device is timed in one process: the all-reduce of
 several ranks, and their sharing of a CPU's cores, are not in it (LEAVES_OUT says so).
@@ -16,13 +18,14 @@ import time
 
 import torch
 
-from multigpu.train.engine import prepare_inputs, train_step
+from multigpu.train.checkpoints.pause import checkpoint_pause
+from multigpu.train.engine import train_step
 from multigpu.train.estimate import Estimate, spread
+from multigpu.train.run_estimate import eval_batch_seconds
 
 MEASURE_STEPS = 20
 MEASURE_BUDGET_S = 15.0
 MIN_STEPS = 3
-EVAL_BATCHES = 3
 LEAVES_OUT = ("start-up", "a first epoch's compile (--compile)", "--decode auto's trial",
               "a cold page cache")
 
@@ -44,7 +47,7 @@ def run_estimate(cfg, plan, rt, job) -> Estimate:
         torch.set_num_threads(run_threads(plan))
     try:
         steps = _train_seconds(rt, job, sync)
-        eval_batch = _eval_seconds(rt, job, sync)
+        eval_batch = eval_batch_seconds(rt, job.model, job.val_loader, job.settings, sync) or 0.0
     finally:
         torch.set_num_threads(threads)
     ranks = plan.nproc
@@ -56,7 +59,7 @@ def run_estimate(cfg, plan, rt, job) -> Estimate:
     leaves = LEAVES_OUT + (("the all-reduce between devices (one device timed)",) if devices > 1 else ())
     return Estimate(sum(steps) / len(steps), spread(steps), len(steps), devices, plan.accelerator == "cuda",
                     batches=batches, epochs=cfg.epochs, eval_s=val_batches * eval_batch,
-                    checkpoint_s=_checkpoint_seconds(rt, job), leaves_out=leaves)
+                    checkpoint_s=checkpoint_pause(rt, job), leaves_out=leaves)
 
 
 def _batches(loader):
@@ -79,39 +82,3 @@ def _train_seconds(rt, job, sync) -> list[float]:
         sync()
         times.append(time.perf_counter() - start)
     return times
-
-
-@torch.no_grad()
-def _eval_seconds(rt, job, sync) -> float:
-    """Mean seconds of an evaluation batch (its fetch included), after the loader's first
-    (unless it is the only one)."""
-    job.model.eval()
-    times, batches = [], iter(job.val_loader)
-    for _ in range(EVAL_BATCHES + 1):
-        start = time.perf_counter()
-        x = next(batches, None)
-        if x is None:
-            break
-        with rt.autocast():
-            job.model(prepare_inputs(x[0], job.settings))
-        sync()
-        times.append(time.perf_counter() - start)
-    job.model.train()
-    times = times[1:] or times
-    return sum(times) / len(times) if times else 0.0
-
-
-def _checkpoint_seconds(rt, job) -> float:
-    """How long a checkpoint holds training up: the state gathered and copied aside, as
-    Checkpointer.save does before its background write (which doctor skips: it writes nothing)."""
-    from multigpu.train.checkpoints.checkpoint_writer import BackgroundWriter
-
-    writer = BackgroundWriter()
-    try:
-        began = time.perf_counter()
-        writer.save(rt.checkpoint_state(job.model, job.optimizer, job.scheduler), lambda state: None)
-        seconds = time.perf_counter() - began
-        writer.wait()
-    finally:
-        writer.close()
-    return seconds

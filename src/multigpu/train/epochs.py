@@ -84,7 +84,7 @@ def run_epochs(loop: Loop, run: RunState, last: dict | None) -> dict:
     guards = TrainGuards(rt, job.optimizer, out, lr=job.plan.lr,
                          clip_grad_norm=cfg.optim.clip_grad_norm)
     job.train_loader.set_last_epoch(cfg.epochs - 1)  # its workers decode nothing past the run's end
-    estimate = RunEstimate.for_run(cfg, rt, job, run.epoch)
+    estimate = RunEstimate.for_run(cfg, rt, job, run.epoch, writer=saver.writer)
     for epoch in range(run.epoch, cfg.epochs + 1):
         job.train_loader.set_epoch(epoch - 1, run.position)
         steps, base = len(job.train_loader), run.global_step

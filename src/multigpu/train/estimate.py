@@ -24,21 +24,21 @@ from dataclasses import dataclass, field
 # A forward pass costs about a third of a training step's forward, backward and update (the
 # backward does twice the forward's arithmetic): train's guess for evaluation until it is timed.
 FORWARD_SHARE = 1 / 3
+TOO_SHORT_S = 5.0  # a run shorter than this is not compared with its estimate: noise
 
 
 def duration(seconds: float) -> str:
-    """'41 s', '1.7 min', '34 min', '5.2 h', '3.1 days': rounded as an estimate is meant."""
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 600:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 48 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+    """'4.04 s', '41.4 s', '1.67 min', '34 min', '5.2 h', '3.1 days': 3 significant figures (a
+    0.1-s epoch said as '0.1 s' made its comparison with a 0.2-s one unreadable)."""
+    for limit, unit, per in ((90, "s", 1), (90 * 60, "min", 60), (48 * 3600, "h", 3600)):
+        if seconds < limit:
+            return f"{_figures(seconds / per)} {unit}"
+    return f"{_figures(seconds / 86400)} days"
+
+
+def _figures(value: float) -> str:
+    """`value` to 3 significant figures, never in exponent form."""
+    return f"{value:.0f}" if value >= 1000 else f"{float(f'{value:.3g}'):g}"
 
 
 def _hours(hours: float) -> str:
@@ -111,12 +111,16 @@ class Estimate:
 
 
 def compared(estimated: float, real: float, epochs: int) -> str:
-    """The closing line's comparison: how long the epochs took against the estimate."""
+    """The closing line's comparison: how long the epochs took against the estimate; a run of
+    under TOO_SHORT_S seconds is not compared (its start and end weigh more than its steps)."""
+    said = (f"estimate: the {epochs} epoch{'s' if epochs != 1 else ''} took {duration(real)}, "
+            f"estimated ~{duration(estimated)}")
+    if real < TOO_SHORT_S:
+        return f"{said} (under {TOO_SHORT_S:g} s: too short a run to compare)"
     off = (real - estimated) / estimated if estimated > 0 else 0.0
     how = (f"{abs(off) * 100:.0f} % {'longer' if off > 0 else 'shorter'} than estimated"
            if abs(off) >= 0.005 else "as estimated")
-    return (f"estimate: the {epochs} epoch{'s' if epochs != 1 else ''} took {duration(real)}, "
-            f"estimated ~{duration(estimated)} ({how})")
+    return f"{said} ({how})"
 
 
 class FirstSteps:

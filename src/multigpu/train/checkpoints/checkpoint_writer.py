@@ -72,6 +72,14 @@ class BackgroundWriter:
         copy = self._snapshot.take(state)
         self._pending = self._pool.submit(write, copy)
 
+    def snapshot_only(self, state) -> bool:
+        """Copy `state` aside into the buffers the next save reuses, and drop the copy (pause.py
+        times it); False, copying nothing, while the last write still runs (it reads them)."""
+        if self._pending is not None and not self._pending.done():
+            return False
+        self._snapshot.take(state)  # a finished write's error stays for the next save to raise
+        return True
+
     def wait(self):
         """Block until the pending write is done; its result, or raise its error (once)."""
         pending, self._pending = self._pending, None
