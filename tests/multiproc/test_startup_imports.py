@@ -24,7 +24,8 @@ UNUSED = ("torchvision", "matplotlib", "tensorboard", "PIL", "timm", "pandas", "
 # Modules only a worker needs: the launcher has torch for torchrun's agent, and nothing of these
 WORKERS_ONLY = ("multigpu.train.trainloop", "multigpu.train.training", "multigpu.train.models.catalog",
                 "multigpu.train.checkpoints.checkpoint_store", "multigpu.train.checkpoints.runstate",
-                "multigpu.core.checkpoints.checkpoint", "multigpu.core.runtime", "torch._dynamo",
+                "multigpu.core.checkpoints.checkpoint", "multigpu.core.runtime",
+                "multigpu.core.process_runtime", "torch._dynamo",
                 "torch.distributed.checkpoint")
 
 LAUNCHER = """

@@ -21,7 +21,7 @@ MOST = 7
 # path (from src/multigpu) :: qualified name -> the signature it mirrors
 MIRRORS = {
     "auto/batchnorm.py::GlobalBatchNorm.install.batch_norm": "torch.nn.functional.batch_norm",
-    "auto/writes/files.py::_patches.open_": "builtins.open",
+    "auto/writes/files.py::_open.open_": "builtins.open",
 }
 
 

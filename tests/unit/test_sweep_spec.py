@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from multigpu.cli.sweep import _split_rest, parse_duration
+from multigpu.cli.sweep_settings import parse_duration, split_rest
 from multigpu.train.settings.configfile import read_mapping
 from multigpu.core.errors import UsageError
 from multigpu.sweep import pool as pools
@@ -115,12 +115,12 @@ def test_yaml_file_with_crlf_and_bom(tmp_path):
 
 
 def test_rest_splits_file_and_command():
-    assert _split_rest(["--", "python", "x.py", "--grid", "z"]) == (None, ["python", "x.py", "--grid", "z"])
-    assert _split_rest(["s.yaml"]) == ("s.yaml", [])
-    assert _split_rest(["s.yml", "--", "python", "x.py"]) == ("s.yml", ["python", "x.py"])
-    assert _split_rest(["python", "x.py"]) == (None, ["python", "x.py"])
+    assert split_rest(["--", "python", "x.py", "--grid", "z"]) == (None, ["python", "x.py", "--grid", "z"])
+    assert split_rest(["s.yaml"]) == ("s.yaml", [])
+    assert split_rest(["s.yml", "--", "python", "x.py"]) == ("s.yml", ["python", "x.py"])
+    assert split_rest(["python", "x.py"]) == (None, ["python", "x.py"])
     with pytest.raises(UsageError, match="put options before the sweep file"):
-        _split_rest(["s.yaml", "--max-parallel", "2"])
+        split_rest(["s.yaml", "--max-parallel", "2"])
 
 
 def test_durations_and_devices_per_run():
@@ -177,10 +177,10 @@ def test_the_error_line_of_a_log_tail():
 
 def test_a_program_that_does_not_exist_is_refused_once(tmp_path, capsys):
     from multigpu import cli
-    from multigpu.cli.sweep import _check_program
+    from multigpu.cli.sweep_settings import check_program
 
-    _check_program(sys.executable)
-    _check_program("multigpu")
+    check_program(sys.executable)
+    check_program("multigpu")
     # the sweep says it once, before any of its 3 runs starts or its folder is made
     argv = ["sweep", "--grid", "lr=1,2,3", "--devices", "cpu:1", "--out", str(tmp_path / "sw"),
             "--", "pyhton", "fit.py", "{lr}"]

@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from multigpu.core.system import fileio
 from multigpu.core.errors import UsageError
+from multigpu.cli.sweep_settings import (check_folder, check_nodes, default_per_run, number_option,
+                                         parse_duration, resolve, runs_on)
 
 # What a `multigpu train` run imports before its first step, in the order it does: the sweep's
 # fork server imports them once (sweep/starter.py), so each one-device run forked from it skips them
@@ -41,8 +41,6 @@ WARM_PRELOAD = ("multigpu.cli", "multigpu.cli.train", "multigpu.train.trainloop"
                 "torch.utils.tensorboard", "matplotlib.pyplot")
 
 DETACHED_ENV = "MULTIGPU_SWEEP_DETACHED"
-OPTIONS = ("devices", "devices_per_run", "runs_per_gpu", "max_parallel", "timeout", "retries", "metric",
-           "min_free_memory", "out", "on", "partition", "time", "slurm_arg", "nodes_per_run")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -98,12 +96,12 @@ def main(args: argparse.Namespace) -> int:
 
     if args.status:
         return _status(Path(args.status))
-    spec, options, root = _resolve(args)
+    spec, options, root = resolve(args)
     folder = state.SweepFolder(root)
-    nodes = _check_nodes(options)
+    nodes = check_nodes(options)
     if args.dry_run:
         return _dry_run(spec, options, folder)
-    if _where(options) == "slurm":
+    if runs_on(options) == "slurm":
         return _on_slurm(spec, options, folder, nodes)
     sweep = _build(spec, options, folder)
     if args.detach:
@@ -117,162 +115,25 @@ def main(args: argparse.Namespace) -> int:
         folder.unlock()
 
 
-# --------------------------------------------------------------------------- settings
-
-def _resolve(args):
-    """(spec, options, folder) from the file, the flags and an existing sweep folder."""
-    from multigpu.sweep import spec as specs
-    from multigpu.sweep.state import SweepFolder
-
-    if args.resume:
-        record = SweepFolder(Path(args.resume)).read_sweep()
-        if record is None:
-            raise UsageError(f"--resume {args.resume}: no sweep there (no sweep.json); give the "
-                             "folder of a sweep (its --out)")
-        spec = specs.SweepSpec(**record["spec"])
-        specs.check(spec)
-        options = {**record.get("options", {}), **_flags(args)}
-        root = Path(args.resume).absolute()
-        if record.get("cwd") and Path(record["cwd"]).is_dir():
-            os.chdir(record["cwd"])  # the command's relative paths are relative to it
-        options["out"] = str(root)
-        return spec, options, root
-    file_path, command = _split_rest(args.rest)
-    spec, options = specs.SweepSpec([]), {}
-    if file_path:
-        from multigpu.train.settings.configfile import read_mapping
-
-        data = read_mapping(file_path, "sweep file", examples=(
-            "multigpu sweep sweep.yaml", "`command: multigpu train --model cnn --lr {lr}`"))
-        spec, options = specs.from_mapping(data, file_path, allowed=OPTIONS)
-    if command:
-        spec.command = command
-    for text in args.grid:
-        key, values = specs.parse_grid_flag(text)
-        for grid in spec.grids():  # a flag sets the key in every grid of the file
-            grid[key] = values
-    specs.check(spec)
-    options.update(_flags(args))
-    root = Path(str(options.get("out") or Path("sweeps") / spec.fingerprint()))
-    fileio.check_can_make(root if options.get("out") else "sweeps", "--out")
-    return spec, options, root
-
-
-def _split_rest(rest: list[str]) -> tuple[str | None, list[str]]:
-    """REMAINDER: `[SWEEP.yaml] [--] COMMAND...`, options after the file parsed again."""
-    rest = list(rest)
-    if rest and rest[0] == "--":
-        return None, rest[1:]
-    if rest and rest[0].lower().endswith((".yaml", ".yml", ".json")):
-        file_path, tail = rest[0], rest[1:]
-        if "--" in tail:
-            head, command = tail[: tail.index("--")], tail[tail.index("--") + 1:]
-        else:
-            head, command = tail, []
-        if head:
-            raise UsageError(f"{' '.join(head)}: put options before the sweep file, e.g. "
-                             f"multigpu sweep --max-parallel 2 {file_path}")
-        return file_path, command
-    return None, rest
-
-
-def _flags(args) -> dict:
-    return {k: getattr(args, k) for k in OPTIONS if getattr(args, k, None) is not None}
-
-
 def _build(spec, options: dict, folder):
     from multigpu.sweep import spec as specs
     from multigpu.sweep.pool import make_pool
     from multigpu.sweep.scheduler import Options, Sweep
 
     runs = specs.expand(spec)
-    _check_folder(spec, folder)
-    per_run = options.get("devices_per_run") or _default_per_run()
-    min_free = _number(options, "min_free_memory", float, 2.0, 0)
-    slots = _number(options, "runs_per_gpu", int, None, 1)
+    check_folder(spec, folder)
+    per_run = options.get("devices_per_run") or default_per_run()
+    min_free = number_option(options, "min_free_memory", float, 2.0, 0)
+    slots = number_option(options, "runs_per_gpu", int, None, 1)
     pool = make_pool(str(options.get("devices") or "auto"), str(per_run), min_free, slots)
-    max_parallel = _number(options, "max_parallel", int, None, 1)
-    retries = _number(options, "retries", int, 0, 0)
+    max_parallel = number_option(options, "max_parallel", int, None, 1)
+    retries = number_option(options, "retries", int, 0, 0)
     metric = options.get("metric")
     if metric is not None and not isinstance(metric, str):
         raise UsageError(f"metric {metric!r}: give a metric's name, e.g. val_mae or val_accuracy")
     opts = Options(max_parallel=max_parallel, timeout_s=parse_duration(options.get("timeout")),
                    retries=retries, metric=metric)
     return Sweep(spec, runs, folder, pool, opts, warm_preload=WARM_PRELOAD)
-
-
-def _check_folder(spec, folder) -> None:
-    """The command can start, and --out is this sweep's folder or a new one."""
-    _check_program(spec.command[0])
-    record = folder.read_sweep()
-    if record is not None and record["spec"]["command"] != spec.command:
-        raise UsageError(f"{folder.root} holds another sweep (command: "
-                         f"{' '.join(record['spec']['command'])}); choose another --out")
-    if record is None and folder.root.is_dir() and any(folder.root.iterdir()):
-        raise UsageError(f"--out {folder.root} already holds files that are not a sweep's; "
-                         "multigpu never writes over them: choose another --out")
-
-
-def _where(options: dict) -> str:
-    where = str(options.get("on") or "local")
-    if where not in ("local", "slurm"):
-        raise UsageError(f"on: {where!r}: give local (this machine) or slurm")
-    return where
-
-
-def _check_nodes(options: dict) -> int:
-    """--nodes-per-run: a whole number of at least 1, and only with --on slurm (here is one
-    machine); returns it (1 when not given)."""
-    nodes = _number(options, "nodes_per_run", int, 1, 1)
-    if options.get("nodes_per_run") is not None and _where(options) != "slurm":
-        raise UsageError(f"--nodes-per-run {options['nodes_per_run']}: runs of several nodes go "
-                         "through SLURM, and this sweep runs on this one machine; add --on slurm, "
-                         "or leave --nodes-per-run out")
-    return nodes
-
-
-def _number(options: dict, key: str, kind, default, least):
-    """An option from the flags or the file, as `kind`, at least `least`; else one line."""
-    value = options.get(key)
-    if value is None:
-        return default
-    try:
-        number = kind(value)
-        if isinstance(value, bool) or number < least:
-            raise ValueError
-    except (TypeError, ValueError):
-        flag = "--" + key.replace("_", "-")
-        raise UsageError(f"{flag} {value!r}: give a {'whole ' if kind is int else ''}number of "
-                         f"at least {least}, e.g. {flag} {max(least, 1)}") from None
-    return number
-
-
-def _check_program(program: str) -> None:
-    """A command that cannot start fails here once, not once per run."""
-    import shutil
-
-    if program != "multigpu" and shutil.which(program) is None:
-        where = "" if os.sep in program else " on PATH"
-        raise UsageError(f"the command's program {program!r} is not found{where}; check its "
-                         "spelling, or give its path (e.g. python3, ./train.sh)")
-
-
-def _default_per_run() -> str:
-    from multigpu.launcher import devices
-
-    try:
-        return "1" if devices.visible_gpus(devices.query_gpus(), devices.user_cuda_visible()) else "cpu:1"
-    except devices.NvmlUnavailable:
-        return "cpu:1"
-
-
-def parse_duration(text, flag: str = "--timeout") -> float | None:
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise UsageError(f"{flag} {text}: give a time like 90s, 30m or 2h")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 # --------------------------------------------------------------------------- doing it
@@ -332,7 +193,7 @@ def _on_slurm(spec, options: dict, folder, nodes: int) -> int:
     from multigpu.sweep.slurm_task import RunTask
 
     runs = specs.expand(spec)
-    _check_folder(spec, folder)
+    check_folder(spec, folder)
     if options.get("runs_per_gpu") is not None:
         raise UsageError("--runs-per-gpu packs runs onto this machine's GPUs; on SLURM each run is "
                          "a job of its own: leave it out, or run the sweep here without --on slurm")
@@ -340,11 +201,11 @@ def _on_slurm(spec, options: dict, folder, nodes: int) -> int:
         per_run=str(options.get("devices_per_run") or "1"),
         time_s=parse_duration(options.get("time"), "--time") or slurm.DEFAULT_TIME_S,
         partition=options.get("partition"), extra=slurm.parse_slurm_args(options.get("slurm_arg")),
-        max_parallel=_number(options, "max_parallel", int, None, 1), nodes=nodes)
+        max_parallel=number_option(options, "max_parallel", int, None, 1), nodes=nodes)
     parse_per_run(settings.per_run)
     slurm.check_ready()
     task = RunTask(str(folder.root.absolute()), os.getcwd(), settings.devices_arg(),
-                   retries=_number(options, "retries", int, 0, 0),
+                   retries=number_option(options, "retries", int, 0, 0),
                    timeout_s=parse_duration(options.get("timeout")), nodes=settings.nodes)
     fresh = not folder.root.exists()  # a first submission that fails leaves no folder behind
     if not folder.lock():

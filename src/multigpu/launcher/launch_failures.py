@@ -201,25 +201,6 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
         err("\nmultigpu: ".join(hang.splitlines() + [f"logs of every rank: {log_dir}"]))
         return watchdog.EXIT_HANG
 
-    def blame(item) -> tuple[int, int]:
-        """Lowest first: a rank's own error (also one the agent stopped while it exited after
-        writing its error: _stopped_after_its_error); killed by a signal other than the agent's
-        SIGTERM (the OOM killer's SIGKILL, a segfault); one we cannot read (on the console); a
-        communication error, most often the echo of a crash elsewhere; stopped by the agent."""
-        rank, f = item
-        text = texts[rank]
-        if _stopped_after_its_error(f):
-            score = 0
-        elif f.exitcode == -signal.SIGTERM:
-            score = 4
-        elif f.exitcode < 0:
-            score = 1
-        elif text is None:
-            score = 2
-        else:
-            score = 3 if _echo(f, text) else 0
-        return score, failures.index(item)
-
     usage = _usage_error(failures, texts, ours=on_usage_error is not None)
     if usage is not None:  # bad input: one line, as in one process (rank 0's is on the console)
         line, said = usage
@@ -230,7 +211,8 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
             on_usage_error()
         return 2
 
-    rank, first = min(failures, key=blame)
+    rank, first = min(failures, key=lambda item: (_blame(item[1], texts[item[0]]),
+                                                  failures.index(item)))
     stopped_late = _stopped_after_its_error(first)
     what = ("exit code 1, then the agent's SIGTERM as it exited" if stopped_late
             else _how(first).replace("exit", "exit code"))
@@ -245,6 +227,23 @@ def report_child_failed(exc, log_dir: str, node: str | None = None,
     if stopped_late:
         return 1  # its uncaught exception's code, had it finished exiting
     return first.exitcode if first.exitcode > 0 else 128 + abs(first.exitcode)
+
+
+def _blame(failure, text: str | None) -> int:
+    """A failed rank's place in the blame, the likeliest cause lowest (ties go to the rank the
+    agent saw fail first): a rank's own error (also one the agent stopped while it exited after writing its
+    error: _stopped_after_its_error); killed by a signal other than the agent's SIGTERM (the OOM
+    killer's SIGKILL, a segfault); one we cannot read (on the console); a communication error,
+    most often the echo of a crash elsewhere; stopped by the agent."""
+    if _stopped_after_its_error(failure):
+        return 0
+    if failure.exitcode == -signal.SIGTERM:
+        return 4
+    if failure.exitcode < 0:
+        return 1
+    if text is None:
+        return 2
+    return 3 if _echo(failure, text) else 0
 
 
 def _stopped_after_its_error(failure) -> bool:

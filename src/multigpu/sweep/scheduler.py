@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 from multigpu.train.rundir import runfolder
 from multigpu.launcher import ports
-from multigpu.core.checkpoints.checkpoint_schema import checkpoints_folder
 from multigpu.core.errors import UsageError
 from multigpu.sweep import spec as specs
 from multigpu.sweep import starter
+from multigpu.sweep.attempts import classify, prepare_folder
 from multigpu.sweep.pool import Pool, Unit
-from multigpu.sweep.state import RunState, SweepFolder, format_duration, last_error_line, log_tail
+from multigpu.sweep.state import RunState, SweepFolder, format_duration, log_tail
 from multigpu.sweep.summary import (RunResult, absent_metric, metric_values, split_metric,
                                     write_summary)
 
@@ -351,41 +351,6 @@ class Sweep:
         write_summary(self.folder.root, results, self.spec.keys(),
                       self.metric(), title=f"sweep {self.folder.root.name}: the best "
                       f"{split_metric(self.metric())[0]} of each run")
-
-
-def classify(st: RunState, code: int, log_path, *, timed_out: bool = False,
-             timeout_s: float | None = None, stopped_by: str | None = None) -> None:
-    """An attempt's end in `st`: done, stopped (`stopped_by` says by whom) or failed (why: the
-    timeout, the exit and the log's error line), and a line of its history."""
-    if code == 0 and not timed_out:
-        st.status, st.note = "done", ""
-    elif stopped_by is not None:
-        st.status, st.note = "stopped", stopped_by
-    elif timed_out:
-        st.status, st.note = "failed", f"timed out after {format_duration(timeout_s)}"
-    else:
-        why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-        line = last_error_line(log_tail(log_path))
-        st.status, st.note = "failed", f"{why}: {line}" if line else why
-    st.history.append({"attempt": st.attempts, "status": st.status,
-                       "duration_s": round(st.duration_s or 0, 1), "note": st.note})
-
-
-def prepare_folder(folder: SweepFolder, spec: specs.SweepSpec, run: specs.Run, attempt: int) -> str | None:
-    """The run's folder before an attempt: the --resume value for a train run that has a
-    checkpoint; an attempt's folder without one is moved to attempts/ (kept, not reused)."""
-    out = folder.run_dir(run.name)
-    if specs.subcommand(spec.command) != "train":
-        out.mkdir(parents=True, exist_ok=True)
-        return None
-    if any(checkpoints_folder(out).glob("*.pt")):
-        return str(out)
-    if out.exists():
-        kept = folder.root / "attempts" / f"{run.name}-{attempt - 1}"
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        out.rename(kept)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return None
 
 
 def default_metric(folder: SweepFolder, runs: list[specs.Run]) -> str:

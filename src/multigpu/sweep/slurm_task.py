@@ -39,7 +39,8 @@ from multigpu.core.errors import UsageError
 from multigpu.launcher import ports
 from multigpu.launcher.ports import DEFAULT_PORT
 from multigpu.sweep import spec as specs
-from multigpu.sweep.scheduler import Options, Sweep, classify, prepare_folder
+from multigpu.sweep.attempts import classify, prepare_folder
+from multigpu.sweep.scheduler import Options, Sweep
 from multigpu.sweep.starter import child_setup
 from multigpu.sweep.state import RunState, SweepFolder
 
@@ -183,7 +184,7 @@ class RunTask:
 
     def _command(self, sweep: Sweep, run: specs.Run, attempt: int) -> tuple[list[str], str | None]:
         """(the run's command line on this node, its --resume). Node 0 prepares the run folder
-        (scheduler.prepare_folder); another node reads the same answer from it, without a change:
+        (attempts.prepare_folder); another node reads the same answer from it, without a change:
         node 0 moves aside only a folder without checkpoints, which resumes nothing either way."""
         folder = sweep.folder
         out = folder.run_dir(run.name)

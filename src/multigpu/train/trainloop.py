@@ -111,21 +111,28 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
         saver.finish()
         clock.add("checkpoints", time.perf_counter() - began)
     finally:
-        if first_step is not None:
-            first_step.remove()
-        if profile is not None:
-            profile.close()
-        saver.close()
-        store.release()
-        folder_users.release(out)  # a caller that trains on here in this process is no other user
-        if log is not None:
-            log.close()  # curves.png: also of a run that stopped or failed
+        _release(first_step, profile, saver, store, out, log)
     console.info(clock.summary())
     # Every rank done with its collectives before any tears down: a gloo rank that exits while a
     # peer's last exchange is in flight can abort ("terminate called without an active
     # exception", seen once in 4-process runs here).
     rt.env.barrier()
     return record
+
+
+def _release(first_step, profile: StepProfile | None, saver: Checkpointer, store: CheckpointStore,
+             out: Path, log: RunLog | None) -> None:
+    """What a run holds, let go whether it finished, stopped or failed (`first_step`, `profile`
+    and `log` are None where the run ended before it made them)."""
+    if first_step is not None:
+        first_step.remove()
+    if profile is not None:
+        profile.close()
+    saver.close()
+    store.release()
+    folder_users.release(out)  # a caller that trains on here in this process is no other user
+    if log is not None:
+        log.close()  # curves.png: also of a run that stopped or failed
 
 
 def _setup(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str, head: HeadStart) -> Runtime:

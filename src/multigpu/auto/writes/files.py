@@ -89,6 +89,28 @@ def _delete(ov: Overlay, fn, want: str):
 
 def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
     """(module, name) -> what a rank other than 0 calls there instead."""
+    open_, reading = _open(ov), _reading(ov)
+
+    def renaming(fn):
+        return lambda src, dst, **fds: _rename(ov, fn, src, dst, **fds)
+
+    return {
+        (builtins, "open"): open_, (io, "open"): open_, (tarfile, "bltn_open"): open_,
+        (os, "open"): _os_open(ov), (os, "stat"): reading(real.stat),
+        (os, "lstat"): reading(real.lstat), (os, "chmod"): reading(real.chmod),
+        (os, "utime"): reading(real.utime), (os, "chown"): reading(real.chown),
+        (os, "lchown"): reading(real.lchown), (os, "mkdir"): _mkdir(ov),
+        (os, "rmdir"): _delete(ov, real.rmdir, "dir"),
+        (os, "remove"): _delete(ov, real.remove, "file"),
+        (os, "unlink"): _delete(ov, real.unlink, "file"),
+        (os, "rename"): renaming(real.rename), (os, "replace"): renaming(real.replace),
+        (os, "listdir"): _listdir(ov), (os, "scandir"): _scandir(ov), (shutil, "rmtree"): _rmtree(ov),
+        **_safetensors(ov),
+    }
+
+
+def _open(ov: Overlay):
+    """open (builtins, io, tarfile's): a write goes to the rank's copy, a read to what it sees."""
     def open_(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None,
               closefd=True, opener=None):
         opened = []
@@ -106,7 +128,10 @@ def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
             raw = getattr(f, "buffer", f)
             getattr(raw, "raw", raw).name = os.fspath(file)
         return f
+    return open_
 
+
+def _os_open(ov: Overlay):
     def os_open(path, flags, mode=0o777, *, dir_fd=None):
         if dir_fd is not None:
             return real.os_open(path, flags, mode, dir_fd=dir_fd)
@@ -114,14 +139,21 @@ def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
             return ov.write(path, lambda where: real.os_open(where, flags, mode),
                             copy_up=not flags & os.O_TRUNC)
         return real.os_open(ov.for_read(path), flags, mode)
+    return os_open
 
+
+def _reading(ov: Overlay):
+    """A function of a path that only reads it (os.stat, os.chmod...): given what the rank sees."""
     def reading(fn):
         def call(path, *args, dir_fd=None, **kwargs):
             if dir_fd is not None:
                 return fn(path, *args, dir_fd=dir_fd, **kwargs)
             return fn(ov.for_read(path), *args, **kwargs)
         return call
+    return reading
 
+
+def _mkdir(ov: Overlay):
     def mkdir(path, mode=0o777, *, dir_fd=None):
         key = ov.key(path) if dir_fd is None else None
         if key is None:
@@ -135,7 +167,11 @@ def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
             raise error(FileNotFoundError, errno.ENOENT, path)
         os.makedirs(ov.copy_of(key), mode, exist_ok=True)
         ov.record(key, OPAQUE if seen == GONE else OWN, folder=True)
+    return mkdir
 
+
+def _rmtree(ov: Overlay):
+    """shutil.rmtree: the rank's copies go, the user's folder is hidden from the rank."""
     def rmtree(path, ignore_errors=False, *args, **kwargs):
         key = ov.key(path) if kwargs.get("dir_fd") is None else None
         if key is None:
@@ -149,35 +185,25 @@ def _patches(ov: Overlay) -> dict[tuple[object, str], object]:
         if ov.seen(key) == OWN:
             real.rmtree(ov.copy_of(key), ignore_errors=True)
         ov.record(key, GONE, folder=True)
+    return rmtree
 
+
+def _listdir(ov: Overlay):
     def listdir(path="."):
         key = ov.key(path)
         names = None if key is None else ov.listing(key, path)
         if names is None:
             return real.listdir(path)
         return [os.fsencode(n) for n in names] if isinstance(path, bytes) else names
+    return listdir
 
+
+def _scandir(ov: Overlay):
     def scandir(path="."):
         key = ov.key(path)
         names = None if key is None else ov.listing(key, path)
         return real.scandir(path) if names is None else _Scan(ov, os.fsdecode(path), key, names)
-
-    def renaming(fn):
-        return lambda src, dst, **fds: _rename(ov, fn, src, dst, **fds)
-
-    return {
-        (builtins, "open"): open_, (io, "open"): open_, (tarfile, "bltn_open"): open_,
-        (os, "open"): os_open, (os, "stat"): reading(real.stat),
-        (os, "lstat"): reading(real.lstat), (os, "chmod"): reading(real.chmod),
-        (os, "utime"): reading(real.utime), (os, "chown"): reading(real.chown),
-        (os, "lchown"): reading(real.lchown), (os, "mkdir"): mkdir,
-        (os, "rmdir"): _delete(ov, real.rmdir, "dir"),
-        (os, "remove"): _delete(ov, real.remove, "file"),
-        (os, "unlink"): _delete(ov, real.unlink, "file"),
-        (os, "rename"): renaming(real.rename), (os, "replace"): renaming(real.replace),
-        (os, "listdir"): listdir, (os, "scandir"): scandir, (shutil, "rmtree"): rmtree,
-        **_safetensors(ov),
-    }
+    return scandir
 
 
 def _safetensors(ov: Overlay) -> dict[tuple[object, str], object]:
