@@ -118,13 +118,18 @@ def check_epochs(out: Path) -> None:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults") / "uninterrupted"
+def train_uninterrupted(out: Path) -> Path:
+    """The 2-process run of ARGS, never interrupted: conftest's faults_reference, launched once a
+    session for this module and test_requeue."""
     proc = multigpu("train", *ARGS, "--devices", "cpu:2", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_epochs(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(faults_reference) -> Path:
+    return faults_reference
 
 
 @pytest.fixture(scope="module")

@@ -56,9 +56,9 @@ def train(out: Path, devices: int, *extra) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, tuple[Path, str]]:
-    made = {}
-    for devices in (2, 3, 4):
+def runs(tmp_path_factory, global_batch_on_2) -> dict[int, tuple[Path, str]]:
+    made = {2: global_batch_on_2}  # conftest's: test_lost_device compares with it too
+    for devices in (3, 4):
         out = tmp_path_factory.mktemp("global") / f"cpu{devices}"
         proc = train(out, devices)
         made[devices] = out, proc.stdout + proc.stderr
