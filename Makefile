@@ -37,11 +37,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	PYTHONPATH=src $(VENV)/bin/lint-imports
 
-test: lint
-	$(PY) -m pytest
+# The quick loop: the unit tests and, of the multi-process ones (marker slow), those marked smoke:
+# a few per feature. `pytest` alone (pyproject's addopts) runs every test but the gpu and extended
+# ones, every multi-process test among them: the default tier, what running one file gives.
+SMOKE := not gpu and not extended and (smoke or not slow)
 
-# Every CPU test, the extended ones and the localhost SLURM tier too (about 7 minutes more than
-# `make test` on 2 cores): what CI runs (.ci/run).
+test: lint
+	$(PY) -m pytest -m '$(SMOKE)'
+
+# Every CPU test: the default tier, the extended ones and the localhost SLURM tier too: what CI
+# runs (.ci/run).
 test-all: lint
 	$(PY) -m pytest -m 'not gpu'
 

@@ -83,3 +83,24 @@ def procs():
 @pytest.fixture
 def run_cli():
     return multigpu
+
+
+# Runs that two modules compare with, launched once a session rather than once per module (each is
+# read, never changed: a test that resumes from one writes into a folder of its own).
+@pytest.fixture(scope="session")
+def faults_reference(tmp_path_factory) -> Path:
+    """test_faults' 2-process run never interrupted, the reference of test_requeue too."""
+    from .test_faults import train_uninterrupted
+
+    return train_uninterrupted(tmp_path_factory.mktemp("faults") / "uninterrupted")
+
+
+@pytest.fixture(scope="session")
+def global_batch_on_2(tmp_path_factory) -> tuple[Path, str]:
+    """test_global_batch's run on 2 processes (its folder, what it said), test_lost_device's
+    reference too."""
+    from .test_global_batch import train
+
+    out = tmp_path_factory.mktemp("global") / "cpu2"
+    proc = train(out, 2)
+    return out, proc.stdout + proc.stderr

@@ -36,6 +36,7 @@ def replayed_weights(steps: list[list], lr: float) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.smoke
 def test_tutorial_script_runs_data_parallel_unmodified(tmp_path):
     r = multigpu("--auto", "--devices", "cpu:2", str(TUTORIAL), "--batch", "8", "--epochs", "2",
                  "--dataparallel", cwd=tmp_path)
@@ -169,6 +170,7 @@ def test_lbfgs_with_a_line_search_decides_on_the_loss_of_every_rank(tmp_path):
      "multigpu: error: --auto makes a Python training script data-parallel, and x.sh is not one "
      "(not .py, no python shebang); run it without --auto"),
 ])
+@pytest.mark.smoke
 def test_bad_auto_flags_are_refused_before_any_process_starts(tmp_path, args, line):
     (tmp_path / "x.py").write_text("print('ran')\n")
     (tmp_path / "x.sh").write_text("echo ran\n")

@@ -42,7 +42,7 @@ def test_a_shape_made_with_the_scripts_batch_size_stops_the_first_step_in_one_li
     assert "Traceback" not in r.stderr and not (tmp_path / "model.pt").exists()
 
 
-@pytest.mark.extended  # a second test of its change; make test keeps the first
+@pytest.mark.extended  # a second test of its change; the default tier keeps the first
 def test_doctor_auto_says_the_same_line_for_it(tmp_path):
     shutil.copy(RESHAPE, tmp_path)
     r = cli("doctor", "--auto", "--devices", "cpu:2", RESHAPE.name, cwd=tmp_path)

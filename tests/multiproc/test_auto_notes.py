@@ -80,7 +80,7 @@ def test_doctor_takes_the_batch_from_the_model_not_from_a_transform_the_dataset_
             "ranks") in out
 
 
-@pytest.mark.extended  # a second test of its change; make test keeps the first
+@pytest.mark.extended  # a second test of its change; the default tier keeps the first
 def test_doctor_says_the_data_is_whole_on_every_rank_where_nothing_splits_it(tmp_path):
     out = doctor_lines(tmp_path, "auto_notes_sliced.py", "--auto")
     assert ("warn  auto data      the model's batches came from no DataLoader (a tensor sliced in "
@@ -127,7 +127,7 @@ def test_run_without_auto_warns_before_starting_a_one_process_script_twice(tmp_p
     assert ddp.returncode == 0 and "multigpu: warning:" not in ddp.stderr, ddp.stderr[-3000:]
 
 
-@pytest.mark.extended  # a second test of its change; make test keeps the first
+@pytest.mark.extended  # a second test of its change; the default tier keeps the first
 def test_doctor_names_auto_as_the_fix_of_a_one_process_script_run_twice(tmp_path):
     shutil.copy(SCRIPTS / "auto_notes_transform.py", tmp_path)
     proc = multigpu("doctor", "--devices", "cpu:2", "--", "auto_notes_transform.py", cwd=tmp_path)

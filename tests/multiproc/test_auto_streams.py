@@ -49,7 +49,7 @@ def test_a_stream_is_split_by_position_every_item_once_per_epoch(tmp_path, ranks
     assert "note" not in stderr
 
 
-@pytest.mark.extended  # the position split keeps a test in make test
+@pytest.mark.extended  # the position split keeps a test in the default tier
 @pytest.mark.parametrize("ranks, workers, items", [
     (3, 2, 47),
     pytest.param(2, 0, 45, marks=pytest.mark.extended),

@@ -40,7 +40,7 @@ def test_a_model_traced_before_training_traces_its_weights_then_trains_data_para
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="no tensorboard")
-@pytest.mark.extended  # a second test of its change; make test keeps the first
+@pytest.mark.extended  # a second test of its change; the default tier keeps the first
 def test_tensorboard_add_graph_before_training_writes_the_scripts_graph(tmp_path):
     traced_run(tmp_path, "tensorboard")
     events = list((tmp_path / "runs" / "traced").glob("events.out.tfevents.*"))

@@ -15,7 +15,7 @@ import torch
 
 from multigpu import cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.smoke]  # in-process: seconds in all
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -93,6 +93,7 @@ def test_real_and_synthetic_data_are_measured_in_the_same_launches(tmp_path):
     assert list((tmp_path / "images").glob("jpeg-*/train/class_00/*.jpg"))
 
 
+@pytest.mark.smoke
 def test_unknown_method_is_one_line_and_exit_2(tmp_path):
     proc = multigpu("bench", "--model", "mlp", "--methods", "ddp,horovod", "--devices", "cpu:1",
                     "--out", tmp_path / "x.json")

@@ -103,6 +103,7 @@ def test_init_process_group_is_refused_where_it_runs_not_where_it_is_written(tmp
                                                       "optimizer step 1")
 
 
+@pytest.mark.smoke
 def test_auto_options_without_a_script_or_without_auto_are_one_line_errors(tmp_path):
     (tmp_path / "t.py").write_text("print(1)\n")
     (tmp_path / "t.sh").write_text("#!/bin/sh\necho 1\n")

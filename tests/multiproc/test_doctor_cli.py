@@ -29,6 +29,7 @@ def lines(stdout: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.smoke
 def test_a_train_setup_on_two_cpu_processes_passes_every_check_with_its_figures(tmp_path):
     proc = multigpu("doctor", "--model", "cnn", "--data", "digits", "--devices", "cpu:2",
                     "--batch-size", "32", cwd=tmp_path)
@@ -83,6 +84,7 @@ def test_launch_variables_left_in_the_shell_are_named_and_train_refuses_them(tmp
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.smoke
 def test_nothing_to_check_and_both_at_once_are_one_line_errors(tmp_path):
     (tmp_path / "t.py").write_text("print(1)\n")
     for args, words in ((["doctor", "--devices", "cpu:2"], "--model is required"),
@@ -110,6 +112,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.smoke
 def test_a_script_is_read_for_its_traps_with_line_numbers(tmp_path):
     (tmp_path / "train.py").write_text(POST_002)
     (tmp_path / "run.sh").write_bytes(b"#!/bin/bash\r\npython train.py\r\n")

@@ -31,11 +31,17 @@ def run_example(name: str, *args, log_dir: Path, tee: bool = False):
 
 # The slowest example runs in the extended tier (CI runs it): `make test` stays under 15 minutes.
 EXTENDED = {"fsdp_transformer.py"}
+SMOKE = {"train.py"}  # the one `make test` runs (the smoke marker); pytest's default tier runs the rest
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n
-                                  for n in sorted(p.name for p in EXAMPLES.iterdir()
-                                                  if p.is_file() and not p.name.startswith("."))])
+def _example(name: str):
+    if name in EXTENDED:
+        return pytest.param(name, marks=pytest.mark.extended)
+    return pytest.param(name, marks=pytest.mark.smoke) if name in SMOKE else name
+
+
+@pytest.mark.parametrize("name", [_example(n) for n in sorted(p.name for p in EXAMPLES.iterdir()
+                                                             if p.is_file() and not p.name.startswith("."))])
 def test_every_example_runs_and_does_what_it_says(tmp_path, name):
     assert name in CHECKS, (f"examples/{name} has no check in {Path(__file__).name}: add one that "
                             "runs it with small sizes and asserts what its docstring promises")

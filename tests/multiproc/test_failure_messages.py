@@ -32,6 +32,7 @@ def test_an_unused_parameter_is_said_once(tmp_path):
     assert said.count("error:") == 1 and "Traceback" not in said
 
 
+@pytest.mark.smoke
 def test_a_script_s_traceback_is_the_one_python_prints(tmp_path):
     """Without multigpu's and runpy's frames above the script's; all of them with --debug."""
     script = HERE / "scripts" / "raises_in_a_function.py"
@@ -44,6 +45,7 @@ def test_a_script_s_traceback_is_the_one_python_prints(tmp_path):
     assert "runpy" in debug.stderr and alone.stderr.splitlines()[-1] in debug.stderr
 
 
+@pytest.mark.smoke
 def test_a_script_python_cannot_parse_is_refused_before_any_process_starts(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("x = (\n")

@@ -118,13 +118,18 @@ def check_epochs(out: Path) -> None:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults") / "uninterrupted"
+def train_uninterrupted(out: Path) -> Path:
+    """The 2-process run of ARGS, never interrupted: conftest's faults_reference, launched once a
+    session for this module and test_requeue."""
     proc = multigpu("train", *ARGS, "--devices", "cpu:2", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_epochs(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(faults_reference) -> Path:
+    return faults_reference
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +146,7 @@ def stopped(tmp_path_factory, reference) -> tuple[Path, str]:
     return out, stdout + stderr + f"\n(first checkpoint at step {first}, SIGTERM {delay:.2f} s later)"
 
 
+@pytest.mark.smoke
 def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal(stopped, reference, tmp_path):
     folder, output = stopped
     assert ("SIGTERM: the ranks stop together at their next exchange (about a second of steps), "
@@ -244,6 +250,7 @@ def test_kill_9_the_moment_an_epoch_s_checkpoint_is_complete_loses_none_of_its_l
     check_epochs(out)
 
 
+@pytest.mark.smoke
 def test_a_crash_without_restarts_names_the_rank_and_keeps_the_logs_it_points_at(tmp_path):
     # Killed mid-training, as by the OOM killer: the other rank then fails on the lost
     # connection (the echo); the report blames the killed one.
@@ -344,7 +351,7 @@ def exported_weights(out: Path) -> dict:
     return torch.load(out / "exported.pt", weights_only=True)["model"]
 
 
-@pytest.mark.extended  # the ddp case stays in make test
+@pytest.mark.extended  # the ddp case stays in the default tier
 def test_kill_9_of_a_worker_under_fsdp_restarts_from_the_shards_and_ends_equal(reference_fsdp, tmp_path):
     # every rank writes its own shards: a kill at a random moment may fall inside that write
     out = tmp_path / "killed"

@@ -63,6 +63,7 @@ def trained(tmp_path_factory):
     return tmp, ddp, fsdp, info
 
 
+@pytest.mark.smoke
 def test_fsdp_shards_the_blocks_and_ends_with_the_weights_of_ddp(trained):
     _, ddp, fsdp, info = trained
     assert info["units"] == ["blocks.0", "blocks.1", "blocks.2"]

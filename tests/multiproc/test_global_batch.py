@@ -56,15 +56,16 @@ def train(out: Path, devices: int, *extra) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, tuple[Path, str]]:
-    made = {}
-    for devices in (2, 3, 4):
+def runs(tmp_path_factory, global_batch_on_2) -> dict[int, tuple[Path, str]]:
+    made = {2: global_batch_on_2}  # conftest's: test_lost_device compares with it too
+    for devices in (3, 4):
         out = tmp_path_factory.mktemp("global") / f"cpu{devices}"
         proc = train(out, devices)
         made[devices] = out, proc.stdout + proc.stderr
     return made
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("devices", [3, 4])
 def test_2_3_and_4_processes_at_one_global_batch_end_with_the_same_weights(runs, devices):
     reference, _ = runs[2]
@@ -131,6 +132,7 @@ def test_a_run_stopped_on_some_processes_and_resumed_on_others_ends_as_one_never
     assert largest_difference(runs[2][0], out) < TOLERANCE
 
 
+@pytest.mark.smoke
 def test_a_global_batch_the_devices_cannot_share_is_one_line_before_any_launch(tmp_path):
     proc = multigpu("train", *ARGS[:7], "25", *ARGS[8:], "--devices", "cpu:2", "--out", tmp_path / "r")
     assert proc.returncode == 2

@@ -52,6 +52,7 @@ def assert_nothing_saved_after(out: Path, bad_step: int, named: Path) -> None:
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+@pytest.mark.smoke
 def test_a_nan_loss_on_two_processes_stops_with_one_line_and_no_checkpoint_after_it(tmp_path):
     out = tmp_path / "run"
     done = multigpu("train", *DIVERGES, "--devices", "cpu:2", "--out", out)

@@ -53,6 +53,7 @@ def _run_accumulate(tmp_path, accumulate, batch_size):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.smoke
 def test_accumulation_all_reduces_once_per_window_and_matches_the_big_batch(tmp_path):
     # 44 samples, 2 ranks. Batch 4 per rank: optimizer steps of 8, 8, 8, 8, 8, 4 samples.
     # Batch 2 with accumulate 2: 11 micro-steps of 4, grouped into the same 6 windows.

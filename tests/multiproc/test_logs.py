@@ -27,6 +27,7 @@ def run(tmp_path_factory):
     return out
 
 
+@pytest.mark.smoke
 def test_tensorboard_has_the_step_and_epoch_scalars(run):
     seen = scalars(run)
     assert [s for s, _ in seen["train/loss"]] == list(range(10, 79, 10))
@@ -39,6 +40,7 @@ def test_tensorboard_has_the_step_and_epoch_scalars(run):
     assert [e["step"] for e in epochs] == [26, 52, 78]
 
 
+@pytest.mark.smoke
 def test_metrics_csv_is_metrics_jsonl_as_a_table(run):
     with open(run / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -52,6 +54,7 @@ def test_metrics_csv_is_metrics_jsonl_as_a_table(run):
             {k: float(v) for k, v in table_row(record).items()})
 
 
+@pytest.mark.smoke
 def test_steps_csv_and_curves_png(run):
     with open(run / "steps.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -85,6 +88,7 @@ def test_rt_log_writes_rank_0s_values_once(tmp_path):
     assert (rows[5]["step"], rows[5]["val/accuracy"]) == ("5", "0.5")
 
 
+@pytest.mark.smoke
 def test_plot_draws_several_runs_and_never_replaces_a_file(run, tmp_path):
     second = tmp_path / "second"
     second.mkdir()

@@ -19,7 +19,7 @@ import pytest
 from multigpu.train.checkpoints.checkpoint_store import CheckpointStore
 
 from .conftest import cli_env, read_metrics, track
-from .test_global_batch import ARGS, MADE, N, TOLERANCE, largest_difference, train
+from .test_global_batch import ARGS, MADE, N, TOLERANCE, largest_difference
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +71,9 @@ def ranks_of_attempt(out: Path, attempt: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The same run on 2 processes, never interrupted."""
-    out = tmp_path_factory.mktemp("lost") / "cpu2"
-    train(out, 2)
-    return out
+def reference(global_batch_on_2) -> Path:
+    """The same run on 2 processes, never interrupted (test_global_batch's, once a session)."""
+    return global_batch_on_2[0]
 
 
 def test_a_rank_killed_on_a_device_named_unhealthy_goes_on_without_it_and_ends_equal(reference, tmp_path):

@@ -53,6 +53,7 @@ def resume_line(tmp_path: Path, epochs: str) -> str:
             f"multigpu train {' '.join(ARGS[1:])} --out run --epochs {epochs} --resume run")
 
 
+@pytest.mark.smoke
 def test_kill_9_of_a_worker_ends_with_the_command_that_resumes(tmp_path):
     launcher = start(tmp_path, "--epochs", "3")
     try:

@@ -10,6 +10,7 @@ from .conftest import cli_env, read_metrics
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.smoke
 def test_ddp_demo_run_raises_no_future_or_user_warning(tmp_path):
     env = cli_env()
     env["PYTHONWARNINGS"] = "error::FutureWarning,error::UserWarning"

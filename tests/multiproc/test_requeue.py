@@ -17,7 +17,6 @@ import pytest
 
 from .conftest import cli_env, read_metrics, track
 from .test_faults import ARGS, N, assert_same_weights, check_epochs, wait_for_checkpoint
-from .test_faults import reference  # noqa: F401 (the fixture: the uninterrupted 2-process run)
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +52,7 @@ def newest_step(out: Path) -> int:
     return entries[-1].global_step if entries else -1
 
 
-def test_the_same_command_three_times_with_kills_between_is_one_run(reference, tmp_path):  # noqa: F811
+def test_the_same_command_three_times_with_kills_between_is_one_run(faults_reference, tmp_path):
     out = tmp_path / "job"
     for _ in range(2):  # killed twice, each time after a checkpoint newer than the last
         proc = start(out)
@@ -64,7 +63,7 @@ def test_the_same_command_three_times_with_kills_between_is_one_run(reference, t
     assert last.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout
     check_epochs(out)  # each epoch, each logged step, once
-    assert_same_weights(reference, out, "the same command three times, killed twice")
+    assert_same_weights(faults_reference, out, "the same command three times, killed twice")
 
 
 def _free_port() -> int:
@@ -89,7 +88,7 @@ def _node_env(scheduler: str, rank: int, port: int) -> dict:
 
 @pytest.mark.parametrize("scheduler", ["kubeflow", pytest.param("skypilot", marks=pytest.mark.extended)])
 def test_two_nodes_from_the_scheduler_s_variables_killed_then_started_again_end_equal(
-        reference, tmp_path, scheduler):  # noqa: F811
+        faults_reference, tmp_path, scheduler):
     out = tmp_path / "job"
     port = _free_port()
     envs = [_node_env(scheduler, rank, port) for rank in (0, 1)]
@@ -113,4 +112,4 @@ def test_two_nodes_from_the_scheduler_s_variables_killed_then_started_again_end_
     assert "resumed from" in said and f"step {step}" in said, said[-3000:]
     assert [r["epoch"] for r in read_metrics(out)] == [1, 2, 3]
     assert all(r["train_samples"] == N for r in read_metrics(out))
-    assert_same_weights(reference, out, f"{scheduler}: two nodes killed after step {step}")
+    assert_same_weights(faults_reference, out, f"{scheduler}: two nodes killed after step {step}")

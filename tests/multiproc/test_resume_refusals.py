@@ -28,6 +28,7 @@ def record(run) -> dict:
             if p.is_file() and "logs" not in p.parts}
 
 
+@pytest.mark.smoke
 def test_other_data_is_refused_before_any_process_starts_naming_what_differs(trained, tmp_path):
     run = tmp_path / "digits"
     shutil.copytree(trained, run)

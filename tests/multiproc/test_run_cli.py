@@ -52,6 +52,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.smoke
 def test_torchrun_style_script_gets_rank_env_and_untouched_args(tmp_path):
     r = multigpu("--devices", "cpu:2", str(SCRIPTS / "report_env.py"), str(tmp_path),
                  "--devices", "7", "--local_rank", "x", cwd=tmp_path, NCCL_NVLS_ENABLE="1")
@@ -111,6 +112,7 @@ def test_shell_script_runs_and_crlf_is_refused(tmp_path, capsys):
     assert "sed -i 's/\\r$//'" in err and "Traceback" not in err
 
 
+@pytest.mark.smoke
 def test_missing_script_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli("--devices", "cpu:2", "no_such_train.py") == 2
@@ -201,6 +203,7 @@ def test_start_timeout_when_second_node_never_comes(tmp_path):
     assert not list(tmp_path.glob("rank*.json"))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.extended)])
 def test_signal_stops_every_rank(tmp_path, procs, sig):
     p = start("--devices", "cpu:2", str(SCRIPTS / "sleeper.py"), str(tmp_path), cwd=tmp_path)
@@ -220,6 +223,7 @@ def test_signal_stops_every_rank(tmp_path, procs, sig):
     assert not alive, f"orphans left: {alive}"
 
 
+@pytest.mark.smoke
 def test_failing_rank_traceback_is_shown(tmp_path):
     r = multigpu("--devices", "cpu:2", "--log-dir", str(tmp_path / "logs"),
                  str(SCRIPTS / "fail_rank1.py"), cwd=tmp_path)

@@ -20,6 +20,7 @@ def table(stdout: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
+@pytest.mark.smoke
 def test_selftest_passes_on_two_cpu_processes(tmp_path):
     proc = multigpu("test", "--devices", "cpu:2", "--log-dir", tmp_path / "logs")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

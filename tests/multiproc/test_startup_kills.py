@@ -310,6 +310,7 @@ sys.meta_path.insert(0, _Slow())
 '''
 
 
+@pytest.mark.smoke
 def test_ctrl_c_while_the_command_imports_is_one_line(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(_SLOW_IMPORT)
     env = cli_env()

@@ -62,6 +62,7 @@ def recorder(tmp_path):
     return path
 
 
+@pytest.mark.smoke
 def test_grid_of_train_runs_two_at_once_one_failing(tmp_path, monkeypatch):
     """2x2 grid of real train runs on cpu:1 each, 2 at once, plus a combination that fails:
     4 done rows with their grid values and accuracies, the failure with its cause; a re-run of

@@ -64,6 +64,7 @@ def test_one_and_two_processes_give_the_same_errors(runs):
     ("cnn", "timeseries:co2", "data 'timeseries:co2' gives (seq_length, columns) windows, which image models "
                               "cannot take: use --model lstm, --model tst, --model mlp or --model linear"),
 ])
+@pytest.mark.smoke
 def test_model_and_data_that_do_not_fit_are_refused_before_any_worker_starts(tmp_path, model, data, message):
     out = tmp_path / "run"
     proc = multigpu("train", "--model", model, "--data", data, "--devices", "cpu:2", "--out", out, cwd=tmp_path)

@@ -27,6 +27,7 @@ def one_and_two_process_runs(tmp_path_factory):
     return base / "one", base / "two", two
 
 
+@pytest.mark.smoke
 def test_ddp_on_two_processes_ends_with_the_same_weights_as_one(one_and_two_process_runs):
     one, two, _ = one_and_two_process_runs
     a = torch.load(one / "checkpoints" / "last.pt", weights_only=True)["model"]
@@ -41,6 +42,7 @@ def test_ddp_on_two_processes_ends_with_the_same_weights_as_one(one_and_two_proc
     assert ma[-1]["val_loss"] == pytest.approx(mb[-1]["val_loss"], rel=1e-5)
 
 
+@pytest.mark.smoke
 def test_two_processes_say_the_global_batch_its_lr_and_the_last_step_once(one_and_two_process_runs):
     _, two, proc = one_and_two_process_runs
     said = proc.stdout + proc.stderr
@@ -55,6 +57,7 @@ def test_two_processes_say_the_global_batch_its_lr_and_the_last_step_once(one_an
     assert "warning" not in proc.stderr  # the normal path: no guard fires
 
 
+@pytest.mark.smoke
 def test_run_folder_holds_config_metrics_and_checkpoints(one_and_two_process_runs):
     _, two, proc = one_and_two_process_runs
     config = json.loads((two / "config.json").read_text())
@@ -67,6 +70,7 @@ def test_run_folder_holds_config_metrics_and_checkpoints(one_and_two_process_run
     assert proc.stdout.count("epoch 2 ") == 1, "only rank 0 prints the epoch summary"
 
 
+@pytest.mark.smoke
 def test_rank_0_ends_with_where_the_job_s_time_went(one_and_two_process_runs):
     import re
 
@@ -97,6 +101,7 @@ def test_rank_0_ends_with_where_the_job_s_time_went(one_and_two_process_runs):
     assert float(other) >= 0  # the parts, each timed on its own, add up to no more than the whole
 
 
+@pytest.mark.smoke
 def test_rank_0_says_the_estimate_after_its_first_timed_steps_and_compares_it_at_the_end(
         one_and_two_process_runs):
     import re
@@ -211,6 +216,7 @@ def test_posts_case_8607_samples_batch_4_on_4_processes(tmp_path):
     (["--model", "cnn", "--compile", "reduce-overhead", "--accumulate", "2", "--devices", "cpu:2"],
      "--accumulate 2 adds up; use --accumulate 1 with a larger --batch-size, or --compile default"),
 ])
+@pytest.mark.smoke
 def test_bad_arguments_give_one_line_and_exit_2(tmp_path, args, message):
     proc = multigpu("train", *args, "--out", tmp_path / "x")
     assert proc.returncode == 2
@@ -220,6 +226,7 @@ def test_bad_arguments_give_one_line_and_exit_2(tmp_path, args, message):
     assert not (tmp_path / "x").exists(), "refused before the run folder is made"
 
 
+@pytest.mark.smoke
 def test_existing_run_folder_is_never_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -239,6 +246,7 @@ def test_resuming_a_finished_run_says_it_is_complete_and_trains_nothing(one_and_
     assert not (tmp_path / "again" / "metrics.jsonl").exists() and "epoch 1 " not in proc.stdout
 
 
+@pytest.mark.smoke
 def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_and_two_process_runs, tmp_path):
     # Epochs 1-2 on 2 processes, epoch 3 resumed in 1 process == 3 epochs in 1 process.
     _, two, _ = one_and_two_process_runs
@@ -257,7 +265,7 @@ def test_resume_a_two_process_checkpoint_in_one_process_continues_exactly(one_an
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.extended  # a second test of its change; make test keeps the first
+@pytest.mark.extended  # a second test of its change; the default tier keeps the first
 def test_a_resume_on_another_device_count_says_the_global_batch_it_changed(one_and_two_process_runs, tmp_path):
     _, two, _ = one_and_two_process_runs  # 2 processes x 4 = 8
     resumed = multigpu("train", *COMMON[:4], "--epochs", "3", *COMMON[6:], "--batch-size", "4",

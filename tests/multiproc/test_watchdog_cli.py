@@ -67,6 +67,7 @@ def _gone_within(pids, seconds) -> bool:
     return not alive
 
 
+@pytest.mark.smoke
 def test_workers_whose_launcher_was_killed_stop_within_seconds(tmp_path, procs):
     p = start("--devices", "cpu:2", str(SCRIPTS / "sleeper.py"), str(tmp_path), cwd=tmp_path)
     procs.append(p)
