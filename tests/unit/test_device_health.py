@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from multigpu.core.errors import UsageError
-from multigpu.launcher import launch, lost_devices
-from multigpu.launcher.device_health import Device, DeviceHealth, from_errors, parse_named, run_command
+from multigpu.launcher import launch
+from multigpu.launcher.health import lost_devices
+from multigpu.launcher.health.device_health import Device, DeviceHealth, from_errors, parse_named, run_command
 from multigpu.launcher.devices import DevicePlan
 from multigpu.launcher.rank import step_record
 from multigpu.train import global_batch

@@ -1,7 +1,9 @@
 """The `multigpu` command.
 
 Each subcommand lives in its own module with two functions:
-`register(subparsers)` adds its parser, and `main(args) -> int` runs it.
+`register(subparsers)` adds its parser, and `main(args) -> int` runs it. Beside them, what a
+command checks or reads before it starts anything: strategy_checks.py and resume_checks.py for
+train, sweep_settings.py for sweep.
 User mistakes raise `UsageError`; they are printed here as one line (no traceback unless
 `--debug`) and the exit status is 2.
 """

@@ -237,7 +237,8 @@ def _auto_checks(args, worker: list[str], script: list[str], path: Path, plan, n
 
 
 def _train_checks(args):
-    from multigpu.cli.train import check_resume, validate
+    from multigpu.cli.resume_checks import check_resume
+    from multigpu.cli.train import validate
     from multigpu.train.checks import setup_checks
     from multigpu.core.findings import Finding
     from multigpu.core.strategies import registry

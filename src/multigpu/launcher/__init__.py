@@ -1,6 +1,10 @@
-"""The launcher: chooses the devices, ports and process count, starts the workers through torch's
-elastic agent (launch), and the worker's side of that contract: the hang watchdog, the failure
-report, the start of a user's script (worker, scripts) and the doctor's trial hooks (trial).
+"""The launcher: chooses the devices, ports and process count (devices, leases, ports, sysinfo,
+cluster_env, launch_options) and starts the ranks (launch): on one machine its own loop on
+torch's public process and store API (local_loop, local_rendezvous, sessions), on several torch's
+elastic agent (agent_launch, agent_hooks); launch_common is what both share, launch_failures what
+is said when a launch fails, scripts how a user's script is started. health/ tells a lost device
+and goes on without it (--min-devices); rank/ is the worker's side of that contract: the worker,
+its hang watchdog, doctor's trial hooks, stop reasons, the step record.
 
 It sits on the library (multigpu.core) and knows nothing of what the workers run: the `multigpu
 train` application above it uses the worker-side pieces (watchdog.start_from_env,

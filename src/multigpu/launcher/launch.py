@@ -31,7 +31,7 @@ from multigpu.launcher.launch_common import (LaunchRun, Reporting, check_command
                                              stopped_by_the_ranks)
 from multigpu.launcher.ports import DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
-from multigpu.launcher.lost_devices import devices_of, lost_device_policy, recoveries, recovery_line
+from multigpu.launcher.health.lost_devices import devices_of, lost_device_policy, recoveries, recovery_line
 from multigpu.launcher.sessions import kill_workers_left, stop_wait
 from multigpu.launcher.rank.stop_reason import each_stopped_by_itself
 from multigpu.core.errors import UsageError

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from multigpu.core import startup_sigint
-from multigpu.launcher import local_rendezvous, lost_devices, sessions
-from multigpu.launcher.lost_devices import LostDevices, NextAttempt, Restart
+from multigpu.launcher import local_rendezvous, sessions
+from multigpu.launcher.health import lost_devices
+from multigpu.launcher.health.lost_devices import LostDevices, NextAttempt, Restart
 from multigpu.launcher.rank import stop_reason
 from multigpu.launcher.launch_failures import err, restart_line
 from multigpu.launcher.local_rendezvous import Attempt, rank_command, rank_environment

@@ -118,22 +118,7 @@ def run_epochs(loop: Loop, run: RunState, last: dict | None) -> dict:
         _stop_if_diverged(guards, saver, steps, job.model)
         _count_bad_images(rt, job, record)
         record |= _validate(cfg, rt, job, clock)
-        if job.scheduler is not None:
-            job.scheduler.step()
-        # Regression keeps the lowest val_loss (MSE of the standardised values), not val_rmse: in
-        # original units a column in large units (GDP in billions) would outweigh all the others.
-        score = record["val_accuracy"] if job.classification else -record["val_loss"]
-        improved = run.best is None or score > run.best
-        run = RunState(epoch + 1, 0, base + steps, best=score if improved else run.best)
-        # The loggers get the epoch before its checkpoint: a kill once the checkpoint is complete
-        # cannot lose them (a resume from it keeps every point up to its step), one before it
-        # resumes earlier and drops them (purge) to log them again.
-        log.epoch(run.global_step, record)
-        saver.save(run, metrics=record, best=improved)
-        clock.add("checkpoints", saver.pause)
-        control.saved(run.global_step)
-        _report(rt, out, record, job.classification)
-        log.metrics_written()
+        run = _close_epoch(loop, run, record, epoch, base + steps)
         if rt.is_main and epoch > first and not warned_input and (note := _input_note(cfg, rt, job, record)):
             console.warn(note)
             warned_input = True  # once a run
@@ -142,6 +127,29 @@ def run_epochs(loop: Loop, run: RunState, last: dict | None) -> dict:
             _save_or_stop(loop, run, last, stop, saved=True)
     estimate.done()
     return record
+
+
+def _close_epoch(loop: Loop, run: RunState, record: dict, epoch: int, step: int) -> RunState:
+    """An epoch trained and evaluated: the scheduler stepped, the record logged, saved and
+    reported. The run's position after it, its best score kept."""
+    job, log, saver = loop.job, loop.log, loop.saver
+    if job.scheduler is not None:
+        job.scheduler.step()
+    # Regression keeps the lowest val_loss (MSE of the standardised values), not val_rmse: in
+    # original units a column in large units (GDP in billions) would outweigh all the others.
+    score = record["val_accuracy"] if job.classification else -record["val_loss"]
+    improved = run.best is None or score > run.best
+    run = RunState(epoch + 1, 0, step, best=score if improved else run.best)
+    # The loggers get the epoch before its checkpoint: a kill once the checkpoint is complete
+    # cannot lose them (a resume from it keeps every point up to its step), one before it
+    # resumes earlier and drops them (purge) to log them again.
+    log.epoch(run.global_step, record)
+    saver.save(run, metrics=record, best=improved)
+    loop.clock.add("checkpoints", saver.pause)
+    loop.control.saved(run.global_step)
+    _report(loop.rt, loop.out, record, job.classification)
+    log.metrics_written()
+    return run
 
 
 def _validate(cfg: TrainConfig, rt: Runtime, job: Job, clock: Timeline) -> dict:

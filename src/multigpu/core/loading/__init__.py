@@ -1,1 +1,1 @@
-"""Data loading: the exact sampler, the prepared loaders and their workers."""
+"""Data loading: the exact sampler, the prepared loaders and their workers, the global batch."""

@@ -1,1 +1,1 @@
-"""What runs inside each rank: the worker, its watchdog, trials, stop reasons."""
+"""What runs inside each rank: the worker, its watchdog, trials, stop reasons, the step record."""

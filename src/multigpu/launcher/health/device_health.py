@@ -110,7 +110,7 @@ class DeviceHealth:
     launch starts (NVML's counts then are the baseline); close() at its end."""
 
     def __init__(self, command: str | None, devices: Sequence[Device], warn: Callable[[str], None]):
-        from multigpu.launcher.nvml_health import NvmlHealth
+        from multigpu.launcher.health.nvml_health import NvmlHealth
 
         self.command, self.warn = command, warn
         gpus = [d for d in devices if d.name.startswith("cuda:")]

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from multigpu.launcher.device_health import Device, DeviceHealth, Unhealthy
+from multigpu.launcher.health.device_health import Device, DeviceHealth, Unhealthy
 from multigpu.launcher.rank import step_record
 
 
