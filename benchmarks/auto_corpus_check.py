@@ -9,6 +9,8 @@ reads beside it (nanoGPT's configurator.py, its config) copied there.
 
 What a verdict reads (auto_public_record/sitecustomize.py records it in every process):
 - the metric: the script's own printed line (Entry.metric), the mean of its last K matches;
+  under --auto over every rank's lines (each rank prints for its part of the global batch: the
+  mean of the ranks' means, rank 0's own kept beside it as `metric_rank0`);
 - every sample once per epoch: the passes over training data (read with grad on, by a loader
   whose sampler, in a one-process run, is not a SequentialSampler), over all ranks: each complete
   pass fetched every index once, as many complete passes as a one-process run has (a pass left
@@ -48,7 +50,7 @@ ENV = {"MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
 
 
 def plan(names: list[str], scripts: Path, call: Path, counts: list[int],
-         ones: int = 3) -> list[runs.Job]:
+         ones: int = 3, autos: int = 1) -> list[runs.Job]:
     jobs = []
     for name in names:
         entry = corpus.CORPUS[name]
@@ -56,8 +58,9 @@ def plan(names: list[str], scripts: Path, call: Path, counts: list[int],
         folder = call / "corpus" / name / "runs"
         mine = [runs.Job(name, script, folder / f"1proc-{i}", 1, "1gpu", None, False)
                 for i in range(1, ones + 1)]
-        mine += [runs.Job(name, script, folder / f"auto-{n}", n, "auto", None, False)
-                 for n in counts]
+        mine += [runs.Job(name, script, folder / (f"auto-{n}" if autos == 1 else f"auto-{n}-{i}"),
+                          n, "auto", None, False)
+                 for n in counts for i in range(1, autos + 1)]
         for job in mine:
             job.args = list(entry.args)
         jobs += mine
@@ -183,6 +186,19 @@ def metric(entry: corpus.Entry, text: str) -> float | None:
     return statistics.fmean(found[-entry.metric_mean_of_last:])
 
 
+def rank_metrics(entry: corpus.Entry, text: str, ranklogs: Path) -> dict[int, float | None]:
+    """Each rank's metric: rank 0's from the run's log (the launcher shows its output), the
+    others' from their own stdout.log under ranklogs/ (the last attempt's)."""
+    out = {0: metric(entry, text)}
+    logs = {}
+    for f in sorted(ranklogs.glob("**/attempt_*/*/stdout.log")) if ranklogs.is_dir() else []:
+        if f.parent.name.isdigit() and int(f.parent.name) > 0:
+            logs[int(f.parent.name)] = f  # sorted: a later attempt's replaces an earlier one's
+    for rank, f in sorted(logs.items()):
+        out[rank] = metric(entry, f.read_text(errors="replace"))
+    return out
+
+
 def collect(job: runs.Job) -> dict:
     entry = corpus.CORPUS[job.name]
     log = job.cwd.parent / f"{job.cwd.name}.log"
@@ -192,9 +208,12 @@ def collect(job: runs.Job) -> dict:
     events = _events(job.cwd / "record")
     files = written(events, job.cwd)
     exits = {r: next((e for e in evs if e["kind"] == "exit"), None) for r, evs in events.items()}
+    by_rank = rank_metrics(entry, text, job.cwd / "ranklogs")
+    over_ranks = (None if None in by_rank.values() else statistics.fmean(by_rank.values()))
     return {
         "script": job.name, "run": job.cwd.name, "mode": job.mode, "devices": job.devices,
-        "rc": job.rc, "wall_s": job.wall_s, "args": job.args, "metric": metric(entry, text),
+        "rc": job.rc, "wall_s": job.wall_s, "args": job.args, "metric": over_ranks,
+        "metric_rank0": by_rank[0], "rank_metrics": by_rank,
         "files": {rel: {"ranks": ranks, "broken": whole(job.cwd / rel)}
                   for rel, ranks in files.items()},
         "passes": passes(job.cwd / "record"),
@@ -216,8 +235,9 @@ def _names(files: dict) -> list[str]:
     return sorted(re.sub(r"\d+", "#", rel) for rel in files)
 
 
-def verdict(run: dict, ones: list[dict]) -> tuple[str, list[str]]:
-    """(right | refused | wrong | baseline-failed, the reasons) of a multi-process run."""
+def verdict(run: dict, ones: list[dict], base: list | None = None) -> tuple[str, list[str]]:
+    """(right | refused | wrong | baseline-failed, the reasons) of a multi-process run; `base`:
+    the one-process metrics its metric is held to (the runs' own in `ones` by default)."""
     if any(o["rc"] != 0 for o in ones):
         return "baseline-failed", [f"{o['run']}: exit {o['rc']}: {o['last_lines'][-1:]}"
                                    for o in ones if o["rc"] != 0]
@@ -231,7 +251,7 @@ def verdict(run: dict, ones: list[dict]) -> tuple[str, list[str]]:
                          + (f" after {len(run['stepped'])} rank(s) stepped" if run["stepped"]
                             else "") + f": {why[0] if why else ''}"]
     reasons = []
-    base = [o["metric"] for o in ones]
+    base = [o["metric"] for o in ones] if base is None else base
     if run["metric"] is None or None in base:
         reasons.append(f"metric not printed (auto {run['metric']}, one-process {base})")
     elif not min(base) <= run["metric"] <= max(base):
@@ -274,7 +294,10 @@ def _file_reasons(run: dict, one: dict) -> list[str]:
     return out
 
 
-def summarise(results: list[dict]) -> dict:
+def summarise(results: list[dict], baseline: dict | None = None) -> dict:
+    """Each script's verdicts. `baseline`: {script: one-process metrics} of an earlier call (the
+    same scripts and torch: a one-process run runs no --auto code), the range held to in place of
+    this call's own one-process runs, which still give the samples and files checks."""
     out = {}
     for name in dict.fromkeys(r["script"] for r in results):
         mine = [r for r in results if r["script"] == name]
@@ -283,9 +306,12 @@ def summarise(results: list[dict]) -> dict:
         s = out[name] = {"repo": entry.pin.repo, "commit": entry.pin.commit,
                          "path": entry.pin.path, "metric": entry.metric_label,
                          "one_process": [o["metric"] for o in ones]}
+        if baseline and name in baseline:
+            s["one_process_here"], s["one_process"] = s["one_process"], list(baseline[name])
         for r in (r for r in mine if r["mode"] != "1gpu"):
-            v, reasons = verdict(r, ones)
+            v, reasons = verdict(r, ones, s["one_process"])
             s[r["run"]] = {"verdict": v, "reasons": reasons, "metric": r["metric"],
+                           "metric_rank0": r.get("metric_rank0"),
                            "rc": r["rc"], "wall_s": r["wall_s"], "notes": r.get("notes", []),
                            "observed": observed(r, ones[0])}
     return out
@@ -311,7 +337,9 @@ def table(summary: dict) -> str:
     rows = []
     for name, s in summary.items():
         for run, v in ((k, v) for k, v in s.items() if isinstance(v, dict)):
-            rows.append(f"{name} {run}: {v['verdict']} (metric {_g(v['metric'])} vs "
+            rank0 = (f", rank 0's {_g(v['metric_rank0'])}" if v.get("metric_rank0") is not None
+                     and v["metric_rank0"] != v["metric"] else "")
+            rows.append(f"{name} {run}: {v['verdict']} (metric {_g(v['metric'])}{rank0} vs "
                         f"one-process {[_g(m) for m in s['one_process']]}, exit {v['rc']}, "
                         f"{v['wall_s']} s; checked: "
                         f"{', '.join(v.get('observed', []))})")

@@ -212,6 +212,11 @@ def main(argv=None) -> int:
                    metavar="NAMES", help="issue 38's corpus (all, or these names) instead")
     p.add_argument("--one-process-runs", type=int, default=3,
                    help="--corpus: one-process runs per script, whose range the metric is held to")
+    p.add_argument("--auto-runs", type=int, default=1,
+                   help="--corpus: --auto runs per script and process count")
+    p.add_argument("--baseline", metavar="RESULTS_JSON", default=None,
+                   help="--corpus: hold the metric to the one-process runs of an earlier call "
+                        "(its results.json) instead of this call's")
     p.add_argument("--recollect", metavar="CALL", default=None,
                    help="--corpus: read the runs of an earlier call folder again (no new run)")
     args = p.parse_args(argv)
@@ -282,7 +287,8 @@ def run_corpus(args) -> int:
         call = claim_call_folder(out)
         print(f"[call] {call}", flush=True)
         counts = [int(n) for n in args.gpus.split(",") if n]
-        jobs = corpus_check.plan(names, scripts, call, counts, args.one_process_runs)
+        jobs = corpus_check.plan(names, scripts, call, counts, args.one_process_runs,
+                                 args.auto_runs)
         links = {n: corpus_check.generate(n, call) for n in names}
         for job in jobs:
             corpus_check.prepare(job, scripts, links[job.name])
@@ -290,8 +296,13 @@ def run_corpus(args) -> int:
                      repo=REPO, extra=corpus_check.ENV)
         corpus_check.save_jobs(jobs, call)
     results = [corpus_check.collect(j) for j in jobs]
-    summary = corpus_check.summarise(results)
+    baseline = None
+    if args.baseline:
+        earlier = json.loads(Path(args.baseline).read_text())["summary"]
+        baseline = {n: s["one_process"] for n, s in earlier.items()}
+    summary = corpus_check.summarise(results, baseline)
     doc = {"scripts": provenance, "devices_kind": args.devices_kind, "gpus": args.gpus,
+           "baseline": args.baseline,
            "shims": ["torchvision.datasets.cifar.check_integrity: the file exists (no md5)",
                      "torchvision's nms/qnms schemas defined where its compiled ops do not load"],
            "env": runs.FIXED_ENV | corpus_check.ENV, "runs": results, "summary": summary}

@@ -192,6 +192,29 @@ def test_ctrl_c_stops_the_script_in_one_line(tmp_path, procs):
                                            "was stopped"), err[-3000:]
 
 
+@pytest.mark.parametrize("batch", ["global", "per-gpu"])
+def test_noise_drawn_in_training_is_each_rank_s_own_while_data_made_before_is_alike(tmp_path, batch):
+    """A GAN draws its noise for each sample of its batch: with the ranks seeded alike, the global
+    batch held each draw twice. Once training begins on a split loader, torch's, numpy's and
+    random's draws differ from rank to rank; what was drawn before stays alike, every sample is
+    read once per epoch over the ranks, and the weights stay equal."""
+    r = multigpu("--auto", "--auto-batch", batch, "--devices", "cpu:2", str(SCRIPTS / "auto_noise.py"),
+                 str(tmp_path), cwd=tmp_path, TMPDIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert drawn[0]["before"] == drawn[1]["before"]
+    steps = len(drawn[0]["during"])
+    assert steps == (8 if batch == "global" else 4) and len(drawn[1]["during"]) == steps
+    for step in range(steps):
+        zero, one = drawn[0]["during"][step], drawn[1]["during"][step]
+        for name in ("torch", "numpy", "random"):
+            assert zero[name] != one[name], (step, name)
+    for epoch in (0, 1):
+        read = sorted(i for d in drawn for s in d["during"] if s["epoch"] == epoch for i in s["index"])
+        assert read == list(range(32)), epoch
+    assert drawn[0]["weights"] == drawn[1]["weights"]
+
+
 def test_a_script_that_seeds_nothing_draws_on_every_rank_what_rank_0_draws(tmp_path):
     """Its own data (torch.randn), random and numpy: rank 1 draws rank 0's numbers, so the
     averaged gradients fit the one data set one process would fit (the files go to the temp

@@ -93,7 +93,10 @@ def test_init_process_group_is_refused_where_it_runs_not_where_it_is_written(tmp
     # its data drawn unseeded (torch.randn): the same on every rank under --auto, said at its line
     assert ("ok    auto seeds     pg.py:13: torch.randn(16, 4): --auto: the same on every process: "
             "each starts from rank 0's seeds (torch, random, numpy), so data the script makes itself "
-            "is the same everywhere, as in one process; the script's own seed still wins"
+            "is the same everywhere, as in one process; the script's own seed still wins. Once "
+            "training begins on a split DataLoader, each process draws its own numbers (noise, "
+            "dropout) for its part of the batch, as one process draws one for each sample; torch, "
+            "numpy and random each from a stream of its own"
             ) in called.stdout.splitlines(), called.stdout
     assert called.stdout.splitlines()[-1] == "10 checks: 1 failed, 1 warnings"
     not_called = multigpu("doctor", "--auto", "--devices", "cpu:2", "pg.py", cwd=tmp_path)

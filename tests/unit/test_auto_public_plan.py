@@ -203,3 +203,34 @@ def test_weights_that_differ_between_ranks_make_the_run_wrong(check):
     run = corpus_run(weights={0: [["module:Linear", 4, "aa"]], 1: [["module:Linear", 4, "bb"]]})
     assert check.verdict(run, [one] * 3) == (
         "wrong", ["weights differ between ranks: 1 of 1 hashes, e.g. module:Linear (4 values)"])
+
+
+def test_the_metric_is_every_ranks_lines_rank_0_s_kept_beside(check, tmp_path):
+    """Each rank prints the loss of its part of the global batch: the metric is the mean of the
+    ranks' means (rank 1's from its stdout.log, a later attempt's replacing an earlier one's)."""
+    entry = check.corpus.Entry("x", check.corpus.Pin("a/b", "0" * 40, "t.py", "0"),
+                               r"^D loss: ([\d.]+)$", "D loss", metric_mean_of_last=2)
+    for attempt, lines in (("attempt_0", "D loss: 9\n"), ("attempt_1", "D loss: 5\nD loss: 3\n")):
+        folder = tmp_path / "ranklogs" / "multigpu-x" / attempt / "1"
+        folder.mkdir(parents=True)
+        (folder / "stdout.log").write_text(lines)
+    rank0 = "D loss: 7\nmultigpu: note: x\nD loss: 1\nD loss: 2\n"
+    assert check.rank_metrics(entry, rank0, tmp_path / "ranklogs") == {0: 1.5, 1: 4.0}
+    assert check.rank_metrics(entry, rank0, tmp_path / "none") == {0: 1.5}
+
+
+def test_a_baseline_s_one_process_range_replaces_the_call_s_own(check):
+    one = corpus_run(mode="1gpu", devices=1, metric=0.5)
+    runs = [one, corpus_run(metric=0.45)]
+    inside = check.summarise(runs, {"gan": [0.44, 0.46]})["gan"]
+    assert inside["one_process"] == [0.44, 0.46] and inside["one_process_here"] == [0.5]
+    assert inside["auto-2"]["verdict"] == "right"
+    outside = check.summarise(runs)["gan"]["auto-2"]
+    assert outside["verdict"] == "wrong" and outside["reasons"] == [
+        "metric 0.45 outside the one-process range [0.5, 0.5]"]
+
+
+def test_auto_runs_plans_that_many_runs_of_each_count(check, tmp_path):
+    jobs = check.plan(["gan"], tmp_path, tmp_path / "call", [2], ones=1, autos=3)
+    assert [(j.cwd.name, j.devices) for j in jobs] == [
+        ("1proc-1", 1), ("auto-2-1", 2), ("auto-2-2", 2), ("auto-2-3", 2)]

@@ -135,7 +135,10 @@ def test_random_draws_of_a_script_that_seeds_nothing_are_said_and_a_seed_silence
     assert seeds == [f"ok    auto seeds     {script}:2: torch.randn(64, 3): --auto: the same on "
                      "every process: each starts from rank 0's seeds (torch, random, numpy), so "
                      "data the script makes itself is the same everywhere, as in one process; "
-                     "the script's own seed still wins"]
+                     "the script's own seed still wins. Once training begins on a split "
+                     "DataLoader, each process draws its own numbers (noise, dropout) for its "
+                     "part of the batch, as one process draws one for each sample; torch, numpy "
+                     "and random each from a stream of its own"]
     script.write_text("import torch\ntorch.manual_seed(0)\n" + body)
     assert not [line for line in lines(script, ran=False) if "auto seeds" in line]
 

@@ -59,7 +59,9 @@ CHANGES = (
     ("random numbers the script draws without a seed",
      "the same on every process: each starts from rank 0's seeds (torch, random, numpy), so "
      "data the script makes itself is the same everywhere, as in one process; the script's own "
-     "seed still wins (seeds.py)"),
+     "seed still wins. Once training begins on a split DataLoader, each process draws its own "
+     "numbers (noise, dropout) for its part of the batch, as one process draws one for each "
+     "sample; torch, numpy and random each from a stream of its own (seeds.py)"),
     ("torch.save(obj, path)", "written once, by rank 0 (or into a file the script opened: each "
                               "process pickles the script's own class), without module./_orig_mod. "
                               "prefixes; the others wait until the file exists; such a file loads "

@@ -43,11 +43,13 @@ def prepare(mode: str) -> None:
         gradients.install(env, find_unused=os.environ.get(FIND_UNUSED_ENV) == "1",
                           adopt=norms.adopt if norms is not None else None)
         tracing.install()  # a replicated module traced (add_graph) as the script's plain one
-    if env.world_size > 1 and mode == "global":  # each process reads batch_size / N
+    if env.world_size > 1:
         reads = training_reads.TrainingReads(env.world_size)
         reads.install()
-        first_step.install(reads)
-        summed_loss.install(reads, env.rank)
+        seeds.part_in_training(reads, env.rank)  # each rank its own noise for its samples
+        if mode == "global":  # each process reads batch_size / N
+            first_step.install(reads)
+            summed_loss.install(reads, env.rank)
     if env.world_size > 1:
         notes.install(env, split)  # what --auto left unsplit, said when training starts
     saving.install(env)
