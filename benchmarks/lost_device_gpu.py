@@ -81,6 +81,7 @@ def one(out: Path, name: str, says: str | None, train: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--cases", help="only these, e.g. named-uuid")
     p.add_argument("--cpu", action="store_true", help="on one CPU process (mlp), the script's own check")
     a = p.parse_args()
     out = Path(a.out)
@@ -93,6 +94,7 @@ def main() -> None:
         cases = (("named-index", "cpu:0"), ("nvml", None))
         train = [t.replace("resnet18", "mlp") for t in TRAIN]
         train[train.index("--devices") + 1] = "cpu:1"
+    cases = [c for c in cases if not a.cases or c[0] in a.cases.split(",")]
     for name, says in cases:
         r = one(out, name, says, train)
         results.append(r)
