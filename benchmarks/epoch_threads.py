@@ -5,7 +5,8 @@ threads and its loader workers spend the second epoch: on a CPU, or runnable and
         --setting default: --setting omp1:OMP_NUM_THREADS=1 --setting w10:--workers=10
 
 A setting is NAME:ITEMS, ITEMS comma-separated, each VAR=VALUE (the run's environment) or
---flag=value (a `multigpu train` flag). Settings take turns (A B C A B C), so that a drift of the
+--flag=value (a `multigpu train` flag; a value may hold commas: --logger=tensorboard,csv).
+Settings take turns (A B C A B C), so that a drift of the
 machine hits each alike. Every run trains ResNet-50 bf16 batch 128 for --epochs epochs, profiles
 --window (MULTIGPU_PROFILE_STEPS, in epoch 2), and, --settle seconds into epoch 2, reads
 /proc/<tid>/schedstat of every thread of rank 0 and of each loader worker twice, --seconds apart:
@@ -31,7 +32,13 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 def parse_setting(text: str) -> tuple[str, dict, list]:
     name, _, items = text.partition(":")
     env, flags = {}, []
-    for item in filter(None, items.split(",")):
+    parts: list[str] = []
+    for item in filter(None, items.split(",")):  # "--logger=tensorboard,csv": one item
+        if parts and not item.startswith("--") and "=" not in item:
+            parts[-1] += "," + item
+        else:
+            parts.append(item)
+    for item in parts:
         if item.startswith("--"):
             flag, _, value = item.partition("=")
             flags += [flag, value] if value else [flag]

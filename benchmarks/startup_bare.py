@@ -12,6 +12,11 @@ Rank 0 prints one line: `bare: group at G s, first step done at F s since the co
 
     BARE_STARTED_AT=... python benchmarks/startup_bare.py --fork 2 [--model resnet50]
 
+--plain: one process started by itself (no torchrun, no process group, no DDP): the floor of a
+one-GPU script; its "group" figure is the CUDA context's. --plain --tuned: the same with what
+`multigpu train`'s first step does besides on a GPU (cudnn.benchmark's autotuning, channels_last,
+bf16 autocast).
+
 --fork N: what workers forked from the agent would save. This process imports torch, runs
 torchrun's agent in-process (as multigpu's launcher does) with this script's `worker` as a
 function entrypoint and start_method "fork": the workers are copies of a process that has torch
@@ -59,13 +64,42 @@ def worker(argv: list[str]) -> None:
     main(argv)
 
 
+def plain(a) -> None:
+    """The one-process floor: torch, the model on GPU 0, one SGD step (what a plain script pays)."""
+    started = float(os.environ.get(STARTED_ENV) or time.time())
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    torch.zeros(1, device=device)  # the CUDA context
+    group = time.time() - started
+    model = build(a.model, a.image_size).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(a.batch_size, 3, a.image_size, a.image_size, device=device)
+    y = torch.randint(0, 10, (a.batch_size,), device=device)
+    if a.tuned:  # what multigpu train's first step does on a GPU besides
+        torch.backends.cudnn.benchmark = True
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.tuned):
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+    loss.backward()
+    opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    first = time.time() - started
+    print(f"bare: group at {group:.2f} s, first step done at {first:.2f} s since the command", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="resnet18")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--fork", type=int, metavar="N", help="N workers forked from the agent")
+    p.add_argument("--plain", action="store_true",
+                   help="one process started by itself, no torchrun, process group or DDP")
+    p.add_argument("--tuned", action="store_true",
+                   help="with --plain: cudnn.benchmark, channels_last and bf16 autocast, as multigpu train")
     a = p.parse_args(argv)
+    if a.plain:
+        return plain(a)
     if a.fork:
         return forked(a.fork, ["--model", a.model, "--batch-size", str(a.batch_size),
                                "--image-size", str(a.image_size)])

@@ -7,7 +7,8 @@ Each case is one `multigpu train --model resnet50 --epochs 1` (no --compile) on 
 on the folder, on each GPU count of --gpus, with the head start on and off (MULTIGPU_HEAD_START=1|0:
 the worker's imports and listing in a thread while its group forms, or all in line). Cases take
 turns, trial by trial, so that a drift of the machine spreads over all of them; the median trial
-is printed. --bare adds, on each GPU count, a bare torchrun script (startup_bare.py: torch,
+is printed. --bare adds, on one GPU, startup_bare.py --plain and --plain --tuned (one process by itself, no torchrun,
+group or DDP: the floor of a one-GPU script), and, on each GPU count, a bare torchrun script (startup_bare.py: torch,
 init_process_group, DDP, one step) in the same turns, the floor that every DDP script pays, and
 the same script with its workers forked from torchrun's agent (bare-fork: no second torch import).
 The figures come from rank 0's `time:` line (train/rundir/timeline.py): `first_step_s` is the command until
@@ -61,13 +62,17 @@ def cases(args) -> list[dict]:
             for gpus in args.gpus for kind, spec in data for head in heads]
     bare = [{"name": f"{gpus}gpu-bare{'-fork' if fork else ''}", "gpus": gpus, "bare": True,
              "fork": fork} for gpus in args.gpus for fork in (False, True)]
-    return runs + (bare if args.bare else [])
+    bare += [{"name": f"1gpu-bare-{kind}", "gpus": 1, "bare": True, "fork": False, "plain": True,
+              "tuned": kind == "tuned"} for gpus in args.gpus if gpus == 1 for kind in ("plain", "tuned")]
+    every = runs + (bare if args.bare else [])
+    return [c for c in every if not args.cases or c["name"] in args.cases.split(",")]
 
 
 def run_bare(case: dict, args) -> dict:
     """startup_bare.py under plain torchrun (or its workers forked from the agent), its clock
     started here, as the process starts."""
-    launcher = ([str(BARE), "--fork", str(case["gpus"])] if case["fork"] else
+    launcher = ([str(BARE), "--plain", *(["--tuned"] if case.get("tuned") else [])] if case.get("plain") else
+                [str(BARE), "--fork", str(case["gpus"])] if case["fork"] else
                 ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case['gpus']}",
                  str(BARE)])
     argv = [sys.executable, *launcher, "--model", args.model,
@@ -151,6 +156,7 @@ def main() -> None:
     p.add_argument("--bare", action="store_true",
                    help="also a bare torchrun script (startup_bare.py) on each GPU count")
     p.add_argument("--synthetic", type=int, default=4096, help="samples of the synthetic case")
+    p.add_argument("--cases", help="only these cases, by name (e.g. 1gpu-synthetic-headon,1gpu-bare-plain)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     p.add_argument("--out", required=True, help="folder for trials.jsonl and summary.json")
     p.add_argument("extra", nargs="*", help="more `multigpu train` flags, after --")

@@ -140,3 +140,23 @@ def test_a_health_command_that_fails_warns_and_restarts_on_the_same_devices(tmp_
             "as naming no device\n" in stderr), stderr[-3000:]
     assert "; restarting all workers (restart 1 of 1)" in stderr
     assert ranks_of_attempt(out, 1) == ["0", "1", "2"]
+
+
+def test_one_device_with_max_restarts_trains_in_a_rank_that_restarts(tmp_path):
+    """--devices cpu:1 --max-restarts 1: the rank is a process of the launcher's, so its kill -9
+    restarts it (before, one device trained in the launcher's own process: nothing to restart,
+    and --max-restarts, --min-devices and --device-health were silently without effect)."""
+    out = tmp_path / "run"
+    proc = start(out, 1, "--max-restarts", 1)
+    deadline = time.time() + 180
+    while time.time() < deadline and not list((out / "checkpoints").glob("step-*.pt")):
+        assert proc.poll() is None, "the run ended before the kill"
+        time.sleep(0.05)
+    rank = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                if p.environ().get("RANK") == "0")
+    rank.kill()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert (f"multigpu: warning: rank 0 (pid {rank.pid}) was killed by SIGKILL; restarting all "
+            "workers (restart 1 of 1)\n" in stderr), stderr[-3000:]
+    assert re.search(r"\nmultigpu: recovery: restart 1: [\d.]+ s from the failure", stderr), stderr[-3000:]

@@ -48,6 +48,15 @@ def test_gpus_are_named_by_their_ids_or_uuids_not_by_the_visible_devices_index()
     assert [d.name for d in found] == ["cuda:0", "cuda:1"] and unknown == ["6"]
 
 
+def test_a_gpu_is_named_by_its_nvml_uuid_without_a_cuda_visible_devices_of_uuids():
+    """nvidia-smi's UUID names the GPU when the ranks' CUDA_VISIBLE_DEVICES holds plain indexes
+    (on one H200, 2026-12-02, it was 'not a device of this run (cuda:0); ignored')."""
+    plan = DevicePlan("cuda", (0, 1), 2, tokens=("0", "1"),
+                      uuids=("GPU-d76f3bb9-801b-fb60-ecb7-7898a32a728f", "GPU-11aa"))
+    found, unknown = parse_named("GPU-D76F3BB9-801b-fb60-ecb7-7898a32a728f\n", lost_devices.devices_of(plan))
+    assert [d.name for d in found] == ["cuda:0"] and unknown == []
+
+
 def test_a_word_that_names_no_device_is_said_and_ignored():
     warned = []
     found = run_command("echo cpu:7, cpu:1", CPU3, warned.append)

@@ -129,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
     console.info(f"multigpu train: {plan.describe()}")
     if plan.crowded():
         console.warn(plan.crowded())
-    if plan.nproc > 1 or opts.nnodes != "1":
+    if plan.nproc > 1 or opts.nnodes != "1" or opts.max_restarts > 0:  # a restart needs a launcher
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         # bad input the workers found is said in one line (on_usage_error), and so is ours
         with _untrained_removed(clean_up, out):

@@ -181,6 +181,7 @@ class DevicePlan:
     nproc: int  # processes to start on this node
     gpu_names: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()  # children's CUDA_VISIBLE_DEVICES entries, one per gpu id
+    uuids: tuple[str, ...] = ()  # NVML's UUID of each gpu id ("" where unknown: a MIG slice)
     lease_keys: tuple[str, ...] = ()  # leases.py key of each gpu id; "" for a MIG slice (no lease)
     user_cvd: str | None = None  # the user's CUDA_VISIBLE_DEVICES when set
     note: str = ""  # why this plan, when not obvious ("no GPU found")
@@ -221,6 +222,7 @@ def _gpu_plan(chosen: list[VisibleGpu], one_process: bool, cvd: str | None) -> D
         nproc=1 if one_process else len(chosen),
         gpu_names=tuple(v.info.name for v in chosen),
         tokens=tuple(v.token for v in chosen),
+        uuids=tuple(v.info.uuid for v in chosen),
         user_cvd=cvd,
         lease_keys=tuple(leases.gpu_key(v.info) if v.info.index >= 0 else "" for v in chosen),
     )

@@ -35,9 +35,10 @@ CUDA_HARDWARE = re.compile(r"uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorr
 @dataclass(frozen=True)
 class Device:
     """One device of a launch: `name` as the run says it (cpu:1, cuda:3: the id --devices takes);
-    `token`: its entry in the ranks' CUDA_VISIBLE_DEVICES (GPUs only)."""
+    `token`: its entry in the ranks' CUDA_VISIBLE_DEVICES, `uuid`: NVML's GPU-... (GPUs only)."""
     name: str
     token: str = ""
+    uuid: str = ""
 
     @property
     def index(self) -> str:
@@ -59,8 +60,8 @@ def parse_named(text: str, devices: Sequence[Device]) -> tuple[list[Device], lis
         if not word:
             continue
         low = word.lower()
-        found = [d for d in devices if low in (d.name, d.index) or (d.token and d.token.lower() == low
-                                                                    and not d.token.isdigit())]
+        found = [d for d in devices if low in (d.name, d.index, d.uuid.lower())
+                 or (d.token and d.token.lower() == low and not d.token.isdigit())]
         if found:
             named.update(found)
         else:

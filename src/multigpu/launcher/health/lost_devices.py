@@ -88,14 +88,15 @@ def next_attempt(lost: LostDevices, devices: Sequence[Device], failures: dict) -
 
 def devices_of(plan) -> tuple[Device, ...]:
     """The device of each local rank of a launch's DevicePlan: cpu:0.. for CPU processes, the
-    GPUs by their ids (cuda:0, ...) with their CUDA_VISIBLE_DEVICES entries; () for one process
+    GPUs by their ids (cuda:0, ...) with their CUDA_VISIBLE_DEVICES entries and UUIDs; () for one process
     that drives several GPUs (nothing to drop)."""
     if plan.accelerator == "cpu":
         return tuple(Device(f"cpu:{i}") for i in range(plan.nproc))
     if plan.nproc != len(plan.gpu_ids):
         return ()
     tokens = plan.tokens or tuple(str(i) for i in plan.gpu_ids)
-    return tuple(Device(f"cuda:{i}", t) for i, t in zip(plan.gpu_ids, tokens))
+    uuids = plan.uuids or ("",) * len(plan.gpu_ids)
+    return tuple(Device(f"cuda:{i}", t, u) for i, t, u in zip(plan.gpu_ids, tokens, uuids))
 
 
 @contextlib.contextmanager
