@@ -238,9 +238,11 @@ def run(spec: LoopSpec) -> LoopResult:
 
 def _serve(store, ranks: Ranks, stop: StopSignals) -> None:
     """The attempt's store served (local_rendezvous.LoopbackStore: torch imported here, while the
-    ranks import theirs), unless a stop signal came first; where it fails, the ranks are killed
+    ranks import theirs), after a stop signal too: a rank already waiting in the socket's backlog
+    is inside torch's C++ and hears its SIGINT only once the store answers (unserved, it would
+    wait until the stop's kill, RANKS_STOP_WAIT later). Where serving fails, the ranks are killed
     (the error is the launcher's: launch.py says it)."""
-    if stop.signals or not hasattr(store, "serve"):
+    if not hasattr(store, "serve"):
         return
     try:
         store.serve()
