@@ -249,3 +249,29 @@ def _names_used(source: str) -> set[str]:
             used |= {part for a in node.names for part in a.name.split(".")}
             used |= set((getattr(node, "module", None) or "").split("."))
     return used
+
+
+@pytest.mark.parametrize("tee, redirected", [(False, {1, 2}), (True, {1, 2}), (False, None), (False, set())])
+def test_the_ranks_logs_are_laid_out_as_torch_s_default_logs_specs(tmp_path, tee, redirected):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    from multigpu.launcher.local_rendezvous import Attempt, rank_environment
+    from multigpu.launcher.rank_logs import RankLogs
+
+    redirects = Std.ALL if redirected is None else {r: Std.ALL for r in redirected}
+    theirs = DefaultLogsSpecs(log_dir=str(tmp_path / "t"), redirects=redirects,
+                              tee=Std.ALL if tee else Std.NONE)
+    ours = RankLogs(str(tmp_path / "o"), redirected=redirected, tee=tee)
+
+    def layout(logs, root):
+        seen = []
+        for number in (0, 1, 1):  # a restart, and the same attempt number again
+            envs = {r: rank_environment(r, Attempt("run", 3, number, 1, 1234)) for r in range(3)}
+            dest = logs.reify(envs)
+            rel = {k: {r: (str(Path(p).relative_to(root).parts[1:]) if p else p) for r, p in v.items()}
+                   for k, v in vars(dest).items() if isinstance(v, dict)}
+            seen.append((rel, [Path(e["TORCHELASTIC_ERROR_FILE"]).relative_to(root).parts[1:]
+                               for e in envs.values()]))
+        return seen, sorted(str(p.relative_to(root).parts[1:]) for p in root.rglob("*"))
+    assert layout(ours, tmp_path / "o") == layout(theirs, tmp_path / "t")
+    assert [p.name.split("_")[0] for p in (tmp_path / "o").iterdir()] == ["run"]

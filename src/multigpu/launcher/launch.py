@@ -13,7 +13,7 @@ at once, what is left of a failed rank's session killed.
 
 Logs: local rank 0 writes to this console only; the other ranks' stdout/stderr go to
 <log-dir>/<run id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log, beside each rank's error.json
-(torch's DefaultLogsSpecs lays them out). With --tee every rank is shown with a "[rankN]:" prefix
+(laid out as torch's DefaultLogsSpecs lays them out: rank_logs). With --tee every rank is shown with a "[rankN]:" prefix
 (and still logged).
 """
 from __future__ import annotations
@@ -204,9 +204,8 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
 
 def _launch_here(run: LaunchRun) -> int:
     """launch() on one machine: the ranks started and watched by local_loop, its end said."""
-    # torch is imported here, after the checks, so that user mistakes are reported at once.
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
+    # torch is imported by the loop once the ranks are started (local_loop._serve: their imports
+    # and ours at once), after the checks, so that user mistakes are reported at once.
     from multigpu.launcher import local_loop
 
     with child_environment(run.plan, run.opts, run.log_dir):
@@ -237,6 +236,8 @@ def _launch_here(run: LaunchRun) -> int:
             return 0
         if run.reporting.ranks_say_their_stop and (code := each_stopped_by_itself(result.exit_codes)):
             return stopped_by_the_ranks(code, run.opts)
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
         code = report_child_failed(ChildFailedError(run.cmd[0], result.failures), run.log_dir,
                                    on_usage_error=run.reporting.on_usage_error, since=began,
                                    ours=run.reporting.ours)
@@ -266,13 +267,11 @@ def _named_port_held(run: LaunchRun):
 def _loop_spec(run: LaunchRun, lost=None):
     """What local_loop runs: the logs split as the header says (local rank 0 on the console,
     the others in files; --tee: every rank on both)."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-
     from multigpu.launcher.local_loop import LoopSpec
+    from multigpu.launcher.rank_logs import RankLogs
 
     plan, opts = run.plan, run.opts
-    logs = (logs_specs(run.log_dir, plan.nproc) if not opts.tee and plan.nproc > 1 else
-            DefaultLogsSpecs(log_dir=run.log_dir, tee=Std.ALL if opts.tee else Std.NONE))
+    logs = RankLogs(run.log_dir, redirected=set(range(1, plan.nproc)), tee=opts.tee)
     return LoopSpec(cmd=run.cmd, nproc=plan.nproc, run_id=run.rdzv.run_id, logs=logs,
                     max_restarts=opts.max_restarts, python=run.python, tee=opts.tee,
                     ranks_stop_together=run.reporting.ranks_say_their_stop,

@@ -1,13 +1,14 @@
 """The ranks of one machine, started and watched by the launcher itself (launch.launch for
 --nnodes 1), with torch's public API only; several nodes keep torch's elastic agent.
 
-One attempt: a fresh store on loopback (local_rendezvous), the N ranks started with
-subprocess.Popen, each in a session of its own, with the environment torch's agent gives a
-worker, their logs laid out by torch's DefaultLogsSpecs (<log dir>/<run id>_*/attempt_<n>/<local
-rank>/{stdout,stderr}.log and error.json, TORCHELASTIC_ERROR_FILE), --tee through torch's TailLog
-with `[rankN]:` prefixes. Not torch's start_processes: its PContext.wait() stops every rank the
-moment one fails, so nothing could be said to the ranks first (stop_reason) nor the others let
-end by themselves (RANKS_STOP_WAIT).
+One attempt: a fresh store on loopback (local_rendezvous), its port bound first, the N ranks
+started with subprocess.Popen, each in a session of its own, with the environment torch's agent
+gives a worker, then the store served (the launcher imports torch there, while the ranks import
+theirs); their logs laid out as torch's DefaultLogsSpecs lays them out (rank_logs: <log dir>/<run
+id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log and error.json, TORCHELASTIC_ERROR_FILE),
+--tee through torch's TailLog with `[rankN]:` prefixes. Not torch's start_processes: its
+PContext.wait() stops every rank the moment one fails, so nothing could be said to the ranks
+first (stop_reason) nor the others let end by themselves (RANKS_STOP_WAIT).
 
 The rules, as torch's agent with multigpu's hooks (agent_hooks) applied them:
   - all ranks exit 0: done. A rank fails: which ranks ended and how is written for the others
@@ -50,7 +51,8 @@ class LoopSpec:
     cmd: list[str]
     nproc: int
     run_id: str
-    logs: Any  # torch's DefaultLogsSpecs: one per launch, its run folder made at the first attempt
+    logs: Any  # rank_logs.RankLogs (or torch's DefaultLogsSpecs): one per launch, its run folder
+    #           made at the first attempt
     max_restarts: int = 0
     python: bool = False
     tee: bool = False
@@ -131,10 +133,11 @@ class Ranks:
 
     def poll(self) -> None:
         """The ranks that ended with a code other than 0 since the last look, as failures."""
-        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
         for r, p in self.procs.items():
             if r not in self.failures and p.poll() not in (None, 0):
+                # torch only now: a stop before the store served (_serve) imports none
+                from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
                 self.failures[r] = ProcessFailure(local_rank=r, pid=p.pid, exitcode=p.returncode,
                                                   error_file=self.error_files[r])
                 self.failed_at = self.failed_at or time.time()
@@ -208,10 +211,14 @@ def run(spec: LoopSpec) -> LoopResult:
     with StopSignals() as stop:
         for number in range(spec.max_restarts + 1):
             store, port = spec.ranks_store()  # held until the attempt's ranks have ended
-            ranks = Ranks(spec, Attempt(spec.run_id, spec.nproc, number, spec.max_restarts, port,
-                                        _visible(spec.devices)), stop)
-            stop.ranks = ranks
-            _watch(ranks, spec, stop)
+            try:
+                ranks = Ranks(spec, Attempt(spec.run_id, spec.nproc, number, spec.max_restarts,
+                                            port, _visible(spec.devices)), stop)
+                stop.ranks = ranks
+                _serve(store, ranks, stop)
+                _watch(ranks, spec, stop)
+            finally:
+                getattr(store, "close", lambda: None)()
             del store
             result = LoopResult(dict(ranks.failures), ranks.codes(), stop, restarts)
             if stop.signals or not ranks.failures or number == spec.max_restarts:
@@ -228,6 +235,22 @@ def run(spec: LoopSpec) -> LoopResult:
             err(f"warning: {restart_line(ranks.failures, number + 1, spec.max_restarts, said.on)}"
                 + said.extra)
     return result
+
+
+def _serve(store, ranks: Ranks, stop: StopSignals) -> None:
+    """The attempt's store served (local_rendezvous.LoopbackStore: torch imported here, while the
+    ranks import theirs), after a stop signal too: a rank already waiting in the socket's backlog
+    is inside torch's C++ and hears its SIGINT only once the store answers (unserved, it would
+    wait until the stop's kill, RANKS_STOP_WAIT later). Where serving fails, the ranks are killed
+    (the error is the launcher's: launch.py says it)."""
+    if not hasattr(store, "serve"):
+        return
+    try:
+        store.serve()
+    except BaseException:
+        ranks.kill()
+        ranks.wait(time.monotonic() + sessions.AGENT_STOP_WAIT)
+        raise
 
 
 def _next_spec(spec: LoopSpec, ranks: Ranks) -> tuple[LoopSpec | None, Any]:

@@ -7,6 +7,11 @@ connect to MASTER_ADDR:MASTER_PORT without hosting a store of its own (torch.dis
 rendezvous; the keys are not prefixed by the attempt, so each attempt gets a new store). The
 ranks' environment is the one torch's LocalElasticAgent gives a worker (its _start_workers, torch
 2.13), so scripts written for torchrun see no difference. Public torch API only.
+
+The store comes in two steps (LoopbackStore): its socket bound and listening before the ranks
+start (no torch), then served once they are started, so that the launcher's import of torch and
+the ranks' own go on at once (on an idle 2-core machine `multigpu run` of 2 CPU processes was
+0.7-1.1 s shorter).
 """
 from __future__ import annotations
 
@@ -22,35 +27,55 @@ LOOPBACK = "127.0.0.1"
 ROLE = "default"  # torchrun's role name for its workers
 
 
-def loopback_store(timeout_s: int):
-    """A TCPStore server listening on 127.0.0.1 only (one torch creates binds every interface):
-    we bind the socket, port 0 so the kernel picks, and hand it over (master_listen_fd). None
-    where this torch cannot take a socket."""
-    from torch.distributed import TCPStore
+class LoopbackStore:
+    """The store of one attempt, in two steps, so that the ranks start before the launcher
+    imports torch: the socket bound at once (torch-free: 127.0.0.1, port 0 so the kernel picks,
+    listening), the ranks told its port; then `serve()` (torch) hands the socket to a TCPStore
+    server (master_listen_fd). A rank that comes first waits in the socket's backlog: its
+    client's connect is taken by the kernel, its first query answered once the store serves."""
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((LOOPBACK, 0))
-        sock.listen(1024)
-        store = TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, multi_tenant=True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=sock.fileno())
-    except (TypeError, RuntimeError, ValueError, OSError):
-        sock.close()
-        return None
-    sock.detach()  # the store owns the socket now
-    return store
+    def __init__(self, timeout_s: int = 300):
+        self.timeout_s = timeout_s
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.sock.bind((LOOPBACK, 0))
+            self.sock.listen(1024)
+        except OSError:
+            self.sock.close()
+            raise
+        self.port: int = self.sock.getsockname()[1]
+        self.store = None
+
+    def serve(self):
+        """The TCPStore on the bound socket (one torch creates binds every interface); where
+        this torch cannot take a socket, one of its own on the same port (every interface)."""
+        if self.store is not None:
+            return self.store
+        from torch.distributed import TCPStore
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            self.store = TCPStore(LOOPBACK, self.port, is_master=True, multi_tenant=True,
+                                  timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=self.sock.fileno())
+        except (TypeError, RuntimeError, ValueError, OSError):
+            self.sock.close()
+            self.store = TCPStore(LOOPBACK, self.port, is_master=True, wait_for_workers=False,
+                                  timeout=timeout)
+            return self.store
+        self.sock.detach()  # the store owns the socket now
+        return self.store
+
+    def close(self) -> None:
+        """The socket closed where no store took it (the attempt ended before it served)."""
+        if self.store is None:
+            self.sock.close()
 
 
 def ranks_store(timeout_s: int = 300):
-    """(store, port) the ranks of one attempt meet at: loopback_store, else a TCPStore on port
-    0 (the kernel picks as it binds; every interface then)."""
-    store = loopback_store(timeout_s)
-    if store is None:
-        from torch.distributed import TCPStore
-
-        store = TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    """(store, port) the ranks of one attempt meet at: a LoopbackStore, its port bound and
+    listening, served (torch imported) by the loop once the ranks are started."""
+    store = LoopbackStore(timeout_s)
     return store, store.port
 
 
