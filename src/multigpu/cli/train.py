@@ -267,13 +267,14 @@ def _first_missing(path: Path) -> Path | None:
 
 def check_data_fits(cfg: TrainConfig, plan) -> None:
     """Fewer samples than one step's devices, where the data's size is known without reading it
-    (synthetic:N): the ranks' one line, before they start."""
-    from multigpu.core.loading.data import ShardedBatchSampler
-
+    (synthetic:N): the ranks' one line, before they start. torch only here: the launcher brings
+    it in while the ranks start (launcher/local_loop.py), not before."""
     kind, _, count = cfg.input.data.partition(":")
     if kind != "synthetic" or not count.isdigit() or int(count) < 1 or \
             not isinstance(cfg.input.batch_size, int):
         return  # synthetic:0 is the data spec's own error
+    from multigpu.core.loading.data import ShardedBatchSampler
+
     ShardedBatchSampler(int(count), cfg.input.batch_size, num_ranks=plan.nproc,
                         devices_per_rank=_devices_of(cfg, plan) // plan.nproc)
 
