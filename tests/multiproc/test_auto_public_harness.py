@@ -107,5 +107,6 @@ def test_the_corpus_harness_reports_each_rank_and_the_file_rank_0_saved(tmp_path
     assert [(p["fetched"], p["missing"], p["repeated"], p["ranks"]) for p in train] == [
         (32, 0, 0, 2)] * 2
     assert doc["summary"]["standin"]["auto-2"] == {
-        "verdict": "right", "reasons": [], "metric": 0.5, "rc": 0, "wall_s": auto["wall_s"],
+        "verdict": "right", "reasons": [], "metric": 0.5, "metric_rank0": 0.5, "rc": 0,
+        "wall_s": auto["wall_s"],
         "notes": [], "observed": ["metric", "samples", "files", "weights"]}
