@@ -5,11 +5,14 @@ workers' sitecustomize (test_startup_kills.held_at) so that the signal lands the
 """
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from .conftest import cli_env
-from .test_startup_kills import Launch, assert_workers_end, held_at
+from .conftest import cli_env, track
+from .test_startup_kills import Launch, assert_workers_end, held_at, sigint_default
 
 pytestmark = pytest.mark.slow
 
@@ -134,3 +137,39 @@ def test_ctrl_c_while_the_ranks_start_is_one_line_and_stops_them_at_once(tmp_pat
     assert said.count(f"multigpu train: nothing was trained: {out} removed") == 1, said[-3000:]
     assert not out.exists()
     assert_workers_end(out, workers)
+
+
+_A_USERS_SCRIPT = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("auto, module, seconds", [
+    (False, "torch", 120), (True, "torch", 120), (False, "multigpu.launcher.rank", 2)],
+    ids=["run, importing torch", "run --auto, importing torch", "run, its package's first lines"])
+def test_ctrl_c_while_a_run_rank_starts_is_one_line(tmp_path, auto, module, seconds):
+    """multigpu run: rank 0 held where its worker imports torch (the watchdog, before the script
+    runs), or in the first imports of multigpu's package, before the worker's first line (held
+    2 s: the signal waits there, blocked, until that line); a KeyboardInterrupt at either ended
+    the rank in a traceback of multigpu's own modules."""
+    script = tmp_path / "script.py"
+    script.write_text(_A_USERS_SCRIPT if not auto else "import torch\nprint(torch.ones(1))\n")
+    env, markers = held_at(tmp_path, rank0=(module, seconds, False))
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = SHUTDOWN_WAIT
+    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "run", *(["--auto"] * auto),
+                             "--devices", "cpu:2", str(script)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_default)
+    track(proc)
+    deadline = time.monotonic() + 120
+    while not (markers / f"rank0-{module}").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    said = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGINT, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert said.count("multigpu: interrupted") + said.count("stopped by SIGINT") == 1, said[-3000:]

@@ -31,14 +31,17 @@ MESSAGE = b"multigpu: interrupted\n"
 class _State:
     handler = None  # ours, while installed
     over = False
+    message = MESSAGE
     heard = False  # the launcher's: a SIGINT its handler saw, not yet acted on by a launch
     lock = threading.Lock()
 
 
-def guard() -> bool:
-    """From now until over(), a SIGINT ends this process (see the module). Only in the main
-    thread, and not where SIGINT is ignored (nohup, a background job); whether it is on. SIGINT
-    is unblocked either way."""
+def guard(say: bool = True) -> bool:
+    """From now until over(), a SIGINT ends this process (see the module): in its one line, or
+    silently (`say` False: a rank of `multigpu run`, whose launcher says the stop). Only in the
+    main thread, and not where SIGINT is ignored (nohup, a background job); whether it is on.
+    SIGINT is unblocked either way."""
+    _State.message = MESSAGE if say else b""
     try:
         return _install()
     finally:  # born with SIGINT blocked (local_loop): one that came meanwhile is delivered now
@@ -107,5 +110,6 @@ def _stop() -> None:
         if _State.over:
             return
         with contextlib.suppress(OSError):
-            os.write(2, MESSAGE)
+            if _State.message:
+                os.write(2, _State.message)
         os._exit(EXIT_CODE)

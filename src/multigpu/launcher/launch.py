@@ -275,7 +275,7 @@ def _loop_spec(run: LaunchRun, lost=None):
     return LoopSpec(cmd=run.cmd, nproc=plan.nproc, run_id=run.rdzv.run_id, logs=logs,
                     max_restarts=opts.max_restarts, python=run.python, tee=opts.tee,
                     ranks_stop_together=run.reporting.ranks_say_their_stop,
-                    devices=devices_of(plan), lost=lost)
+                    our_worker=run.reporting.our_worker, devices=devices_of(plan), lost=lost)
 
 
 def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str) -> str:

@@ -57,6 +57,7 @@ class LoopSpec:
     python: bool = False
     tee: bool = False
     ranks_stop_together: bool = False  # multigpu train: its ranks stop together, and say it
+    our_worker: bool = False  # multigpu run's worker (rank/worker.py): it guards its start-up too
     ranks_store: Callable[[], tuple[Any, int]] = local_rendezvous.ranks_store
     devices: tuple = ()  # device_health.Device of each local rank (--min-devices)
     lost: LostDevices | None = None  # --min-devices: a lost device dropped (lost_devices)
@@ -116,10 +117,12 @@ class Ranks:
         self.failures: dict = {}
         self.failed_at: float | None = None  # time.time() the first failure was seen
         self.signalled: set[int] = set()
-        # multigpu train's ranks are born with SIGINT blocked (a mask stays through fork and
-        # exec): one passed on before a rank can take it (Python's start-up, `site`) waits until
-        # its first line unblocks it (startup_sigint.guard), instead of a traceback from there
-        blocked = {signal.SIGINT} if spec.ranks_stop_together else set()
+        # multigpu train's ranks and run's workers are born with SIGINT blocked (a mask stays
+        # through fork and exec): one passed on before a rank can take it (Python's start-up,
+        # `site`, the package's first imports) waits until its first line unblocks it
+        # (startup_sigint.guard), instead of a traceback from there. Not a command of the user's
+        # own (run --no-python): nothing of it would unblock the signal.
+        blocked = {signal.SIGINT} if spec.ranks_stop_together or spec.our_worker else set()
         for r in range(spec.nproc):
             if stop.signals:  # asked to stop while starting: the others are not started
                 break

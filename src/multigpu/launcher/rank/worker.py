@@ -25,6 +25,15 @@ from multigpu.core.system import orphans
 
 orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
 
+from multigpu.core import startup_sigint  # noqa: E402
+
+# Until the script runs, a Ctrl-C the launcher passes on ends this rank at once, silently (exit
+# 130; the launcher says the stop in its one line): before, one that landed while the watchdog
+# imported torch ended it in a traceback of this module, and one in --auto's rendezvous waited in
+# torch's C++ for the launcher's kill. From the script's first line, SIGINT is Python's again
+# (_hand_over).
+_GUARDED = startup_sigint.guard(say=False)
+
 from multigpu.launcher.rank import trial, watchdog  # noqa: E402
 from multigpu.core.errors import UsageError  # noqa: E402
 
@@ -37,13 +46,13 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
     on_trial = trial.start_from_env()
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
     ended = {"clean": False, "sigint": False}
-    _note_sigint(ended)
     # At exit, after the script's own atexit handlers (last registered, first run) and after
     # Python has joined its non-daemon threads, which may still use the group.
     atexit.register(_finish_group, ended, *store)
     try:
         if before is not None:
             before()
+        _hand_over(ended)
         _run_watched(argv, on_trial)
     except SystemExit as exc:
         ended["clean"] = exc.code in (None, 0)
@@ -73,6 +82,15 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the script's own hook, if set
         sys.exit(1)  # as the uncaught exception ends `python script.py`
     ended["clean"] = True
+
+
+def _hand_over(ended: dict) -> None:
+    """SIGINT as the script would have it under `python script.py`: Python's KeyboardInterrupt
+    (noted for the stop's echo), no longer the start-up guard's one-line exit."""
+    if _GUARDED:
+        startup_sigint.over()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _note_sigint(ended)
 
 
 def _note_sigint(ended: dict) -> None:
