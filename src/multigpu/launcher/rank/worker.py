@@ -26,14 +26,6 @@ from multigpu.core.system import orphans
 orphans.watch_from_env()  # first: a launcher dead already ends this worker before any import
 
 from multigpu.core import startup_sigint  # noqa: E402
-
-# Until the script runs, a Ctrl-C the launcher passes on ends this rank at once, silently (exit
-# 130; the launcher says the stop in its one line): before, one that landed while the watchdog
-# imported torch ended it in a traceback of this module, and one in --auto's rendezvous waited in
-# torch's C++ for the launcher's kill. From the script's first line, SIGINT is Python's again
-# (_hand_over).
-_GUARDED = startup_sigint.guard(say=False)
-
 from multigpu.launcher.rank import trial, watchdog  # noqa: E402
 from multigpu.core.errors import UsageError  # noqa: E402
 
@@ -41,7 +33,14 @@ from multigpu.core.errors import UsageError  # noqa: E402
 def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
     """Run the script of `argv`; `before`: what must happen in this process before the script
     runs (multigpu.auto.worker: the process group and --auto's patches), its UsageError said in
-    one line as the script's would be."""
+    one line as the script's would be.
+    Until the script runs, a Ctrl-C the launcher passes on ends this rank at once, silently (exit
+    130; the launcher says the stop in its one line): before, one that landed while the watchdog
+    imported torch ended it in a traceback of this module, and one in --auto's rendezvous waited
+    in torch's C++ for the launcher's kill. The rank is born with SIGINT blocked (local_loop):
+    one sent before this line waits for it. From the script's first line, SIGINT is Python's
+    again (_hand_over)."""
+    guarded = startup_sigint.guard(say=False)
     watchdog.start_from_env(on_orphan=orphans.terminate_self)  # the script may catch SIGTERM
     on_trial = trial.start_from_env()
     store = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))  # before the script
@@ -52,7 +51,7 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
     try:
         if before is not None:
             before()
-        _hand_over(ended)
+        _hand_over(ended, guarded)
         _run_watched(argv, on_trial)
     except SystemExit as exc:
         ended["clean"] = exc.code in (None, 0)
@@ -84,10 +83,10 @@ def main(argv: list[str], before: Callable[[], None] | None = None) -> None:
     ended["clean"] = True
 
 
-def _hand_over(ended: dict) -> None:
+def _hand_over(ended: dict, guarded: bool) -> None:
     """SIGINT as the script would have it under `python script.py`: Python's KeyboardInterrupt
-    (noted for the stop's echo), no longer the start-up guard's one-line exit."""
-    if _GUARDED:
+    (noted for the stop's echo), no longer the start-up guard's exit."""
+    if guarded:
         startup_sigint.over()
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _note_sigint(ended)
