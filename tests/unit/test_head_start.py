@@ -11,6 +11,16 @@ from multigpu.train.settings.config import TrainConfig
 from multigpu.train.head_start import HeadStart
 from tests.unit.test_datasets import make_image_folder
 
+# A fresh interpreter: one process's start, whether the thread left torch's compiler loaded.
+ONE_PROCESS = """
+import json, sys
+from multigpu.train.settings.config import TrainConfig
+from multigpu.train.head_start import HeadStart
+before = "torch._dynamo" in sys.modules
+HeadStart.begin(TrainConfig.from_flat(model="mlp", data="synthetic:64"), env={}).imports_done()
+print(json.dumps({"before": before, "after": "torch._dynamo" in sys.modules}))
+"""
+
 # A fresh interpreter (this one has torch._dynamo loaded by other tests): a 2-process DDP run's
 # start on folder data, then what the thread did and whether the compiler is loaded after it.
 PROBE = """
@@ -101,12 +111,16 @@ def test_a_broken_folder_is_said_where_the_run_takes_its_data_with_the_message_r
     assert "has one class folder (cat)" in str(in_line.value)
 
 
-def test_one_process_on_synthetic_data_leaves_the_thread_nothing_and_the_switch_turns_it_off():
+def test_one_process_on_synthetic_data_imports_the_optimizer_s_compiler_ahead_and_the_switch_turns_it_off():
+    """Every run makes an optimizer, whose first parameter group imports torch._dynamo: one process
+    too has the thread import it (with no group to wait for) while the model is built."""
     cfg = TrainConfig.from_flat(model="mlp", data="synthetic:64")
-    head = HeadStart.begin(cfg, env={})  # single: no DDP, so no compiler to import ahead
+    head = HeadStart.begin(cfg, env={})
     assert head.data() is None and not head.loads_data
     head.imports_done()
-    assert head.spans == []
+    assert [part for part, *_ in head.spans] == ["compiler's modules", "compiler"]
+    assert json.loads(subprocess.run([sys.executable, "-c", ONE_PROCESS], capture_output=True, text=True,
+                                     check=True).stdout) == {"before": False, "after": True}
     off = HeadStart.begin(cfg, env={"WORLD_SIZE": "2", "MULTIGPU_HEAD_START": "0"})
     off.imports_done()
     assert (off.data(), off.loads_data, off.spans) == (None, False, [])

@@ -45,4 +45,5 @@ def test_with_a_head_start_the_job_takes_the_thread_s_data_and_marks_no_decoder(
     job = training.build_job(cfg, rt, mark=marks.append, head=head)
     assert marks == ["data", "model", "prepare", "optimizer"]
     assert job.data is head.data()
-    assert [part for part, _, _ in head.spans] == ["decoder", "folder listing"]  # single: no DDP
+    # the optimizer's compiler too, one process as well (its dependencies first)
+    assert [part for part, _, _ in head.spans] == ["compiler's modules", "decoder", "folder listing", "compiler"]

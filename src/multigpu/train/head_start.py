@@ -1,9 +1,10 @@
 """What a worker's start-up can do before its process group and model exist, done in a thread.
 
 A worker's start-up is a line of waits: the process group (CUDA's start, NCCL's, the slowest
-rank's arrival), then for folder: data the decoder (importing torchvision: 4.0-5.6 s on 4 H100
-ranks at once) and the listing of the files, the model, and DDP's constructor, which imports
-torch's compiler (torch._dynamo, about 1 s on a CPU here). None of the imports and listing needs
+rank's arrival), then for folder: data the decoder (importing torchvision) and the listing of the
+files, the model, DDP's constructor and the optimizer, each of which imports torch's compiler
+(torch._dynamo: torch's Optimizer imports it with its first parameter group, so every run pays it
+once, one process or many). None of the imports and listing needs
 the group or the model, so `HeadStart.begin(cfg)`, called first thing in a worker, starts them in
 a thread, and the run takes their results where it needs them (training.build_job): `data()`
 before the model is built, `imports_done()` before the model is wrapped. An error the thread met
@@ -30,12 +31,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from multigpu.core.strategies import registry
 from multigpu.train.data import data_specs, imagefolder
 from multigpu.train.settings.config import TrainConfig
 from multigpu.train.training import load_run_data
 
-COMPILER = "torch._dynamo"  # DDP's constructor and --compile import it
+COMPILER = "torch._dynamo"  # every optimizer's first add_param_group imports it, DDP and --compile too
 # What torch._dynamo imports that leaves torch._dynamo itself out of sys.modules (the first
 # stage); triton (GPU builds) only for --compile, whose kernels it makes
 COMPILER_DEPENDENCIES = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.fsdp")
@@ -74,10 +74,9 @@ class HeadStart:
         if env.get(OFF_ENV) == "0":
             return cls()
         distributed = int(env.get("WORLD_SIZE", "1") or 1) > 1
-        compiles = cfg.compile or registry.resolve(cfg.parallel.strategy, distributed).name == "ddp"
         import torch
 
-        modules, early = ((COMPILER,), early_modules(torch.__version__)) if compiles else ((), ())
+        modules, early = (COMPILER,), early_modules(torch.__version__)
         early += ("triton",) if cfg.compile else ()
         folder = data_specs.is_images(cfg.input.data)
         head = cls(lambda: load_run_data(cfg), modules, imagefolder.default_decoder, early, on_part) \
