@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One-GPU runs of issue 44's third round (2026-12-02 evening), stages in one device call:
+#   OUT=/tmp/o bash benchmarks/issue44_round3.sh facts epochs imports startup cudnn
+# facts: CPU topology and the GPU; epochs: the bench (synthetic, real-cpu) then whole epochs in
+# settings that take turns (SETTINGS, epoch_threads.py); imports: -X importtime of a one-GPU
+# `multigpu train` and of a bare one-process script; startup: startup_phases.py against the bare
+# scripts; cudnn: cudnn_autotune.py. Everything lands in $OUT/round3.tar.gz and $OUT/summary.txt.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT}; PY=${PY:-python3}; W=/tmp/round3; mkdir -p "$W" "$OUT"
+S="$OUT/summary.txt"
+say() { echo "$@" | tee -a "$S"; }
+facts() {
+  { lscpu; echo; for c in /sys/devices/system/cpu/cpu[0-9]*; do echo "$(basename $c) siblings $(cat $c/topology/thread_siblings_list 2>/dev/null) core $(cat $c/topology/core_id 2>/dev/null)"; done
+    nvidia-smi; nvidia-smi topo -m; "$PY" -c 'import torch, sys; print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), sys.version)'
+    date -u; } > "$W/machine.txt" 2>&1
+  say "== facts"; grep -E "^(Model name|Thread|Core|Socket|NUMA|CPU\(s\))" "$W/machine.txt" | tee -a "$S"; grep siblings "$W/machine.txt" | head -16 | tr '\n' ';' | tee -a "$S"; echo | tee -a "$S"
+}
+epochs() {
+  say "== bench"
+  timeout ${BENCH_TIMEOUT:-200} "$PY" -m multigpu bench --model resnet50 --gpus 1 --devices 1 --methods multigpu-single \
+    --data synthetic,real-cpu --images detailed --out "$W/bench.json" > "$W/bench.log" 2>&1; say "bench exit $?"
+  grep -E "^bench:" "$W/bench.log" | tee -a "$S"
+  FOLDER=$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/multigpu/bench-images/jpeg-detailed-* | tail -1)
+  say "== epochs ($FOLDER)"
+  local args=(); IFS=';' read -ra sets <<< "${SETTINGS:-default:;pin:CPU_PIN=1,CPU_PIN_REPORT=$W/pin.txt,PYTHONPATH=$PWD/benchmarks/cpu_pin:$PWD/src:$PWD}"
+  for s in "${sets[@]}"; do args+=(--setting "$s"); done
+  timeout ${TURNS_TIMEOUT:-200} "$PY" benchmarks/epoch_threads.py --folder "$FOLDER" --out "$W/turns" --rounds ${ROUNDS:-2} \
+    "${args[@]}" > "$W/turns.txt" 2>&1; say "epochs exit $?"; cat "$W/turns.txt" >> "$S"; cat "$W/pin.txt" >> "$S" 2>/dev/null
+}
+imports() {
+  say "== imports"
+  for what in train bare; do for i in 1; do
+    if [ $what = train ]; then
+      timeout 60 "$PY" -X importtime -m multigpu train --model resnet50 --data synthetic:2048 --epochs 1 --devices 1 \
+        --precision bf16 --batch-size 128 --logger none --checkpoint-every 0 --out "$W/it-train-$i" > "$W/it-train-$i.log" 2> "$W/it-train-$i.importtime"
+      grep ^time: "$W/it-train-$i.log" | tee -a "$S"
+    else
+      BARE_STARTED_AT=$(date +%s.%N) timeout 60 "$PY" -X importtime benchmarks/startup_bare.py --plain --model resnet50 \
+        --batch-size 128 > "$W/it-bare-$i.log" 2> "$W/it-bare-$i.importtime"; cat "$W/it-bare-$i.log" | tee -a "$S"
+    fi
+    sort -t'|' -k2 -n -r "$W/it-$what-$i.importtime" | head -12 >> "$S"
+  done; done
+}
+startup() {
+  say "== startup"
+  timeout ${STARTUP_TIMEOUT:-150} "$PY" benchmarks/startup_phases.py --gpus 1 --bare --trials ${STARTUP_TRIALS:-2} --head-start on \
+    --cases 1gpu-synthetic-headon,1gpu-bare-plain,1gpu-bare-tuned --out "$W/startup" > "$W/startup.txt" 2>&1
+  say "startup exit $?"; tail -5 "$W/startup.txt" | tee -a "$S"
+}
+cudnn() {
+  say "== cudnn"
+  timeout ${CUDNN_TIMEOUT:-120} "$PY" benchmarks/cudnn_autotune.py --rounds 2 --settings off,on,on1 --out "$W/cudnn.jsonl" \
+    > "$W/cudnn.txt" 2>&1; say "cudnn exit $?"; tail -4 "$W/cudnn.txt" | tee -a "$S"
+}
+for stage in "$@"; do "$stage"; tar --exclude='*/checkpoints/*' --exclude='trace-*' -czf "$OUT/round3.tar.gz" -C /tmp round3; done
