@@ -56,6 +56,28 @@ def test_a_train_setup_on_two_cpu_processes_passes_every_check_with_its_figures(
     assert 3 <= int(said.group(7)) <= 20
 
 
+def test_scaling_of_train_options_is_one_report_without_the_bench_s_progress(tmp_path):
+    """The bench's launches, their headers and rank 0's lines once came between the headline
+    and the checks."""
+    proc = multigpu("doctor", "--model", "mlp", "--data", "digits", "--devices", "cpu:2",
+                    "--scaling", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    headline, *checks, summary, estimate, scaling = proc.stdout.splitlines()
+    assert headline.startswith("multigpu doctor: checks before a run")
+    names = [line[6:21].strip() for line in checks]
+    # 2 CPU processes on a shared host may time under 60 % of linear: then a warning says so
+    assert names in (["launch env", "devices", "precision", "last step", "evaluation", "unused params",
+                      "memory"], ["launch env", "devices", "precision", "last step", "evaluation",
+                                  "unused params", "memory", "scaling poor"]), proc.stdout
+    assert summary == f"{len(names)} checks: 0 failed, {len(names) - 7} warnings", proc.stdout
+    assert estimate.startswith("estimate   ~")
+    assert re.match(r"scaling    [\d.]+x on 2 devices \(\d+ % of 2x one device\); measured: 1 device "
+                    r"[\d.]+ ms a step, 2 devices [\d.]+ ms, 64 samples each, synthetic data "
+                    r"\(multigpu bench\)", scaling), scaling
+    assert proc.stderr == ""
+    assert not list(tmp_path.iterdir()), "doctor writes nothing"
+
+
 def seconds_of(said: str) -> float:
     """'4.2 s', '12 s', '3.5 min', '1.2 h' in seconds."""
     number, unit = said.split()

@@ -43,9 +43,13 @@ def test_ddp_on_two_processes_ends_with_the_same_weights_as_one(one_and_two_proc
 
 
 @pytest.mark.smoke
-def test_two_processes_say_the_global_batch_its_lr_and_the_last_step_once(one_and_two_process_runs):
+def test_two_processes_say_the_devices_the_global_batch_its_lr_and_the_last_step_once(
+        one_and_two_process_runs):
     _, two, proc = one_and_two_process_runs
     said = proc.stdout + proc.stderr
+    # the launcher's header, with where the ranks' output goes (train's own line said it again)
+    assert [line for line in said.splitlines() if "2 CPU processes (gloo)" in line] == [
+        f"multigpu: 2 CPU processes (gloo); rank 0 shown here, the other ranks logged in {two}/logs"]
     lr = ("global batch 8 (4 per device x 2 devices): --lr 0.05 is used as given, not scaled, so "
           "an epoch makes 2x fewer optimizer steps than at batch 4 on one device; if accuracy lags "
           "the one-device run, try --lr 0.1 (linear scaling: --lr x 2) or more --epochs")

@@ -48,7 +48,16 @@ def _parse_error(prog: str, message: str) -> str:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose mistakes (a value not among the choices, a missing or malformed
-    argument) are one line and exit 2, like every other bad input, not the usage block."""
+    argument) are one line and exit 2, like every other bad input, not the usage block; and which
+    takes no abbreviation of its options (each command's parser is one of these).
+    Abbreviations: `run`, `doctor` and `sweep` take a script or a command with its own options
+    after their own, and argparse checks every argument against the command's option prefixes
+    first: nanoGPT's `--device=cpu` was refused as an ambiguous --devices / --device-health, a
+    script's `--step 3` under doctor as --steps / --step-size. The other commands take none for
+    the CLI to behave alike; a mistyped option gets its nearest (unknown_option_message)."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def error(self, message: str):
         print(_parse_error(self.prog, _with_nearest_command(message)), file=sys.stderr)

@@ -40,13 +40,10 @@ from multigpu.core.errors import UsageError
 from multigpu.launcher.scripts import local_rank_args, module_source, script_command
 
 def register(subparsers) -> argparse.ArgumentParser:
-    # allow_abbrev=False: the script's own options follow its name, and argparse checks every
-    # argument against run's option prefixes first: nanoGPT's `--device=cpu` was refused as an
-    # ambiguous --devices / --device-health
+    # no abbreviations (cli._Parser): the script's own options follow its name
     p = subparsers.add_parser(
         "run", help="run a script once per GPU (or CPU process), on one machine or several",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", default="auto", metavar="SPEC",
                    help=f"which devices: {devices.GRAMMAR}. Default auto")
     p.add_argument("--min-free-memory", type=float, default=2.0, metavar="GB",

@@ -126,10 +126,12 @@ def main(args: argparse.Namespace) -> int:
     typed = getattr(args, "command_line", None) or ["multigpu", "train", *config_to_argv(cfg)]
     launch_facts = provenance.launch_facts(typed)
     os.environ.update(provenance.to_env(launch_facts))  # workers are started with other argv
-    console.info(f"multigpu train: {plan.describe()}")
+    launched = plan.nproc > 1 or opts.nnodes != "1" or opts.max_restarts > 0  # a restart needs one
+    if not launched:  # the launcher's header says the devices, with where each rank's output goes
+        console.info(f"multigpu train: {plan.describe()}")
     if plan.crowded():
         console.warn(plan.crowded())
-    if plan.nproc > 1 or opts.nnodes != "1" or opts.max_restarts > 0:  # a restart needs a launcher
+    if launched:
         opts.log_dir = opts.log_dir or str(out / runfolder.LOGS)
         # bad input the workers found is said in one line (on_usage_error), and so is ours
         with _untrained_removed(clean_up, out):

@@ -2,8 +2,9 @@
 
 `multigpu doctor --scaling` (train options, N > 1 devices; off by default: 30-60 s more on a
 CPU) times a few steps of the run's model and batch on one device and on all of the plan's
-devices, through `multigpu bench` (same step, launcher and turns), in a temporary folder, and
-ends with the speed-up, after the estimate:
+devices, through `multigpu bench` (same step, launcher and turns), in a temporary folder, its
+progress held back (shown where it failed; its warnings always), and ends with the speed-up,
+after the estimate:
 
     scaling    1.86x on 2 devices (93 % of 2x one device); measured: 1 device 40.1 ms a step,
                2 devices 43.1 ms, 32 samples each, synthetic data (multigpu bench)
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 from multigpu.core.findings import Finding
+from multigpu.core.system.held_output import held_output
 from multigpu.train.settings.config import TrainConfig
 
 POOR = 0.6  # scaling efficiency under which communication and waiting dominate
@@ -63,14 +66,17 @@ def scaling_findings(cfg: TrainConfig, plan) -> list[Finding]:
     n = len(plan.gpu_ids) if plan.accelerator == "cuda" else plan.nproc
     if n < 2:
         return [Finding("ok", SCALING, "one device: nothing to compare", trap=4)]
-    folder = tempfile.mkdtemp(prefix="multigpu-doctor-")
-    try:
-        with environ_set(_threads(plan)):
+    folder, held = tempfile.mkdtemp(prefix="multigpu-doctor-"), None
+    try:  # the bench's progress (its launches, their headers, rank 0's lines) held back
+        with environ_set(_threads(plan)), held_output() as held:
             rep = run_bench(BenchSettings(
                 models=(cfg.model,), batch_sizes=(cfg.input.batch_size,), precision=cfg.numerics.precision,
                 gpus=(1, n), methods=("multigpu-single", "multigpu-ddp"), steps=10, warmup=3, trials=3,
                 image_size=cfg.input.image_size, devices=cfg.devices, min_free_memory=cfg.min_free_memory,
                 out=folder + "/"))
+    except Exception:
+        _show(held.text if held else "")  # what led up to the error the doctor ends with
+        raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     stopped = ("interrupted", "stopped by a signal")  # bench's notes of a Ctrl-C or SIGTERM
@@ -80,10 +86,12 @@ def scaling_findings(cfg: TrainConfig, plan) -> list[Finding]:
     one = next((r for r in rows if r["method"] == "multigpu-single" and r["gpus"] == 1), None)
     many = next((r for r in rows if r["method"] == "multigpu-ddp" and r["gpus"] == n), None)
     if not one or not many or not one.get("step_ms") or not many.get("step_ms"):
-        return [Finding("warn", SCALING, f"the 1 vs {n} device timing did not finish: run "
-                                         f"multigpu bench --model {cfg.model} --batch-size "
-                                         f"{cfg.input.batch_size} --devices {cfg.devices} --gpus 1,{n} "
-                                         "to see why", trap=4)]
+        _show(held.text)  # with the failed launch's error and the launcher's report
+        return [Finding("warn", SCALING, f"the 1 vs {n} device timing did not finish (the bench's "
+                                         f"output above says why); to run it alone: multigpu bench "
+                                         f"--model {cfg.model} --batch-size {cfg.input.batch_size} "
+                                         f"--devices {cfg.devices} --gpus 1,{n}", trap=4)]
+    _show(held.warnings())  # the report is the doctor's; its warnings stay
     batch = cfg.input.batch_size
     one_s, many_s = one["step_ms"] / 1e3, many["step_ms"] / 1e3
     line = Finding("ok", SCALING, scaling_line(one_s, many_s, n, batch=batch, cpu=plan.accelerator != "cuda"))
@@ -95,6 +103,13 @@ def scaling_findings(cfg: TrainConfig, plan) -> list[Finding]:
                                             "waiting outweigh the work of so small a batch; use "
                                             f"--batch-size {batch * 4} (with a matching --lr) or "
                                             "fewer devices", trap=4), line]
+
+
+def _show(text: str) -> None:
+    """Held-back output of the bench, on stderr, before the doctor's report."""
+    if text:
+        sys.stderr.write(text if text.endswith("\n") else text + "\n")
+        sys.stderr.flush()
 
 
 def script_scaling_findings(cmd: list[str], plan, steps: int, timeout: float,

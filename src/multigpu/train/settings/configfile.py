@@ -42,6 +42,10 @@ def read_config_first(parser: argparse.ArgumentParser, on_note=print) -> None:
 
     def parse_first(args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
+        typed = _abbreviated(args)
+        if typed:  # said before argparse's "required: --model", which the file would have given
+            parser.exit(2, f"multigpu: error: {parser.prog} has no option {typed}; did you mean "
+                           f"{FLAG}?\n")
         path = config_path(args)
         if path is not None:
             try:
@@ -57,28 +61,37 @@ def read_config_first(parser: argparse.ArgumentParser, on_note=print) -> None:
                     action.required = False
         namespace, rest = parse_known_args(args, namespace)
         namespace.command_line = [*parser.prog.split(), *args]
-        if getattr(namespace, "config", None) != path:  # an abbreviation (--conf) went unread
-            parser.exit(2, f"multigpu: error: write {FLAG} FILE in full\n")
         return namespace, rest
 
     parser.parse_known_args = parse_first
 
 
 def config_path(args: list[str]) -> str | None:
-    """The FILE of the last `--config FILE` / `--config=FILE` (argparse's rule: the last wins),
-    the flag abbreviated as argparse allows too (--conf; --co would also be --compile)."""
+    """The FILE of the last `--config FILE` / `--config=FILE` (argparse's rule: the last wins;
+    the commands take no abbreviation of it, cli._Parser)."""
     path = None
     for i, arg in enumerate(args):
         if arg == "--":
             break
         option, eq, value = arg.partition("=")
-        if len(option) <= len("--co") or not FLAG.startswith(option):
+        if option != FLAG:
             continue
         if eq:
             path = value
         elif i + 1 < len(args):
             path = args[i + 1]
     return path
+
+
+def _abbreviated(args: list[str]) -> str | None:
+    """A `--config` cut short (--conf FILE; --co would also be --compile), as typed."""
+    for arg in args:
+        if arg == "--":
+            break
+        option = arg.partition("=")[0]
+        if len("--co") < len(option) < len(FLAG) and FLAG.startswith(option):
+            return option
+    return None
 
 
 def _settable(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
