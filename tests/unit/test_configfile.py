@@ -112,7 +112,8 @@ def test_config_json_repeats_the_run_with_its_provenance(tmp_path, monkeypatch):
     assert first["workers"] >= 1  # synthetic data: the CPU cores per process, here
     # what the run worked out, once (train/plan.py), as one block; --config skips it
     assert first["plan"] == {"image_size": 8, "workers": first["workers"], "lr": 0.05, "batch_size": 16,
-                             "accumulate": 1, "global_batch": 16, "compile": None, "decode": None}
+                             "accumulate": 1, "global_batch": 16, "compile": None, "decode": None,
+                             "cpu_placement": None}
     assert (first["precision"], first["strategy"]) == ("fp32", "single")
     saved = {k: v for k, v in first.items() if k not in ("out", "provenance")}
     assert {k: v for k, v in second.items() if k not in ("out", "provenance")} == saved

@@ -85,3 +85,28 @@ def test_a_loader_iterator_collected_in_a_reference_cycle_stops_its_workers_at_o
     took = time.monotonic() - start
     assert not any(w.is_alive() for w in workers)
     assert took < 5, f"{took:.1f} s: torch gave up on a worker's stop (it waits 5 s for each)"
+
+
+class _WhereAmI(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        import os
+
+        return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_of_a_context_given_cpus_run_on_exactly_those(method):
+    """A rank's main thread may keep a core of its own (cpu_placement.py): its workers, born on
+    that core, must move to the CPUs they were given."""
+    import os
+
+    cpu = max(os.sched_getaffinity(0))
+    loader = DataLoader(_WhereAmI(), batch_size=None, num_workers=1,
+                        multiprocessing_context=own_group_context(method, cpus={cpu}))
+    assert list(loader) == [[cpu], [cpu]]
+    assert list(DataLoader(_WhereAmI(), batch_size=None, num_workers=1,
+                           multiprocessing_context=own_group_context(method))) == [sorted(os.sched_getaffinity(0))] * 2

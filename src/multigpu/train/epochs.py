@@ -240,7 +240,7 @@ def _input_note(cfg: TrainConfig, rt: Runtime, job: Job, record: dict) -> str | 
     workers = job.plan.workers
     gpu_decode_left = (data_specs.is_images(cfg.input.data) and not getattr(job.data.train, "on_gpu", False)
                        and gpu_images.gpu_decode_problem(rt.device) is None)
-    return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt),
+    return input_bound_note(record["epoch"], share, workers, cores=cores_per_process(rt, job.placement),
                             gpu_decode_left=gpu_decode_left,
                             one_gather=cfg.input.data.startswith("timeseries:") and workers == 0)
 

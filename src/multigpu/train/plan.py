@@ -1,7 +1,8 @@
 """What a `multigpu train` run works out from its frozen config, its runtime and its data, made
 once per rank as the job is built (training.build_job) and read from the job from then on: the
 loaders' workers, the image side, the learning rate, the batch per device, the accumulation and
-the global batch, the compile mode and where folder: JPEGs are decoded. Nothing after the job's
+the global batch, the compile mode, where folder: JPEGs are decoded and the CPUs the rank's
+threads and workers were placed on. Nothing after the job's
 start works these out again; config.json keeps the plan as its `plan` block (training.resolved_config).
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ class RunPlan:
     compile: str | None     # the mode the model is compiled in (--compile auto decided), None: not compiled
     decode: str | None      # folder: data, where JPEGs are decoded: cpu, gpu, or trial (--decode auto
     #                         times both in the first epoch); None for other data
+    cpu_placement: dict | None = None  # --cpu-placement auto, applied: rank 0's CPU lists
+    #                         (cpu_placement.Placement.record); None: not placed
 
     def record(self) -> dict:
         """config.json's `plan` block."""

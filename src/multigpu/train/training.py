@@ -27,6 +27,8 @@ from multigpu.train.engine import StepSettings
 from multigpu.train.plan import RunPlan, decode_path
 from multigpu.train.models.catalog import build_model, default_image_size, is_convnet, model_input_kind
 from multigpu.core.runtime import Runtime
+from multigpu.core.loading.loader_workers import own_group_context
+from multigpu.core.system.cpu_placement import Placement
 from multigpu.core.strategies import DDPOptions, FSDPOptions, registry
 
 IN_MEMORY_DATA = ("digits", "timeseries:")
@@ -152,28 +154,38 @@ def make_scheduler(cfg: TrainConfig, optimizer):
     return None
 
 
-def cores_per_process(rt: Runtime) -> int:
-    """The CPU cores this process may use, shared out among the node's training processes."""
+def cores_per_process(rt: Runtime, placement: Placement | None = None) -> int:
+    """The CPU cores this process may use, shared out among the node's training processes; with
+    a CPU placement, its share (the main thread's affinity is its core alone then)."""
+    if placement is not None:
+        return len(placement.main) + len(placement.workers)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(rt.env.local_world_size, 1))
 
 
-def loader_workers(cfg: TrainConfig, rt: Runtime) -> int:
+def loader_workers(cfg: TrainConfig, rt: Runtime, placement: Placement | None = None) -> int:
+    """--workers, else 0 for in-memory data, else one per CPU of the rank's share but one (the
+    main process's), or with a CPU placement one per CPU the placement gives the workers; at most
+    MAX_WORKERS."""
     if cfg.input.workers is not None:
         return cfg.input.workers
     if cfg.input.data.startswith(IN_MEMORY_DATA):
         return 0  # tensors already in memory: worker processes would only add IPC
+    if placement is not None:
+        return min(MAX_WORKERS, len(placement.workers))
     return max(1, min(MAX_WORKERS, cores_per_process(rt) - 1))
 
 
 def make_loader(dataset, batch_size: int, shuffle: bool, workers: int,
-                drop_last: bool = False) -> DataLoader:
+                drop_last: bool = False, cpus: tuple[int, ...] | None = None) -> DataLoader:
+    """The run's DataLoader; its workers on `cpus` where given (a CPU placement's)."""
     if isinstance(dataset, WindowDataset):  # timeseries: a batch by two gathers, not B slices
         dataset = BatchedWindows(dataset)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
                       drop_last=drop_last, collate_fn=getattr(dataset, "collate", None),
                       persistent_workers=workers > 0,
-                      prefetch_factor=PREFETCH_FACTOR if workers else None)
+                      prefetch_factor=PREFETCH_FACTOR if workers else None,
+                      multiprocessing_context=own_group_context(None, cpus) if workers and cpus else None)
 
 
 @dataclass
@@ -188,6 +200,7 @@ class Job:
     settings: StepSettings
     plan: RunPlan  # what the run worked out from its config, runtime and data, once
     decode: object | None = None  # --decode auto's trial (decode_choice.DecodeTrial), set by the run
+    placement: Placement | None = None  # --cpu-placement auto, applied (train/cpu_placing.py)
 
     @property
     def classification(self) -> bool:
@@ -214,7 +227,7 @@ def uses_channels_last(rt: Runtime, model: str) -> bool:
 
 
 def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None,
-              head=None, decode_trial: bool = False) -> Job:
+              head=None, decode_trial: bool = False, placement: Placement | None = None) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
     `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark): decoder
     (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
@@ -222,7 +235,8 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     the loaders), optimizer (torch imports its compiler with the first one, where DDP did not).
     `head`: the run's head_start.HeadStart, whose thread did the decoder, the folder's listing and
     the compiler's import meanwhile: data is then the wait for them, prepare the wait for it.
-    The job's `plan` holds what was worked out on the way (RunPlan)."""
+    `placement`: the rank's CPU placement (train/cpu_placing.py), whose worker CPUs the loaders'
+    workers run on. The job's `plan` holds what was worked out on the way (RunPlan)."""
     in_line = head is None or not head.loads_data
     if in_line and data_specs.is_images(cfg.input.data):
         imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
@@ -234,15 +248,16 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
                                      channels_last=uses_channels_last(rt, cfg.model))
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    workers = loader_workers(cfg, rt)
+    workers = loader_workers(cfg, rt, placement)
+    cpus = placement.workers if placement is not None else None
     decode_note = imagefolder.use_decode(data, cfg.input.decode, rt.device, workers, cfg.deterministic,
                                          trial=decode_trial)
     if decode_note:
         console.info(decode_note)
-    train_loader = make_loader(data.train, cfg.input.batch_size, True, workers, cfg.input.drop_last)
+    train_loader = make_loader(data.train, cfg.input.batch_size, True, workers, cfg.input.drop_last, cpus)
     per_step = cfg.input.batch_size * rt.world_size * rt.strategy.devices_per_process
     val_batches = -(-len(data.val) // per_step)  # a rank's, at most
-    val_loader = make_loader(data.val, cfg.input.batch_size, False, min(workers, val_batches))
+    val_loader = make_loader(data.val, cfg.input.batch_size, False, min(workers, val_batches), cpus=cpus)
     mark("model")
     if head is not None:
         head.imports_done()  # its modules complete before the wrapping uses them
@@ -250,14 +265,16 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     mode = compile_mode(cfg, rt, steps=cfg.epochs * _length(train_loader) // rt.accumulate)
     model = compiling.compile_model(model, mode)
     mark("prepare")
-    plan = _plan(cfg, rt, workers, mode, decode_path(data))
+    plan = _plan(cfg, rt, workers, mode, decode_path(data), placement)
     optimizer = make_optimizer(cfg, rt.strategy.unwrap(model), plan.lr)
     scheduler = make_scheduler(cfg, optimizer)
     mark("optimizer")
-    return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings, plan)
+    return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings, plan,
+               placement=placement)
 
 
-def _plan(cfg: TrainConfig, rt: Runtime, workers: int, mode: str | None, decode: str | None) -> RunPlan:
+def _plan(cfg: TrainConfig, rt: Runtime, workers: int, mode: str | None, decode: str | None,
+          placement: Placement | None) -> RunPlan:
     """The run's plan once its loaders are prepared (a global batch's plan is made then)."""
     split = rt.batch_plan  # --global-batch-size: its micro-batch and accumulation
     batch = split.micro if split is not None else cfg.input.batch_size
@@ -265,7 +282,8 @@ def _plan(cfg: TrainConfig, rt: Runtime, workers: int, mode: str | None, decode:
     return RunPlan(image_size=image_size(cfg), workers=workers, lr=learning_rate(cfg), batch_size=batch,
                    accumulate=rt.accumulate,
                    global_batch=split.global_batch if split is not None else cfg.input.batch_size * devices,
-                   compile=mode, decode=decode)
+                   compile=mode, decode=decode,
+                   cpu_placement=placement.record() if placement is not None else None)
 
 
 def _length(loader) -> int:

@@ -45,6 +45,8 @@ from multigpu.train.checkpoints.runstate import RunState, resume_point
 from multigpu.core.runtime import Runtime, setup
 from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.head_start import HeadStart
+from multigpu.train.cpu_placing import place_main_thread
+from multigpu.core.system.cpu_placement import Placement
 from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.epochs import Loop, run_epochs
 from multigpu.train.training import PREFETCH_FACTOR, Job, build_job, resolved_config, strategy_options
@@ -77,8 +79,9 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # Under the launcher: hangs named; a dead launcher ends a rank at once until training begins
     # (orphans.py), then makes every rank save and stop (below).
     watchdog.start_from_env()
+    placement = place_main_thread(cfg, rt)  # --cpu-placement auto: after the threads above
     out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
-    cfg, job = _build(cfg, rt, head, out, clock)  # the config with the batch size it found
+    cfg, job = _build(cfg, rt, head, out, clock, placement)  # the config with the batch size it found
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.checkpointing.keep)
     # a trained run's record is rewritten once the resumed run has trained a step, not before:
@@ -151,7 +154,7 @@ def _setup(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str, hea
 
 
 def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path,
-           clock: Timeline) -> tuple[TrainConfig, Job]:
+           clock: Timeline, placement: Placement | None) -> tuple[TrainConfig, Job]:
     """The run's model, data, loaders and optimizer; --batch-size auto found first (the loaders
     are built with it), --decode auto's trial planned. The config, with the batch size found."""
     if cfg.input.batch_size == batchfit.AUTO:
@@ -160,7 +163,7 @@ def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path,
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
         cfg = replace(cfg, input=replace(cfg.input, batch_size=found))
         clock.mark("batch size")
-    job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True)
+    job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True, placement=placement)
     job.decode = decode_choice.trial_for(job.data, rt, job.plan.workers, PREFETCH_FACTOR, out)
     return cfg, job
 

@@ -19,6 +19,10 @@ rank's group. With forkserver, Python's fork server is started before the block 
 user starts from it later is not born with blocked signals) and stays in the rank's group: a stop
 sent to the group ends it, and its workers with it; fork (Linux's default) and spawn have no such
 process.
+
+A context may also be given the CPUs its workers run on (`cpus`): each worker moves there first
+thing, whatever the thread that started it runs on (a rank whose main thread keeps a core of its
+own: core/system/cpu_placement.py).
 """
 from __future__ import annotations
 
@@ -36,7 +40,9 @@ _BLOCKED = {signal.SIGTERM, *_IGNORED}
 
 class _OwnGroup:
     """A multiprocessing Process mixin: started with the stop signals blocked, runs in its own
-    process group."""
+    process group (and on `_cpus`, where its context gave it some)."""
+
+    _cpus: tuple[int, ...] | None = None
 
     def start(self) -> None:
         if self._start_method != "fork":  # the tracker's start unblocks SIGTERM: start it first
@@ -60,6 +66,9 @@ class _OwnGroup:
     def run(self) -> None:
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
+        if self._cpus:  # born on its starter's CPUs (a rank's main thread may keep a core alone)
+            with contextlib.suppress(OSError):  # CPUs taken away since the plan: stay where born
+                os.sched_setaffinity(0, self._cpus)
         for sig in _IGNORED:
             signal.signal(sig, signal.SIG_IGN)  # also discards one already pending
         told = _sigterm_pending_from(self._starter)
@@ -115,24 +124,40 @@ class _ForkServerProcess(_OwnGroup, mp_context.ForkServerProcess):
     pass
 
 
-class _ForkContext(mp_context.ForkContext):
-    Process = _ForkProcess
+class _Placed:
+    """A context mixin: its processes are ours (`_process`), run on `cpus` (None: on their
+    starter's). The CPUs go with each process object, which spawn and forkserver pickle."""
+    _process: type
+
+    def __init__(self, cpus=None):
+        super().__init__()
+        self.cpus = tuple(sorted(cpus)) if cpus else None
+
+    def Process(self, *args, **kwargs):  # noqa: N802 - multiprocessing's name
+        process = self._process(*args, **kwargs)
+        process._cpus = self.cpus
+        return process
 
 
-class _SpawnContext(mp_context.SpawnContext):
-    Process = _SpawnProcess
+class _ForkContext(_Placed, mp_context.ForkContext):
+    _process = _ForkProcess
 
 
-class _ForkServerContext(mp_context.ForkServerContext):
-    Process = _ForkServerProcess
+class _SpawnContext(_Placed, mp_context.SpawnContext):
+    _process = _SpawnProcess
+
+
+class _ForkServerContext(_Placed, mp_context.ForkServerContext):
+    _process = _ForkServerProcess
 
 
 _OURS = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
 
 
-def own_group_context(context):
+def own_group_context(context, cpus=None):
     """The DataLoader `multiprocessing_context` to use in place of the user's (None, a method's
-    name or a context object): the same start method, with workers in their own process group."""
+    name or a context object): the same start method, with workers in their own process group,
+    on `cpus` where given (a context of the user's own class is kept as it is, `cpus` unused)."""
     if os.name != "posix":
         return context
     if context is None:  # torch's default: multiprocessing's, left unset if nobody set it
@@ -143,4 +168,4 @@ def own_group_context(context):
         method = context.get_start_method()
     else:
         return context
-    return _OURS[method]() if method in _OURS else context
+    return _OURS[method](cpus) if method in _OURS else context

@@ -8,6 +8,7 @@ from multigpu.core.options import Flag, check_options, option
 from multigpu.train.data.data_specs import check_spec
 
 DECODE_CHOICES = ("auto", "cpu", "gpu")  # --decode (imagefolder.use_decode)
+CPU_PLACEMENT_CHOICES = ("auto", "off")  # --cpu-placement (train/cpu_placing.py)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,14 @@ class DataConfig:
     workers: int | None = option(None, "DataLoader worker processes per rank (default: 0 for "
                                        "in-memory data, else the CPU cores per GPU)",
                                  at_least=0, example=4)
+    cpu_placement: str = option("off", "GPU runs with loader workers: auto keeps one physical "
+                                       "core (both hyperthreads) of each rank's share of the CPUs "
+                                       "for the rank's main and autograd threads, which launch the "
+                                       "GPU's kernels, and runs the loader workers on the share's "
+                                       "other cores, one worker per CPU by default (the share: "
+                                       "the cores of the GPU's NUMA node split among its ranks); "
+                                       "off leaves them where the system puts them. Off until "
+                                       "measured on GPUs", choices=CPU_PLACEMENT_CHOICES)
 
     def __post_init__(self):
         check_options(self)

@@ -90,7 +90,8 @@ FLAT_NAMES = ("model", "data", "epochs", "batch_size", "global_batch_size", "lr"
               "scheduler", "step_size", "gamma", "precision", "strategy", "devices",
               "min_free_memory", "seed", "out", "image_size", "seq_length", "future_length",
               "accumulate", "clip_grad_norm", "drop_last", "bad_images", "decode", "workers",
-              "find_unused_parameters", "fsdp_cpu_offload", "activation_checkpointing", "compile",
+              "cpu_placement", "find_unused_parameters", "fsdp_cpu_offload", "activation_checkpointing",
+              "compile",
               "resume", "checkpoint_every", "keep", "logger", "log_every", "deterministic")
 
 
