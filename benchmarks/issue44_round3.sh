@@ -27,6 +27,7 @@ epochs() {
   local args=(); IFS=';' read -ra sets <<< "${SETTINGS:-default:;pin:CPU_PIN=1,CPU_PIN_REPORT=$W/pin.txt,PYTHONPATH=$PWD/benchmarks/cpu_pin:$PWD/src:$PWD}"
   for s in "${sets[@]}"; do args+=(--setting "$s"); done
   timeout ${TURNS_TIMEOUT:-200} "$PY" benchmarks/epoch_threads.py --folder "$FOLDER" --out "$W/turns" --rounds ${ROUNDS:-2} \
+    --timeout ${RUN_TIMEOUT:-150} \
     "${args[@]}" > "$W/turns.txt" 2>&1; say "epochs exit $?"; cat "$W/turns.txt" >> "$S"; cat "$W/pin.txt" >> "$S" 2>/dev/null
 }
 imports() {
@@ -51,7 +52,9 @@ startup() {
 }
 cudnn() {
   say "== cudnn"
-  timeout ${CUDNN_TIMEOUT:-120} "$PY" benchmarks/cudnn_autotune.py --rounds 2 --settings off,on,on1 --out "$W/cudnn.jsonl" \
-    > "$W/cudnn.txt" 2>&1; say "cudnn exit $?"; tail -4 "$W/cudnn.txt" | tee -a "$S"
+  for model in ${CUDNN_MODELS:-resnet50}; do
+    timeout ${CUDNN_TIMEOUT:-120} "$PY" benchmarks/cudnn_autotune.py --model $model --rounds ${CUDNN_ROUNDS:-2} \
+      --settings ${CUDNN_SETTINGS:-off,on,on1} --out "$W/cudnn-$model.jsonl" > "$W/cudnn-$model.txt" 2>&1
+    say "cudnn $model exit $?"; grep -v '^{' "$W/cudnn-$model.txt" | tail -4 | tee -a "$S"; done
 }
 for stage in "$@"; do "$stage"; tar --exclude='*/checkpoints/*' --exclude='trace-*' -czf "$OUT/round3.tar.gz" -C /tmp round3; done

@@ -73,8 +73,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     _say_from_rank0(rt)
     rt.stragglers.say = False  # on the epoch line instead (ranks_record)
     clock.mark("process group")
-    if rt.device.type == "cuda" and not cfg.deterministic:
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
+    if rt.device.type == "cuda" and cfg.cudnn_benchmark == "on" and not cfg.deterministic:
+        torch.backends.cudnn.benchmark = True  # time the convolutions' algorithms at the first step
     control = Control(rt.env, cfg.checkpointing.cadence())
     # Under the launcher: hangs named; a dead launcher ends a rank at once until training begins
     # (orphans.py), then makes every rank save and stop (below).

@@ -56,6 +56,11 @@ class TrainConfig:
     deterministic: bool = option(False, "deterministic kernels (cuDNN, torch.use_deterministic_"
                                         "algorithms): an interrupted and resumed run ends with "
                                         "the same weights as an uninterrupted one, bit for bit")
+    cudnn_benchmark: str = option("on", "GPUs: on times cuDNN's convolution algorithms at the first "
+                                        "step and keeps the fastest (torch.backends.cudnn.benchmark: "
+                                        "seconds once, faster steps after for some models), off leaves "
+                                        "the choice to cuDNN's heuristics (a faster start)",
+                                  choices=("on", "off"))
     input: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     numerics: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -92,7 +97,8 @@ FLAT_NAMES = ("model", "data", "epochs", "batch_size", "global_batch_size", "lr"
               "accumulate", "clip_grad_norm", "drop_last", "bad_images", "decode", "workers",
               "cpu_placement", "find_unused_parameters", "fsdp_cpu_offload", "activation_checkpointing",
               "compile",
-              "resume", "checkpoint_every", "keep", "logger", "log_every", "deterministic")
+              "resume", "checkpoint_every", "keep", "logger", "log_every", "deterministic",
+              "cudnn_benchmark")
 
 
 def flat_fields() -> list:
