@@ -49,8 +49,8 @@ class DataConfig:
                                        "GPU's kernels, and runs the loader workers on the share's "
                                        "other cores, one worker per CPU by default (the share: "
                                        "the cores of the GPU's NUMA node split among its ranks); "
-                                       "off leaves them where the system puts them. Off until "
-                                       "measured on GPUs", choices=CPU_PLACEMENT_CHOICES)
+                                       "off (the default) leaves them where the system puts "
+                                       "them (docs/training.md)", choices=CPU_PLACEMENT_CHOICES)
 
     def __post_init__(self):
         check_options(self)
