@@ -1,4 +1,7 @@
 """training.build_job: what a run's loaders are made of."""
+
+import pytest
+
 from multigpu import setup
 from multigpu.train import training
 from multigpu.train.settings.config import TrainConfig
@@ -47,3 +50,14 @@ def test_with_a_head_start_the_job_takes_the_thread_s_data_and_marks_no_decoder(
     assert job.data is head.data()
     # the optimizer's compiler too, one process as well (its dependencies first)
     assert [part for part, _, _ in head.spans] == ["compiler's modules", "decoder", "folder listing", "compiler"]
+
+
+@pytest.mark.parametrize("flags, device, tunes", [
+    ({}, "cuda", True),  # the default: on
+    ({"cudnn_benchmark": "off"}, "cuda", False),
+    ({"deterministic": True}, "cuda", False),
+    ({}, "cpu", False),
+])
+def test_cudnn_times_its_convolutions_on_gpus_unless_off_or_deterministic(flags, device, tunes):
+    cfg = TrainConfig.from_flat(model="cnn", data="synthetic:64", **flags)
+    assert training.cudnn_autotunes(cfg, device) is tunes

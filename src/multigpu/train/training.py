@@ -226,6 +226,13 @@ def uses_channels_last(rt: Runtime, model: str) -> bool:
             and registry.info(rt.strategy.name).channels_last)
 
 
+def cudnn_autotunes(cfg: TrainConfig, device_type: str) -> bool:
+    """Whether the run has cuDNN time its convolution algorithms at the first step
+    (torch.backends.cudnn.benchmark): on GPUs with `--cudnn-benchmark on`, never with
+    `--deterministic` (the timing's choice may differ from run to run)."""
+    return device_type == "cuda" and cfg.cudnn_benchmark == "on" and not cfg.deterministic
+
+
 def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None,
               head=None, decode_trial: bool = False, placement: Placement | None = None) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.

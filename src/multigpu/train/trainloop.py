@@ -49,7 +49,8 @@ from multigpu.train.cpu_placing import place_main_thread
 from multigpu.core.system.cpu_placement import Placement
 from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.epochs import Loop, run_epochs
-from multigpu.train.training import PREFETCH_FACTOR, Job, build_job, resolved_config, strategy_options
+from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cudnn_autotunes, resolved_config,
+                                     strategy_options)
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -73,7 +74,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     _say_from_rank0(rt)
     rt.stragglers.say = False  # on the epoch line instead (ranks_record)
     clock.mark("process group")
-    if rt.device.type == "cuda" and cfg.cudnn_benchmark == "on" and not cfg.deterministic:
+    if cudnn_autotunes(cfg, rt.device.type):
         torch.backends.cudnn.benchmark = True  # time the convolutions' algorithms at the first step
     control = Control(rt.env, cfg.checkpointing.cadence())
     # Under the launcher: hangs named; a dead launcher ends a rank at once until training begins
