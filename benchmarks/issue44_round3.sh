@@ -24,11 +24,11 @@ epochs() {
   grep -E "^bench:" "$W/bench.log" | tee -a "$S"
   FOLDER=$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/multigpu/bench-images/jpeg-detailed-* | tail -1)
   say "== epochs ($FOLDER)"
-  local args=(); IFS=';' read -ra sets <<< "${SETTINGS:-default:;pin:CPU_PIN=1,CPU_PIN_REPORT=$W/pin.txt,PYTHONPATH=$PWD/benchmarks/cpu_pin:$PWD/src:$PWD}"
+  local args=(); IFS=';' read -ra sets <<< "${SETTINGS:-default:;place:--cpu-placement=auto}"
   for s in "${sets[@]}"; do args+=(--setting "$s"); done
   timeout ${TURNS_TIMEOUT:-200} "$PY" benchmarks/epoch_threads.py --folder "$FOLDER" --out "$W/turns" --rounds ${ROUNDS:-2} \
     --timeout ${RUN_TIMEOUT:-150} \
-    "${args[@]}" > "$W/turns.txt" 2>&1; say "epochs exit $?"; cat "$W/turns.txt" >> "$S"; cat "$W/pin.txt" >> "$S" 2>/dev/null
+    "${args[@]}" > "$W/turns.txt" 2>&1; say "epochs exit $?"; cat "$W/turns.txt" >> "$S"
 }
 imports() {
   say "== imports"
