@@ -2,7 +2,8 @@
 # One-GPU runs of issue 44's third round (2026-12-02 evening), stages in one device call:
 #   OUT=/tmp/o bash benchmarks/issue44_round3.sh facts epochs imports startup cudnn
 # facts: CPU topology and the GPU; epochs: the bench (synthetic, real-cpu) then whole epochs in
-# settings that take turns (SETTINGS, epoch_threads.py); imports: -X importtime of a one-GPU
+# settings that take turns (SETTINGS, epoch_threads.py; WINDOW= for no profile window); bench_ro: the
+# bench's synthetic row with --compile reduce-overhead; imports: -X importtime of a one-GPU
 # `multigpu train` and of a bare one-process script; startup: startup_phases.py against the bare
 # scripts; cudnn: cudnn_autotune.py. Everything lands in $OUT/round3.tar.gz and $OUT/summary.txt.
 set -uo pipefail
@@ -27,8 +28,14 @@ epochs() {
   local args=(); IFS=';' read -ra sets <<< "${SETTINGS:-default:;place:--cpu-placement=auto}"
   for s in "${sets[@]}"; do args+=(--setting "$s"); done
   timeout ${TURNS_TIMEOUT:-200} "$PY" benchmarks/epoch_threads.py --folder "$FOLDER" --out "$W/turns" --rounds ${ROUNDS:-2} \
-    --timeout ${RUN_TIMEOUT:-150} \
+    --window "${WINDOW-300-319}" --timeout ${RUN_TIMEOUT:-150} \
     "${args[@]}" > "$W/turns.txt" 2>&1; say "epochs exit $?"; cat "$W/turns.txt" >> "$S"
+}
+bench_ro() {
+  say "== bench --compile reduce-overhead"
+  timeout ${BENCH_TIMEOUT:-200} "$PY" -m multigpu bench --model resnet50 --gpus 1 --devices 1 --methods multigpu-single \
+    --data synthetic --compile reduce-overhead --out "$W/bench-ro.json" > "$W/bench-ro.log" 2>&1; say "bench-ro exit $?"
+  grep -E "^bench:" "$W/bench-ro.log" | tee -a "$S"
 }
 imports() {
   say "== imports"
