@@ -18,11 +18,14 @@ facts() {
     date -u; } > "$W/machine.txt" 2>&1
   say "== facts"; grep -E "^(Model name|Thread|Core|Socket|NUMA|CPU\(s\))" "$W/machine.txt" | tee -a "$S"; grep siblings "$W/machine.txt" | head -16 | tr '\n' ';' | tee -a "$S"; echo | tee -a "$S"
 }
-epochs() {
-  say "== bench"
+run_bench() {  # NAME ARGS...: one-GPU ResNet-50 `multigpu bench` into $W/NAME.json, its rows to the summary
+  local name=$1; shift
   timeout ${BENCH_TIMEOUT:-200} "$PY" -m multigpu bench --model resnet50 --gpus 1 --devices 1 --methods multigpu-single \
-    --data synthetic,real-cpu --images detailed --out "$W/bench.json" > "$W/bench.log" 2>&1; say "bench exit $?"
-  grep -E "^bench:" "$W/bench.log" | tee -a "$S"
+    "$@" --out "$W/$name.json" > "$W/$name.log" 2>&1; say "$name exit $?"
+  grep -E "^bench:" "$W/$name.log" | tee -a "$S"
+}
+epochs() {
+  say "== bench"; run_bench bench --data synthetic,real-cpu --images detailed
   FOLDER=$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/multigpu/bench-images/jpeg-detailed-* | tail -1)
   say "== epochs ($FOLDER)"
   local args=(); IFS=';' read -ra sets <<< "${SETTINGS:-default:;place:--cpu-placement=auto}"
@@ -32,10 +35,7 @@ epochs() {
     "${args[@]}" > "$W/turns.txt" 2>&1; say "epochs exit $?"; cat "$W/turns.txt" >> "$S"
 }
 bench_ro() {
-  say "== bench --compile reduce-overhead"
-  timeout ${BENCH_TIMEOUT:-200} "$PY" -m multigpu bench --model resnet50 --gpus 1 --devices 1 --methods multigpu-single \
-    --data synthetic --compile reduce-overhead --out "$W/bench-ro.json" > "$W/bench-ro.log" 2>&1; say "bench-ro exit $?"
-  grep -E "^bench:" "$W/bench-ro.log" | tee -a "$S"
+  say "== bench --compile reduce-overhead"; run_bench bench-ro --data synthetic --compile reduce-overhead
 }
 imports() {
   say "== imports"
