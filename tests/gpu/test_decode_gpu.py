@@ -136,6 +136,34 @@ def test_nvimagecodec_picks_the_engines_and_decodes_as_pil_does():
 
 
 @needs_nvimgcodec
+def test_two_finishing_threads_decode_at_once_and_give_one_threads_pixels(tmp_path):
+    """The folder's encoded batches through prefetch_thread (moved first, as the prepared loader
+    moves them) with the decoder's two helpers, each on its stream with a Decoder of its own,
+    against the same batches finished one at a time."""
+    from multigpu.core.loading.data import move_to_device
+    from multigpu.core.loading.prefetch_thread import finish_in_thread
+
+    chosen = jpeg_decoders.choose(GPU)
+    assert isinstance(chosen, jpeg_decoders.NvImageCodecDecoder) and chosen.threads == 2
+    train = imagefolder.load_folder(str(make_folder(tmp_path, per_class=16)), 64).train
+    encoded = samples(train, on_gpu=True)
+    batches = [gpu_images.collate(encoded[k:k + 4]) for k in range(0, len(encoded) - 3, 4)]
+
+    def finished(threads):
+        out = []
+        source = ((k, (x, y)) for k, (x, y) in enumerate(batches))
+        for k, (x, y) in finish_in_thread(source, GPU, lambda b: train.on_device(move_to_device(b, GPU, True), GPU),
+                                          threads=threads):
+            out.append((k, x.cpu(), y.clone()))
+        return out
+
+    one, two = finished(1), finished(2)
+    assert [k for k, _, _ in two] == list(range(len(batches)))
+    for (_, x1, y1), (_, x2, y2) in zip(one, two, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+@needs_nvimgcodec
 def test_files_the_engines_refuse_come_out_as_pil_decodes_them():
     """Progressive and CMYK JPEGs: gpu_readable leaves them to the loader workers; sent to the
     device anyway, the engines refuse them (nvImageCodec's CUDA decoder did not start on an

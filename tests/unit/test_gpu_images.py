@@ -221,12 +221,15 @@ def test_crop_resize_in_chunks_upscaling_and_flipped_is_pils(monkeypatch):
         assert (ours.round() - expected).abs().max() <= 1
 
 
-def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises_its_errors(monkeypatch):
-    """prefetch_thread on the CPU, with torch.cuda's streams and events stubbed out."""
+@pytest.fixture
+def cuda_stubs(monkeypatch):
+    """prefetch_thread on the CPU, with torch.cuda's streams and events stubbed out; the streams
+    made, in a list."""
     import contextlib
-    import threading
 
     from multigpu.core.loading import prefetch_thread
+
+    made = []
 
     class Stub:
         def __init__(self, *args, **kwargs):
@@ -238,12 +241,24 @@ def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises
         def wait_event(self, *args):
             pass
 
-    monkeypatch.setattr(torch.cuda, "Stream", Stub)
+    class Stream(Stub):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "Event", Stub)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stub())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(prefetch_thread, "map_tensors", lambda fn, obj: obj)
+    return made
+
+
+def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises_its_errors(cuda_stubs):
+    import threading
+
+    from multigpu.core.loading import prefetch_thread
+
     caller, loaded_in, finished_in = threading.get_ident(), set(), set()
 
     def batches(n):
@@ -267,6 +282,29 @@ def test_the_finishing_thread_keeps_order_loads_in_the_callers_thread_and_raises
     early = prefetch_thread.finish_in_thread(batches(100), CPU, lambda b: b)
     assert next(early)[0] == 0
     early.close()  # a consumer that stops: the helper is shut down, nothing left running
+    assert not [t for t in threading.enumerate() if t.name.startswith("multigpu-finish")]
+
+
+def test_three_finishing_threads_finish_three_batches_at_once_each_on_its_stream_in_order(cuda_stubs):
+    """Each finish waits until three are under way: one helper, or helpers that took turns, would
+    break the barrier (its timeout) and fail here."""
+    import threading
+
+    from multigpu.core.loading import prefetch_thread
+
+    together = threading.Barrier(3, timeout=20)
+    finished_in = set()
+
+    def finish(batch):
+        finished_in.add(threading.get_ident())
+        if int(batch) < 6:  # two rounds of three at once; the last batches as they come
+            together.wait()
+        return batch * 10
+
+    batches = ((i, torch.tensor([i])) for i in range(8))
+    got = [(info, int(batch)) for info, batch in prefetch_thread.finish_in_thread(batches, CPU, finish, threads=3)]
+    assert got == [(i, 10 * i) for i in range(8)]
+    assert len(finished_in) == 3 and len(cuda_stubs) == 3  # a stream per helper, made once
     assert not [t for t in threading.enumerate() if t.name.startswith("multigpu-finish")]
 
 

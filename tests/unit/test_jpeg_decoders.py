@@ -107,6 +107,39 @@ def test_nvimagecodec_decodes_rgb_grey_cmyk_and_progressive_as_pil_does():
         assert (image.float() - expected).abs().mean() < 2.5, k
 
 
+def test_nvimagecodec_decodes_from_two_threads_at_once_with_a_decoder_each_kept_for_later():
+    """Two threads' calls meet while each holds a Decoder (a barrier): the pool makes a second
+    for the second, then both are reused; the pixels are the one-thread ones."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import contextmanager
+
+    nvimgcodec_or_skip()
+    decoder = jpeg_decoders.NvImageCodecDecoder(CPU)
+    assert decoder.pool_size == 1 and decoder.threads == 2
+    files = [jpeg(scene(64 + 8 * k, 48, seed=k)) for k in range(6)]
+    alone = decoder.decode(files, CPU)
+    together = threading.Barrier(2, timeout=20)
+    held = decoder._decoder
+
+    @contextmanager
+    def meeting():
+        with held() as one:
+            together.wait()  # one Decoder for both, or calls in turn: broken by its timeout
+            yield one
+
+    decoder._decoder = meeting
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: decoder.decode(files, CPU), range(2)))
+    assert decoder.pool_size == 2
+    decoder._decoder = held
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: decoder.decode(files, CPU), range(4)))
+    assert decoder.pool_size == 2, "the pool's decoders are reused, not made again"
+    for images in results:
+        assert all(torch.equal(a, b) for a, b in zip(alone, images, strict=True))
+
+
 def test_nvimagecodec_gives_none_for_files_it_cannot_read_and_decodes_the_rest():
     nvimgcodec_or_skip()
     good = jpeg(scene(80, 60, seed=1))

@@ -6,7 +6,8 @@ the GPU ahead of the step, and can go on from a position inside an epoch; with w
 DataLoader iterator serves epoch after epoch (EpochAfterEpoch), so the workers never wait at an
 epoch's end. A dataset with an
 `on_device(batch, device) -> batch` method finishes its batches there, in a thread on a stream of
-its own, also ahead of the step (prefetch_thread; folder: data decodes its JPEGs that way).
+its own, also ahead of the step (prefetch_thread; folder: data decodes its JPEGs that way), as
+many batches at once as its `on_device_threads(device)` says (1 without it).
 """
 from __future__ import annotations
 
@@ -110,8 +111,10 @@ class PreparedLoader:
         batches = zip(infos, source, strict=True)
         finish = getattr(self._dataset, "on_device", None)
         if self.device.type == "cuda" and finish is not None:
+            threads = getattr(self._dataset, "on_device_threads", lambda device: 1)(self.device)
             batches = finish_in_thread(batches, self.device,
-                                       lambda b: finish(move_to_device(b, self.device, True), self.device))
+                                       lambda b: finish(move_to_device(b, self.device, True), self.device),
+                                       threads=threads)
         elif self.device.type == "cuda":
             batches = _prefetch_to_gpu(batches, self.device)
         else:

@@ -1,14 +1,20 @@
-"""Batches finished on the GPU by a thread, ahead of the step: for datasets with `on_device`.
+"""Batches finished on the GPU by helper threads, ahead of the step: for datasets with `on_device`.
 
 Decoding a batch of JPEGs on the GPU (gpu_images) holds its caller for milliseconds: nvJPEG's
 host side and its wait for the decode, then the crops. Done in the training loop's thread, that
 time adds to every step (measured on one H100, ResNet-50 batch 128: 61 % of the synthetic speed, against 97 %
-with the CPU workers decoding). Here a helper thread per loader copies and finishes each batch on
-its own CUDA stream, `depth` batches ahead; the training thread takes batches from the DataLoader
+with the CPU workers decoding). Here helper threads copy and finish each batch, each on a CUDA
+stream of its own, `depth` batches ahead; the training thread takes batches from the DataLoader
 and hands them over, then only makes its stream wait for a finished batch's event.
+
+One helper finishes one batch at a time: where a batch's finishing waits on the device (a
+decoder that returns once the GPU's JPEG engines are done) and not on the host, one thread is
+bound by that wait, and `threads` helpers keep that many batches in flight. Batches are yielded
+in the order they were loaded, whichever helper finished them.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,23 +23,27 @@ import torch
 from multigpu.core.loading.data import map_tensors
 
 
-def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2):
+def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2, threads: int = 1):
     """Yield (info, batch) from `batches` (pairs), each made ready by `prepare(batch)` (copied to
-    `device` and finished there) in a helper thread on a side stream, for the current stream to use.
+    `device` and finished there) in one of `threads` helper threads, each on a side stream of its
+    own, for the current stream to use; at least one more batch ahead than there are helpers.
 
     The DataLoader is iterated here, in the caller's thread: with 0 workers its samples (and their
     random crops, from torch's global generator) are made in the training thread, in order, as
-    without this; only the finishing runs in the helper, `depth` batches ahead."""
-    stream = torch.cuda.Stream(device)
-    helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-finish")
+    without this; only the finishing runs in the helpers, `depth` batches ahead."""
+    threads = max(threads, 1)
+    helper = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="multigpu-finish")
+    own = threading.local()  # each helper's stream
     pending: deque = deque()
     source = iter(batches)
 
     def finish_one(batch):
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        if not hasattr(own, "stream"):
+            own.stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(own.stream):
             moved = prepare(batch)
             done = torch.cuda.Event()
-            done.record(stream)
+            done.record(own.stream)
             return moved, done
 
     def submit() -> None:
@@ -42,7 +52,7 @@ def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2):
             return
 
     try:
-        for _ in range(max(depth, 1)):
+        for _ in range(max(depth, threads + 1)):
             submit()
         while pending:
             info, future = pending.popleft()

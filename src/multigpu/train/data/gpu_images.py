@@ -203,3 +203,9 @@ def decoder_name(device: torch.device) -> str:
     """The decoder of `device`'s JPEGs as the start-up line names it."""
     chosen = jpeg_decoders.choose(device)
     return "no decoder" if isinstance(chosen, str) else chosen.name
+
+
+def decoder_threads(device: torch.device) -> int:
+    """Batches `device`'s JPEG decoder decodes at once (JpegDecoder.threads); 1 off CUDA."""
+    chosen = jpeg_decoders.choose(device) if device.type == "cuda" else None
+    return chosen.threads if isinstance(chosen, jpeg_decoders.JpegDecoder) else 1

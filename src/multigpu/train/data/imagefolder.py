@@ -163,6 +163,11 @@ class ImageFolderDataset(Dataset):
         thread: prefetch_thread), when JPEGs are decoded there; None otherwise."""
         return self._finish_on_device if self.on_gpu else None
 
+    def on_device_threads(self, device: torch.device) -> int:
+        """Batches to finish on `device` at once (prefetch_thread): as many as its JPEG decoder
+        decodes at once."""
+        return gpu_images.decoder_threads(device)
+
     def _finish_on_device(self, batch, device: torch.device):
         """Images still encoded are decoded on `device` (gpu_images.decode_batch)."""
         images, labels = batch

@@ -30,14 +30,19 @@ import numpy as np
 import torch
 
 NVIMGCODEC_HINT = "pip install 'multigpu[nvimgcodec]'"
-# nvImageCodec's host threads per GPU process (parsing, and the CUDA decoder's Huffman stage): its
-# default, one per core, would be 64 threads in each of 4 processes beside the loader workers.
-HOST_THREADS = 8
+# nvImageCodec's host threads per Decoder (parsing, and the CUDA decoder's Huffman stage): its
+# default, one per core, would be 64 threads for each Decoder of 4 processes beside the loader
+# workers. 8 for the one Decoder a process had; 4 of them were busy (one H200, 2026-12-03), so
+# 4 for each of the pool's (NvImageCodecDecoder.threads) now.
+HOST_THREADS = 4
 
 
 class JpegDecoder:
     """A decoder of JPEG files into uint8 (3, H, W) RGB images on one device."""
     name = "?"  # as the start-up line names it
+    # Batches one process may have this decoder decode at once, from as many threads
+    # (prefetch_thread's helpers): more than one where a call waits on the device, not the host.
+    threads = 1
 
     def decode(self, encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
         raise NotImplementedError
@@ -90,10 +95,13 @@ class NvImageCodecDecoder(JpegDecoder):
     `hardware` (a file they refuse on its CUDA decoder), on the CUDA cores otherwise, on the
     host (libjpeg-turbo) for a CPU device.
 
-    Its outputs are allocated stream-ordered on the caller's stream (the prefetch thread's) and
+    Its outputs are allocated stream-ordered on the caller's stream (the finishing thread's) and
     freed on it when the tensors viewing them (DLPack, no copy) are released: after the crops
-    queued on that stream have read them. One Decoder per device, used under a lock: the train
-    and validation loaders' threads may call it at once."""
+    queued on that stream have read them. A call holds its thread until the engines are done
+    (the GIL released meanwhile), so `threads` batches are decoded at once, each by an
+    nvImageCodec Decoder of its own: a pool, one more made when a call finds none free (the
+    train and validation loaders' threads may call at once), kept for the next calls."""
+    threads = 2
 
     def __init__(self, device: torch.device, hardware: bool = True, fallback: bool = True):
         nvimgcodec = import_nvimgcodec()
@@ -106,22 +114,45 @@ class NvImageCodecDecoder(JpegDecoder):
         self.name = ("nvImageCodec, hardware JPEG engines" if device.type == "cuda" and hardware
                      else "nvImageCodec, CUDA" if device.type == "cuda" else "nvImageCodec, CPU")
         self._nv = nvimgcodec
-        with quiet_stderr():
-            self._decoder = nvimgcodec.Decoder(device_id=device_id, max_num_cpu_threads=HOST_THREADS,
-                                               backends=[nvimgcodec.Backend(k) for k in backends])
+        self._make = lambda: nvimgcodec.Decoder(device_id=device_id, max_num_cpu_threads=HOST_THREADS,
+                                                backends=[nvimgcodec.Backend(k) for k in backends])
+        self._lock = threading.Lock()
+        self._free = [self._new_decoder()]  # the first made here: a backend that fails raises now
         # EXIF orientation off: the crop boxes were drawn on the stored (unrotated) size, as PIL
         # and torchvision read it. Planar RGB: (3, H, W) as it comes.
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                                sample_format=nvimgcodec.SampleFormat.P_RGB)
-        self._lock = threading.Lock()
+
+    def _new_decoder(self):
+        with self._lock, quiet_stderr():  # quiet_stderr swaps fd 2: one thread at a time
+            return self._make()
+
+    @contextmanager
+    def _decoder(self):
+        """A Decoder of the pool, this thread's alone until the block ends."""
+        with self._lock:
+            decoder = self._free.pop() if self._free else None
+        decoder = decoder or self._new_decoder()
+        try:
+            yield decoder
+        finally:
+            with self._lock:
+                self._free.append(decoder)
+
+    @property
+    def pool_size(self) -> int:
+        """Decoders made and free now (tests)."""
+        with self._lock:
+            return len(self._free)
 
     def decode(self, encoded, device):
         sources = [self._code_stream(data) for data in encoded]
         readable = [k for k, s in enumerate(sources) if s is not None]
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        with self._lock:
-            decoded = self._decoder.decode([sources[k] for k in readable], params=self._params,
-                                           cuda_stream=stream) if readable else []
+        decoded = []
+        if readable:
+            with self._decoder() as decoder:
+                decoded = decoder.decode([sources[k] for k in readable], params=self._params, cuda_stream=stream)
         images: list[torch.Tensor | None] = [None] * len(encoded)
         for k, image in zip(readable, decoded, strict=True):
             if image is not None:
