@@ -10,7 +10,8 @@ workers on every path). --decoders times each GPU JPEG decoder (jpeg_decoders: n
 on the hardware engines, torchvision's nvJPEG) on batches of --batch files already in memory,
 on a side stream as the prefetch thread runs them: decoding alone, and decoding with the crops
 (gpu_images.decode_batch, the whole GPU path after the workers). The loader modes `gpu:NAME` pin
-one decoder (nvimgcodec or torchvision) for the whole pipeline; `gpu` takes the one a run picks.
+one decoder (nvimgcodec or torchvision) for the whole pipeline, `gpu:NAME@T` with T batches
+finished at once (the finishing threads); `gpu` takes the one a run picks.
 
 What `multigpu train --data folder:DIR` builds on one GPU (imagefolder + loaders.shard_loader and
 its copy stream), iterated without a step: `cpu` (the workers decode), `gpu` (nvJPEG on the copy
@@ -86,6 +87,16 @@ def compare_decoders(folder: str, device, batch: int, batches: int, rounds: int)
     return result
 
 
+def pinned(mode: str, device):
+    """gpu:NAME or gpu:NAME@THREADS: that decoder, a new one per mode, finishing THREADS batches at
+    once (prefetch_thread; its own default otherwise)."""
+    name, _, threads = mode.split(":")[1].partition("@")
+    decoder = decoders(device)[name]
+    if threads:
+        decoder.threads = int(threads)
+    return decoder
+
+
 def loader_for(data, mode: str, workers: int, batch: int, device):
     train = data.train
     train.on_gpu = mode != "cpu"
@@ -146,7 +157,7 @@ def main() -> None:
     folder = a.folder[0]
     data = imagefolder.load_folder(folder, 224)
     modes = a.modes.split(",")
-    pins = {m: decoders(device)[m.split(":")[1]] for m in modes if m.startswith("gpu:")}
+    pins = {m: pinned(m, device) for m in modes if m.startswith("gpu:")}
     loaders = {m: loader_for(imagefolder.load_folder(folder, 224), m.split(":")[0], a.workers, a.batch, device)
                for m in modes}
     rounds = {m: [] for m in modes}

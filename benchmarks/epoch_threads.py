@@ -120,12 +120,14 @@ def one_run(a, name: str, env: dict, flags: list, turn: int) -> dict:
         if launcher.poll() is None:
             launcher.kill()
         code = launcher.wait()
+    decode = [line for line in log_path.read_text().splitlines() if "kept for the run" in line
+              or "(the rule) kept" in line]  # --decode auto's trial, or why it did not run
     metrics = run / "metrics.jsonl"
     epochs = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     profile = [json.loads(p.read_text()) for p in sorted((run / "profile").glob("rank*.json"))]
     for p in list((run / "checkpoints").glob("*/*")) + list((run / "profile").glob("trace-*.json")):
         p.unlink()
-    return {"setting": name, "turn": turn, "env": env, "flags": flags, "exit": code,
+    return {"setting": name, "turn": turn, "env": env, "flags": flags, "exit": code, "decode": decode,
             "wall_s": round(time.time() - began, 1),
             "epochs": [{k: e.get(k) for k in ("epoch", "samples_per_second", "input_wait", "epoch_seconds")}
                        for e in epochs], "profile": profile, "threads": threads}
@@ -162,6 +164,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--timeout", type=float, default=150.0)
     a = p.parse_args()
+    if Path(a.out).exists() and any(Path(a.out).iterdir()):  # an earlier run's figures would be read as this one's
+        raise SystemExit(f"--out {a.out} holds earlier runs: give a new folder")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     settings = [parse_setting(s) for s in a.setting]
     results = []

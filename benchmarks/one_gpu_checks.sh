@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One-GPU runs of issue 44's third round (2026-12-02 evening), stages in one device call:
-#   OUT=/tmp/o bash benchmarks/issue44_round3.sh facts epochs imports startup cudnn
-# facts: CPU topology and the GPU; epochs: the bench (synthetic, real-cpu) then whole epochs in
-# settings that take turns (SETTINGS, epoch_threads.py; WINDOW= for no profile window); bench_ro: the
-# bench's synthetic row with --compile reduce-overhead; imports: -X importtime of a one-GPU
+# One-GPU checks of issue 44 (whole epochs against the bench, start-up, the input pipeline), stages
+# in one device call (first used for round 3, 2026-12-02, as benchmarks/issue44_round3.sh):
+#   OUT=/tmp/o bash benchmarks/one_gpu_checks.sh facts bench epochs imports startup cudnn
+# facts: CPU topology and the GPU; bench: synthetic and real-cpu rows (it makes the JPEG folder);
+# bigfolder: a folder of BIG_IMAGES for the epochs after it; epochs: whole epochs (on the bench's
+# folder where no bigfolder ran, after the bench where that is missing) in settings that take turns (SETTINGS, epoch_threads.py; WINDOW= for no profile window); bench_ro: the
+# bench's synthetic row with --compile reduce-overhead; pipeline: the folder's input pipeline alone
+# in MODES (decode_pipeline.py; after a stage that ran the bench, which makes the folder); imports: -X importtime of a one-GPU
 # `multigpu train` and of a bare one-process script; startup: startup_phases.py against the bare
-# scripts; cudnn: cudnn_autotune.py. Everything lands in $OUT/round3.tar.gz and $OUT/summary.txt.
+# scripts; cudnn: cudnn_autotune.py. Everything lands in $OUT/checks.tar.gz and $OUT/summary.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:?set OUT}; PY=${PY:-python3}; W=/tmp/round3; mkdir -p "$W" "$OUT"
+export PYTHONPATH=$PWD/src:$PWD${SITE:+:$SITE} PYTHONUNBUFFERED=1  # SITE: wheels installed with pip --target
+OUT=${OUT:?set OUT}; PY=${PY:-python3}; W=/tmp/one_gpu_checks; mkdir -p "$W" "$OUT"
 S="$OUT/summary.txt"
 say() { echo "$@" | tee -a "$S"; }
 facts() {
@@ -24,15 +27,31 @@ run_bench() {  # NAME ARGS...: one-GPU ResNet-50 `multigpu bench` into $W/NAME.j
     "$@" --out "$W/$name.json" > "$W/$name.log" 2>&1; say "$name exit $?"
   grep -E "^bench:" "$W/$name.log" | tee -a "$S"
 }
-epochs() {
+bench() {
   say "== bench"; run_bench bench --data synthetic,real-cpu --images detailed
-  FOLDER=$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/multigpu/bench-images/jpeg-detailed-* | tail -1)
+}
+bigfolder() {  # BIG_IMAGES detailed training JPEGs (8 192 distinct, the rest links): epochs with room for auto's trial
+  "$PY" -c "import sys; from multigpu.bench import imagegen; imagegen.write_folder(sys.argv[1], 'detailed', int(sys.argv[2]), 256)" \
+    "$W/big" ${BIG_IMAGES:-102400}; say "bigfolder exit $? ($(ls "$W"/big/train/*/ | wc -l) entries)"; EPOCH_FOLDER=$W/big
+}
+epochs() {  # on EPOCH_FOLDER (bigfolder) or the bench's folder, the bench first where it has not made it yet
+  [ -n "${EPOCH_FOLDER:-}" ] || ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/multigpu/bench-images/jpeg-detailed-* > /dev/null 2>&1 || bench
+  FOLDER=${EPOCH_FOLDER:-$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/multigpu/bench-images/jpeg-detailed-* | tail -1)}
   say "== epochs ($FOLDER)"
   local args=(); IFS=';' read -ra sets <<< "${SETTINGS:-default:;place:--cpu-placement=auto}"
   for s in "${sets[@]}"; do args+=(--setting "$s"); done
   timeout ${TURNS_TIMEOUT:-200} "$PY" benchmarks/epoch_threads.py --folder "$FOLDER" --out "$W/turns" --rounds ${ROUNDS:-2} \
     --window "${WINDOW-300-319}" --timeout ${RUN_TIMEOUT:-150} \
     "${args[@]}" > "$W/turns.txt" 2>&1; say "epochs exit $?"; cat "$W/turns.txt" >> "$S"
+  grep -h "kept" "$W"/turns/*.log >> "$S"
+}
+pipeline() {  # the folder's input pipeline alone, no model (decode_pipeline.py), in MODES that take turns
+  FOLDER=$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/multigpu/bench-images/jpeg-detailed-* | tail -1)
+  say "== pipeline ($FOLDER)"
+  timeout ${PIPELINE_TIMEOUT:-200} "$PY" benchmarks/decode_pipeline.py --folder "$FOLDER" --out "$W/pipeline.json" \
+    --workers ${PIPELINE_WORKERS:-15} --batches ${PIPELINE_BATCHES:-40} --rounds 3 \
+    --modes "${MODES:-cpu,gpu:nvimgcodec@1,gpu:nvimgcodec@2,gpu:nvimgcodec@3}" > "$W/pipeline.txt" 2>&1
+  say "pipeline exit $?"; tail -20 "$W/pipeline.txt" | tee -a "$S"
 }
 bench_ro() {
   say "== bench --compile reduce-overhead"; run_bench bench-ro --data synthetic --compile reduce-overhead
@@ -64,4 +83,4 @@ cudnn() {
       --settings ${CUDNN_SETTINGS:-off,on,on1} --out "$W/cudnn-$model.jsonl" > "$W/cudnn-$model.txt" 2>&1
     say "cudnn $model exit $?"; grep -v '^{' "$W/cudnn-$model.txt" | tail -4 | tee -a "$S"; done
 }
-for stage in "$@"; do "$stage"; tar --exclude='*/checkpoints/*' --exclude='trace-*' -czf "$OUT/round3.tar.gz" -C /tmp round3; done
+for stage in "$@"; do "$stage"; tar --exclude='*/checkpoints/*' --exclude='trace-*' -czf "$OUT/checks.tar.gz" -C /tmp one_gpu_checks; done
