@@ -23,10 +23,12 @@ import torch
 from multigpu.core.loading.data import map_tensors
 
 
-def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2, threads: int = 1):
+def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2, threads: int = 1,
+                     priority: int = 0):
     """Yield (info, batch) from `batches` (pairs), each made ready by `prepare(batch)` (copied to
     `device` and finished there) in one of `threads` helper threads, each on a side stream of its
-    own, for the current stream to use; at least one more batch ahead than there are helpers.
+    own (of `priority`: 0, or negative for a higher one), for the current stream to use; at least
+    one more batch ahead than there are helpers.
 
     The DataLoader is iterated here, in the caller's thread: with 0 workers its samples (and their
     random crops, from torch's global generator) are made in the training thread, in order, as
@@ -39,7 +41,7 @@ def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2, thr
 
     def finish_one(batch):
         if not hasattr(own, "stream"):
-            own.stream = torch.cuda.Stream(device)
+            own.stream = torch.cuda.Stream(device, priority=priority)
         with torch.cuda.device(device), torch.cuda.stream(own.stream):
             moved = prepare(batch)
             done = torch.cuda.Event()

@@ -1,0 +1,115 @@
+"""The GPU decode path's finishing helpers under a training step's load, in variants that take turns.
+
+    PYTHONPATH=src python benchmarks/finish_under_load.py --out FILE.json [--rounds 3] [--steps 60]
+
+A ResNet-50 training step (bf16, channels_last, SGD, batch 128) runs in the main thread, eager or
+replayed as one CUDA graph, each step's input copied from the next finished batch; the batches
+(ImageBatch, still encoded, as loader workers hand them over, from a generated folder of detailed
+JPEGs in memory: no workers, no files) are decoded and cropped by prefetch_thread.finish_in_thread,
+as `multigpu train --decode gpu` runs them. Variants: THREADS helpers on streams of PRIORITY (0 or
+-1, higher), and `synthetic` (the same step on a fixed batch, nothing decoded). Per mode (eager,
+graph) the variants take turns, round by round; images a second of each, the median round.
+"""
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from multigpu.bench import imagegen
+from multigpu.core.loading.data import move_to_device
+from multigpu.core.loading.prefetch_thread import finish_in_thread
+from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
+
+
+def training_step(dev, graph: bool, batch: int = 128):
+    """(static input, step()): step trains on what the input holds; replayed as one graph if asked."""
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.resnet50().to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    warm = torch.cuda.Stream(dev)
+    warm.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(warm):
+        for _ in range(5):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(warm)
+    if not graph:
+        return x, step
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        step()
+    return x, captured.replay
+
+
+def batches_of(folder: str, count: int):
+    """(the training dataset, `count` batches of 128 as its workers would hand them over)."""
+    train = imagefolder.load_folder(folder, 224).train
+    train.on_gpu = True
+    samples = [train[i] for i in range(count * 128)]
+    return train, [gpu_images.collate(samples[k:k + 128]) for k in range(0, len(samples), 128)]
+
+
+def run(x, step, batches, dev, steps: int, variant: str, finish) -> float:
+    mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1) * 255
+    if variant == "synthetic":
+        source = ((k, None) for k in range(steps + 10))
+    else:
+        threads, priority = (int(v) for v in variant.split("/"))
+        pairs = ((k, batches[k % len(batches)]) for k in range(steps + 10))
+        source = finish_in_thread(pairs, dev, lambda b: finish(move_to_device(b, dev, True), dev),
+                                  threads=threads, priority=priority)
+    for k, batch in source:
+        if k == 10:  # the helpers' queue filled, the step settled
+            torch.cuda.synchronize(dev)
+            began = time.perf_counter()
+        if batch is not None:
+            x.copy_(batch[0].float().sub_(mean))
+        step()
+    torch.cuda.synchronize(dev)
+    return steps * 128 / (time.perf_counter() - began)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--variants", default="synthetic,1/0,2/0,2/-1,3/-1")
+    p.add_argument("--modes", default="eager,graph")
+    a = p.parse_args()
+    dev = torch.device("cuda", 0)
+    folder = tempfile.mkdtemp(prefix="finish-under-load-")
+    imagegen.write_folder(folder, "detailed", 1280, 16)
+    train, batches = batches_of(folder, 10)
+    print("decoder:", gpu_images.decoder_name(dev), flush=True)
+    result = {"what": __doc__.split("\n")[0], "torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev),
+              "steps": a.steps, "decoder": jpeg_decoders.choose(dev).name, "modes": {}}
+    for mode in a.modes.split(","):
+        x, step = training_step(dev, graph=mode == "graph")
+        rounds = {v: [] for v in a.variants.split(",")}
+        for r in range(a.rounds):
+            for v in rounds:
+                rounds[v].append(round(run(x, step, batches, dev, a.steps, v, train.on_device), 1))
+                print(mode, r, v, rounds[v][-1], flush=True)
+        result["modes"][mode] = {"median": {v: statistics.median(r) for v, r in rounds.items()}, "rounds": rounds}
+        print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
