@@ -2,7 +2,8 @@
 # One-GPU checks of issue 44 (whole epochs against the bench, start-up, the input pipeline), stages
 # in one device call (first used for round 3, 2026-12-02, as benchmarks/issue44_round3.sh):
 #   OUT=/tmp/o bash benchmarks/one_gpu_checks.sh facts bench epochs imports startup cudnn
-# facts: CPU topology and the GPU; bench: synthetic and real-cpu rows (it makes the JPEG folder);
+# facts: CPU topology and the GPU; bench: synthetic and real-cpu rows (it makes the JPEG folder;
+# BENCH_ARGS for others);
 # bigfolder: a folder of BIG_IMAGES for the epochs after it; epochs: whole epochs (on the bench's
 # folder where no bigfolder ran, after the bench where that is missing) in settings that take turns (SETTINGS, epoch_threads.py; WINDOW= for no profile window); bench_ro: the
 # bench's synthetic row with --compile reduce-overhead; pipeline: the folder's input pipeline alone
@@ -28,7 +29,7 @@ run_bench() {  # NAME ARGS...: one-GPU ResNet-50 `multigpu bench` into $W/NAME.j
   grep -E "^bench:" "$W/$name.log" | tee -a "$S"
 }
 bench() {
-  say "== bench"; run_bench bench --data synthetic,real-cpu --images detailed
+  say "== bench"; run_bench bench ${BENCH_ARGS:---data synthetic,real-cpu --images detailed}
 }
 bigfolder() {  # BIG_IMAGES detailed training JPEGs (8 192 distinct, the rest links): epochs with room for auto's trial
   "$PY" -c "import sys; from multigpu.bench import imagegen; imagegen.write_folder(sys.argv[1], 'detailed', int(sys.argv[2]), 256)" \
@@ -83,4 +84,4 @@ cudnn() {
       --settings ${CUDNN_SETTINGS:-off,on,on1} --out "$W/cudnn-$model.jsonl" > "$W/cudnn-$model.txt" 2>&1
     say "cudnn $model exit $?"; grep -v '^{' "$W/cudnn-$model.txt" | tail -4 | tee -a "$S"; done
 }
-for stage in "$@"; do "$stage"; tar --exclude='*/checkpoints/*' --exclude='trace-*' -czf "$OUT/checks.tar.gz" -C /tmp one_gpu_checks; done
+for stage in "$@"; do "$stage"; tar --exclude='*/checkpoints/*' --exclude='trace-*' --exclude=one_gpu_checks/big -czf "$OUT/checks.tar.gz" -C /tmp one_gpu_checks; done
