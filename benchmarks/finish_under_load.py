@@ -9,6 +9,12 @@ JPEGs in memory: no workers, no files) are decoded and cropped by prefetch_threa
 as `multigpu train --decode gpu` runs them. Variants: THREADS helpers on streams of PRIORITY (0 or
 -1, higher), and `synthetic` (the same step on a fixed batch, nothing decoded). Per mode (eager,
 graph) the variants take turns, round by round; images a second of each, the median round.
+
+--profile VARIANT: after the rounds, that variant once more per mode under torch.profiler, whose
+CUPTI tracing records every CUDA runtime and driver call of the process (the decoder library's
+threads' too): the calls that held a thread longest are printed and written beside --out
+(what a device-wide wait inside the decode would show as: cudaFree, cudaDeviceSynchronize,
+cudaStreamSynchronize, cudaMalloc on the legacy stream).
 """
 import argparse
 import json
@@ -84,6 +90,23 @@ def run(x, step, batches, dev, steps: int, variant: str, finish) -> float:
     return steps * 128 / (time.perf_counter() - began)
 
 
+def profiled(work, trace: Path, top: int = 15) -> list[dict]:
+    """work() under torch.profiler: the CUDA runtime/driver calls (names starting with cu) that
+    took the most host time, summed over the process's threads; the trace to `trace`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        rate = work()
+    prof.export_chrome_trace(str(trace))
+    calls = [e for e in prof.key_averages() if e.key.startswith("cu")]
+    calls.sort(key=lambda e: -e.cpu_time_total)
+    rows = [{"call": e.key, "count": e.count, "host_ms": round(e.cpu_time_total / 1000, 1)} for e in calls[:top]]
+    print(f"profiled at {rate:.0f} img/s; CUDA calls by host time:", flush=True)
+    for row in rows:
+        print(f"  {row['call']:40s} {row['count']:7d} calls {row['host_ms']:9.1f} ms", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -91,6 +114,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--variants", default="synthetic,1/0,2/0,2/-1,3/-1")
     p.add_argument("--modes", default="eager,graph")
+    p.add_argument("--profile", help="a variant to run once more per mode under torch.profiler")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
     folder = tempfile.mkdtemp(prefix="finish-under-load-")
@@ -108,6 +132,10 @@ def main() -> None:
                 print(mode, r, v, rounds[v][-1], flush=True)
         result["modes"][mode] = {"median": {v: statistics.median(r) for v, r in rounds.items()}, "rounds": rounds}
         print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
+        if a.profile:
+            result["modes"][mode]["profile"] = profiled(lambda x=x, step=step: run(x, step, batches, dev, a.steps,
+                                                                                    a.profile, train.on_device),
+                                                        Path(a.out).with_suffix(f".{mode}.trace.json"))
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
