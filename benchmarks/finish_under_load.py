@@ -6,8 +6,10 @@ A ResNet-50 training step (bf16, channels_last, SGD, batch 128) runs in the main
 replayed as one CUDA graph, each step's input copied from the next finished batch; the batches
 (ImageBatch, still encoded, as loader workers hand them over, from a generated folder of detailed
 JPEGs in memory: no workers, no files) are decoded and cropped by prefetch_thread.finish_in_thread,
-as `multigpu train --decode gpu` runs them. Variants: THREADS helpers on streams of PRIORITY (0 or
--1, higher), and `synthetic` (the same step on a fixed batch, nothing decoded). Per mode (eager,
+as `multigpu train --decode gpu` runs them. Variants: THREADS/PRIORITY, helpers on streams of
+PRIORITY (0 or -1, higher); THREADS/PRIORITY/r, the same with nvImageCodec decoding into the
+previous batch's Images (ReusingDecoder: no allocation per image); and `synthetic` (the same step
+on a fixed batch, nothing decoded). Per mode (eager,
 graph) the variants take turns, round by round; images a second of each, the median round.
 
 --profile VARIANT: after the rounds, that variant once more per mode under torch.profiler, whose
@@ -20,9 +22,11 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from multigpu.bench import imagegen
@@ -70,12 +74,46 @@ def batches_of(folder: str, count: int):
     return train, [gpu_images.collate(samples[k:k + 128]) for k in range(0, len(samples), 128)]
 
 
+class ReusingDecoder(jpeg_decoders.NvImageCodecDecoder):
+    """nvImageCodec decoding into the Images of the thread's previous batch (its `images=`: their
+    buffers resized, not allocated and freed per image), read through __cuda_array_interface__
+    (a DLPack capsule is taken once). Safe here because a thread always decodes on its own stream,
+    after the crops that read its previous batch were queued on it."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self._kept = threading.local()
+
+    def decode(self, encoded, device):
+        sources = [self._code_stream(data) for data in encoded]
+        readable = [k for k, src in enumerate(sources) if src is not None]
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        kept = getattr(self._kept, "images", [])
+        reuse = {"images": kept[:len(readable)]} if len(kept) >= len(readable) else {}
+        with self._decoder() as decoder:
+            decoded = decoder.decode([sources[k] for k in readable], params=self._params, cuda_stream=stream,
+                                     **reuse)
+        if not reuse and all(image is not None for image in decoded):
+            self._kept.images = list(decoded)
+        images = [None] * len(encoded)
+        for k, image in zip(readable, decoded, strict=True):
+            if image is not None:
+                images[k] = (torch.as_tensor(image, device=device) if device.type == "cuda"
+                             else torch.from_numpy(np.array(image)))
+        return images
+
+
+CHOSEN = REUSING = None  # set in main: the run's decoder, and the reusing one (variants ".../r")
+
+
 def run(x, step, batches, dev, steps: int, variant: str, finish) -> float:
     mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1) * 255
     if variant == "synthetic":
         source = ((k, None) for k in range(steps + 10))
     else:
-        threads, priority = (int(v) for v in variant.split("/"))
+        threads, priority, *reuse = variant.split("/")
+        threads, priority = int(threads), int(priority)
+        jpeg_decoders.use(dev, REUSING if reuse == ["r"] else CHOSEN)
         pairs = ((k, batches[k % len(batches)]) for k in range(steps + 10))
         source = finish_in_thread(pairs, dev, lambda b: finish(move_to_device(b, dev, True), dev),
                                   threads=threads, priority=priority)
@@ -121,6 +159,9 @@ def main() -> None:
     imagegen.write_folder(folder, "detailed", 1280, 16)
     train, batches = batches_of(folder, 10)
     print("decoder:", gpu_images.decoder_name(dev), flush=True)
+    global CHOSEN, REUSING
+    CHOSEN = jpeg_decoders.choose(dev)
+    REUSING = ReusingDecoder(dev) if any(v.endswith("/r") for v in a.variants.split(",")) else None
     result = {"what": __doc__.split("\n")[0], "torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev),
               "steps": a.steps, "decoder": jpeg_decoders.choose(dev).name, "modes": {}}
     for mode in a.modes.split(","):
