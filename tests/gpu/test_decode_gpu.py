@@ -138,26 +138,45 @@ def test_nvimagecodec_picks_the_engines_and_decodes_as_pil_does():
 @needs_nvimgcodec
 def test_two_finishing_threads_decode_at_once_and_give_one_threads_pixels(tmp_path):
     """The folder's encoded batches through prefetch_thread (moved first, as the prepared loader
-    moves them) with the decoder's two helpers, each on its stream with a Decoder of its own,
-    against the same batches finished one at a time."""
+    moves them) with the decoder's two helpers, each on its stream with a Decoder of its own:
+    every call meets the other inside the decode (a barrier: helpers taking turns would break
+    it). Every batch handed over is kept on the GPU until the end, then compared with the same
+    batches finished one at a time: a buffer reused while the training stream still read it would
+    show as changed pixels."""
+    import threading
+    from contextlib import contextmanager
+
     from multigpu.core.loading.data import move_to_device
     from multigpu.core.loading.prefetch_thread import finish_in_thread
 
     chosen = jpeg_decoders.choose(GPU)
-    assert isinstance(chosen, jpeg_decoders.NvImageCodecDecoder) and chosen.threads == 2
+    assert isinstance(chosen, jpeg_decoders.NvImageCodecDecoder) and chosen.threads == chosen.pool_size == 2
     train = imagefolder.load_folder(str(make_folder(tmp_path, per_class=16)), 64).train
     encoded = samples(train, on_gpu=True)
     batches = [gpu_images.collate(encoded[k:k + 4]) for k in range(0, len(encoded) - 3, 4)]
+    assert len(batches) % 2 == 0
 
     def finished(threads):
-        out = []
         source = ((k, (x, y)) for k, (x, y) in enumerate(batches))
-        for k, (x, y) in finish_in_thread(source, GPU, lambda b: train.on_device(move_to_device(b, GPU, True), GPU),
-                                          threads=threads):
-            out.append((k, x.cpu(), y.clone()))
-        return out
+        kept = list(finish_in_thread(source, GPU, lambda b: train.on_device(move_to_device(b, GPU, True), GPU),
+                                     threads=threads))
+        torch.cuda.synchronize(GPU)
+        return [(k, x.cpu(), y.cpu()) for k, (x, y) in kept]
 
-    one, two = finished(1), finished(2)
+    one = finished(1)
+    held, together = chosen._decoder, threading.Barrier(2, timeout=30)
+
+    @contextmanager
+    def meeting():
+        with held() as decoder:
+            together.wait()
+            yield decoder
+
+    chosen._decoder = meeting
+    try:
+        two = finished(2)
+    finally:
+        chosen._decoder = held
     assert [k for k, _, _ in two] == list(range(len(batches)))
     for (_, x1, y1), (_, x2, y2) in zip(one, two, strict=True):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)

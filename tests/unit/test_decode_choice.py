@@ -6,7 +6,10 @@ from multigpu.train.data.decode_choice import Plan, pick, rates
 
 
 def test_the_windows_leave_the_queued_batches_out_and_reverse_the_second_round():
-    plan = Plan.for_loader((1.0, 0.0, 0.5), workers=2, prefetch_factor=4, on_cuda=True)
+    plan = Plan.for_loader((1.0, 0.0, 0.5), workers=2, prefetch_factor=4, finished_ahead=3)
+    assert plan.lag == 2 * 4 + 1 + 3 + 1 and plan.steps == 13  # 3 finished ahead, 1 handed over
+    assert Plan.for_loader((1.0, 0.0), workers=2, prefetch_factor=4, finished_ahead=0).lag == 2 * 4 + 1
+    plan = Plan.for_loader((1.0, 0.0, 0.5), workers=2, prefetch_factor=4, finished_ahead=2)
     assert plan.lag == 2 * 4 + 1 + 3 and plan.steps == 12
     assert plan.order == [1.0, 0.0, 0.5, 0.5, 0.0, 1.0]
     events = plan.events()

@@ -107,16 +107,17 @@ def test_nvimagecodec_decodes_rgb_grey_cmyk_and_progressive_as_pil_does():
         assert (image.float() - expected).abs().mean() < 2.5, k
 
 
-def test_nvimagecodec_decodes_from_two_threads_at_once_with_a_decoder_each_kept_for_later():
-    """Two threads' calls meet while each holds a Decoder (a barrier): the pool makes a second
-    for the second, then both are reused; the pixels are the one-thread ones."""
+def test_nvimagecodec_decodes_from_two_threads_at_once_with_a_decoder_each_and_a_third_waits():
+    """Two threads' calls meet while each holds a Decoder of the pool made at the start (a
+    barrier: one Decoder for both, or calls in turn, would break it); their pixels are one
+    thread's. With a pool of one, a second call waits until the first gives its Decoder back."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import contextmanager
 
     nvimgcodec_or_skip()
     decoder = jpeg_decoders.NvImageCodecDecoder(CPU)
-    assert decoder.pool_size == 1 and decoder.threads == 2
+    assert decoder.pool_size == 2 == decoder.threads
     files = [jpeg(scene(64 + 8 * k, 48, seed=k)) for k in range(6)]
     alone = decoder.decode(files, CPU)
     together = threading.Barrier(2, timeout=20)
@@ -125,19 +126,37 @@ def test_nvimagecodec_decodes_from_two_threads_at_once_with_a_decoder_each_kept_
     @contextmanager
     def meeting():
         with held() as one:
-            together.wait()  # one Decoder for both, or calls in turn: broken by its timeout
+            together.wait()
             yield one
 
     decoder._decoder = meeting
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: decoder.decode(files, CPU), range(2)))
-    assert decoder.pool_size == 2
-    decoder._decoder = held
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda _: decoder.decode(files, CPU), range(4)))
-    assert decoder.pool_size == 2, "the pool's decoders are reused, not made again"
     for images in results:
         assert all(torch.equal(a, b) for a, b in zip(alone, images, strict=True))
+
+    single = jpeg_decoders.NvImageCodecDecoder(CPU, pool=1)
+    let_go, inside = threading.Event(), threading.Event()
+    first = single._decoder
+
+    @contextmanager
+    def holding():
+        with first() as one:
+            if not inside.is_set():
+                inside.set()
+                let_go.wait(20)
+            yield one
+
+    single._decoder = holding
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(single.decode, files, CPU)
+        assert inside.wait(20)
+        b = pool.submit(single.decode, files, CPU)
+        with pytest.raises(TimeoutError):
+            b.result(timeout=0.5)  # waiting for the one Decoder, not making another
+        let_go.set()
+        assert all(torch.equal(x, y) for x, y in zip(a.result(20), b.result(20), strict=True))
+    assert single.pool_size == 1
 
 
 def test_nvimagecodec_gives_none_for_files_it_cannot_read_and_decodes_the_rest():

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 from multigpu.bench import imagegen
 from multigpu.bench.measure import Prepared
+from multigpu.core.loading.prefetch_thread import batches_ahead
+from multigpu.train.data import jpeg_decoders
 from multigpu.train.training import MAX_WORKERS, PREFETCH_FACTOR
 
 CLASSES = 10
@@ -36,9 +38,10 @@ def source_side(image_size: int) -> int:
     return max(32, round(image_size * 8 / 7))
 
 
-# Batches a prepared loader holds beyond the DataLoader's queue: the one being copied to the GPU,
-# or the ones loaders.finish_in_thread finishes ahead (its depth, 2).
-DEVICE_AHEAD = 2
+# Batches a prepared loader holds beyond the DataLoader's queue, at most: the one being copied to
+# the GPU, or those prefetch_thread.finish_in_thread holds with the most helpers a JPEG decoder
+# asks for (one too many drained is harmless: from empty a pipeline is only slower).
+DEVICE_AHEAD = batches_ahead(jpeg_decoders.NvImageCodecDecoder.threads)
 # The most batches queued when timing would start: training.loader_workers() gives at most
 # MAX_WORKERS workers, each PREFETCH_FACTOR batches ahead.
 MAX_QUEUE_STEPS = MAX_WORKERS * PREFETCH_FACTOR + DEVICE_AHEAD

@@ -4,8 +4,8 @@ Decoding a batch of JPEGs on the GPU (gpu_images) holds its caller for milliseco
 host side and its wait for the decode, then the crops. Done in the training loop's thread, that
 time adds to every step (measured on one H100, ResNet-50 batch 128: 61 % of the synthetic speed, against 97 %
 with the CPU workers decoding). Here helper threads copy and finish each batch, each on a CUDA
-stream of its own, `depth` batches ahead; the training thread takes batches from the DataLoader
-and hands them over, then only makes its stream wait for a finished batch's event.
+stream of its own, a few batches ahead (batches_ahead); the training thread takes batches from
+the DataLoader and hands them over, then only makes its stream wait for a finished batch's event.
 
 One helper finishes one batch at a time: where a batch's finishing waits on the device (a
 decoder that returns once the GPU's JPEG engines are done) and not on the host, one thread is
@@ -22,17 +22,25 @@ import torch
 
 from multigpu.core.loading.data import map_tensors
 
+DEPTH = 2  # batches finished ahead of the step, at least
 
-def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2, threads: int = 1,
+
+def batches_ahead(threads: int = 1, depth: int = DEPTH) -> int:
+    """Batches finish_in_thread holds finished or being finished ahead of the one it hands over:
+    `depth`, and at least one more than its helpers, so that none waits for work."""
+    return max(depth, max(threads, 1) + 1)
+
+
+def finish_in_thread(batches, device: torch.device, prepare, depth: int = DEPTH, threads: int = 1,
                      priority: int = 0):
     """Yield (info, batch) from `batches` (pairs), each made ready by `prepare(batch)` (copied to
     `device` and finished there) in one of `threads` helper threads, each on a side stream of its
-    own (of `priority`: 0, or negative for a higher one), for the current stream to use; at least
-    one more batch ahead than there are helpers.
+    own (of `priority`: 0, or negative for a higher one), for the current stream to use,
+    batches_ahead(threads, depth) batches ahead.
 
     The DataLoader is iterated here, in the caller's thread: with 0 workers its samples (and their
     random crops, from torch's global generator) are made in the training thread, in order, as
-    without this; only the finishing runs in the helpers, `depth` batches ahead."""
+    without this; only the finishing runs in the helpers."""
     threads = max(threads, 1)
     helper = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="multigpu-finish")
     own = threading.local()  # each helper's stream
@@ -54,7 +62,7 @@ def finish_in_thread(batches, device: torch.device, prepare, depth: int = 2, thr
             return
 
     try:
-        for _ in range(max(depth, threads + 1)):
+        for _ in range(batches_ahead(threads, depth)):
             submit()
         while pending:
             info, future = pending.popleft()

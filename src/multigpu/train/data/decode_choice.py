@@ -11,7 +11,7 @@ decoder makes a sample changes its pixels by a level or so, never which samples 
 their crops.
 
 Each window first lets `lag` steps pass: the batches the loader had queued (workers x
-prefetch_factor, plus the GPU finishing thread's) were made under the previous way. Then it times
+prefetch_factor, plus the GPU finishing threads') were made under the previous way. Then it times
 `steps` steps (step plus wait for data, the device synchronised at both ends) and counts the
 samples this rank's workers made meanwhile. A way's rate is the lower of what the loop consumed
 and what the workers produced: a queue filled by the previous way flatters the first, a loop that
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from multigpu.core import console
+from multigpu.core.loading.prefetch_thread import batches_ahead
 from multigpu.core.system import fileio
 from multigpu.train.data import gpu_images
 
@@ -64,10 +65,11 @@ class Plan:
     rounds: int = ROUNDS
 
     @classmethod
-    def for_loader(cls, shares, workers: int, prefetch_factor: int, on_cuda: bool) -> Plan:
+    def for_loader(cls, shares, workers: int, prefetch_factor: int, finished_ahead: int) -> Plan:
         # the batches queued ahead when the share changes: each worker's prefetch, one in the
-        # DataLoader's hands, and on a GPU the finishing thread's two plus one being handed over
-        lag = workers * prefetch_factor + 1 + (3 if on_cuda else 0)
+        # DataLoader's hands, and on a GPU those the finishing threads hold (`finished_ahead`:
+        # prefetch_thread.batches_ahead; 0 on CPUs) plus one being handed over
+        lag = workers * prefetch_factor + 1 + (finished_ahead + 1 if finished_ahead else 0)
         return cls(tuple(shares), lag, max(MIN_WINDOW, lag))
 
     @property
@@ -199,7 +201,7 @@ def trial_for(data, rt, workers: int, prefetch_factor: int, out: Path | None) ->
     """The trial where --decode auto has a choice (imagefolder.use_decode set measure_decode)."""
     if not getattr(data.train, "measure_decode", False):
         return None
-    plan = Plan.for_loader(candidate_shares(workers), workers, prefetch_factor,
-                           rt.device.type == "cuda")
+    ahead = batches_ahead(data.train.on_device_threads(rt.device)) if rt.device.type == "cuda" else 0
+    plan = Plan.for_loader(candidate_shares(workers), workers, prefetch_factor, ahead)
     return DecodeTrial((data.train, data.val), plan, rt.world_size, rt.device,
                        out if rt.is_main else None)

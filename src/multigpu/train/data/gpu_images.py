@@ -3,8 +3,9 @@
 With `--decode gpu` (or `auto` where it works) loader workers no longer decode: per sample they read
 the file and draw its augmentation (the crop box and flip the CPU path would draw, from the same
 seeded generator, so a sample's augmentation is a function of (seed, epoch, index) either way), and
-the batch leaves them still encoded, as one byte buffer. In a thread of its own, on its own
-stream, while the previous step computes (prefetch_thread), `decode_batch` decodes it in one
+the batch leaves them still encoded, as one byte buffer. In a helper thread, on the helper's own
+stream, while the previous steps compute (prefetch_thread: as many helpers as the decoder decodes
+batches at once, two for nvImageCodec), `decode_batch` decodes it in one
 batched call of the process's JPEG decoder (jpeg_decoders: nvImageCodec on the hardware JPEG
 engines where it is installed and the GPU has them, else torchvision's nvJPEG), then crops,
 resizes (PIL's antialiased bilinear) and flips the whole batch on the GPU in a few batched

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +81,17 @@ class ImageFolderDataset(Dataset):
         self.sample_epoch: int | None = None  # set per sample in workers (loaders.PerSampleSeed)
         self.made_counts = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()  # samples made
         self._named: set[str] = set()
+        # The device path's replacements run in its finishing threads, two at once: one count each.
+        self._bad_lock, self._bad_pid = threading.Lock(), os.getpid()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_bad_lock"] = None  # a lock is this process's own
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._bad_lock, self._bad_pid = threading.Lock(), os.getpid()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -218,11 +231,15 @@ class ImageFolderDataset(Dataset):
         if self.bad_images == "fail":
             raise BadImageError(f"cannot read image '{path}' ({why}): {self.bad_fix}, "
                                 "or pass --bad-images skip to train without it")
-        if count:
-            row = _EPOCH_ROWS if self.sample_epoch is None else self.sample_epoch % _EPOCH_ROWS
-            self.bad_counts[row, _slot()] += 1
-        if path not in self._named:
+        if self._bad_pid != os.getpid():  # a forked worker: the lock may have been copied held
+            self._bad_lock, self._bad_pid = threading.Lock(), os.getpid()
+        with self._bad_lock:
+            if count:
+                row = _EPOCH_ROWS if self.sample_epoch is None else self.sample_epoch % _EPOCH_ROWS
+                self.bad_counts[row, _slot()] += 1
+            named = path in self._named
             self._named.add(path)
+        if not named:
             print(f"multigpu: warning: skipped unreadable image '{path}' ({why}); the next image "
                   "of the split takes its place (--bad-images fail to stop instead)",
                   file=sys.stderr, flush=True)

@@ -99,11 +99,13 @@ class NvImageCodecDecoder(JpegDecoder):
     freed on it when the tensors viewing them (DLPack, no copy) are released: after the crops
     queued on that stream have read them. A call holds its thread until the engines are done
     (the GIL released meanwhile), so `threads` batches are decoded at once, each by an
-    nvImageCodec Decoder of its own: a pool, one more made when a call finds none free (the
-    train and validation loaders' threads may call at once), kept for the next calls."""
+    nvImageCodec Decoder of its own: a pool of `threads` made here, at start-up (where the
+    library's noise on fd 2 is held back); a call that finds none free waits for one (the train
+    and validation loaders' threads may call at once)."""
     threads = 2
 
-    def __init__(self, device: torch.device, hardware: bool = True, fallback: bool = True):
+    def __init__(self, device: torch.device, hardware: bool = True, fallback: bool = True,
+                 pool: int | None = None):
         nvimgcodec = import_nvimgcodec()
         kinds = nvimgcodec.BackendKind
         if device.type == "cuda":
@@ -114,36 +116,29 @@ class NvImageCodecDecoder(JpegDecoder):
         self.name = ("nvImageCodec, hardware JPEG engines" if device.type == "cuda" and hardware
                      else "nvImageCodec, CUDA" if device.type == "cuda" else "nvImageCodec, CPU")
         self._nv = nvimgcodec
-        self._make = lambda: nvimgcodec.Decoder(device_id=device_id, max_num_cpu_threads=HOST_THREADS,
-                                                backends=[nvimgcodec.Backend(k) for k in backends])
-        self._lock = threading.Lock()
-        self._free = [self._new_decoder()]  # the first made here: a backend that fails raises now
+        with quiet_stderr():  # a backend that fails raises here
+            self._free = [nvimgcodec.Decoder(device_id=device_id, max_num_cpu_threads=HOST_THREADS,
+                                             backends=[nvimgcodec.Backend(k) for k in backends])
+                          for _ in range(max(pool or self.threads, 1))]
+        self.pool_size = len(self._free)
+        self._returned = threading.Condition()
         # EXIF orientation off: the crop boxes were drawn on the stored (unrotated) size, as PIL
         # and torchvision read it. Planar RGB: (3, H, W) as it comes.
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                                sample_format=nvimgcodec.SampleFormat.P_RGB)
 
-    def _new_decoder(self):
-        with self._lock, quiet_stderr():  # quiet_stderr swaps fd 2: one thread at a time
-            return self._make()
-
     @contextmanager
     def _decoder(self):
         """A Decoder of the pool, this thread's alone until the block ends."""
-        with self._lock:
-            decoder = self._free.pop() if self._free else None
-        decoder = decoder or self._new_decoder()
+        with self._returned:
+            self._returned.wait_for(lambda: self._free)
+            decoder = self._free.pop()
         try:
             yield decoder
         finally:
-            with self._lock:
+            with self._returned:
                 self._free.append(decoder)
-
-    @property
-    def pool_size(self) -> int:
-        """Decoders made and free now (tests)."""
-        with self._lock:
-            return len(self._free)
+                self._returned.notify()
 
     def decode(self, encoded, device):
         sources = [self._code_stream(data) for data in encoded]
@@ -207,7 +202,7 @@ def _nvimgcodec_engines(device: torch.device) -> JpegDecoder | str:
     if problem:
         return problem
     try:
-        engines_only = NvImageCodecDecoder(device, hardware=True, fallback=False)
+        engines_only = NvImageCodecDecoder(device, hardware=True, fallback=False, pool=1)
     except Exception as exc:
         return f"nvImageCodec does not start on {device} ({_first_line(exc)})"
     if probe_problem(engines_only, device) is not None:
@@ -296,12 +291,15 @@ def import_nvimgcodec():
 _MISSING_CODEC = re.compile(r"nvjpeg2k|nvjpeg2000|nvtiff|libcuda\.so", re.IGNORECASE)
 
 
+_stderr_swap = threading.RLock()  # one swap of fd 2 at a time: swaps that overlapped would restore out of order
+
+
 @contextmanager
 def quiet_stderr():
     """Holds back what C code writes to file descriptor 2 meanwhile, and writes it back without
     the lines on codec libraries JPEGs do not need. Hazard: process-wide; only for the moments
-    the decoder starts (once, at start-up)."""
-    with tempfile.TemporaryFile() as held:
+    the decoder starts (at start-up: its import, and the Decoders of its pool)."""
+    with _stderr_swap, tempfile.TemporaryFile() as held:
         saved = os.dup(2)
         os.dup2(held.fileno(), 2)
         try:

@@ -58,13 +58,17 @@ class ShardDataset(ImageFolderDataset):
         self.shards = [str(s) for s in shards]
         self._where = np.asarray(where, dtype=np.int64).reshape(-1, 3)  # shard, offset, size
         self._files: dict[int, int] = {}  # shard number -> descriptor, least recently used first
-        self._lock: threading.Lock | None = None
+        self._lock = threading.Lock()  # made here: two finishing threads may read at once
         self._pid = os.getpid()
 
     def __getstate__(self):
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_files"], state["_lock"] = {}, None  # descriptors and locks are this process's own
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
     def _data(self, at: int) -> torch.Tensor:
         number, offset, size = (int(v) for v in self._where[at])
@@ -78,9 +82,7 @@ class ShardDataset(ImageFolderDataset):
         if self._pid != os.getpid():  # a forked worker: the parent's descriptors are copies
             for fd in self._files.values():
                 os.close(fd)
-            self._files, self._lock, self._pid = {}, None, os.getpid()
-        if self._lock is None:
-            self._lock = threading.Lock()
+            self._files, self._lock, self._pid = {}, threading.Lock(), os.getpid()
         return self._lock
 
     def _fd(self, number: int) -> int:
