@@ -7,7 +7,9 @@
 # bigfolder: a folder of BIG_IMAGES for the epochs after it; epochs: whole epochs (on the bench's
 # folder where no bigfolder ran, after the bench where that is missing) in settings that take turns (SETTINGS, epoch_threads.py; WINDOW= for no profile window); bench_ro: the
 # bench's synthetic row with --compile reduce-overhead; pipeline: the folder's input pipeline alone
-# in MODES (decode_pipeline.py; after a stage that ran the bench, which makes the folder); imports: -X importtime of a one-GPU
+# in MODES (decode_pipeline.py; after a stage that ran the bench, which makes the folder); finish:
+# finish_under_load.py's VARIANTS (PROFILE: one of them under torch.profiler); gpu_decode_tests:
+# tests/gpu/test_decode_gpu.py; imports: -X importtime of a one-GPU
 # `multigpu train` and of a bare one-process script; startup: startup_phases.py against the bare
 # scripts; cudnn: cudnn_autotune.py. Everything lands in $OUT/checks.tar.gz and $OUT/summary.txt.
 set -uo pipefail
@@ -53,6 +55,16 @@ pipeline() {  # the folder's input pipeline alone, no model (decode_pipeline.py)
     --workers ${PIPELINE_WORKERS:-15} --batches ${PIPELINE_BATCHES:-40} --rounds 3 \
     --modes "${MODES:-cpu,gpu:nvimgcodec@1,gpu:nvimgcodec@2,gpu:nvimgcodec@3}" > "$W/pipeline.txt" 2>&1
   say "pipeline exit $?"; tail -20 "$W/pipeline.txt" | tee -a "$S"
+}
+finish() {  # the GPU decode's finishing path under a training step's load (finish_under_load.py)
+  say "== finish under load"
+  timeout ${FINISH_TIMEOUT:-240} "$PY" benchmarks/finish_under_load.py --out "$W/finish.json" --rounds ${FINISH_ROUNDS:-3} \
+    --variants "${VARIANTS:-synthetic,1/0,2/0,2/0/r}" ${PROFILE:+--profile "$PROFILE"} > "$W/finish.txt" 2>&1
+  say "finish exit $?"; grep -v "^eager [0-9]\|^graph [0-9]" "$W/finish.txt" | tail -40 | tee -a "$S"
+}
+gpu_decode_tests() {  # tests/gpu/test_decode_gpu.py (nvImageCodec from SITE)
+  timeout ${TESTS_TIMEOUT:-200} "$PY" -m pytest -q -m gpu tests/gpu/test_decode_gpu.py -p no:cacheprovider > "$W/gpu-decode-tests.txt" 2>&1
+  say "gpu_decode_tests exit $?"; tail -3 "$W/gpu-decode-tests.txt" | tee -a "$S"
 }
 bench_ro() {
   say "== bench --compile reduce-overhead"; run_bench bench-ro --data synthetic --compile reduce-overhead
