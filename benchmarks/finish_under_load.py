@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu_path_contention import resnet50_parts  # benchmarks/, the script's own folder on sys.path
 from multigpu.bench import imagegen
 from multigpu.core.loading.data import move_to_device
 from multigpu.core.loading.prefetch_thread import finish_in_thread
@@ -37,21 +38,7 @@ from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
 
 def training_step(dev, graph: bool, batch: int = 128):
     """(static input, step()): step trains on what the input holds; replayed as one graph if asked."""
-    import torchvision
-
-    torch.backends.cudnn.benchmark = True
-    model = torchvision.models.resnet50().to(dev, memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(batch, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (batch,), device=dev)
-
-    def step():
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
+    x, step = resnet50_parts(dev, batch, keep_grads=True)
     warm = torch.cuda.Stream(dev)
     warm.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(warm):

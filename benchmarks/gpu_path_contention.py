@@ -9,7 +9,8 @@ decode, torchvision's decode, the crops alone (gpu_images.crop_resize on decoded
 whole decode_batch. The thread runs faster than the step needs (its rate is printed beside what
 the step consumes), so the slowdown is an upper bound for that part.
 
-resnet50_step, time_steps and with_thread are imported by benchmarks/crop_resize_cost.py.
+resnet50_step, time_steps and with_thread are imported by benchmarks/crop_resize_cost.py, resnet50_parts
+by benchmarks/finish_under_load.py.
 """
 import sys
 import time
@@ -19,6 +20,12 @@ import torch
 
 def resnet50_step(dev, batch=128):
     """One ResNet-50 training step (bf16 autocast, channels_last, SGD) on a fixed synthetic batch."""
+    return resnet50_parts(dev, batch)[1]
+
+
+def resnet50_parts(dev, batch=128, keep_grads=False):
+    """(the fixed input batch, step()): resnet50_step's, the input exposed to be written in place;
+    keep_grads zeroes the gradients in place instead of dropping them (as a captured graph needs)."""
     import torchvision
 
     torch.backends.cudnn.benchmark = True
@@ -32,8 +39,8 @@ def resnet50_step(dev, batch=128):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+        opt.zero_grad(set_to_none=not keep_grads)
+    return x, step
 
 
 def time_steps(step, n=40):

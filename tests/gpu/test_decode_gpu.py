@@ -18,6 +18,7 @@ from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
 from tests.multiproc.conftest import multigpu as run_multigpu
 from tests.multiproc.conftest import read_metrics
 from tests.unit.test_gpu_images import make_folder, samples, scene
+from tests.unit.test_jpeg_decoders import meeting_inside
 
 GPU = torch.device("cuda", 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_here,
@@ -144,7 +145,6 @@ def test_two_finishing_threads_decode_at_once_and_give_one_threads_pixels(tmp_pa
     batches finished one at a time: a buffer reused while the training stream still read it would
     show as changed pixels."""
     import threading
-    from contextlib import contextmanager
 
     from multigpu.core.loading.data import move_to_device
     from multigpu.core.loading.prefetch_thread import finish_in_thread
@@ -164,15 +164,8 @@ def test_two_finishing_threads_decode_at_once_and_give_one_threads_pixels(tmp_pa
         return [(k, x.cpu(), y.cpu()) for k, (x, y) in kept]
 
     one = finished(1)
-    held, together = chosen._decoder, threading.Barrier(2, timeout=30)
-
-    @contextmanager
-    def meeting():
-        with held() as decoder:
-            together.wait()
-            yield decoder
-
-    chosen._decoder = meeting
+    held = chosen._decoder
+    chosen._decoder = meeting_inside(chosen, threading.Barrier(2, timeout=30))
     try:
         two = finished(2)
     finally:

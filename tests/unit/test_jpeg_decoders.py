@@ -107,6 +107,21 @@ def test_nvimagecodec_decodes_rgb_grey_cmyk_and_progressive_as_pil_does():
         assert (image.float() - expected).abs().mean() < 2.5, k
 
 
+def meeting_inside(decoder, together):
+    """`decoder._decoder` made to wait at barrier `together` while it holds a Decoder of the pool:
+    calls that took turns, or shared one Decoder, would break the barrier (its timeout)."""
+    from contextlib import contextmanager
+
+    held = decoder._decoder
+
+    @contextmanager
+    def meeting():
+        with held() as one:
+            together.wait()
+            yield one
+    return meeting
+
+
 def test_nvimagecodec_decodes_from_two_threads_at_once_with_a_decoder_each_and_a_third_waits():
     """Two threads' calls meet while each holds a Decoder of the pool made at the start (a
     barrier: one Decoder for both, or calls in turn, would break it); their pixels are one
@@ -120,16 +135,7 @@ def test_nvimagecodec_decodes_from_two_threads_at_once_with_a_decoder_each_and_a
     assert decoder.pool_size == 2 == decoder.threads
     files = [jpeg(scene(64 + 8 * k, 48, seed=k)) for k in range(6)]
     alone = decoder.decode(files, CPU)
-    together = threading.Barrier(2, timeout=20)
-    held = decoder._decoder
-
-    @contextmanager
-    def meeting():
-        with held() as one:
-            together.wait()
-            yield one
-
-    decoder._decoder = meeting
+    decoder._decoder = meeting_inside(decoder, threading.Barrier(2, timeout=20))
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: decoder.decode(files, CPU), range(2)))
     for images in results:
