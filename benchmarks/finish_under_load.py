@@ -8,11 +8,13 @@ replayed as one CUDA graph, each step's input copied from the next finished batc
 JPEGs in memory: no workers, no files) are decoded and cropped by prefetch_thread.finish_in_thread,
 as `multigpu train --decode gpu` runs them. Variants: THREADS/PRIORITY, helpers on streams of
 PRIORITY (0 or -1, higher); THREADS/PRIORITY/r, the same with nvImageCodec decoding into the
-previous batch's Images (ReusingDecoder: no allocation per image); and `synthetic` (the same step
+previous batch's Images (ReusingDecoder: no allocation per image); THREADS/PRIORITY/n, the decode
+alone (the step not run); THREADS/PRIORITY/h, the step on a stream of the highest priority (the
+decoder library's own streams and the helpers' below it); flags combine (2/0/r/h); and `synthetic` (the same step
 on a fixed batch, nothing decoded). Per mode (eager,
 graph) the variants take turns, round by round; images a second of each, the median round.
 
---profile VARIANT: after the rounds, that variant once more per mode under torch.profiler, whose
+--profile VARIANTS: after the rounds, each (20 steps) once more per mode under torch.profiler, whose
 CUPTI tracing records every CUDA runtime and driver call of the process (the decoder library's
 threads' too): the calls that held a thread longest are printed and written beside --out
 (what a device-wide wait inside the decode would show as: cudaFree, cudaDeviceSynchronize,
@@ -90,20 +92,34 @@ class ReusingDecoder(jpeg_decoders.NvImageCodecDecoder):
         return images
 
 
+def _no_step() -> None:
+    pass
+
+
 CHOSEN = REUSING = None  # set in main: the run's decoder, and the reusing one (variants ".../r")
 
 
 def run(x, step, batches, dev, steps: int, variant: str, finish) -> float:
-    mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1) * 255
     if variant == "synthetic":
         source = ((k, None) for k in range(steps + 10))
     else:
-        threads, priority, *reuse = variant.split("/")
+        threads, priority, *flags = variant.split("/")
         threads, priority = int(threads), int(priority)
-        jpeg_decoders.use(dev, REUSING if reuse == ["r"] else CHOSEN)
+        jpeg_decoders.use(dev, REUSING if "r" in flags else CHOSEN)
+        if "n" in flags:  # the decode alone: the step's input is still copied, the step not run
+            step = _no_step
         pairs = ((k, batches[k % len(batches)]) for k in range(steps + 10))
         source = finish_in_thread(pairs, dev, lambda b: finish(move_to_device(b, dev, True), dev),
                                   threads=threads, priority=priority)
+        if "h" in flags:  # the step (and its input's copy) on a stream of the highest priority
+            with torch.cuda.stream(torch.cuda.Stream(dev, priority=-3)):
+                print("step's stream priority", torch.cuda.current_stream(dev).priority, flush=True)
+                return _timed(source, x, step, dev, steps)
+    return _timed(source, x, step, dev, steps)
+
+
+def _timed(source, x, step, dev, steps: int) -> float:
+    mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1) * 255
     for k, batch in source:
         if k == 10:  # the helpers' queue filled, the step settled
             torch.cuda.synchronize(dev)
@@ -115,9 +131,10 @@ def run(x, step, batches, dev, steps: int, variant: str, finish) -> float:
     return steps * 128 / (time.perf_counter() - began)
 
 
-def profiled(work, trace: Path, top: int = 15) -> list[dict]:
+def profiled(work, trace: Path, top: int = 15) -> dict:
     """work() under torch.profiler: the CUDA runtime/driver calls (names starting with cu) that
-    took the most host time, summed over the process's threads; the trace to `trace`."""
+    took the most host time, summed over the process's threads, and the trace's summary
+    (trace_summary); the trace itself to `trace`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -129,7 +146,54 @@ def profiled(work, trace: Path, top: int = 15) -> list[dict]:
     print(f"profiled at {rate:.0f} img/s; CUDA calls by host time:", flush=True)
     for row in rows:
         print(f"  {row['call']:40s} {row['count']:7d} calls {row['host_ms']:9.1f} ms", flush=True)
-    return rows
+    summary = trace_summary(json.loads(trace.read_text()), top)
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"rate": round(rate, 1), "calls": rows, "trace": summary}
+
+
+def _union_ms(spans: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1000
+
+
+def trace_summary(trace: dict, top: int = 15) -> dict:
+    """Where the GPU's time went in a chrome trace: the span of its kernels, the union of their
+    time (the GPU busy with anything), each stream's kernel time and its top kernels, and the
+    runtime/driver calls that held each host thread longest. A GPU busy for the whole span while
+    decoding halves the rate says the decode's kernels take the step's SMs; a GPU idle while a
+    thread waits in a call says that call is the wait."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        return {"kernels": 0}
+    first = min(e["ts"] for e in kernels)
+    last = max(e["ts"] + e["dur"] for e in kernels)
+    streams: dict = {}
+    for e in kernels:
+        streams.setdefault(str(e.get("args", {}).get("stream", "?")), []).append(e)
+    per_stream = {}
+    for sid, evs in sorted(streams.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        names: dict = {}
+        for e in evs:
+            names[e["name"][:80]] = names.get(e["name"][:80], 0.0) + e["dur"]
+        busiest = sorted(names.items(), key=lambda kv: -kv[1])[:6]
+        busy = _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in evs])
+        per_stream[sid] = {"kernels": len(evs), "busy_ms": round(busy, 1),
+                           "top": [[n, round(d / 1000, 1)] for n, d in busiest]}
+    host: dict = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            key = (str(e.get("tid")), e["name"])
+            host[key] = host.get(key, 0.0) + e["dur"]
+    waits = sorted(host.items(), key=lambda kv: -kv[1])[:top]
+    return {"span_ms": round((last - first) / 1000, 1),
+            "gpu_busy_ms": round(_union_ms([(e["ts"], e["ts"] + e["dur"]) for e in kernels]), 1),
+            "streams": per_stream,
+            "host_calls": [[tid, name, round(d / 1000, 1)] for (tid, name), d in waits]}
 
 
 def main() -> None:
@@ -139,7 +203,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--variants", default="synthetic,1/0,2/0,2/-1,3/-1")
     p.add_argument("--modes", default="eager,graph")
-    p.add_argument("--profile", help="a variant to run once more per mode under torch.profiler")
+    p.add_argument("--profile", help="variants (commas) to run once more per mode, 20 steps, under torch.profiler")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
     folder = tempfile.mkdtemp(prefix="finish-under-load-")
@@ -160,10 +224,10 @@ def main() -> None:
                 print(mode, r, v, rounds[v][-1], flush=True)
         result["modes"][mode] = {"median": {v: statistics.median(r) for v, r in rounds.items()}, "rounds": rounds}
         print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
-        if a.profile:
-            result["modes"][mode]["profile"] = profiled(lambda x=x, step=step: run(x, step, batches, dev, a.steps,
-                                                                                    a.profile, train.on_device),
-                                                        Path(a.out).with_suffix(f".{mode}.trace.json"))
+        for v in a.profile.split(",") if a.profile else []:
+            trace = Path(a.out).with_suffix(f".{mode}.{v.replace('/', '_')}.trace.json")
+            result["modes"][mode].setdefault("profile", {})[v] = profiled(
+                lambda x=x, step=step, v=v: run(x, step, batches, dev, 20, v, train.on_device), trace)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -222,16 +222,23 @@ def test_nvimagecodec_batch_with_a_truncated_file_replaces_and_counts_it(tmp_pat
 
 def test_auto_times_each_way_on_the_gpu_and_keeps_one_for_the_run(tmp_path):
     """--decode auto on one GPU: the trial's line, decode.json and the checkpoint agree, and the
-    epoch that held the trial still trains on every sample once. 4 workers: lag 4 x 4 + 1 + 3 =
-    20 steps, windows of 20, so the trial takes 10 + 6 x 40 = 250 steps of batch 1."""
+    epoch that held the trial still trains on every sample once. 4 workers of batch 1, and the
+    finishing helpers' batches ahead: the epoch is sized from the trial's own plan (its lag and
+    windows), with 8 steps to spare."""
     import json
 
+    from multigpu.core.loading.prefetch_thread import batches_ahead
+    from multigpu.train.data.decode_choice import Plan, candidate_shares
+
+    helpers = jpeg_decoders.NvImageCodecDecoder.threads
+    plan = Plan.for_loader(candidate_shares(4), 4, 4, batches_ahead(helpers))
+    per_class = (plan.total + 8 + 1) // 2
     root = tmp_path / "imgs"
-    for split, per_class in (("train", 130), ("val", 4)):
+    for split, count in (("train", per_class), ("val", 4)):
         for c in range(2):
             folder = root / split / f"c{c}"
             folder.mkdir(parents=True)
-            for i in range(per_class):
+            for i in range(count):
                 scene(500, 375, seed=(10 * c + i) % 12).save(folder / f"{i}.jpg", quality=90)
     out = tmp_path / "run"
     proc = run_multigpu("train", "--model", "resnet18", "--data", f"folder:{root}", "--image-size", "64",
@@ -239,10 +246,10 @@ def test_auto_times_each_way_on_the_gpu_and_keeps_one_for_the_run(tmp_path):
                         "--decode", "auto",
                         "--epochs", "1", "--out", out, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    said = re.search(r"decode: samples/s over 6 windows of 20 steps in epoch 1: cpu [\d,]+, gpu [\d,]+, "
+    said = re.search(rf"decode: samples/s over 6 windows of {plan.steps} steps in epoch 1: cpu [\d,]+, gpu [\d,]+, "
                      r"hybrid \d+% [\d,]+; (cpu|gpu|hybrid \d+%) kept for the run", proc.stdout)
     assert said, proc.stdout[-3000:]
     chosen = json.loads((out / "decode.json").read_text())
     assert chosen["measured"] is True and said.group(1) in chosen["rates"]
     assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["decode"] == chosen
-    assert read_metrics(out)[0]["train_samples"] == 260
+    assert read_metrics(out)[0]["train_samples"] == 2 * per_class
