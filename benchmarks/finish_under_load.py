@@ -8,24 +8,32 @@ replayed as one CUDA graph, each step's input copied from the next finished batc
 JPEGs in memory: no workers, no files) are decoded and cropped by prefetch_thread.finish_in_thread,
 as `multigpu train --decode gpu` runs them. Variants: THREADS/PRIORITY, helpers on streams of
 PRIORITY (0 or -1, higher); THREADS/PRIORITY/r, the same with nvImageCodec decoding into the
-previous batch's Images (ReusingDecoder: no allocation per image); THREADS/PRIORITY/n, the decode
+previous batch's Images (ReusingDecoder: no allocation per image); .../c, nvImageCodec's CUDA
+decoder instead of the hardware engines; THREADS/PRIORITY/n, the decode
 alone (the step not run); THREADS/PRIORITY/h, the step on a stream of the highest priority (the
-decoder library's own streams and the helpers' below it); flags combine (2/0/r/h); and `synthetic` (the same step
-on a fixed batch, nothing decoded). Per mode (eager,
-graph) the variants take turns, round by round; images a second of each, the median round.
+decoder library's own streams and the helpers' below it); THREADS/PRIORITY/s, the host queueing
+at most 2 steps ahead of the GPU (asleep on an event meanwhile, the GIL free); flags combine
+(2/0/r/h); and `synthetic` (the same step on a fixed batch, nothing decoded). Per mode (eager,
+graph, and stand-ins for the step that train nothing, `mm`, `bw`, `mmgap`: stand_in_step) the variants
+take turns, round by round; images a second of each, the median round.
 
---profile VARIANTS: after the rounds, each (20 steps) once more per mode under torch.profiler, whose
+Each run also reports Phases: the helpers' time a batch in its parts, and how late a sleeping thread
+wakes (the GIL held elsewhere).
+
+--profile VARIANTS: after the rounds, each once more per mode (30 steps, 20 timed) under torch.profiler, whose
 CUPTI tracing records every CUDA runtime and driver call of the process (the decoder library's
 threads' too): the calls that held a thread longest are printed and written beside --out
 (what a device-wide wait inside the decode would show as: cudaFree, cudaDeviceSynchronize,
 cudaStreamSynchronize, cudaMalloc on the legacy stream).
 """
 import argparse
+import collections
 import json
 import statistics
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +44,42 @@ from multigpu.bench import imagegen
 from multigpu.core.loading.data import move_to_device
 from multigpu.core.loading.prefetch_thread import finish_in_thread
 from multigpu.train.data import gpu_images, imagefolder, jpeg_decoders
+
+
+def stand_in_step(dev, kind: str, batch: int = 128):
+    """(static input, step()): one CUDA graph of about a ResNet-50 step's GPU time (~29 ms on an
+    H200) that is not training: "mm", bf16 matrix products (the SMs' math busy); "bw", copies of
+    a 2 GiB tensor (the memory's bandwidth busy); "mmgap", mm's products as 10 graphs of 2, the
+    host waiting for each (the GPU idle for a moment between them). Which slows the decode?"""
+    x = torch.zeros(batch, 3, 224, 224, device=dev)
+    if kind in ("mm", "mmgap"):
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        work, repeat = (lambda: torch.mm(a, a, out=a2)), 20 if kind == "mm" else 2
+        a2 = torch.empty_like(a)
+    else:
+        big = torch.empty(2**30, device=dev, dtype=torch.float16)
+        other = torch.empty_like(big)
+        work, repeat = (lambda: other.copy_(big)), 30
+    work()
+    torch.cuda.synchronize(dev)
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        for _ in range(repeat):
+            work()
+    step = captured.replay
+    if kind == "mmgap":
+        def step():
+            for _ in range(10):
+                captured.replay()
+                torch.cuda.current_stream(dev).synchronize()
+    step()
+    torch.cuda.synchronize(dev)
+    began = time.perf_counter()
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize(dev)
+    print(f"stand-in step {kind}: {(time.perf_counter() - began) / 5 * 1000:.1f} ms", flush=True)
+    return x, step
 
 
 def training_step(dev, graph: bool, batch: int = 128):
@@ -92,41 +136,120 @@ class ReusingDecoder(jpeg_decoders.NvImageCodecDecoder):
         return images
 
 
+class Phases:
+    """Over one run: the helpers' milliseconds a batch in each part of its finishing (move: the
+    copy to the device queued; decode: the decoder's call; finish: all of it), and how late a
+    thread that sleeps 0.5 ms at a time wakes (another thread holding the GIL keeps it out)."""
+
+    def __init__(self):
+        self.seconds, self.counts = collections.Counter(), collections.Counter()
+        self.late: list[float] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._probe = threading.Thread(target=self._sleeper, daemon=True)
+
+    @contextmanager
+    def part(self, name: str):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.seconds[name] += time.perf_counter() - began
+                self.counts[name] += 1
+
+    def _sleeper(self) -> None:
+        while not self._stop.is_set():
+            began = time.perf_counter()
+            time.sleep(0.0005)
+            self.late.append(time.perf_counter() - began - 0.0005)
+
+    def __enter__(self):
+        self._probe.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._probe.join()
+
+    def summary(self) -> dict:
+        batches = max(self.counts["finish"], 1)
+        late = sorted(self.late) or [0.0]
+        return {**{f"{k}_ms": round(v * 1000 / batches, 2) for k, v in self.seconds.items()},
+                "late_ms": {q: round(late[min(int(f * len(late)), len(late) - 1)] * 1000, 2)
+                            for q, f in (("p50", .5), ("p90", .9), ("p99", .99), ("max", 1.0))},
+                "late_share": round(sum(late) / max(sum(late) + 0.0005 * len(late), 1e-9), 3)}
+
+
+class TimedDecoder(jpeg_decoders.JpegDecoder):
+    """`inner`'s decode, its time counted in `phases` as "decode"."""
+
+    def __init__(self, inner, phases: Phases):
+        self.inner, self.phases, self.name, self.threads = inner, phases, inner.name, inner.threads
+
+    def decode(self, encoded, device):
+        with self.phases.part("decode"):
+            return self.inner.decode(encoded, device)
+
+
 def _no_step() -> None:
     pass
 
 
-CHOSEN = REUSING = None  # set in main: the run's decoder, and the reusing one (variants ".../r")
+# set in main: the run's decoder, the reusing one (variants ".../r"), nvImageCodec's CUDA decoder
+# (".../c": no hardware engines; or why it did not start)
+CHOSEN = REUSING = CUDA_DECODER = None
 
 
-def run(x, step, batches, dev, steps: int, variant: str, finish) -> float:
-    if variant == "synthetic":
+def run(x, step, batches, dev, steps: int, variant: str, finish, phases: Phases | None = None) -> float:
+    if variant.startswith("synthetic"):  # synthetic/s: paced
         source = ((k, None) for k in range(steps + 10))
+        return _timed(source, x, step, dev, steps, 2 if variant.endswith("/s") else 0)
     else:
         threads, priority, *flags = variant.split("/")
         threads, priority = int(threads), int(priority)
-        jpeg_decoders.use(dev, REUSING if "r" in flags else CHOSEN)
+        phases = phases or Phases()
+        chosen = REUSING if "r" in flags else CUDA_DECODER if "c" in flags else CHOSEN
+        if isinstance(chosen, str):
+            print(f"variant {variant}: {chosen}", flush=True)
+            return 0.0
+        jpeg_decoders.use(dev, TimedDecoder(chosen, phases))
         if "n" in flags:  # the decode alone: the step's input is still copied, the step not run
             step = _no_step
+
+        def prepare(batch):
+            with phases.part("finish"):
+                with phases.part("move"):
+                    moved = move_to_device(batch, dev, True)
+                return finish(moved, dev)
+
         pairs = ((k, batches[k % len(batches)]) for k in range(steps + 10))
-        source = finish_in_thread(pairs, dev, lambda b: finish(move_to_device(b, dev, True), dev),
-                                  threads=threads, priority=priority)
+        source = finish_in_thread(pairs, dev, prepare, threads=threads, priority=priority)
+        ahead = 2 if "s" in flags else 0
         if "h" in flags:  # the step (and its input's copy) on a stream of the highest priority
             with torch.cuda.stream(torch.cuda.Stream(dev, priority=-3)):
                 print("step's stream priority", torch.cuda.current_stream(dev).priority, flush=True)
-                return _timed(source, x, step, dev, steps)
-    return _timed(source, x, step, dev, steps)
+                return _timed(source, x, step, dev, steps, ahead)
+        return _timed(source, x, step, dev, steps, ahead)
 
 
-def _timed(source, x, step, dev, steps: int) -> float:
+def _timed(source, x, step, dev, steps: int, ahead: int) -> float:
+    """Images a second over `steps` steps after 10; with `ahead`, the host waits (asleep) before
+    queueing a step while `ahead` steps are still queued on the GPU."""
     mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1) * 255
+    queued: list = []
     for k, batch in source:
         if k == 10:  # the helpers' queue filled, the step settled
             torch.cuda.synchronize(dev)
             began = time.perf_counter()
+        if ahead and len(queued) >= ahead:
+            queued.pop(0).synchronize()
         if batch is not None:
             x.copy_(batch[0].float().sub_(mean))
         step()
+        if ahead:
+            queued.append(torch.cuda.Event(blocking=True))
+            queued[-1].record()
     torch.cuda.synchronize(dev)
     return steps * 128 / (time.perf_counter() - began)
 
@@ -203,26 +326,36 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--variants", default="synthetic,1/0,2/0,2/-1,3/-1")
     p.add_argument("--modes", default="eager,graph")
-    p.add_argument("--profile", help="variants (commas) to run once more per mode, 20 steps, under torch.profiler")
+    p.add_argument("--profile", help="variants (commas) to run once more per mode (30 steps, 20 timed), profiled")
     a = p.parse_args()
     dev = torch.device("cuda", 0)
     folder = tempfile.mkdtemp(prefix="finish-under-load-")
     imagegen.write_folder(folder, "detailed", 1280, 16)
     train, batches = batches_of(folder, 10)
     print("decoder:", gpu_images.decoder_name(dev), flush=True)
-    global CHOSEN, REUSING
+    global CHOSEN, REUSING, CUDA_DECODER
     CHOSEN = jpeg_decoders.choose(dev)
-    REUSING = ReusingDecoder(dev) if any(v.endswith("/r") for v in a.variants.split(",")) else None
+    REUSING = ReusingDecoder(dev) if any("/r" in v for v in a.variants.split(",")) else None
+    if any("/c" in v for v in a.variants.split(",")):
+        try:
+            CUDA_DECODER = jpeg_decoders.NvImageCodecDecoder(dev, hardware=False)
+        except Exception as exc:
+            CUDA_DECODER = f"nvImageCodec's CUDA decoder did not start ({str(exc).splitlines()[0][:120]})"
     result = {"what": __doc__.split("\n")[0], "torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev),
               "steps": a.steps, "decoder": jpeg_decoders.choose(dev).name, "modes": {}}
     for mode in a.modes.split(","):
-        x, step = training_step(dev, graph=mode == "graph")
+        stand_in = mode in ("mm", "bw", "mmgap")
+        x, step = stand_in_step(dev, mode) if stand_in else training_step(dev, graph=mode == "graph")
         rounds = {v: [] for v in a.variants.split(",")}
+        parts = {v: [] for v in rounds}
         for r in range(a.rounds):
             for v in rounds:
-                rounds[v].append(round(run(x, step, batches, dev, a.steps, v, train.on_device), 1))
-                print(mode, r, v, rounds[v][-1], flush=True)
-        result["modes"][mode] = {"median": {v: statistics.median(r) for v, r in rounds.items()}, "rounds": rounds}
+                with Phases() as phases:
+                    rounds[v].append(round(run(x, step, batches, dev, a.steps, v, train.on_device, phases), 1))
+                parts[v].append(phases.summary())
+                print(mode, r, v, rounds[v][-1], json.dumps(parts[v][-1]), flush=True)
+        result["modes"][mode] = {"median": {v: statistics.median(r) for v, r in rounds.items()}, "rounds": rounds,
+                                 "phases": parts}
         print(mode, json.dumps(result["modes"][mode]["median"]), flush=True)
         for v in a.profile.split(",") if a.profile else []:
             trace = Path(a.out).with_suffix(f".{mode}.{v.replace('/', '_')}.trace.json")
