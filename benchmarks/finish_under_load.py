@@ -6,25 +6,26 @@ A ResNet-50 training step (bf16, channels_last, SGD, batch 128) runs in the main
 replayed as one CUDA graph, each step's input copied from the next finished batch; the batches
 (ImageBatch, still encoded, as loader workers hand them over, from a generated folder of detailed
 JPEGs in memory: no workers, no files) are decoded and cropped by prefetch_thread.finish_in_thread,
-as `multigpu train --decode gpu` runs them. Variants: THREADS/PRIORITY, helpers on streams of
-PRIORITY (0 or -1, higher); THREADS/PRIORITY/r, the same with nvImageCodec decoding into the
-previous batch's Images (ReusingDecoder: no allocation per image); .../c, nvImageCodec's CUDA
-decoder instead of the hardware engines; THREADS/PRIORITY/n, the decode
-alone (the step not run); THREADS/PRIORITY/h, the step on a stream of the highest priority (the
-decoder library's own streams and the helpers' below it); THREADS/PRIORITY/s, the host queueing
-at most 2 steps ahead of the GPU (asleep on an event meanwhile, the GIL free); flags combine
-(2/0/r/h); and `synthetic` (the same step on a fixed batch, nothing decoded). Per mode (eager,
-graph, and stand-ins for the step that train nothing, `mm`, `bw`, `mmgap`: stand_in_step) the variants
-take turns, round by round; images a second of each, the median round.
+as `multigpu train --decode gpu` runs them.
 
-Each run also reports Phases: the helpers' time a batch in its parts, and how late a sleeping thread
-wakes (the GIL held elsewhere).
+Variants: THREADS/PRIORITY, helpers on streams of PRIORITY (0 or -1, higher), and flags after it
+that combine (2/0/r/h): /r nvImageCodec decoding into the previous batch's Images (ReusingDecoder:
+no allocation per image); /c nvImageCodec's CUDA decoder instead of the hardware engines; /n the
+decode alone (the step not run); /h the step on a stream of the highest priority (the decoder
+library's own streams and the helpers' below it); /s the host queueing at most 2 steps ahead of
+the GPU (asleep on an event meanwhile, the GIL free). `synthetic` is the same step on a fixed
+batch, nothing decoded (synthetic/s: paced). Per mode (eager, graph, and stand-ins for the step
+that train nothing, `mm`, `bw`, `mmgap`: stand_in_step) the variants take turns, round by round;
+images a second of each, the median round.
 
---profile VARIANTS: after the rounds, each once more per mode (30 steps, 20 timed) under torch.profiler, whose
-CUPTI tracing records every CUDA runtime and driver call of the process (the decoder library's
-threads' too): the calls that held a thread longest are printed and written beside --out
-(what a device-wide wait inside the decode would show as: cudaFree, cudaDeviceSynchronize,
-cudaStreamSynchronize, cudaMalloc on the legacy stream).
+Each run also reports Phases: the helpers' time a batch in its parts, and how late a sleeping
+thread wakes (the GIL held elsewhere).
+
+--profile VARIANTS: after the rounds, each once more per mode (30 steps, 20 timed) under
+torch.profiler, whose CUPTI tracing records every CUDA runtime and driver call and kernel of the
+process (the decoder library's threads' too): the calls that held a thread longest, and
+trace_summary's view (each stream's kernel time, the GPU busy with anything), printed and written
+beside --out with the trace.
 """
 import argparse
 import collections

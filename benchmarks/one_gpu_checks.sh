@@ -8,7 +8,7 @@
 # folder where no bigfolder ran, after the bench where that is missing) in settings that take turns (SETTINGS, epoch_threads.py; WINDOW= for no profile window); bench_ro: the
 # bench's synthetic row with --compile reduce-overhead; pipeline: the folder's input pipeline alone
 # in MODES (decode_pipeline.py; after a stage that ran the bench, which makes the folder); finish:
-# finish_under_load.py's VARIANTS (PROFILE: one of them under torch.profiler); gpu_decode_tests:
+# finish_under_load.py's VARIANTS (PROFILE: some of them, commas, under torch.profiler); gpu_decode_tests:
 # tests/gpu/test_decode_gpu.py; imports: -X importtime of a one-GPU
 # `multigpu train` and of a bare one-process script; startup: startup_phases.py against the bare
 # scripts; cudnn: cudnn_autotune.py. Everything lands in $OUT/checks.tar.gz and $OUT/summary.txt.
