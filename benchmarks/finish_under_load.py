@@ -55,8 +55,8 @@ def stand_in_step(dev, kind: str, batch: int = 128):
     x = torch.zeros(batch, 3, 224, 224, device=dev)
     if kind in ("mm", "mmgap"):
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        work, repeat = (lambda: torch.mm(a, a, out=a2)), 20 if kind == "mm" else 2
         a2 = torch.empty_like(a)
+        work, repeat = (lambda: torch.mm(a, a, out=a2)), 20 if kind == "mm" else 2
     else:
         big = torch.empty(2**30, device=dev, dtype=torch.float16)
         other = torch.empty_like(big)
@@ -206,32 +206,28 @@ def run(x, step, batches, dev, steps: int, variant: str, finish, phases: Phases 
     if variant.startswith("synthetic"):  # synthetic/s: paced
         source = ((k, None) for k in range(steps + 10))
         return _timed(source, x, step, dev, steps, 2 if variant.endswith("/s") else 0)
-    else:
-        threads, priority, *flags = variant.split("/")
-        threads, priority = int(threads), int(priority)
-        phases = phases or Phases()
-        chosen = REUSING if "r" in flags else CUDA_DECODER if "c" in flags else CHOSEN
-        if isinstance(chosen, str):
-            print(f"variant {variant}: {chosen}", flush=True)
-            return 0.0
-        jpeg_decoders.use(dev, TimedDecoder(chosen, phases))
-        if "n" in flags:  # the decode alone: the step's input is still copied, the step not run
-            step = _no_step
+    threads, priority, *flags = variant.split("/")
+    phases = phases or Phases()
+    chosen = REUSING if "r" in flags else CUDA_DECODER if "c" in flags else CHOSEN
+    if isinstance(chosen, str):
+        print(f"variant {variant}: {chosen}", flush=True)
+        return 0.0
+    jpeg_decoders.use(dev, TimedDecoder(chosen, phases))
+    if "n" in flags:  # the decode alone: the step's input is still copied, the step not run
+        step = _no_step
 
-        def prepare(batch):
-            with phases.part("finish"):
-                with phases.part("move"):
-                    moved = move_to_device(batch, dev, True)
-                return finish(moved, dev)
+    def prepare(batch):
+        with phases.part("finish"):
+            with phases.part("move"):
+                moved = move_to_device(batch, dev, True)
+            return finish(moved, dev)
 
-        pairs = ((k, batches[k % len(batches)]) for k in range(steps + 10))
-        source = finish_in_thread(pairs, dev, prepare, threads=threads, priority=priority)
-        ahead = 2 if "s" in flags else 0
-        if "h" in flags:  # the step (and its input's copy) on a stream of the highest priority
-            with torch.cuda.stream(torch.cuda.Stream(dev, priority=-3)):
-                print("step's stream priority", torch.cuda.current_stream(dev).priority, flush=True)
-                return _timed(source, x, step, dev, steps, ahead)
-        return _timed(source, x, step, dev, steps, ahead)
+    pairs = ((k, batches[k % len(batches)]) for k in range(steps + 10))
+    source = finish_in_thread(pairs, dev, prepare, threads=int(threads), priority=int(priority))
+    # /h: the step (and its input's copy) on a stream of the highest priority torch gives
+    stream = torch.cuda.Stream(dev, priority=-3) if "h" in flags else torch.cuda.current_stream(dev)
+    with torch.cuda.stream(stream):
+        return _timed(source, x, step, dev, steps, 2 if "s" in flags else 0)
 
 
 def _timed(source, x, step, dev, steps: int, ahead: int) -> float:
