@@ -9,10 +9,11 @@ JPEGs in memory: no workers, no files) are decoded and cropped by prefetch_threa
 as `multigpu train --decode gpu` runs them.
 
 Variants: THREADS/PRIORITY, helpers on streams of PRIORITY (0 or -1, higher), and flags after it
-that combine (2/0/r/h): /r nvImageCodec decoding into the previous batch's Images (ReusingDecoder:
-no allocation per image); /c nvImageCodec's CUDA decoder instead of the hardware engines; /n the
-decode alone (the step not run); /h the step on a stream of the highest priority (the decoder
-library's own streams and the helpers' below it); /s the host queueing at most 2 steps ahead of
+that combine (2/0/f/h): /f nvImageCodec decoding into new Images each batch (its decode, as
+before the product's decode_transient reused the previous batch's: round 7's /r); /c
+nvImageCodec's CUDA decoder instead of the hardware engines; /n the decode alone (the step not
+run); /h the step on a stream of the highest priority (the decoder library's own streams and
+the helpers' below it); /s the host queueing at most 2 steps ahead of
 the GPU (asleep on an event meanwhile, the GIL free). `synthetic` is the same step on a fixed
 batch, nothing decoded (synthetic/s: paced). Per mode (eager, graph, and stand-ins for the step
 that train nothing, `mm`, `bw`, `mmgap`: stand_in_step) the variants take turns, round by round;
@@ -37,7 +38,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gpu_path_contention import resnet50_parts  # benchmarks/, the script's own folder on sys.path
@@ -108,35 +108,6 @@ def batches_of(folder: str, count: int):
     return train, [gpu_images.collate(samples[k:k + 128]) for k in range(0, len(samples), 128)]
 
 
-class ReusingDecoder(jpeg_decoders.NvImageCodecDecoder):
-    """nvImageCodec decoding into the Images of the thread's previous batch (its `images=`: their
-    buffers resized, not allocated and freed per image), read through __cuda_array_interface__
-    (a DLPack capsule is taken once). Safe here because a thread always decodes on its own stream,
-    after the crops that read its previous batch were queued on it."""
-
-    def __init__(self, device):
-        super().__init__(device)
-        self._kept = threading.local()
-
-    def decode(self, encoded, device):
-        sources = [self._code_stream(data) for data in encoded]
-        readable = [k for k, src in enumerate(sources) if src is not None]
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        kept = getattr(self._kept, "images", [])
-        reuse = {"images": kept[:len(readable)]} if len(kept) >= len(readable) else {}
-        with self._decoder() as decoder:
-            decoded = decoder.decode([sources[k] for k in readable], params=self._params, cuda_stream=stream,
-                                     **reuse)
-        if not reuse and all(image is not None for image in decoded):
-            self._kept.images = list(decoded)
-        images = [None] * len(encoded)
-        for k, image in zip(readable, decoded, strict=True):
-            if image is not None:
-                images[k] = (torch.as_tensor(image, device=device) if device.type == "cuda"
-                             else torch.from_numpy(np.array(image)))
-        return images
-
-
 class Phases:
     """Over one run: the helpers' milliseconds a batch in each part of its finishing (move: the
     copy to the device queued; decode: the decoder's call; finish: all of it), and how late a
@@ -183,23 +154,31 @@ class Phases:
 
 
 class TimedDecoder(jpeg_decoders.JpegDecoder):
-    """`inner`'s decode, its time counted in `phases` as "decode"."""
+    """`inner`'s decode, its time counted in `phases` as "decode"; the crops' call goes to its
+    decode_transient, or with `fresh` to its decode (new Images every batch)."""
 
-    def __init__(self, inner, phases: Phases):
+    def __init__(self, inner, phases: Phases, fresh: bool = False):
         self.inner, self.phases, self.name, self.threads = inner, phases, inner.name, inner.threads
+        self.fresh = fresh
 
     def decode(self, encoded, device):
         with self.phases.part("decode"):
             return self.inner.decode(encoded, device)
+
+    def decode_transient(self, encoded, device):
+        if self.fresh:
+            return self.decode(encoded, device)
+        with self.phases.part("decode"):
+            return self.inner.decode_transient(encoded, device)
 
 
 def _no_step() -> None:
     pass
 
 
-# set in main: the run's decoder, the reusing one (variants ".../r"), nvImageCodec's CUDA decoder
-# (".../c": no hardware engines; or why it did not start)
-CHOSEN = REUSING = CUDA_DECODER = None
+# set in main: the run's decoder, nvImageCodec's CUDA decoder (".../c": no hardware engines; or why
+# it did not start)
+CHOSEN = CUDA_DECODER = None
 
 
 def run(x, step, batches, dev, steps: int, variant: str, finish, phases: Phases | None = None) -> float:
@@ -208,11 +187,11 @@ def run(x, step, batches, dev, steps: int, variant: str, finish, phases: Phases 
         return _timed(source, x, step, dev, steps, 2 if variant.endswith("/s") else 0)
     threads, priority, *flags = variant.split("/")
     phases = phases or Phases()
-    chosen = REUSING if "r" in flags else CUDA_DECODER if "c" in flags else CHOSEN
+    chosen = CUDA_DECODER if "c" in flags else CHOSEN
     if isinstance(chosen, str):
         print(f"variant {variant}: {chosen}", flush=True)
         return 0.0
-    jpeg_decoders.use(dev, TimedDecoder(chosen, phases))
+    jpeg_decoders.use(dev, TimedDecoder(chosen, phases, fresh="f" in flags))
     if "n" in flags:  # the decode alone: the step's input is still copied, the step not run
         step = _no_step
 
@@ -330,9 +309,8 @@ def main() -> None:
     imagegen.write_folder(folder, "detailed", 1280, 16)
     train, batches = batches_of(folder, 10)
     print("decoder:", gpu_images.decoder_name(dev), flush=True)
-    global CHOSEN, REUSING, CUDA_DECODER
+    global CHOSEN, CUDA_DECODER
     CHOSEN = jpeg_decoders.choose(dev)
-    REUSING = ReusingDecoder(dev) if any("/r" in v for v in a.variants.split(",")) else None
     if any("/c" in v for v in a.variants.split(",")):
         try:
             CUDA_DECODER = jpeg_decoders.NvImageCodecDecoder(dev, hardware=False)

@@ -176,6 +176,30 @@ def test_two_finishing_threads_decode_at_once_and_give_one_threads_pixels(tmp_pa
 
 
 @needs_nvimgcodec
+def test_transient_batches_decoded_into_the_last_ones_images_come_out_as_pil_decodes_them():
+    """The crops' call (decode_transient) on one side stream, batch after batch of other sizes and
+    counts, each read on that stream before the next is decoded into its Images: every batch as
+    a fresh decode gives it, within PIL's level and a half."""
+    chosen = jpeg_decoders.choose(GPU)
+    assert isinstance(chosen, jpeg_decoders.NvImageCodecDecoder), chosen
+    batches = [[jpeg(scene(200 + 37 * k + 50 * step, 150 + 20 * step, seed=10 * step + k)) for k in range(count)]
+               for step, count in enumerate((4, 4, 2, 6, 3))]
+    fresh = [decoded_on_a_side_stream(chosen, files)[1] for files in batches]
+    side = torch.cuda.Stream(GPU)
+    with torch.cuda.device(GPU), torch.cuda.stream(side):
+        read = []
+        for files in batches:
+            images = chosen.decode_transient(files, GPU)
+            read.append([image.to("cpu", non_blocking=True) for image in images])  # queued on `side`
+            del images
+    torch.cuda.synchronize(GPU)
+    for step, (files, got, want) in enumerate(zip(batches, read, fresh, strict=True)):
+        for k, data in enumerate(files):
+            assert torch.equal(got[k], want[k]), (step, k)
+            assert (got[k].float() - jpeg_decoders.pil_decode(data).float()).abs().mean() < 1.5, (step, k)
+
+
+@needs_nvimgcodec
 def test_files_the_engines_refuse_come_out_as_pil_decodes_them():
     """Progressive and CMYK JPEGs: gpu_readable leaves them to the loader workers; sent to the
     device anyway, the engines refuse them (nvImageCodec's CUDA decoder did not start on an

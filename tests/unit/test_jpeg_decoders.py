@@ -165,6 +165,36 @@ def test_nvimagecodec_decodes_from_two_threads_at_once_with_a_decoder_each_and_a
     assert single.pool_size == 1
 
 
+def test_transient_decodes_into_the_last_batch_and_gives_what_a_fresh_decode_gives():
+    """decode_transient (the crops' call) decodes each batch into the Images of the thread's
+    previous one: batches of larger, smaller, fewer and more images than the last, a bad file
+    among them, come out as decode gives them, and each thread keeps its own Images."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    nvimgcodec_or_skip()
+    decoder = jpeg_decoders.NvImageCodecDecoder(CPU)
+    garbage = torch.frombuffer(bytearray(b"\xff\xd8 not a jpeg \xff\xd9"), dtype=torch.uint8)
+    batches = [[jpeg(scene(40 + 9 * k + step, 30 + 5 * step, seed=10 * step + k)) for k in range(count)]
+               for step, count in enumerate((3, 3, 2, 5, 1, 4))]
+    batches[2].insert(1, garbage)
+    expected = [decoder.decode(files, CPU) for files in batches]
+
+    def transient(files):
+        return [None if image is None else image.clone() for image in decoder.decode_transient(files, CPU)]
+
+    def same(got, want):
+        return len(got) == len(want) and all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(got, want, strict=True))
+
+    assert all(same(transient(files), want) for files, want in zip(batches, expected, strict=True))
+    assert decoder._reuses and len(decoder._previous.images[1]) == 5  # the largest batch's, decoded into since
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            got = list(pool.map(transient, batches))
+            assert all(same(g, want) for g, want in zip(got, expected, strict=True))
+
+
 def test_nvimagecodec_gives_none_for_files_it_cannot_read_and_decodes_the_rest():
     nvimgcodec_or_skip()
     good = jpeg(scene(80, 60, seed=1))

@@ -164,7 +164,7 @@ def _decode(batch: ImageBatch, device: torch.device, on_bad) -> list[torch.Tenso
     decoder = jpeg_decoders.choose(device)
     if isinstance(decoder, str):  # the run asked for the GPU path where no decoder works
         raise RuntimeError(f"JPEGs cannot be decoded on {device}: {decoder}")
-    images = decoder.decode(encoded, device)
+    images = decoder.decode_transient(encoded, device)  # read by the crops on this stream, then let go
     for k, image in enumerate(images):
         if image is not None:
             continue

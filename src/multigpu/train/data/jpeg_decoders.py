@@ -47,6 +47,12 @@ class JpegDecoder:
     def decode(self, encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
         raise NotImplementedError
 
+    def decode_transient(self, encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        """As decode, for a caller that reads the images only on its current stream and lets go of
+        them before its next call from this thread (gpu_images' crops): a decoder may then write
+        the next batch into the memory of this one (NvImageCodecDecoder does)."""
+        return self.decode(encoded, device)
+
 
 class PilDecoder(JpegDecoder):
     """PIL on the host: the device path off CUDA, so that it runs everywhere."""
@@ -101,7 +107,13 @@ class NvImageCodecDecoder(JpegDecoder):
     (the GIL released meanwhile), so `threads` batches are decoded at once, each by an
     nvImageCodec Decoder of its own: a pool of `threads` made here, at start-up (where the
     library's noise on fd 2 is held back); a call that finds none free waits for one (the train
-    and validation loaders' threads may call at once)."""
+    and validation loaders' threads may call at once).
+
+    decode_transient decodes into the Images of the thread's previous call on the same stream
+    (nvImageCodec's `images=`: their buffers resized, not allocated and freed per image): the
+    writes are queued behind the reads of the previous batch on that stream. It spares the
+    allocations and frees of every image, which slow the decode beside a busy GPU (measured:
+    benchmarks/results/2026-12-04-1xH200-round7/)."""
     threads = 2
 
     def __init__(self, device: torch.device, hardware: bool = True, fallback: bool = True,
@@ -122,6 +134,8 @@ class NvImageCodecDecoder(JpegDecoder):
                           for _ in range(max(pool or self.threads, 1))]
         self.pool_size = len(self._free)
         self._returned = threading.Condition()
+        self._previous = threading.local()  # .images: (the stream, the Images of its last call)
+        self._reuses = True  # off where this nvImageCodec has no images=
         # EXIF orientation off: the crop boxes were drawn on the stored (unrotated) size, as PIL
         # and torchvision read it. Planar RGB: (3, H, W) as it comes.
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
@@ -141,18 +155,51 @@ class NvImageCodecDecoder(JpegDecoder):
                 self._returned.notify()
 
     def decode(self, encoded, device):
+        return self._decode(encoded, device, transient=False)
+
+    def decode_transient(self, encoded, device):
+        return self._decode(encoded, device, transient=True)
+
+    def _decode(self, encoded, device, transient: bool):
         sources = [self._code_stream(data) for data in encoded]
         readable = [k for k, s in enumerate(sources) if s is not None]
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        decoded = []
+        decoded, into = [], self._earlier_images(stream, len(readable)) if transient else None
         if readable:
             with self._decoder() as decoder:
-                decoded = decoder.decode([sources[k] for k in readable], params=self._params, cuda_stream=stream)
+                decoded = self._call(decoder, [sources[k] for k in readable], stream, into)
+        if transient and into is None:
+            self._keep(stream, decoded)
         images: list[torch.Tensor | None] = [None] * len(encoded)
         for k, image in zip(readable, decoded, strict=True):
-            if image is not None:
-                images[k] = torch.from_dlpack(image) if device.type == "cuda" else torch.from_numpy(np.array(image))
+            if image is None:
+                continue
+            if device.type != "cuda":
+                images[k] = torch.from_numpy(np.array(image))
+            else:  # an Image decoded into again gives no second DLPack capsule: its array interface
+                images[k] = torch.as_tensor(image, device=device) if transient else torch.from_dlpack(image)
         return images
+
+    def _call(self, decoder, sources: list, stream: int, into: list | None) -> list:
+        if into is not None:
+            try:
+                return decoder.decode(sources, params=self._params, cuda_stream=stream, images=into)
+            except TypeError:  # an nvImageCodec without images=: new Images from now on
+                self._reuses = False
+        return decoder.decode(sources, params=self._params, cuda_stream=stream)
+
+    def _earlier_images(self, stream: int, count: int) -> list | None:
+        """`count` Images this thread's earlier call on `stream` decoded into, where it has them."""
+        earlier = getattr(self._previous, "images", None)
+        if not self._reuses or earlier is None or earlier[0] != stream or len(earlier[1]) < count:
+            return None
+        return earlier[1][:count]
+
+    def _keep(self, stream: int, decoded: list) -> None:
+        """A new call's Images, for the thread's next ones on `stream` to decode into (each of them
+        decoded: the Images of a failed file may hold nothing to reuse)."""
+        if decoded and all(image is not None for image in decoded):
+            self._previous.images = (stream, list(decoded))
 
     def _code_stream(self, data: torch.Tensor):
         """The file parsed (its header), or None where it is not an image nvImageCodec knows."""
