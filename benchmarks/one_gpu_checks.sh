@@ -11,7 +11,7 @@
 # finish_under_load.py's VARIANTS (PROFILE: some of them, commas, under torch.profiler); gpu_decode_tests:
 # tests/gpu/test_decode_gpu.py; imports: -X importtime of a one-GPU
 # `multigpu train` and of a bare one-process script; startup: startup_phases.py against the bare
-# scripts; cudnn: cudnn_autotune.py. Everything lands in $OUT/checks.tar.gz and $OUT/summary.txt.
+# scripts; pyspy: both start-ups under py-spy (PYSPY), in time order (startup_timeline.py); cudnn: cudnn_autotune.py. Everything lands in $OUT/checks.tar.gz and $OUT/summary.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD/src:$PWD${SITE:+:$SITE} PYTHONUNBUFFERED=1  # SITE: wheels installed with pip --target
@@ -59,7 +59,7 @@ pipeline() {  # the folder's input pipeline alone, no model (decode_pipeline.py)
 finish() {  # the GPU decode's finishing path under a training step's load (finish_under_load.py)
   say "== finish under load"
   timeout ${FINISH_TIMEOUT:-240} "$PY" benchmarks/finish_under_load.py --out "$W/finish.json" --rounds ${FINISH_ROUNDS:-3} \
-    --variants "${VARIANTS:-synthetic,1/0,2/0,2/0/r}" ${PROFILE:+--profile "$PROFILE"} > "$W/finish.txt" 2>&1
+    --variants "${VARIANTS:-synthetic,1/0,2/0,2/0/f}" ${PROFILE:+--profile "$PROFILE"} > "$W/finish.txt" 2>&1
   say "finish exit $?"; grep -v "^eager [0-9]\|^graph [0-9]" "$W/finish.txt" | tail -40 | tee -a "$S"
 }
 gpu_decode_tests() {  # tests/gpu/test_decode_gpu.py (nvImageCodec from SITE)
@@ -86,8 +86,19 @@ imports() {
 startup() {
   say "== startup"
   timeout ${STARTUP_TIMEOUT:-150} "$PY" benchmarks/startup_phases.py --gpus 1 --bare --trials ${STARTUP_TRIALS:-2} --head-start on \
-    --cases 1gpu-synthetic-headon,1gpu-bare-plain,1gpu-bare-tuned --out "$W/startup" > "$W/startup.txt" 2>&1
+    --cases ${STARTUP_CASES:-1gpu-synthetic-headon,1gpu-synthetic-headon-cudnnoff,1gpu-bare-plain,1gpu-bare-tuned} --out "$W/startup" > "$W/startup.txt" 2>&1
   say "startup exit $?"; tail -5 "$W/startup.txt" | tee -a "$S"
+}
+pyspy() {  # start-up in time order (py-spy from PYSPY, e.g. carried as a wheel): train's (PYSPY_ARGS) and the bare script's
+  say "== pyspy"; local spy=${PYSPY:-py-spy}
+  timeout 120 "$spy" record -r 100 --nonblocking -f speedscope --threads -o "$W/spy-train.json" -- "$PY" -m multigpu train --model resnet50 \
+    --data synthetic:4096 --epochs 1 --devices 1 --batch-size 128 ${PYSPY_ARGS:-} --out "$W/spy-train" > "$W/spy-train.log" 2>&1
+  say "pyspy train exit $?"; grep ^time: "$W/spy-train.log" | tee -a "$S"
+  BARE_STARTED_AT=$(date +%s.%N) timeout 60 "$spy" record -r 100 --nonblocking -f speedscope --threads -o "$W/spy-bare.json" -- "$PY" \
+    benchmarks/startup_bare.py --plain --model resnet50 --batch-size 128 > "$W/spy-bare.log" 2>&1
+  say "pyspy bare exit $?"; grep ^bare: "$W/spy-bare.log" | tee -a "$S"
+  for what in train bare; do "$PY" benchmarks/startup_timeline.py "$W/spy-$what.json" --until ${SPY_UNTIL:-16} --step 0.5 \
+    | cut -c1-400 | tee -a "$S"; done
 }
 cudnn() {
   say "== cudnn"

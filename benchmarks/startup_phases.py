@@ -6,10 +6,14 @@
 Each case is one `multigpu train --model resnet50 --epochs 1` (no --compile) on synthetic data and
 on the folder, on each GPU count of --gpus, with the head start on and off (MULTIGPU_HEAD_START=1|0:
 the worker's imports and listing in a thread while its group forms, or all in line). Cases take
-turns, trial by trial, so that a drift of the machine spreads over all of them; the median trial
-is printed. --bare adds, on one GPU, startup_bare.py --plain and --plain --tuned (one process by itself, no torchrun,
-group or DDP: the floor of a one-GPU script), and, on each GPU count, a bare torchrun script (startup_bare.py: torch,
-init_process_group, DDP, one step) in the same turns, the floor that every DDP script pays, and
+turns, trial by trial, so that a drift of the machine spreads over all of them, after --warmup
+runs of each that are not counted (on a fresh machine the first run is the slowest by far: the
+libraries' files not yet in the page cache); the median trial is printed. Each case
+of multigpu also runs with `--cudnn-benchmark off` (`-cudnnoff`), to compare with the bare plain
+script, which does not autotune. --bare adds, on one GPU, startup_bare.py --plain and --plain
+--tuned (one process by itself, no torchrun, group or DDP: the floor of a one-GPU script), and,
+on each GPU count, a bare torchrun script (startup_bare.py: torch, init_process_group, DDP, one
+step) in the same turns, the floor that every DDP script pays, and
 the same script with its workers forked from torchrun's agent (bare-fork: no second torch import).
 The figures come from rank 0's `time:` line (train/rundir/timeline.py): `first_step_s` is the command until
 the first optimizer step was done, `starting_s` until training could begin, `parts` the marked parts
@@ -60,6 +64,8 @@ def cases(args) -> list[dict]:
     runs = [{"name": f"{gpus}gpu-{kind}-head{'on' if head else 'off'}", "gpus": gpus, "data": spec,
              "head_start": head}
             for gpus in args.gpus for kind, spec in data for head in heads]
+    # the same without cuDNN's autotuning, against the bare plain script (which has none)
+    runs += [{**run, "name": run["name"] + "-cudnnoff", "args": ["--cudnn-benchmark", "off"]} for run in runs]
     bare = [{"name": f"{gpus}gpu-bare{'-fork' if fork else ''}", "gpus": gpus, "bare": True,
              "fork": fork} for gpus in args.gpus for fork in (False, True)]
     bare += [{"name": f"1gpu-bare-{kind}", "gpus": 1, "bare": True, "fork": False, "plain": True,
@@ -99,7 +105,8 @@ def run_case(case: dict, args, work: Path) -> dict:
     argv = [sys.executable, "-m", "multigpu", "train", "--model", args.model, "--data", case["data"],
             "--devices", str(case["gpus"]) if args.accelerator == "cuda" else f"cpu:{case['gpus']}",
             "--epochs", "1", "--batch-size", str(args.batch_size), "--out", str(out),
-            *(["--image-size", str(args.image_size)] if args.image_size else []), *args.extra]
+            *(["--image-size", str(args.image_size)] if args.image_size else []), *case.get("args", ()),
+            *args.extra]
     env = dict(os.environ, MULTIGPU_HEAD_START="1" if case["head_start"] else "0")
     began = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -148,6 +155,8 @@ def main() -> None:
     p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: --devices cpu:N instead of N GPUs (a check of this script)")
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="runs of each case before the trials, not counted (the disk's cache filled)")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--image-size", type=int, help="the runs' image size (default: the model's)")
@@ -167,6 +176,10 @@ def main() -> None:
     trials = []
     with tempfile.TemporaryDirectory(prefix="startup-runs-") as work, \
             open(out / "trials.jsonl", "a") as log:
+        for _ in range(args.warmup):
+            for case in cases(args):
+                ran = run_case(case, args, Path(work))
+                print(f"warm-up {case['name']}: {'ok' if ran['ok'] else 'FAILED'}", flush=True)
         for trial in range(args.trials):
             for case in cases(args):
                 result = {**run_case(case, args, Path(work)), "trial": trial}
