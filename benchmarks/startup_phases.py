@@ -33,8 +33,8 @@ from pathlib import Path
 
 BARE = Path(__file__).with_name("startup_bare.py")
 BARE_LINE = re.compile(r"bare: group at ([\d.]+) s, first step done at ([\d.]+) s")
-LINE = re.compile(r"time: ([\d.]+) s since the command: ([\d.]+) s starting \((.*)\), (?:first step "
-                  r"done at ([\d.]+) s, )?([\d.]+) s training")
+LINE = re.compile(r"time: ([\d.]+) s since the command: ([\d.]+) s starting \((.*?)\), (?:first step "
+                  r"done at ([\d.]+) s(?: \(([\d.]+) s waiting for its batch\))?, )?([\d.]+) s training")
 
 
 def parse_time_line(text: str) -> dict | None:
@@ -43,7 +43,7 @@ def parse_time_line(text: str) -> dict | None:
     match = LINE.match(lines[-1]) if lines else None
     if match is None:
         return None
-    whole, starting, inner, first, training = match.groups()
+    whole, starting, inner, first, first_wait, training = match.groups()
     marked, _, beside = inner.partition("; meanwhile in a thread: ")
     parts = {name: float(sec) for name, sec in (p.rsplit(" ", 1) for p in marked.split(", "))}
     meanwhile = {}
@@ -52,7 +52,8 @@ def parse_time_line(text: str) -> dict | None:
         name, sec = name_sec.rsplit(" ", 1)
         meanwhile[name] = {"s": float(sec), "during": during.split(" + ") if during else []}
     return {"whole_s": float(whole), "starting_s": float(starting),
-            "first_step_s": float(first) if first else None, "training_s": float(training),
+            "first_step_s": float(first) if first else None,
+            "first_wait_s": float(first_wait) if first_wait else None, "training_s": float(training),
             "parts": parts, "meanwhile": meanwhile, "line": lines[-1]}
 
 
@@ -128,7 +129,9 @@ def summarise(trials: list[dict]) -> list[dict]:
         med = lambda key, good=good: statistics.median(t[key] for t in good if t.get(key) is not None)  # noqa: E731
         names = dict.fromkeys(p for t in good for p in t["parts"])
         beside = dict.fromkeys(p for t in good for p in t["meanwhile"])
+        waits = [t["first_wait_s"] for t in good if t.get("first_wait_s") is not None]
         rows.append({"name": name, "ok": len(good), "first_step_s": med("first_step_s"),
+                     "first_wait_s": statistics.median(waits) if waits else None,
                      "starting_s": med("starting_s"), "whole_s": med("whole_s"),
                      "first_step_range": [min(t["first_step_s"] for t in good), max(t["first_step_s"] for t in good)],
                      "parts": {p: statistics.median(t["parts"].get(p, 0.0) for t in good) for p in names},
@@ -143,8 +146,9 @@ def show(row: dict) -> str:
     parts = ", ".join(f"{p} {s:.1f}" for p, s in row["parts"].items())
     beside = ", ".join(f"{p} {s:.1f}" for p, s in row["meanwhile"].items())
     lo, hi = row["first_step_range"]
+    wait = f", {row['first_wait_s']:.1f} s of it waiting for its batch" if row.get("first_wait_s") is not None else ""
     return (f"{row['name']:28s} first step {row['first_step_s']:5.1f} s ({lo:.1f}-{hi:.1f}, "
-            f"{row['ok']} trials), starting {row['starting_s']:5.1f}: {parts}"
+            f"{row['ok']} trials{wait}), starting {row['starting_s']:5.1f}: {parts}"
             + (f"; meanwhile: {beside}" if beside else ""))
 
 

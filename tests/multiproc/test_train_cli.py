@@ -82,12 +82,13 @@ def test_rank_0_ends_with_where_the_job_s_time_went(one_and_two_process_runs):
     said = [line for line in proc.stdout.splitlines() if line.startswith("time: ")]
     assert len(said) == 1, proc.stdout[-2000:]
     parts = re.fullmatch(r"time: ([\d.]+) s since the command: ([\d.]+) s starting \((.*)\), first "
-                         r"step done at ([\d.]+) s, ([\d.]+) s training, ([\d.]+) s evaluating, "
-                         r"([\d.]+) s held up by checkpoints, "
+                         r"step done at ([\d.]+) s \(([\d.]+) s waiting for its batch\), ([\d.]+) s training, "
+                         r"([\d.]+) s evaluating, ([\d.]+) s held up by checkpoints, "
                          r"(-?[\d.]+) s other \(metrics, plot\)", said[0])
     assert parts, said[0]
-    _, start, starting, first, training, _, _, other = parts.groups()
+    _, start, starting, first, first_wait, training, _, _, other = parts.groups()
     assert float(start) <= float(first) <= float(start) + float(training) + 0.1
+    assert float(first_wait) <= float(first) - float(start) + 0.1  # the wait is part of the first step's
     # DDP's constructor imports torch's compiler: a thread imported its modules while the group
     # formed, then the compiler (head_start.py)
     starting, beside = starting.split("; meanwhile in a thread: ")

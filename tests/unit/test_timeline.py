@@ -93,3 +93,19 @@ def test_the_first_optimizer_step_is_said_counted_from_the_command(clock):
         "time: 4.3 s since the command: 2.0 s starting (launch 1.0, imports 1.0, logs 0.0), first "
         "step done at 3.3 s, 2.0 s training, 0.0 s evaluating, 0.0 s held up by checkpoints, 0.3 s "
         "other (metrics, plot)")
+
+
+def test_the_first_step_says_how_long_the_loop_waited_for_its_batch(clock):
+    """The wait for the first step's batches (the loader's workers starting) is said beside the
+    first step: only the first call counts, as for the step."""
+    job = Timeline(started=998.0, process=999.0)
+    job.mark_ready("logs")
+    clock.now += 2.5
+    job.stepped()
+    job.waited_first(1.84)
+    job.waited_first(0.2)  # a later step's: not the first
+    job.add("training", 2.5)
+    assert job.summary(now=clock.now) == (
+        "time: 4.5 s since the command: 2.0 s starting (launch 1.0, imports 1.0, logs 0.0), first "
+        "step done at 4.5 s (1.8 s waiting for its batch), 2.5 s training, 0.0 s evaluating, 0.0 s "
+        "held up by checkpoints, 0.0 s other (metrics, plot)")

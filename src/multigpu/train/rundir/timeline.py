@@ -1,12 +1,12 @@
 """Where a `multigpu train` job's wall time went, said once at its end on rank 0, e.g.
 
-    time: 6.4 s since the command: 4.7 s starting (launcher 1.1, workers' start 0.1, imports 1.6,
-    process group 0.0, data 0.0, model 0.0, prepare 1.8, optimizer 0.0, config 0.0, resume 0.0,
-    logs 0.0; meanwhile in a thread: compiler's modules 1.0 during prepare, compiler 0.9 during
-    prepare), first step done at 4.8 s, 0.3 s training, 0.2 s evaluating, 0.0 s held up by
-    checkpoints, 1.2 s other (metrics, plot)
+    time: 5.1 s since the command: 4.0 s starting (launcher 1.4, workers' start 0.1, imports 1.4,
+    process group 0.1, data 0.0, model 0.0, prepare 1.1, optimizer 0.0, config 0.0, resume 0.0,
+    logs 0.0; meanwhile in a thread: compiler's modules 0.6 during process group + prepare,
+    compiler 0.5 during prepare), first step done at 4.1 s (0.0 s waiting for its batch), 0.1 s
+    training, 0.0 s evaluating, 0.0 s held up by checkpoints, 0.9 s other (metrics, plot)
 
-(`--model linear --data synthetic:256 --epochs 2 --devices cpu:2` on a busy 2-core CPU, where the
+(`--model linear --data synthetic:256 --epochs 2 --devices cpu:2` on a 2-core CPU, where the
 thread's imports compete with the other rank's for the cores: DDP's wrapping waited for them.)
 
 The clock starts when the `multigpu train` command starts (the CLI puts the time in STARTED_ENV,
@@ -22,7 +22,9 @@ up to the start-up. Parts done in a thread meanwhile (head_start.py: the decoder
 listing, the compiler's import) come after them, each with the parts of the line it overlapped
 (`compiler 0.9 during prepare`): "data" and "prepare" are then the time the run waited for them.
 Then when the first optimizer step was done, counted from the command (the start-up as the user sees
-it: the loader workers' first batches and the step's own first run are in it). It stops at this
+it: the loader workers' first batches and the step's own first run are in it), and how long of
+that the loop waited for the step's batch (the loader's start and its workers' in it: the rest is
+the step's own first run). It stops at this
 line: the processes' teardown and exit come after it. A run that stops early (a signal, an error)
 ends with its own message instead. Pure: no torch.
 """
@@ -73,6 +75,7 @@ class Timeline:
     agent: float | None = field(default_factory=agent_start)  # when the agent took over
     ready: float | None = None                      # time.time() when training could begin
     first_step: float | None = None                 # time.time() when the first step was done
+    first_wait: float | None = None                 # seconds the loop waited for the first step's batches
     seconds: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     starting: dict = field(default_factory=dict)    # the start-up's parts, in the order marked
     spans: list = field(default_factory=list)       # (part, start, end) of each mark
@@ -124,6 +127,12 @@ class Timeline:
         if self.first_step is None:
             self.first_step = time.time()
 
+    def waited_first(self, seconds: float) -> None:
+        """The loop had waited `seconds` for the batches of its first step (the loader's start,
+        its workers', in them): said beside the first step's time. Only the first call counts."""
+        if self.first_wait is None:
+            self.first_wait = seconds
+
     def add(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
 
@@ -137,7 +146,10 @@ class Timeline:
         if self.beside:
             parts += "; meanwhile in a thread: " + ", ".join(
                 f"{name} {end - begin:.1f}{self._during(begin, end)}" for name, begin, end in self.beside)
-        first = f"first step done at {self.first_step - self.started:.1f} s, " if self.first_step else ""
+        first = ""
+        if self.first_step:
+            wait = f" ({self.first_wait:.1f} s waiting for its batch)" if self.first_wait is not None else ""
+            first = f"first step done at {self.first_step - self.started:.1f} s{wait}, "
         return (f"time: {whole:.1f} s since the command: {start:.1f} s starting ({parts}), {first}"
                 f"{s['training']:.1f} s training, {s['evaluating']:.1f} s evaluating, "
                 f"{s['checkpoints']:.1f} s held up by checkpoints, {other:.1f} s other "
