@@ -34,7 +34,7 @@ from pathlib import Path
 BARE = Path(__file__).with_name("startup_bare.py")
 BARE_LINE = re.compile(r"bare: group at ([\d.]+) s, first step done at ([\d.]+) s")
 LINE = re.compile(r"time: ([\d.]+) s since the command: ([\d.]+) s starting \((.*?)\), (?:first step "
-                  r"done at ([\d.]+) s(?: \(([\d.]+) s waiting for its batch\))?, )?([\d.]+) s training")
+                  r"done at ([\d.]+) s(?: \(([\d.]+) s waiting for data\))?, )?([\d.]+) s training")
 
 
 def parse_time_line(text: str) -> dict | None:
@@ -146,7 +146,7 @@ def show(row: dict) -> str:
     parts = ", ".join(f"{p} {s:.1f}" for p, s in row["parts"].items())
     beside = ", ".join(f"{p} {s:.1f}" for p, s in row["meanwhile"].items())
     lo, hi = row["first_step_range"]
-    wait = f", {row['first_wait_s']:.1f} s of it waiting for its batch" if row.get("first_wait_s") is not None else ""
+    wait = f", {row['first_wait_s']:.1f} s of it waiting for data" if row.get("first_wait_s") is not None else ""
     return (f"{row['name']:28s} first step {row['first_step_s']:5.1f} s ({lo:.1f}-{hi:.1f}, "
             f"{row['ok']} trials{wait}), starting {row['starting_s']:5.1f}: {parts}"
             + (f"; meanwhile: {beside}" if beside else ""))

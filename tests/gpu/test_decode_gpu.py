@@ -177,22 +177,28 @@ def test_two_finishing_threads_decode_at_once_and_give_one_threads_pixels(tmp_pa
 
 @needs_nvimgcodec
 def test_transient_batches_decoded_into_the_last_ones_images_come_out_as_pil_decodes_them():
-    """The crops' call (decode_transient) on one side stream, batch after batch of other sizes and
-    counts, each read on that stream before the next is decoded into its Images: every batch as
-    a fresh decode gives it, within PIL's level and a half."""
+    """The crops' call (decode_transient) on one side stream, batch after batch of larger and
+    smaller files and other counts, each read on that stream behind a kernel that keeps it busy
+    (so that a write not queued behind the reads would land first): every batch as a fresh
+    decode gives it, within PIL's level and a half, and a batch of smaller files is decoded into
+    the memory of the one before."""
     chosen = jpeg_decoders.choose(GPU)
     assert isinstance(chosen, jpeg_decoders.NvImageCodecDecoder), chosen
-    batches = [[jpeg(scene(200 + 37 * k + 50 * step, 150 + 20 * step, seed=10 * step + k)) for k in range(count)]
-               for step, count in enumerate((4, 4, 2, 6, 3))]
+    widths, counts = (400, 250, 330, 200, 300), (4, 4, 2, 6, 3)
+    batches = [[jpeg(scene(widths[step] + 37 * k, 150 + 20 * (step % 2), seed=10 * step + k)) for k in range(count)]
+               for step, count in enumerate(counts)]
     fresh = [decoded_on_a_side_stream(chosen, files)[1] for files in batches]
     side = torch.cuda.Stream(GPU)
     with torch.cuda.device(GPU), torch.cuda.stream(side):
-        read = []
+        read, where = [], []
         for files in batches:
             images = chosen.decode_transient(files, GPU)
-            read.append([image.to("cpu", non_blocking=True) for image in images])  # queued on `side`
+            where.append({image.data_ptr() for image in images})
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds of a busy side stream
+            read.append([image.to("cpu", non_blocking=True) for image in images])  # queued behind it
             del images
     torch.cuda.synchronize(GPU)
+    assert where[1] <= where[0], "the smaller files of batch 1 went into batch 0's memory"
     for step, (files, got, want) in enumerate(zip(batches, read, fresh, strict=True)):
         for k, data in enumerate(files):
             assert torch.equal(got[k], want[k]), (step, k)

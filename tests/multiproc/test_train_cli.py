@@ -82,7 +82,7 @@ def test_rank_0_ends_with_where_the_job_s_time_went(one_and_two_process_runs):
     said = [line for line in proc.stdout.splitlines() if line.startswith("time: ")]
     assert len(said) == 1, proc.stdout[-2000:]
     parts = re.fullmatch(r"time: ([\d.]+) s since the command: ([\d.]+) s starting \((.*)\), first "
-                         r"step done at ([\d.]+) s \(([\d.]+) s waiting for its batch\), ([\d.]+) s training, "
+                         r"step done at ([\d.]+) s \(([\d.]+) s waiting for data\), ([\d.]+) s training, "
                          r"([\d.]+) s evaluating, ([\d.]+) s held up by checkpoints, "
                          r"(-?[\d.]+) s other \(metrics, plot\)", said[0])
     assert parts, said[0]

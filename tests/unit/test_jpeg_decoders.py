@@ -174,7 +174,8 @@ def test_transient_decodes_into_the_last_batch_and_gives_what_a_fresh_decode_giv
     nvimgcodec_or_skip()
     decoder = jpeg_decoders.NvImageCodecDecoder(CPU)
     garbage = torch.frombuffer(bytearray(b"\xff\xd8 not a jpeg \xff\xd9"), dtype=torch.uint8)
-    batches = [[jpeg(scene(40 + 9 * k + step, 30 + 5 * step, seed=10 * step + k)) for k in range(count)]
+    sizes = (70, 40, 90, 30, 60, 50)  # larger and smaller than the batch before
+    batches = [[jpeg(scene(sizes[step] + 9 * k, 30 + 5 * (step % 3), seed=10 * step + k)) for k in range(count)]
                for step, count in enumerate((3, 3, 2, 5, 1, 4))]
     batches[2].insert(1, garbage)
     expected = [decoder.decode(files, CPU) for files in batches]
@@ -188,11 +189,38 @@ def test_transient_decodes_into_the_last_batch_and_gives_what_a_fresh_decode_giv
             for a, b in zip(got, want, strict=True))
 
     assert all(same(transient(files), want) for files, want in zip(batches, expected, strict=True))
-    assert decoder._reuses and len(decoder._previous.images[1]) == 5  # the largest batch's, decoded into since
+    # the 5 Images let go at the one-file batch (more than KEPT_AT_MOST times its bytes), the last 4 kept
+    assert decoder._reuses and len(decoder._previous.images[1]) == 4
     with ThreadPoolExecutor(2) as pool:
         for _ in range(3):
             got = list(pool.map(transient, batches))
             assert all(same(g, want) for g, want in zip(got, expected, strict=True))
+
+
+def test_transient_images_kept_grow_no_larger_than_a_batch_needs():
+    """The largest file goes into the largest Image kept (a batch of the same sizes in another
+    order makes none of them grow), and a thread lets go of Images past KEPT_AT_MOST times the
+    bytes of the batch at hand (one huge file, then small ones)."""
+    nvimgcodec_or_skip()
+    decoder = jpeg_decoders.NvImageCodecDecoder(CPU)
+
+    def held():
+        return sum(image.capacity for image in decoder._previous.images[1])
+
+    big, small = jpeg(scene(200, 150, seed=1)), jpeg(scene(20, 15, seed=2))
+    decoder.decode_transient([big, small], CPU)
+    first = held()
+    assert first >= 3 * (200 * 150 + 20 * 15)
+    got = decoder.decode_transient([jpeg(scene(20, 15, seed=3)), jpeg(scene(200, 150, seed=4))], CPU)
+    assert [tuple(image.shape) for image in got] == [(3, 15, 20), (3, 150, 200)]
+    assert held() == first  # the 200x150 file went into the Image that had held one
+    huge = [jpeg(scene(800, 600, seed=5))] + [jpeg(scene(20, 15, seed=6 + k)) for k in range(3)]
+    decoder.decode_transient(huge, CPU)
+    smalls = [jpeg(scene(24, 16, seed=10 + k)) for k in range(4)]
+    expected = decoder.decode(smalls, CPU)
+    got = decoder.decode_transient(smalls, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert held() <= 1.2 * 3 * 24 * 16 * 4 * jpeg_decoders.KEPT_AT_MOST  # the 800x600 Image let go
 
 
 def test_nvimagecodec_gives_none_for_files_it_cannot_read_and_decodes_the_rest():

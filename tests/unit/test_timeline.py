@@ -107,5 +107,5 @@ def test_the_first_step_says_how_long_the_loop_waited_for_its_batch(clock):
     job.add("training", 2.5)
     assert job.summary(now=clock.now) == (
         "time: 4.5 s since the command: 2.0 s starting (launch 1.0, imports 1.0, logs 0.0), first "
-        "step done at 4.5 s (1.8 s waiting for its batch), 2.5 s training, 0.0 s evaluating, 0.0 s "
+        "step done at 4.5 s (1.8 s waiting for data), 2.5 s training, 0.0 s evaluating, 0.0 s "
         "held up by checkpoints, 0.0 s other (metrics, plot)")

@@ -92,7 +92,8 @@ def run_epochs(loop: Loop, run: RunState, last: dict | None) -> dict:
 
         def after_step(cursor, epoch=epoch, base=base, begun=run, last=last):
             step = base + cursor.steps
-            clock.waited_first(cursor.waited)  # the time: line's wait for the first batch
+            if clock.first_step is not None:  # (a step GradScaler skipped is not the first)
+                clock.waited_first(cursor.waited)  # the time: line's wait for the first step's data
             guards.stepped()
             estimate.after_step(cursor.steps, epoch)
             if job.decode is not None:

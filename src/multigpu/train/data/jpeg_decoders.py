@@ -35,6 +35,10 @@ NVIMGCODEC_HINT = "pip install 'multigpu[nvimgcodec]'"
 # workers. 8 for the one Decoder a process had; 4 of them were busy (one H200, 2026-12-03), so
 # 4 for each of the pool's (NvImageCodecDecoder.threads) now.
 HOST_THREADS = 4
+# decode_transient's Images kept for a thread's next batch: at most this many times the bytes of
+# the batch at hand (each grows to the largest image decoded into it; memory outside torch's
+# allocator, which the OOM message and the batch-size search do not see)
+KEPT_AT_MOST = 2
 
 
 class JpegDecoder:
@@ -111,7 +115,9 @@ class NvImageCodecDecoder(JpegDecoder):
 
     decode_transient decodes into the Images of the thread's previous call on the same stream
     (nvImageCodec's `images=`: their buffers resized, not allocated and freed per image): the
-    writes are queued behind the reads of the previous batch on that stream. It spares the
+    writes are queued behind the reads of the previous batch on that stream. The largest file
+    goes into the largest Image, and what a thread keeps stays under KEPT_AT_MOST times the
+    bytes of the batch at hand. It spares the
     allocations and frees of every image, which slow the decode beside a busy GPU (measured:
     benchmarks/results/2026-12-04-1xH200-round7/)."""
     threads = 2
@@ -164,10 +170,11 @@ class NvImageCodecDecoder(JpegDecoder):
         sources = [self._code_stream(data) for data in encoded]
         readable = [k for k, s in enumerate(sources) if s is not None]
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        decoded, into = [], self._earlier_images(stream, len(readable)) if transient else None
-        if readable:
+        chosen = [sources[k] for k in readable]
+        decoded, into = [], self._earlier_images(stream, chosen) if transient and chosen else None
+        if chosen:
             with self._decoder() as decoder:
-                decoded = self._call(decoder, [sources[k] for k in readable], stream, into)
+                decoded = self._call(decoder, chosen, stream, into)
         if transient and into is None:
             self._keep(stream, decoded)
         images: list[torch.Tensor | None] = [None] * len(encoded)
@@ -188,12 +195,27 @@ class NvImageCodecDecoder(JpegDecoder):
                 self._reuses = False
         return decoder.decode(sources, params=self._params, cuda_stream=stream)
 
-    def _earlier_images(self, stream: int, count: int) -> list | None:
-        """`count` Images this thread's earlier call on `stream` decoded into, where it has them."""
+    def _earlier_images(self, stream: int, sources: list) -> list | None:
+        """Images this thread's earlier calls on `stream` decoded into, one for each of `sources`,
+        where it has enough: the largest file into the Image of the largest capacity, and so on,
+        so that each grows no larger than the files of its rank in a batch need. Past KEPT_AT_MOST
+        times the batch's bytes, they are let go (the call then makes new Images, kept instead)."""
         earlier = getattr(self._previous, "images", None)
-        if not self._reuses or earlier is None or earlier[0] != stream or len(earlier[1]) < count:
+        if not self._reuses or earlier is None or earlier[0] != stream or len(earlier[1]) < len(sources):
             return None
-        return earlier[1][:count]
+        kept, needs = earlier[1], [_bytes_needed(source) for source in sources]
+        capacities = [getattr(image, "capacity", None) for image in kept]
+        if None in capacities:  # an nvImageCodec that does not say: no reuse it cannot bound
+            self._reuses, self._previous.images = False, None
+            return None
+        if sum(capacities) > KEPT_AT_MOST * sum(needs):
+            self._previous.images = None
+            return None
+        largest = sorted(range(len(kept)), key=capacities.__getitem__, reverse=True)
+        into = [None] * len(sources)
+        for rank, k in enumerate(sorted(range(len(sources)), key=needs.__getitem__, reverse=True)):
+            into[k] = kept[largest[rank]]
+        return into
 
     def _keep(self, stream: int, decoded: list) -> None:
         """A new call's Images, for the thread's next ones on `stream` to decode into (each of them
@@ -207,6 +229,15 @@ class NvImageCodecDecoder(JpegDecoder):
             return self._nv.CodeStream(data.numpy())
         except RuntimeError:  # "Failed to get image info"
             return None
+
+
+def _bytes_needed(source) -> int:
+    """Bytes of a code stream's image decoded as planar RGB; 0 where its header says nothing (a
+    file the decode will then give None for)."""
+    try:
+        return 3 * source.height * source.width
+    except RuntimeError:  # "Failed to get image info": parsed when first asked
+        return 0
 
 
 _chosen: dict[str, JpegDecoder | str] = {}

@@ -1,10 +1,10 @@
 """Where a `multigpu train` job's wall time went, said once at its end on rank 0, e.g.
 
-    time: 5.1 s since the command: 4.0 s starting (launcher 1.4, workers' start 0.1, imports 1.4,
-    process group 0.1, data 0.0, model 0.0, prepare 1.1, optimizer 0.0, config 0.0, resume 0.0,
-    logs 0.0; meanwhile in a thread: compiler's modules 0.6 during process group + prepare,
-    compiler 0.5 during prepare), first step done at 4.1 s (0.0 s waiting for its batch), 0.1 s
-    training, 0.0 s evaluating, 0.0 s held up by checkpoints, 0.9 s other (metrics, plot)
+    time: 4.6 s since the command: 3.7 s starting (launcher 1.3, workers' start 0.1, imports 1.3,
+    process group 0.0, data 0.0, model 0.0, prepare 0.9, optimizer 0.0, config 0.0, resume 0.0,
+    logs 0.0; meanwhile in a thread: compiler's modules 0.5 during prepare, compiler 0.4 during
+    prepare), first step done at 3.7 s (0.0 s waiting for data), 0.1 s training, 0.1 s
+    evaluating, 0.0 s held up by checkpoints, 0.8 s other (metrics, plot)
 
 (`--model linear --data synthetic:256 --epochs 2 --devices cpu:2` on a 2-core CPU, where the
 thread's imports compete with the other rank's for the cores: DDP's wrapping waited for them.)
@@ -23,7 +23,7 @@ listing, the compiler's import) come after them, each with the parts of the line
 (`compiler 0.9 during prepare`): "data" and "prepare" are then the time the run waited for them.
 Then when the first optimizer step was done, counted from the command (the start-up as the user sees
 it: the loader workers' first batches and the step's own first run are in it), and how long of
-that the loop waited for the step's batch (the loader's start and its workers' in it: the rest is
+that the loop waited for the step's batches (the loader's start and its workers' in it: the rest is
 the step's own first run). It stops at this
 line: the processes' teardown and exit come after it. A run that stops early (a signal, an error)
 ends with its own message instead. Pure: no torch.
@@ -148,7 +148,7 @@ class Timeline:
                 f"{name} {end - begin:.1f}{self._during(begin, end)}" for name, begin, end in self.beside)
         first = ""
         if self.first_step:
-            wait = f" ({self.first_wait:.1f} s waiting for its batch)" if self.first_wait is not None else ""
+            wait = f" ({self.first_wait:.1f} s waiting for data)" if self.first_wait is not None else ""
             first = f"first step done at {self.first_step - self.started:.1f} s{wait}, "
         return (f"time: {whole:.1f} s since the command: {start:.1f} s starting ({parts}), {first}"
                 f"{s['training']:.1f} s training, {s['evaluating']:.1f} s evaluating, "
