@@ -5,6 +5,7 @@ Every fault is caused for real (kill -9, SIGTERM, a truncated file, a file size 
 for a full disk) on `multigpu train` runs of 2 CPU processes (gloo) through the real launcher.
 The random moments come from a seeded generator; its draws are in the assertion messages.
 """
+import contextlib
 import csv
 import os
 import random
@@ -164,6 +165,33 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal
     assert "resumed from" in stdout
     check_epochs(out)
     assert_same_weights(reference, out, output[-200:])
+
+
+def test_sigterm_to_every_process_of_a_run_with_loader_workers_stops_it_with_a_checkpoint(tmp_path):
+    """As `pkill -f`, SLURM's scancel or time limit and systemd's stop send it: SIGTERM to the
+    launcher, every rank and every loader worker at once. The workers outlive it (the ranks end
+    them), each rank takes its own and the launcher's copy as one stop, and the run stops with
+    a checkpoint, as after a SIGTERM to the launcher alone; the same command resumes it."""
+    out = tmp_path / "run"
+    proc = start(out, "--workers", "1")
+    first = wait_for_checkpoint(out, proc)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert len(tree) >= 5, [p.name() for p in tree]  # the launcher, 2 ranks, a worker each
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    stdout, stderr = finish(proc)
+    output = stdout + stderr
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    stopped = re.search(r"stopped by SIGTERM (?:in epoch \d+, \d+ samples in|after epoch \d+), step (\d+): "
+                        r"checkpoint \S+ is complete", output)
+    assert stopped and int(stopped.group(1)) >= first, output[-3000:]
+    for said in ("Traceback", "killed by signal", "again: stopping at once", "every rank of this node was stopped"):
+        assert said not in output, output[-3000:]
+    resumed = start(out, "--workers", "1", "--resume", out)
+    stdout, stderr = finish(resumed)
+    assert resumed.returncode == 0, stderr[-3000:]
+    check_epochs(out)
 
 
 @pytest.mark.parametrize("devices", [pytest.param("cpu:1", marks=pytest.mark.extended), "cpu:3"])

@@ -77,6 +77,34 @@ def test_the_first_signal_asks_for_a_stop_the_second_stops_at_once(capsys):
     signal.signal(signal.SIGINT, before)
 
 
+SAME_STOP = """
+import os, signal, sys, time
+from multigpu.core.distributed import DistEnv
+from multigpu.train import control as c
+stops = c.Control(DistEnv(), c.Cadence())
+with stops.signal_handlers():
+    os.kill(os.getpid(), signal.SIGTERM)  # the job manager's, to this rank
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy, a moment later
+    print(stops.stop_requested, flush=True)
+    time.sleep(c.SAME_STOP_S + 0.2)
+    os.kill(os.getpid(), signal.SIGTERM)  # again, later: at once
+    print("still here", flush=True)
+"""
+
+
+def test_a_second_sigterm_at_once_is_the_same_stop_and_one_later_stops_at_once():
+    """SIGTERM to every process of a job reaches a rank twice (its own and the launcher's copy):
+    the same stop, one warning; a SIGTERM SAME_STOP_S later ends the process at once."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SAME_STOP], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert done.stdout.split() == ["SIGTERM"]
+    assert done.stderr.count("SIGTERM: the ranks stop together") == 1, done.stderr
+    assert "SIGTERM again: stopping at once" in done.stderr
+
+
 @pytest.mark.parametrize("written", [True, False])
 def test_the_agent_s_sigterm_after_a_failure_is_said_as_that_failure(tmp_path, monkeypatch, capsys,
                                                                       written):

@@ -87,6 +87,28 @@ def test_a_loader_iterator_collected_in_a_reference_cycle_stops_its_workers_at_o
     assert took < 5, f"{took:.1f} s: torch gave up on a worker's stop (it waits 5 s for each)"
 
 
+@pytest.mark.skipif(not hasattr(signal, "sigwaitinfo"), reason="no sigwaitinfo (macOS): SIGTERM keeps its default")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_sigterm_its_rank_did_not_send_leaves_a_worker_serving(method):
+    """`pkill -f`, SLURM's scancel and systemd's stop send SIGTERM to every process of a job, the
+    workers too: one sent by another process (here `kill`) is dropped, and the worker goes on
+    handing over batches (the rank's own SIGTERM still ends it: test_data's and the test above)."""
+    loader = DataLoader(_Numbers(), batch_size=4, num_workers=1, persistent_workers=True,
+                        multiprocessing_context=own_group_context(method))
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1, 2, 3]
+    worker = it._workers[0]
+    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+    time.sleep(0.5)
+    assert worker.is_alive()
+    assert [next(it).tolist()[0] for _ in range(15)] == list(range(4, 64, 4))
+    assert worker.is_alive()
+    del it, loader  # the rank's own stop ends it
+    gc.collect()
+    worker.join(30)
+    assert worker.exitcode == 0
+
+
 class _WhereAmI(Dataset):
     def __len__(self):
         return 2

@@ -10,10 +10,15 @@ with workers that are not persistent, and a run's first batches.
 So the workers come from a multiprocessing context whose processes are started with the stop
 signals blocked (a blocked signal stays blocked through fork and exec) and, first thing in the new
 process, move to a process group of their own, drop any stop signal sent to the old group in the
-meantime, ignore SIGINT and SIGUSR1 and unblock. SIGTERM sent to the worker itself keeps its
-default: that is how torch ends a worker that does not stop. The main process ends its workers
-itself when it stops, and they notice if it dies; a SIGTERM that the rank sent while the worker
-started (torch's terminate() of a worker that does not stop) is kept and ends it. A context of the
+meantime, ignore SIGINT and SIGUSR1 and unblock them. SIGTERM stays blocked, taken by a thread of
+the worker that looks at who sent it: from the rank (torch's terminate() of a worker that does not
+stop, also one sent while the worker started) it ends the worker as SIGTERM's default does; from
+anyone else it is dropped. `pkill -f`, SLURM's scancel and time limit, and systemd's stop send
+SIGTERM to every process of a job one by one: a worker that died of it failed its rank, which was
+stopping to save a checkpoint ("DataLoader worker ... is killed by signal: Terminated"). The rank,
+signalled too, ends its workers itself when it stops, and they notice if it dies. A process the
+worker forks from Python gets SIGTERM back; a program it runs through subprocess starts with
+SIGTERM blocked (subprocess keeps the signal mask): Popen.kill() ends it, terminate() does not. A context of the
 user's own class (not fork, spawn or forkserver) is kept as it is, and its workers share the
 rank's group. With forkserver, Python's fork server is started before the block (so that what the
 user starts from it later is not born with blocked signals) and stays in the rank's group: a stop
@@ -30,6 +35,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing import queues as mp_queues
@@ -74,9 +80,13 @@ class _OwnGroup:
         told = _sigterm_pending_from(self._starter)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # discard the old group's, then the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
-        if told:  # the rank ended this worker while it started: end as torch expects
-            os.kill(os.getpid(), signal.SIGTERM)
+        if told or not hasattr(signal, "sigwaitinfo"):  # (macOS: SIGTERM keeps its default)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
+            if told:  # the rank ended this worker while it started: end as torch expects
+                os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            _take_sigterm(self._starter)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
         super().run()
 
 
@@ -101,6 +111,20 @@ def _ended(process) -> bool:
         return process.exitcode is not None
     except ValueError:  # closed: it had ended
         return True
+
+
+def _take_sigterm(starter: int) -> None:
+    """A thread that takes every SIGTERM (blocked in the worker's other threads): the one `starter`
+    sends ends the worker as SIGTERM's default does, anyone else's is dropped."""
+    def take() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != starter:
+            pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # this thread alone takes it:
+        os.kill(os.getpid(), signal.SIGTERM)  # the default's end, as torch's terminate() expects
+
+    threading.Thread(target=take, name="multigpu-sigterm", daemon=True).start()
+    # a Python fork of the worker has no such thread: SIGTERM's default there
+    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM}))
 
 
 def _sigterm_pending_from(pid: int) -> bool:
