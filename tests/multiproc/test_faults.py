@@ -167,11 +167,13 @@ def test_sigterm_writes_a_checkpoint_and_the_same_command_with_resume_ends_equal
     assert_same_weights(reference, out, output[-200:])
 
 
-def test_sigterm_to_every_process_of_a_run_with_loader_workers_stops_it_with_a_checkpoint(tmp_path):
-    """As `pkill -f`, SLURM's scancel or time limit and systemd's stop send it: SIGTERM to the
-    launcher, every rank and every loader worker at once. The workers outlive it (the ranks end
-    them), each rank takes its own and the launcher's copy as one stop, and the run stops with
-    a checkpoint, as after a SIGTERM to the launcher alone; the same command resumes it."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.extended)])
+def test_sigterm_to_every_process_of_a_run_with_loader_workers_stops_it_with_a_checkpoint(tmp_path, sig):
+    """As `pkill -f`, SLURM's scancel or time limit and systemd's stop send it (SIGUSR1: SLURM's
+    --signal without B:): the signal to the launcher, every rank and every loader worker at once.
+    The workers outlive it (the ranks end them), each rank takes its own and the launcher's copy
+    as one stop, and the run stops with a checkpoint, as after a signal to the launcher alone; the
+    same command resumes it."""
     out = tmp_path / "run"
     proc = start(out, "--workers", "1")
     first = wait_for_checkpoint(out, proc)
@@ -179,11 +181,11 @@ def test_sigterm_to_every_process_of_a_run_with_loader_workers_stops_it_with_a_c
     assert len(tree) >= 5, [p.name() for p in tree]  # the launcher, 2 ranks, a worker each
     for p in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
     stdout, stderr = finish(proc)
     output = stdout + stderr
-    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
-    stopped = re.search(r"stopped by SIGTERM (?:in epoch \d+, \d+ samples in|after epoch \d+), step (\d+): "
+    assert proc.returncode == 128 + sig, output[-3000:]
+    stopped = re.search(rf"stopped by {sig.name} (?:in epoch \d+, \d+ samples in|after epoch \d+), step (\d+): "
                         r"checkpoint \S+ is complete", output)
     assert stopped and int(stopped.group(1)) >= first, output[-3000:]
     for said in ("Traceback", "killed by signal", "again: stopping at once", "every rank of this node was stopped"):

@@ -84,25 +84,34 @@ from multigpu.train import control as c
 stops = c.Control(DistEnv(), c.Cadence())
 with stops.signal_handlers():
     os.kill(os.getpid(), signal.SIGTERM)  # the job manager's, to this rank
-    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy, a moment later
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy
     print(stops.stop_requested, flush=True)
-    time.sleep(c.SAME_STOP_S + 0.2)
-    os.kill(os.getpid(), signal.SIGTERM)  # again, later: at once
+    os.kill(os.getpid(), signal.SIGTERM)  # one more: at once
     print("still here", flush=True)
 """
 
 
-def test_a_second_sigterm_at_once_is_the_same_stop_and_one_later_stops_at_once():
-    """SIGTERM to every process of a job reaches a rank twice (its own and the launcher's copy):
-    the same stop, one warning; a SIGTERM SAME_STOP_S later ends the process at once."""
+@pytest.mark.parametrize("forwarded", [True, False])
+def test_the_launcher_s_copy_of_a_stop_signal_is_the_same_stop_and_one_more_stops_at_once(tmp_path, forwarded):
+    """SIGTERM to every process of a job reaches a rank twice, its own and the launcher's copy,
+    which the launcher said in the attempt's folder (stop_reason.mark_forwarded): one stop, one
+    warning, and the next SIGTERM ends the process at once. Where the launcher passed nothing on,
+    the second one does."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", SAME_STOP], capture_output=True, text=True, timeout=60)
+    from multigpu.launcher.rank import stop_reason
+
+    error_file = tmp_path / "attempt_0" / "0" / "error.json"
+    error_file.parent.mkdir(parents=True)
+    if forwarded:
+        stop_reason.mark_forwarded({0: str(error_file)}, signal.SIGTERM)
+    done = subprocess.run([sys.executable, "-c", SAME_STOP], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
-    assert done.stdout.split() == ["SIGTERM"]
     assert done.stderr.count("SIGTERM: the ranks stop together") == 1, done.stderr
     assert "SIGTERM again: stopping at once" in done.stderr
+    assert done.stdout.split() == (["SIGTERM"] if forwarded else [])
 
 
 @pytest.mark.parametrize("written", [True, False])

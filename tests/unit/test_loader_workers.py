@@ -88,7 +88,7 @@ def test_a_loader_iterator_collected_in_a_reference_cycle_stops_its_workers_at_o
 
 
 @pytest.mark.skipif(not hasattr(signal, "sigwaitinfo"), reason="no sigwaitinfo (macOS): SIGTERM keeps its default")
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn"])  # forkserver: not covered (loader_workers.py)
 def test_a_sigterm_its_rank_did_not_send_leaves_a_worker_serving(method):
     """`pkill -f`, SLURM's scancel and systemd's stop send SIGTERM to every process of a job, the
     workers too: one sent by another process (here `kill`) is dropped, and the worker goes on

@@ -91,6 +91,10 @@ class AttemptClose:
                     ended = {}  # a stop on a signal, not a failure to say
                 if ended and not hooks.asked_to_stop():
                     stop_reason.write(getattr(pcontext, "error_files", {}), ended)
+                if hooks.asked_to_stop():  # the agent passes the launcher's stop signal on
+                    sig = kwargs.get("death_sig", args[0] if args else None)
+                    if sig is not None:
+                        stop_reason.mark_forwarded(getattr(pcontext, "error_files", {}), sig)
                 try:
                     return original(pcontext, *args, **kwargs)
                 finally:  # the ranks that failed, died or were stopped by the agent

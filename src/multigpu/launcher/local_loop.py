@@ -90,7 +90,7 @@ class StopSignals:
         self.sig = signal.Signals(signum)
         self.first_at = self.first_at or time.monotonic()
         if self.ranks is not None:
-            self.ranks.kill() if self.signals > 1 else self.ranks.send(self.sig)
+            self.ranks.kill() if self.signals > 1 else self.ranks.send(self.sig, forwarded=True)
 
     def __enter__(self):
         self._saved = {}
@@ -151,8 +151,11 @@ class Ranks:
     def running(self) -> list[int]:
         return [r for r, code in self.codes().items() if code is None]
 
-    def send(self, sig: signal.Signals) -> None:
-        """`sig` to the process group of each running rank not given one yet."""
+    def send(self, sig: signal.Signals, forwarded: bool = False) -> None:
+        """`sig` to the process group of each running rank not given one yet; `forwarded`: a stop
+        signal the launcher got, said first in the attempt's folder (stop_reason.mark_forwarded)."""
+        if forwarded and any(r not in self.signalled for r in self.running()):
+            stop_reason.mark_forwarded(self.error_files, sig)
         for r in self.running():
             if r not in self.signalled:
                 self.signalled.add(r)
@@ -172,10 +175,11 @@ class Ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(until - time.monotonic(), 0))
 
-    def close(self, sig: signal.Signals, until: float) -> None:
-        """`sig` to the ranks still running, SIGKILL to those left at `until`; then the failures
-        it made counted, the --tee tails ended, and the sessions of failed ranks killed."""
-        self.send(sig)
+    def close(self, sig: signal.Signals, until: float, forwarded: bool = False) -> None:
+        """`sig` to the ranks still running (`forwarded`: as send's), SIGKILL to those left at
+        `until`; then the failures it made counted, the --tee tails ended, and the sessions of
+        failed ranks killed."""
+        self.send(sig, forwarded)
         self.wait(until)
         if self.running():
             self.kill()
@@ -282,7 +286,8 @@ def _watch(ranks: Ranks, spec: LoopSpec, stop: StopSignals) -> None:
     while True:
         if stop.signals:  # passed on by the handler; the ranks get the shutdown timeout
             at_once = stop.signals > 1  # two before the ranks were all started: no wait
-            ranks.close(stop.sig, time.monotonic() if at_once else stop.first_at + sessions.stop_wait())
+            ranks.close(stop.sig, time.monotonic() if at_once else stop.first_at + sessions.stop_wait(),
+                        forwarded=True)
             return
         ranks.poll()
         if ranks.failures:

@@ -12,9 +12,10 @@ step time and the next interval travels with the exchange. A step-based cadence
 
 Signals: the first SIGTERM, SIGUSR1 (SLURM's --signal) or SIGINT asks for a stop after the step in
 progress, with a checkpoint; a second one ends the process at once (the last complete checkpoint
-stays valid: every write is atomic). A second SIGTERM within SAME_STOP_S of the first is the same
-stop: `pkill -f`, SLURM's scancel and time limit, and systemd's stop signal every process of a
-job, the launcher among them, which passes its copy on to every rank at once.
+stays valid: every write is atomic). Where the launcher said it passed that signal on
+(stop_reason.forwarded), one more of it is the same stop: `pkill -f`, SLURM's scancel and time
+limit, and systemd's stop signal every process of a job, the launcher among them, so a rank gets
+its own and the launcher's copy.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # `multigpu train` parses --checkpoint-every before torch is 
     from multigpu.core.distributed import DistEnv
 
 CHECK_SECONDS = 1.0
-SAME_STOP_S = 1.0  # a second SIGTERM sooner than this is the first one's copy (see the docstring)
 MAX_INTERVAL = 1000
 STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None), signal.SIGINT) if s)
 # Stop reasons as numbers, so that ranks can agree with a maximum; higher wins.
@@ -82,8 +82,7 @@ class Control:
     def __init__(self, env: DistEnv, cadence: Cadence, *, clock=time.monotonic):
         self.env, self.cadence, self.clock = env, cadence, clock
         self._reason = 0
-        self._signals = 0
-        self._first_sigterm: float | None = None  # clock() of the first SIGTERM
+        self._signals: dict[int, int] = {}  # signal -> how many came
         self._next_check = 0
         self._last_check: tuple[int, float] | None = None  # (step, time) of the last exchange
         self._saved = (0, clock())  # (step, time) of the last checkpoint (or of the resume)
@@ -114,12 +113,11 @@ class Control:
 
     def _on_signal(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
-        if signum == signal.SIGTERM:
-            if self._first_sigterm is not None and self.clock() - self._first_sigterm < SAME_STOP_S:
-                return  # the same stop: the job's manager signalled this rank and its launcher
-            self._first_sigterm = self._first_sigterm or self.clock()
-        self._signals += 1
-        if self._signals > 1:  # the second one: stop now
+        self._signals[signum] = self._signals.get(signum, 0) + 1
+        copies = 2 if stop_reason.forwarded() == name else 1  # its own and the launcher's (docstring)
+        if self._signals[signum] == 2 and copies == 2:
+            return  # the same stop
+        if sum(self._signals.values()) > copies:  # one more: stop now
             console.warn(f"{name} again: stopping at once; the last complete checkpoint is kept")
             signal.signal(signum, signal.SIG_DFL)
             if signum == signal.SIGINT:

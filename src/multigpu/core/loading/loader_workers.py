@@ -8,19 +8,24 @@ own only once its `worker_init_fn` ran was still exposed while it started up: ea
 with workers that are not persistent, and a run's first batches.
 
 So the workers come from a multiprocessing context whose processes are started with the stop
-signals blocked (a blocked signal stays blocked through fork and exec) and, first thing in the new
-process, move to a process group of their own, drop any stop signal sent to the old group in the
-meantime, ignore SIGINT and SIGUSR1 and unblock them. SIGTERM stays blocked, taken by a thread of
-the worker that looks at who sent it: from the rank (torch's terminate() of a worker that does not
+signals blocked (a blocked signal stays blocked through fork and exec; a fork server's children
+block them first thing) and, first thing in the new process, move to a process group of their
+own, ignore SIGINT and SIGUSR1 and unblock them. SIGTERM stays blocked, taken by a thread of the
+worker that looks at who sent it: from the rank (torch's terminate() of a worker that does not
 stop, also one sent while the worker started) it ends the worker as SIGTERM's default does; from
-anyone else it is dropped. `pkill -f`, SLURM's scancel and time limit, and systemd's stop send
-SIGTERM to every process of a job one by one: a worker that died of it failed its rank, which was
-stopping to save a checkpoint ("DataLoader worker ... is killed by signal: Terminated"). The rank,
+anyone else it is dropped (the old group's too), unless the worker lost its parent: an orphan
+ends on anyone's. `pkill -f`, SLURM's scancel and time limit, and systemd's stop send SIGTERM to
+every process of a job one by one: a worker that died of it failed its rank, which was stopping
+to save a checkpoint ("DataLoader worker ... is killed by signal: Terminated"). The rank,
 signalled too, ends its workers itself when it stops, and they notice if it dies. A process the
 worker forks from Python gets SIGTERM back; a program it runs through subprocess starts with
-SIGTERM blocked (subprocess keeps the signal mask): Popen.kill() ends it, terminate() does not. A context of the
-user's own class (not fork, spawn or forkserver) is kept as it is, and its workers share the
-rank's group. With forkserver, Python's fork server is started before the block (so that what the
+SIGTERM blocked (subprocess keeps the signal mask): Popen.kill() ends it, terminate() does not.
+Without sigwaitinfo (macOS) SIGTERM keeps its default there, the old group's dropped at the start.
+Not covered: a fork server's child (forkserver, Python 3.14's default on Linux) holds threads
+started before it could block SIGTERM, and torch's worker handler, which they run, ends the
+worker on anyone's SIGTERM: there a job-wide SIGTERM still ends the workers, as before.
+A context of the user's own class (not fork, spawn or forkserver) is kept as it is, and its
+workers share the rank's group. With forkserver, Python's fork server is started before the block (so that what the
 user starts from it later is not born with blocked signals) and stays in the rank's group: a stop
 sent to the group ends it, and its workers with it; fork (Linux's default) and spawn have no such
 process.
@@ -70,6 +75,8 @@ class _OwnGroup:
             _HELD.pop(self, None)
 
     def run(self) -> None:
+        # a fork server's child was forked from the server, not from our start(): block them now
+        signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
         if self._cpus:  # born on its starter's CPUs (a rank's main thread may keep a core alone)
@@ -77,16 +84,16 @@ class _OwnGroup:
                 os.sched_setaffinity(0, self._cpus)
         for sig in _IGNORED:
             signal.signal(sig, signal.SIG_IGN)  # also discards one already pending
-        told = _sigterm_pending_from(self._starter)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # discard the old group's, then the default
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if told or not hasattr(signal, "sigwaitinfo"):  # (macOS: SIGTERM keeps its default)
+        if hasattr(signal, "sigwaitinfo"):  # one pending since the start is the thread's to judge
+            _take_sigterm(self._starter)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
+        else:  # (macOS) SIGTERM keeps its default: the old group's dropped, the rank's kept
+            told = _sigterm_pending_from(self._starter)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # discard the old group's, then the default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCKED)
             if told:  # the rank ended this worker while it started: end as torch expects
                 os.kill(os.getpid(), signal.SIGTERM)
-        else:
-            _take_sigterm(self._starter)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
         super().run()
 
 
@@ -115,9 +122,12 @@ def _ended(process) -> bool:
 
 def _take_sigterm(starter: int) -> None:
     """A thread that takes every SIGTERM (blocked in the worker's other threads): the one `starter`
-    sends ends the worker as SIGTERM's default does, anyone else's is dropped."""
+    sends ends the worker as SIGTERM's default does, anyone else's is dropped, unless the worker
+    has lost its parent (an orphan ends on anyone's)."""
+    parent = os.getppid()
+
     def take() -> None:
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != starter:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != starter and os.getppid() == parent:
             pass
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # this thread alone takes it:
         os.kill(os.getpid(), signal.SIGTERM)  # the default's end, as torch's terminate() expects

@@ -7,16 +7,24 @@ nobody had signalled. Before the agent stops the ranks of an attempt that failed
 writes which local ranks ended and how beside the attempt's error files
 (<log dir>/<run id>/attempt_<n>/STOPPING); a rank that gets SIGTERM reads it from there (its
 TORCHELASTIC_ERROR_FILE is <attempt folder>/<local rank>/error.json). A stop the launcher was
-asked for writes nothing. Ranks of other nodes, stopped through the rendezvous, find nothing
-either. Torch-free.
+asked for writes nothing there. Ranks of other nodes, stopped through the rendezvous, find nothing
+either.
+
+A stop signal the launcher passes on to its ranks is said beside it (FORWARDED, the signal's
+name), before it is sent: `pkill -f`, SLURM's scancel, time limit and `--signal` without `B:`,
+and systemd's stop signal every process of a job, so such a rank gets the signal twice, its own
+and the launcher's copy, and takes the pair for one stop (train/control.py), not for the second
+signal that stops it at once. Torch-free.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
 
 FILE = "STOPPING"
+FORWARDED = "FORWARDED"
 # the signals that ask a launch to stop (passed on to the ranks), not a death of their own
 STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
@@ -45,24 +53,47 @@ def each_stopped_by_itself(exit_codes: dict) -> int | None:
 def write(error_files: dict, ended: dict) -> None:
     """`ended`: local rank -> exit code (negative: the signal) of the ranks that failed, said in
     the attempt folder named by the agent's per-rank `error_files`."""
-    folders = {Path(p).parent.parent for p in error_files.values() if p and p != os.devnull}
-    if len(folders) != 1 or not ended:
+    folder = _attempt_folder(error_files)
+    if folder is None or not ended:
         return
     said = ", ".join(f"local rank {rank} {how_it_ended(code)}" for rank, code in sorted(ended.items()))
     try:  # the first close of the attempt says it; the agent closes it again at the launch's end
-        with open(folders.pop() / FILE, "x") as f:
+        with open(folder / FILE, "x") as f:
             f.write(said + "\n")
     except OSError:  # there already, or not written: never a failed stop
         pass
 
 
+def mark_forwarded(error_files: dict, sig: int) -> None:
+    """Before the launcher passes stop signal `sig` on to the ranks of the attempt whose per-rank
+    `error_files` these are: said in its folder (FORWARDED)."""
+    folder = _attempt_folder(error_files)
+    if folder is not None:  # the first one passed on is kept (the agent closes an attempt again)
+        with contextlib.suppress(OSError, ValueError), open(folder / FORWARDED, "x") as f:
+            f.write(signal.Signals(sig).name + "\n")  # not written: a rank counts it as its own
+
+
 def read(env=os.environ) -> str | None:
     """What the launcher wrote for this rank's attempt, or None."""
+    return _read(FILE, env)
+
+
+def forwarded(env=os.environ) -> str | None:
+    """The name of the stop signal the launcher passed on to this rank's attempt, or None."""
+    return _read(FORWARDED, env)
+
+
+def _attempt_folder(error_files: dict) -> Path | None:
+    folders = {Path(p).parent.parent for p in error_files.values() if p and p != os.devnull}
+    return folders.pop() if len(folders) == 1 else None
+
+
+def _read(name: str, env) -> str | None:
     here = env.get("TORCHELASTIC_ERROR_FILE")
     if not here:
         return None
     try:
-        return (Path(here).parent.parent / FILE).read_text().strip() or None
+        return (Path(here).parent.parent / name).read_text().strip() or None
     except OSError:
         return None
 
