@@ -117,9 +117,8 @@ class NvImageCodecDecoder(JpegDecoder):
     (nvImageCodec's `images=`: their buffers resized, not allocated and freed per image): the
     writes are queued behind the reads of the previous batch on that stream. The largest file
     goes into the largest Image, and what a thread keeps stays under KEPT_AT_MOST times the
-    bytes of the batch at hand. It spares the
-    allocations and frees of every image, which slow the decode beside a busy GPU (measured:
-    benchmarks/results/2026-12-04-1xH200-round7/)."""
+    bytes of the batch at hand. It spares the allocations and frees of every image, which slow
+    the decode beside a busy GPU (measured: benchmarks/results/2026-12-04-1xH200-round7/)."""
     threads = 2
 
     def __init__(self, device: torch.device, hardware: bool = True, fallback: bool = True,
