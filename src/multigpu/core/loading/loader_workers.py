@@ -85,6 +85,7 @@ class _OwnGroup:
         for sig in _IGNORED:
             signal.signal(sig, signal.SIG_IGN)  # also discards one already pending
         if hasattr(signal, "sigwaitinfo"):  # one pending since the start is the thread's to judge
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler forked from the rank
             _take_sigterm(self._starter)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
         else:  # (macOS) SIGTERM keeps its default: the old group's dropped, the rank's kept
