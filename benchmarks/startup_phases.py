@@ -7,14 +7,14 @@ Each case is one `multigpu train --model resnet50 --epochs 1` (no --compile) on 
 on the folder, on each GPU count of --gpus, with the head start on and off (MULTIGPU_HEAD_START=1|0:
 the worker's imports and listing in a thread while its group forms, or all in line). Cases take
 turns, trial by trial, so that a drift of the machine spreads over all of them, after --warmup
-runs of each that are not counted (on a fresh machine the first run is the slowest by far: the
-libraries' files not yet in the page cache); the median trial is printed. Each case
-of multigpu also runs with `--cudnn-benchmark off` (`-cudnnoff`), to compare with the bare plain
-script, which does not autotune. --bare adds, on one GPU, startup_bare.py --plain and --plain
---tuned (one process by itself, no torchrun, group or DDP: the floor of a one-GPU script), and,
-on each GPU count, a bare torchrun script (startup_bare.py: torch, init_process_group, DDP, one
-step) in the same turns, the floor that every DDP script pays, and
-the same script with its workers forked from torchrun's agent (bare-fork: no second torch import).
+runs of each that are not counted (on a fresh machine the first run was the slowest by far);
+the median trial is printed. Each case of multigpu has a twin with `--cudnn-benchmark off`
+(`-cudnnoff`, run where --cases names it), to compare with the bare plain script, which does not
+autotune. --bare adds, on one GPU, startup_bare.py --plain and --plain --tuned (one process by
+itself, no torchrun, group or DDP: the floor of a one-GPU script), and, on each GPU count, a bare
+torchrun script (startup_bare.py: torch, init_process_group, DDP, one step) in the same turns,
+the floor that every DDP script pays, and the same script with its workers forked from
+torchrun's agent (bare-fork: no second torch import).
 The figures come from rank 0's `time:` line (train/rundir/timeline.py): `first_step_s` is the command until
 the first optimizer step was done, `starting_s` until training could begin, `parts` the marked parts
 (they add up to starting_s), `meanwhile` the parts a thread did beside them. Every trial's line and
@@ -72,7 +72,9 @@ def cases(args) -> list[dict]:
     bare += [{"name": f"1gpu-bare-{kind}", "gpus": 1, "bare": True, "fork": False, "plain": True,
               "tuned": kind == "tuned"} for gpus in args.gpus if gpus == 1 for kind in ("plain", "tuned")]
     every = runs + (bare if args.bare else [])
-    return [c for c in every if not args.cases or c["name"] in args.cases.split(",")]
+    if not args.cases:  # the -cudnnoff cases only where named: they would double the default's runs
+        return [c for c in every if "args" not in c]
+    return [c for c in every if c["name"] in args.cases.split(",")]
 
 
 def run_bare(case: dict, args) -> dict:
