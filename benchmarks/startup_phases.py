@@ -10,8 +10,10 @@ turns, trial by trial, so that a drift of the machine spreads over all of them, 
 runs of each that are not counted (on a fresh machine the first run was the slowest by far);
 the median trial is printed. Each case of multigpu has a twin with `--cudnn-benchmark off`
 (`-cudnnoff`, run where --cases names it), to compare with the bare plain script, which does not
-autotune. --bare adds, on one GPU, startup_bare.py --plain and --plain --tuned (one process by
-itself, no torchrun, group or DDP: the floor of a one-GPU script), and, on each GPU count, a bare
+autotune, and one with its loader workers started at the first step (`-lateworkers`,
+MULTIGPU_EARLY_WORKERS=0; by default a fresh run starts them before its model), also where
+named. --bare adds, on one GPU, startup_bare.py --plain and --plain --tuned (one process by itself,
+no torchrun, group or DDP: the floor of a one-GPU script), and, on each GPU count, a bare
 torchrun script (startup_bare.py: torch, init_process_group, DDP, one step) in the same turns,
 the floor that every DDP script pays, and the same script with its workers forked from
 torchrun's agent (bare-fork: no second torch import).
@@ -67,13 +69,16 @@ def cases(args) -> list[dict]:
             for gpus in args.gpus for kind, spec in data for head in heads]
     # the same without cuDNN's autotuning, against the bare plain script (which has none)
     runs += [{**run, "name": run["name"] + "-cudnnoff", "args": ["--cudnn-benchmark", "off"]} for run in runs]
+    # the loader workers started at the first step instead of before the model (trainloop.py)
+    runs += [{**run, "name": run["name"] + "-lateworkers", "env": {"MULTIGPU_EARLY_WORKERS": "0"}}
+             for run in runs]
     bare = [{"name": f"{gpus}gpu-bare{'-fork' if fork else ''}", "gpus": gpus, "bare": True,
              "fork": fork} for gpus in args.gpus for fork in (False, True)]
     bare += [{"name": f"1gpu-bare-{kind}", "gpus": 1, "bare": True, "fork": False, "plain": True,
               "tuned": kind == "tuned"} for gpus in args.gpus if gpus == 1 for kind in ("plain", "tuned")]
     every = runs + (bare if args.bare else [])
-    if not args.cases:  # the -cudnnoff cases only where named: they would double the default's runs
-        return [c for c in every if "args" not in c]
+    if not args.cases:  # the twins only where named: they would multiply the default's runs
+        return [c for c in every if "args" not in c and "env" not in c]
     return [c for c in every if c["name"] in args.cases.split(",")]
 
 
@@ -110,7 +115,7 @@ def run_case(case: dict, args, work: Path) -> dict:
             "--epochs", "1", "--batch-size", str(args.batch_size), "--out", str(out),
             *(["--image-size", str(args.image_size)] if args.image_size else []), *case.get("args", ()),
             *args.extra]
-    env = dict(os.environ, MULTIGPU_HEAD_START="1" if case["head_start"] else "0")
+    env = dict(os.environ, MULTIGPU_HEAD_START="1" if case["head_start"] else "0", **case.get("env", {}))
     began = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
     wall = time.perf_counter() - began

@@ -1,13 +1,17 @@
 """`multigpu train` end to end, through the real launcher (torch.distributed.run) on CPU/gloo."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from multigpu.train.models.catalog import build_model
 
-from .conftest import multigpu, read_metrics
+from multigpu.train.trainloop import EARLY_WORKERS_ENV
+
+from .conftest import cli_env, multigpu, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -470,3 +474,32 @@ def test_eleven_processes_start_train_and_log_every_rank_but_0_in_files(tmp_path
     assert [m["epoch"] for m in read_metrics(out)] == [1]
     ranks = sorted(int(p.parent.name) for p in out.glob("logs/*/attempt_0/*/stderr.log"))
     assert ranks == list(range(1, 11)), ranks
+
+
+def _time_line(proc) -> str:
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("time:")]
+    return line
+
+
+def test_loader_workers_started_before_the_model_train_the_weights_of_a_start_at_the_first_step(tmp_path):
+    # A fresh run starts its workers while it builds its model (the time: line's "loaders") and
+    # trains what a start at the first step trains; a resumed run starts them at its first step,
+    # at its own position. (That the main process's random stream is left as it was:
+    # tests/unit/test_loaders_continuous.py.)
+    args = ["--model", "cnn", "--data", "synthetic:96", "--image-size", "8", "--batch-size", "8",
+            "--workers", "2", "--devices", "cpu:1", "--seed", "3", "--logger", "none"]
+    early = multigpu("train", *args, "--epochs", "2", "--out", tmp_path / "early")
+    late = subprocess.run([sys.executable, "-m", "multigpu", "train", *args, "--epochs", "2",
+                           "--out", str(tmp_path / "late")], env=cli_env() | {EARLY_WORKERS_ENV: "0"},
+                          capture_output=True, text=True, timeout=240)
+    straight = multigpu("train", *args, "--epochs", "3", "--out", tmp_path / "straight")
+    resumed = multigpu("train", *args, "--epochs", "3", "--resume", tmp_path / "early",
+                       "--out", tmp_path / "resumed")
+    for proc in (early, late, straight, resumed):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert " loaders " in _time_line(early) and " loaders " in _time_line(straight)
+    assert " loaders " not in _time_line(late) and " loaders " not in _time_line(resumed)
+    for (a, b) in (("early", "late"), ("straight", "resumed")):
+        wa = torch.load(tmp_path / a / "checkpoints" / "last.pt", weights_only=True)["model"]
+        wb = torch.load(tmp_path / b / "checkpoints" / "last.pt", weights_only=True)["model"]
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), (a, b)

@@ -124,3 +124,33 @@ def test_one_process_on_synthetic_data_imports_the_optimizer_s_compiler_ahead_an
     off = HeadStart.begin(cfg, env={"WORLD_SIZE": "2", "MULTIGPU_HEAD_START": "0"})
     off.imports_done()
     assert (off.data(), off.loads_data, off.spans) == (None, False, [])
+
+
+# A run that forks its loader workers early holds the thread between two imports: held, it stops
+# after the data (here the folder's listing) and imports the compiler only once it is let go.
+HELD = """
+import json, sys, time
+from multigpu.train.settings.config import TrainConfig
+from multigpu.train.head_start import HeadStart
+cfg = TrainConfig.from_flat(model="cnn", data="folder:" + sys.argv[1], image_size=8)
+head = HeadStart.begin(cfg, env={}, hold=True)
+data = head.data()
+with head.paused():  # where the run forks
+    parked = head.parked()
+    time.sleep(0.5)  # a thread that went on would be importing torch._dynamo by now
+    inside = [part for part, _, _ in head.spans], "torch._dynamo" in sys.modules
+head.imports_done()
+print(json.dumps({"parked": parked, "inside": inside, "samples": len(data.train),
+                  "after": [[part for part, _, _ in head.spans], "torch._dynamo" in sys.modules]}))
+"""
+
+
+def test_a_held_thread_imports_nothing_while_the_run_forks_and_the_compiler_after_it(tmp_path):
+    make_image_folder(tmp_path, classes=("cat", "dog"), per_class=3)
+    done = subprocess.run([sys.executable, "-c", HELD, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    listed = ["compiler's modules", "decoder", "folder listing"]
+    assert said == {"parked": True, "inside": [listed, False], "samples": 6,
+                    "after": [listed + ["compiler"], True]}

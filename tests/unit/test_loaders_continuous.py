@@ -33,8 +33,9 @@ class Recorded(Dataset):
         return torch.tensor([i]), torch.rand(1), torch.tensor([os.getpid()])
 
 
-def prepared(dataset, workers, shuffle=True):
-    return shard_loader(DataLoader(dataset, batch_size=BATCH, shuffle=shuffle, num_workers=workers),
+def prepared(dataset, workers, shuffle=True, persistent=False):
+    return shard_loader(DataLoader(dataset, batch_size=BATCH, shuffle=shuffle, num_workers=workers,
+                                   persistent_workers=persistent),
                         layout=(1, 0, 1), device=torch.device("cpu"),
                         seed=SEED, on_step=lambda info: None)
 
@@ -140,3 +141,50 @@ def test_a_resume_or_an_epoch_left_before_its_end_starts_afresh_and_ends_the_old
     rest = list(loader)  # epoch 3, whole, from a fresh iterator
     assert [values(b) for b in rest] == todays_epoch(2, True, 3)
     assert all(ended(pid) for pid in second) and not pids(rest) & second
+
+
+@pytest.mark.parametrize("persistent", [False, True])  # multigpu train's loaders are persistent
+def test_workers_started_ahead_make_the_first_batches_before_the_first_iteration(tmp_path, persistent):
+    def two_epochs(ahead, log=None):
+        torch.manual_seed(0)
+        loader = prepared(Recorded(log), workers=2, persistent=persistent)
+        if ahead:
+            assert loader.start_workers(1)
+            deadline = time.monotonic() + 30  # generous: the workers run on a loaded machine
+            while not log.exists() or len(log.read_text().splitlines()) < BATCH:
+                assert time.monotonic() < deadline, "no sample made before the first iteration"
+                time.sleep(0.02)
+        else:
+            loader.set_last_epoch(1)
+        epochs = [list(loader) for _ in range(2)]
+        return epochs, torch.rand(1)
+
+    (expected, after_expected), log = two_epochs(False), tmp_path / "calls"
+    epochs, after = two_epochs(True, log)
+    assert [[values(b) for b in e] for e in epochs] == [[values(b) for b in e] for e in expected]
+    assert [[values(b) for b in e] for e in epochs] == [todays_epoch(2, True, e) for e in range(2)]
+    assert after == after_expected, "the main process's random stream as without the head start"
+    assert pids(epochs[0]) == pids(epochs[1]), "the workers started ahead served both epochs"
+    assert len(log.read_text().splitlines()) == 2 * N, "nothing past the last epoch"
+
+
+def test_workers_started_ahead_of_a_resume_end_and_the_resume_gets_its_own_batches():
+    torch.manual_seed(0)
+    expected = todays_epoch(2, True, 0, start=8)
+    after_expected = torch.rand(1)
+    torch.manual_seed(0)
+    loader = prepared(Recorded(), workers=2)
+    assert loader.start_workers(None)
+    ahead = loader._live._workers  # torch's iterator: the processes started ahead
+    loader.set_epoch(0, 8)  # the run resumed inside epoch 0 after all
+    resumed = list(loader)
+    assert [values(b) for b in resumed] == expected
+    assert torch.rand(1) == after_expected
+    assert all(ended(w.pid) for w in ahead) and not pids(resumed) & {w.pid for w in ahead}
+
+
+def test_a_loader_without_workers_or_already_iterated_starts_nothing_ahead():
+    assert not prepared(Recorded(), workers=0).start_workers(1)
+    loader = prepared(Recorded(), workers=2)
+    list(loader)
+    assert not loader.start_workers(1)

@@ -21,15 +21,22 @@ imports between them, so the run touches what the thread imports only after join
 thread imports only modules named here. The parts' times go to the `time:` line
 (timeline.Timeline.meanwhile), which says what they overlapped. MULTIGPU_HEAD_START=0 leaves the
 thread out (all of it in line, as before), for benchmarks/startup_phases.py to compare.
+
+A run that starts its loader workers before its model (training.build_job) forks 15 processes
+or so: a fork while this thread imports would leave the import's module locks held in every
+child, by a thread that does not exist there, and a worker that imports the same module would
+hang. So a HeadStart begun with `hold` stops after the data, before the compiler's import, until
+the run says `release()`; `paused()` holds the run until the thread stands there (or has ended).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from multigpu.train.data import data_specs, imagefolder
 from multigpu.train.settings.config import TrainConfig
@@ -58,18 +65,23 @@ class HeadStart:
 
     def __init__(self, load: Callable | None = None, modules: tuple[str, ...] = (),
                  decoder: Callable | None = None, early: tuple[str, ...] = (),
-                 on_part: Callable | None = None):
+                 on_part: Callable | None = None, hold: bool = False):
         self._load, self._modules, self._decoder, self._early = load, modules, decoder, early
         self._on_part = on_part
         self.spans: list[tuple[str, float, float]] = []
         self._data = self._error = None
         self._data_ready, self._formed = threading.Event(), threading.Event()
+        self._parked, self._go = threading.Event(), threading.Event()  # the stop before the compiler
+        if not hold:
+            self._go.set()
         self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="multigpu-head-start", daemon=True)
 
     @classmethod
-    def begin(cls, cfg: TrainConfig, env=os.environ, on_part: Callable | None = None) -> HeadStart:
-        """Started at once for `cfg`'s run (the launcher's environment says how many processes).
+    def begin(cls, cfg: TrainConfig, env=os.environ, on_part: Callable | None = None,
+              hold: bool = False) -> HeadStart:
+        """Started at once for `cfg`'s run (the launcher's environment says how many processes);
+        `hold`: it stops before the compiler's import until `release()` (the module's docstring).
         With MULTIGPU_HEAD_START=0 it does nothing: the run does all of it in line."""
         if env.get(OFF_ENV) == "0":
             return cls()
@@ -79,8 +91,8 @@ class HeadStart:
         modules, early = (COMPILER,), early_modules(torch.__version__)
         early += ("triton",) if cfg.compile else ()
         folder = data_specs.is_images(cfg.input.data)
-        head = cls(lambda: load_run_data(cfg), modules, imagefolder.default_decoder, early, on_part) \
-            if folder else cls(None, modules, early=early, on_part=on_part)
+        head = cls(lambda: load_run_data(cfg), modules, imagefolder.default_decoder, early, on_part, hold) \
+            if folder else cls(None, modules, early=early, on_part=on_part, hold=hold)
         if not distributed:
             head._formed.set()  # no process group to wait for
         head._thread.start()
@@ -100,7 +112,10 @@ class HeadStart:
             self._error = exc
         finally:
             self._data_ready.set()
-        self._import("compiler", self._modules)
+        self._parked.set()
+        self._go.wait()
+        if not self._cancelled:
+            self._import("compiler", self._modules)
 
     def _import(self, part: str, modules: tuple[str, ...]) -> None:
         """A failed import is left to the run, which says it where it imports the module."""
@@ -128,6 +143,32 @@ class HeadStart:
         instead of waiting for a group that will not come."""
         self._cancelled = True
         self._formed.set()
+        self._go.set()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """For the block's time the thread imports nothing (the run forks in it): it waits until
+        the thread stands before the compiler's import (a HeadStart begun with `hold`) or has
+        ended, and lets it go on after the block."""
+        self._formed.set()  # (the run is past its group's forming, if it did not say so)
+        if self._thread.is_alive():
+            if self._go.is_set():  # not held: it may be importing at any time
+                self._thread.join()
+            else:
+                self._parked.wait()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def parked(self) -> bool:
+        """Whether the thread imports nothing now, nor until `release()`: held and standing
+        before the compiler's import, or ended (or never started)."""
+        return not self._thread.is_alive() or (self._parked.is_set() and not self._go.is_set())
+
+    def release(self) -> None:
+        """The thread may go on to the compiler's import (a HeadStart begun with `hold`)."""
+        self._go.set()
 
     def group_formed(self) -> None:
         """The run's process group exists: the imports that would hold up its forming may begin."""
@@ -152,5 +193,6 @@ class HeadStart:
         """Back when the thread has ended: its modules imported (or failed, to fail again where
         the run imports them)."""
         self._formed.set()
+        self._go.set()
         if self._thread.is_alive():
             self._thread.join()

@@ -8,6 +8,7 @@ rank (control.py); the epoch loop is in trainloop.py.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,41 +235,48 @@ def cudnn_autotunes(cfg: TrainConfig, device_type: str) -> bool:
 
 
 def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambda part: None,
-              head=None, decode_trial: bool = False, placement: Placement | None = None) -> Job:
+              head=None, decode_trial: bool = False, placement: Placement | None = None,
+              start_workers: bool = False) -> Job:
     """Data, model, optimizer and scheduler for `cfg`, prepared for the runtime's strategy.
     `mark(part)` is called as each part of the start-up ends (timeline.Timeline.mark): decoder
-    (folder: data: importing torchvision, where it is, to choose it), data, model, prepare (the
-    strategy's wrapping: DDP's constructor imports torch's compiler and broadcasts the weights;
-    the loaders), optimizer (torch imports its compiler with the first one, where DDP did not).
+    (folder: data: importing torchvision, where it is, to choose it), data, loaders (with
+    `start_workers`: the training loader's workers started), model, prepare (the strategy's
+    wrapping: DDP's constructor imports torch's compiler and broadcasts the weights), optimizer
+    (torch imports its compiler with the first one, where DDP did not).
     `head`: the run's head_start.HeadStart, whose thread did the decoder, the folder's listing and
     the compiler's import meanwhile: data is then the wait for them, prepare the wait for it.
     `placement`: the rank's CPU placement (train/cpu_placing.py), whose worker CPUs the loaders'
-    workers run on. The job's `plan` holds what was worked out on the way (RunPlan)."""
+    workers run on. `start_workers`: a run that begins at its first step starts the training
+    loader's workers before the model is wrapped, so that its first batches are made meanwhile
+    (PreparedLoader.start_workers), with `head`'s thread paused between two imports for the fork:
+    before the model is built where the thread already stands there (it loaded the data), else
+    after, where its imports of the compiler's modules have had the model's time to end. The
+    job's `plan` holds what was worked out on the way (RunPlan)."""
     in_line = head is None or not head.loads_data
     if in_line and data_specs.is_images(cfg.input.data):
         imagefolder.default_decoder()  # decided (and cached) here, so that it is timed apart
         mark("decoder")
     data = load_run_data(cfg) if in_line else head.data()
     mark("data")
+    workers = loader_workers(cfg, rt, placement)
+    train_loader, val_loader = _loaders(cfg, rt, data, workers, placement, decode_trial)
+    early = getattr(train_loader, "start_workers", None) if start_workers and workers else None
+    if early is not None and (head is None or head.parked()):  # now, else once the model is built
+        _fork_workers(early, cfg, head, mark)
+        early = None
+    elif early is None and head is not None:
+        head.release()
     model = build_model(cfg.model, data.input_shape, data.num_outputs)
     settings = StepSettings.for_data(data.normalize, rt.device, clip_grad_norm=cfg.optim.clip_grad_norm,
                                      channels_last=uses_channels_last(rt, cfg.model))
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    workers = loader_workers(cfg, rt, placement)
-    cpus = placement.workers if placement is not None else None
-    decode_note = imagefolder.use_decode(data, cfg.input.decode, rt.device, workers, cfg.deterministic,
-                                         trial=decode_trial)
-    if decode_note:
-        console.info(decode_note)
-    train_loader = make_loader(data.train, cfg.input.batch_size, True, workers, cfg.input.drop_last, cpus)
-    per_step = cfg.input.batch_size * rt.world_size * rt.strategy.devices_per_process
-    val_batches = -(-len(data.val) // per_step)  # a rank's, at most
-    val_loader = make_loader(data.val, cfg.input.batch_size, False, min(workers, val_batches), cpus=cpus)
     mark("model")
+    if early is not None:
+        _fork_workers(early, cfg, head, mark)
     if head is not None:
         head.imports_done()  # its modules complete before the wrapping uses them
-    model, train_loader, val_loader = rt.prepare(model, train_loader, val_loader)
+    model = rt.prepare(model)
     mode = compile_mode(cfg, rt, steps=cfg.epochs * _length(train_loader) // rt.accumulate)
     model = compiling.compile_model(model, mode)
     mark("prepare")
@@ -278,6 +286,30 @@ def build_job(cfg: TrainConfig, rt: Runtime, mark: Callable[[str], None] = lambd
     mark("optimizer")
     return Job(data, model, optimizer, scheduler, train_loader, val_loader, settings, plan,
                placement=placement)
+
+
+def _fork_workers(start: Callable[[int], bool], cfg: TrainConfig, head, mark) -> None:
+    """The training loader's workers started (PreparedLoader.start_workers) while the head start's
+    thread imports nothing (head_start.py: a fork in an import leaves its locks held in the child)."""
+    with head.paused() if head is not None else contextlib.nullcontext():
+        start(cfg.epochs - 1)
+    mark("loaders")
+
+
+def _loaders(cfg: TrainConfig, rt: Runtime, data: DataBundle, workers: int,
+             placement: Placement | None, decode_trial: bool) -> tuple:
+    """The training and evaluation loaders, prepared (the decode's way chosen first: the workers
+    it leaves a share of the decoding to are started with the loaders)."""
+    cpus = placement.workers if placement is not None else None
+    decode_note = imagefolder.use_decode(data, cfg.input.decode, rt.device, workers, cfg.deterministic,
+                                         trial=decode_trial)
+    if decode_note:
+        console.info(decode_note)
+    train_loader = make_loader(data.train, cfg.input.batch_size, True, workers, cfg.input.drop_last, cpus)
+    per_step = cfg.input.batch_size * rt.world_size * rt.strategy.devices_per_process
+    val_batches = -(-len(data.val) // per_step)  # a rank's, at most
+    val_loader = make_loader(data.val, cfg.input.batch_size, False, min(workers, val_batches), cpus=cpus)
+    return rt.prepare(train_loader, val_loader)
 
 
 def _plan(cfg: TrainConfig, rt: Runtime, workers: int, mode: str | None, decode: str | None,

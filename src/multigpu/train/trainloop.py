@@ -41,7 +41,7 @@ from multigpu.train.announce import announce_run
 from multigpu.launcher.launch_failures import restart_note
 from multigpu.train.models.model_names import precision_for
 from multigpu.train.checkpoints.resume import restore
-from multigpu.train.checkpoints.runstate import RunState, resume_point
+from multigpu.train.checkpoints.runstate import RunState, resume_point, starts_fresh
 from multigpu.core.runtime import Runtime, setup
 from multigpu.train.rundir.timeline import Timeline
 from multigpu.train.head_start import HeadStart
@@ -51,6 +51,8 @@ from multigpu.train.rundir.step_profile import StepProfile
 from multigpu.train.epochs import Loop, run_epochs
 from multigpu.train.training import (PREFETCH_FACTOR, Job, build_job, cudnn_autotunes, resolved_config,
                                      strategy_options)
+
+EARLY_WORKERS_ENV = "MULTIGPU_EARLY_WORKERS"
 
 
 def run_training(cfg: TrainConfig, *, device_ids: list[int] | None = None,
@@ -67,7 +69,7 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
            launch: dict | None, process_started: float | None) -> dict:
     clock = Timeline(process=process_started,  # from the command's start, else from now
                      restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
-    head = HeadStart.begin(cfg, on_part=clock.meanwhile)  # imports, listing: while the group forms
+    head = HeadStart.begin(cfg, on_part=clock.meanwhile, hold=True)  # imports, listing: while the group forms
     if cfg.deterministic:
         make_deterministic()
     rt = _setup(cfg, device_ids, accelerator, head)
@@ -81,8 +83,8 @@ def _train(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str,
     # (orphans.py), then makes every rank save and stop (below).
     watchdog.start_from_env()
     placement = place_main_thread(cfg, rt)  # --cpu-placement auto: after the threads above
-    out = _on_rank0(rt, lambda: runfolder.reserve_out(cfg))
-    cfg, job = _build(cfg, rt, head, out, clock, placement)  # the config with the batch size it found
+    out, fresh = _on_rank0(rt, lambda: _claim(cfg))
+    cfg, job = _build(cfg, rt, head, out, clock, placement, fresh)  # the config with the batch size it found
     config = resolved_config(cfg, rt, job, out, launch or {})
     store = CheckpointStore(schema.checkpoints_folder(out), cfg.checkpointing.keep)
     # a trained run's record is rewritten once the resumed run has trained a step, not before:
@@ -154,17 +156,27 @@ def _setup(cfg: TrainConfig, device_ids: list[int] | None, accelerator: str, hea
     return rt
 
 
-def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path,
-           clock: Timeline, placement: Placement | None) -> tuple[TrainConfig, Job]:
+def _claim(cfg: TrainConfig) -> tuple[Path, bool]:
+    """On rank 0: the run folder, claimed, and whether the run begins at its first step there."""
+    out = runfolder.reserve_out(cfg)
+    return out, starts_fresh(out, cfg.checkpointing.resume)
+
+
+def _build(cfg: TrainConfig, rt: Runtime, head: HeadStart, out: Path, clock: Timeline,
+           placement: Placement | None, fresh: bool) -> tuple[TrainConfig, Job]:
     """The run's model, data, loaders and optimizer; --batch-size auto found first (the loaders
-    are built with it), --decode auto's trial planned. The config, with the batch size found."""
+    are built with it), --decode auto's trial planned. The config, with the batch size found.
+    `fresh`: the run begins at its first step, so its loader workers start before the model
+    (EARLY_WORKERS_ENV=0: at the first step, for benchmarks/startup_phases.py to compare)."""
     if cfg.input.batch_size == batchfit.AUTO:
         head.imports_done()  # it loads the data too: not while the thread imports the decoder
         found = batchfit.auto_batch_size(
             cfg, rt, _on_rank0(rt, lambda: runfolder.trained_batch_size(out, cfg.checkpointing.resume)))
         cfg = replace(cfg, input=replace(cfg.input, batch_size=found))
         clock.mark("batch size")
-    job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True, placement=placement)
+    early = fresh and os.environ.get(EARLY_WORKERS_ENV) != "0"
+    job = build_job(cfg, rt, mark=clock.mark, head=head, decode_trial=True, placement=placement,
+                    start_workers=early)
     job.decode = decode_choice.trial_for(job.data, rt, job.plan.workers, PREFETCH_FACTOR, out)
     return cfg, job
 

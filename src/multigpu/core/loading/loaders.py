@@ -63,6 +63,7 @@ class PreparedLoader:
         self._live = None       # the DataLoader iterator kept from one epoch to the next
         self._next = None       # (epoch, start) of _live's next batch, once an epoch was taken whole
         self._turn = 0          # which iteration may take batches from _live
+        self._owed_draw = False  # _live was started ahead (start_workers): its seed draw is owed
         self.watch = None       # stragglers.Stragglers of a training loader: its waits, its epochs
 
     def __len__(self) -> int:
@@ -91,6 +92,28 @@ class PreparedLoader:
         next one starts a fresh iterator."""
         self.last_epoch = epoch
         self._continuous = self._schedule is not None
+
+    def start_workers(self, last_epoch: int | None) -> bool:
+        """Start the workers for a run that begins at the start of epoch 0 and ends with
+        `last_epoch` (set_last_epoch), now instead of at the first iteration: they start and make
+        its first batches while the run builds its model. Nothing for a loader without workers or
+        one that was iterated or told to resume. Whether it started them.
+
+        Torch's iterator draws its workers' base seed from the loader's generator as it starts;
+        that draw is undone here and made at the first iteration instead, so that the main
+        process's random stream (the model's initial weights among its draws) is the same as
+        without the head start. An iteration that begins elsewhere ends these workers and starts
+        its own, as _take does."""
+        if self._schedule is None or self._live is not None or self._resume_at or self.epoch:
+            return False
+        self.set_last_epoch(last_epoch)
+        generator = self.loader.generator or torch.default_generator
+        state = generator.get_state()
+        self._schedule.begin(0, 0, last_epoch)
+        self._live = iter(self.loader)
+        generator.set_state(state)
+        self._next, self._owed_draw = (0, 0), True
+        return True
 
     def state_dict(self) -> dict:
         """Where to go on from: inside the epoch being iterated, after its last batch handed out."""
@@ -137,14 +160,14 @@ class PreparedLoader:
         served the epoch before, when it was taken whole and this one follows it; else from a new one."""
         if (self._continuous and self._live is not None and self._next == (epoch, start)
                 and self._schedule.last == self.last_epoch):  # planned to the same end
-            if not self.loader.persistent_workers:
+            if self._owed_draw or not self.loader.persistent_workers:
                 _draw_base_seed(self.loader)
         else:
             self._live = None  # dropped, torch's iterator ends its workers, before new ones start
             last = self.last_epoch if self._continuous else epoch
             self._schedule.begin(epoch, start, last)
             self._live = iter(self.loader)
-        self._next, self._turn = None, self._turn + 1
+        self._next, self._turn, self._owed_draw = None, self._turn + 1, False
         turn = self._turn
         for _ in range(steps):
             if turn != self._turn:

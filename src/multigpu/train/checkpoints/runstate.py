@@ -73,6 +73,13 @@ class ResumePoint:
         return self.state.get(schema.FROM_STATE_DICT)
 
 
+def starts_fresh(out: Path, resume: str | None) -> bool:
+    """Whether the run begins at its first step: no --resume and no checkpoint of its own, so
+    that resume_point will find nothing (the folder is the run's, claimed: nothing else writes
+    checkpoints there meanwhile). Where it is True the run starts its loader workers early."""
+    return not resume and not CheckpointStore(schema.checkpoints_folder(out)).has_checkpoints()
+
+
 def resume_point(env: DistEnv, out: Path, resume: str | None, keep: int) -> ResumePoint | None:
     """Decided on rank 0 and broadcast (a collective: call it on every rank)."""
     decision = None

@@ -16,8 +16,9 @@ happens: launch (the command until this worker's own `multigpu` command began, a
 first line), said in two parts where the launcher said when it handed over to torchrun's agent:
 launcher (its imports, torch's among them, and checks) and workers' start (the rendezvous, the
 processes' start, Python's own), then imports (from there until its training began), then the parts
-the training marks as it passes them (process group, decoder, data, model, prepare, optimizer,
-config, resume, logs: training.build_job and trainloop say which). These follow each other and add
+the training marks as it passes them (process group, decoder, data, model, loaders (a fresh run's
+loader workers started, before or after the model), prepare, optimizer, config, resume, logs:
+training.build_job and trainloop say which). These follow each other and add
 up to the start-up. Parts done in a thread meanwhile (head_start.py: the decoder, the folder's
 listing, the compiler's import) come after them, each with the parts of the line it overlapped
 (`compiler 0.9 during prepare`): "data" and "prepare" are then the time the run waited for them.
