@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/nvimgcodec_threads.py FOLDER    (its train/*/*.jpg, 2 560 at most)
 
 Baseline and grey JPEGs only (what the engines take); batches of 256 on a side stream, each
-setting the median of 3 passes. What set jpeg_decoders.HOST_THREADS.
+setting the median of 3 passes. What set nvimgcodec_decoder.HOST_THREADS.
 """
 import sys
 import time
