@@ -1,4 +1,4 @@
-"""`multigpu run` for real: CPU processes on gloo, started through torchrun's elastic agent.
+"""`multigpu run` for real: CPU processes on gloo, started through multigpu's launcher.
 
 Each test starts `python -m multigpu run ...` as a subprocess, the way a user does. The scripts in
 scripts/ are tiny and most do not import torch, to keep the file quick on a 2-core machine.
@@ -189,6 +189,32 @@ def test_on_a_second_node_the_failed_rank_is_named_by_its_global_rank_and_node(t
     assert "this node's local rank 0 shown here" in err
     assert f"rank 3 failed first on node 1 ({socket.gethostname()}) (exit code 1, local rank 1" in err
     assert "ValueError: boom-rank-3" in err
+
+
+def test_a_rank_failing_once_on_a_second_node_restarts_every_node_s_ranks(tmp_path, procs):
+    """Node 1's local rank 1 exits 1 once, before the group forms: node 1 restarts (its restart
+    line), node 0 sees it waiting in the rendezvous and restarts too, in step (attempt_1 on
+    both), and the second attempt's four ranks all-reduce to the end."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--devices", "cpu:2",
+              "--start-timeout", "90", "--max-restarts", "1")
+    script = (str(SCRIPTS / "fail_once_then_allreduce.py"), str(tmp_path), "4")
+    for node, env in (("0", {}), ("1", {"FAIL_ONCE": str(tmp_path / "failed")})):
+        procs.append(start(*common, "--node-rank", node, "--log-dir", str(tmp_path / f"logs{node}"),
+                           *script, cwd=tmp_path, **env))
+    results = [p.communicate(timeout=150) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in results]
+    assert (tmp_path / "failed").exists()
+    node1_said = [line for line in results[1][1].splitlines() if "restarting" in line]
+    assert len(node1_said) == 1 and node1_said[0].startswith("multigpu: warning: rank ")
+    assert node1_said[0].endswith("exited with code 1; restarting all workers (restart 1 of 1)")
+    assert "a node is waiting in the rendezvous" in results[0][1] + results[1][1]
+    for node in ("0", "1"):
+        assert sorted(p.name for p in (tmp_path / f"logs{node}").glob("*/attempt_*")) == \
+            ["attempt_0", "attempt_1"]
+    seen = ranks_seen(tmp_path)
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert {(s["world"], s["sum"], s["restart"]) for s in seen.values()} == {(4, 10.0, "1")}
 
 
 def test_start_timeout_when_second_node_never_comes(tmp_path):

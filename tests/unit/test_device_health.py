@@ -167,7 +167,7 @@ def test_min_devices_is_checked_against_the_devices_and_the_machines():
                                          r"--min-devices 2 or fewer$"):
         launch.check_min_devices(opts, DevicePlan("cpu", (), 2))
     opts.nnodes = "2"
-    with pytest.raises(UsageError, match="works on one machine; several nodes restart through"):
+    with pytest.raises(UsageError, match="works on one machine; several nodes restart on the same devices"):
         launch.check_min_devices(opts, DevicePlan("cpu", (), 4))
     launch.check_min_devices(launch.LaunchOptions(max_restarts=1, min_devices=2), DevicePlan("cpu", (), 2))
 

@@ -1,4 +1,4 @@
-"""The launcher without launching: torchrun argv, rendezvous plans, SLURM, messages, run helpers."""
+"""The launcher without launching: flags, rendezvous plans, SLURM, messages, run helpers."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from multigpu.launcher import launch, launch_failures, ports, sysinfo
 from multigpu.launcher import scripts
 from multigpu.launcher.devices import DevicePlan
 from multigpu.core.errors import UsageError
-from multigpu.launcher.launch import LaunchOptions, plan_rendezvous, torchrun_argv
+from multigpu.launcher.launch import LaunchOptions, plan_rendezvous
 
 CPU2 = DevicePlan("cpu", (), 2)
 
@@ -20,10 +20,6 @@ def parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     launch.add_launch_arguments(p)
     return p.parse_args(list(argv))
-
-
-def flag_value(argv: list[str], flag: str) -> str:
-    return argv[argv.index(flag) + 1]
 
 
 @pytest.fixture
@@ -64,55 +60,12 @@ def test_in_worker(monkeypatch):
     assert launch.in_worker()
 
 
-# ------------------------------------------------------------------------------- torchrun argv
+# ------------------------------------------------------------------------------- rendezvous plans
 
-def test_single_node_argv_uses_c10d_on_port_zero():
-    opts = LaunchOptions()
-    rdzv = plan_rendezvous(opts)
-    argv = torchrun_argv(["train.py", "--lr", "0.1"], CPU2, opts, rdzv, "/logs")
-    assert flag_value(argv, "--nproc-per-node") == "2"
-    assert flag_value(argv, "--rdzv-backend") == ports.BACKEND_NAME
-    assert flag_value(argv, "--rdzv-endpoint") == "127.0.0.1:0"
-    conf = dict(kv.split("=") for kv in flag_value(argv, "--rdzv-conf").split(","))
-    assert conf["join_timeout"] == "300" and conf["is_host"] == "1"
-    assert "--redirects" not in argv  # launch_config splits the logs (test below)
-    assert flag_value(argv, "--log-dir") == "/logs"
-    assert argv[-3:] == ["train.py", "--lr", "0.1"] and "--module" not in argv
-    assert rdzv.named_port is None
-    # the argv is valid for torchrun's own parser
-    import torch.distributed.run as torchrun
-
-    args = torchrun.get_args_parser().parse_args(argv)
-    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "0.1"]
-
-
-@pytest.mark.parametrize("nproc", [2, 11, 16])
-def test_any_process_count_gives_a_launch_config_with_rank_0_on_the_console(nproc, tmp_path, monkeypatch):
-    """torchrun's parser takes one digit per rank in --redirects ("1:3,...,10:3" is refused): the
-    argv of 11 or 16 processes must still become a config, ranks 1.. logged in files."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # else torchrun sets it here, and warns
-    plan, opts = DevicePlan("cpu", (), nproc), LaunchOptions()
-    argv = torchrun_argv(["-m", "multigpu", "train"], plan, opts, plan_rendezvous(opts), str(tmp_path))
-    config, entrypoint, args = launch.launch_config(argv, plan, opts, str(tmp_path))
-    assert (config.nproc_per_node, list(args[-2:])) == (nproc, ["multigpu", "train"])
-    envs = {r: {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"} for r in range(nproc)}
-    dest = config.logs_specs.reify(envs)
-    assert dest.stdouts[0] == dest.stderrs[0] == ""  # the console
-    assert [os.path.basename(os.path.dirname(dest.stderrs[r])) for r in range(1, nproc)] == \
-        [str(r) for r in range(1, nproc)]
-    assert all(dest.stdouts[r].endswith("stdout.log") for r in range(1, nproc))
-
-
-def test_module_tee_and_no_python():
-    opts = LaunchOptions(tee=True, start_timeout=7.4)
-    rdzv = plan_rendezvous(opts)
-    argv = torchrun_argv(["-m", "multigpu", "train", "--out", "x"], DevicePlan("cpu", (), 4),
-                         opts, rdzv, "/l")
-    assert "--module" in argv and argv[-4:] == ["multigpu", "train", "--out", "x"]
-    assert flag_value(argv, "--tee") == "3" and "--redirects" not in argv
-    assert "join_timeout=7" in flag_value(argv, "--rdzv-conf")
-    argv = torchrun_argv(["bash", "job.sh"], CPU2, opts, rdzv, "/l", python=False)
-    assert "--no-python" in argv and argv[-2:] == ["bash", "job.sh"]
+def test_single_node_plan_is_a_fresh_store_on_loopback():
+    rdzv = plan_rendezvous(LaunchOptions(start_timeout=7.4))
+    assert rdzv.endpoint == ports.LOOPBACK_ENDPOINT and rdzv.named_port is None
+    assert rdzv.conf["join_timeout"] == "7" and rdzv.conf["is_host"] == "1"
 
 
 def test_single_node_named_port():
@@ -633,28 +586,3 @@ def test_a_rank_failing_as_rank_0_did_names_rank_0_s_error_instead_of_a_second_t
     assert code == 1 and "Traceback" not in err, err
     assert "multigpu: its error is the one rank 0 printed above: RuntimeError: Expected to have " \
            "finished reduction in the prior iteration before starting a new one." in err, err
-
-
-@pytest.mark.parametrize("users", [None, "0"])
-def test_torchruns_config_counts_gpus_through_nvml_and_the_ranks_do_not_inherit_that(users, tmp_path, monkeypatch):
-    """LaunchConfig asks torch.cuda.is_available() for a NUMA default; torch's default check
-    starts the CUDA driver in the launcher. The user's own PYTORCH_NVML_BASED_CUDA_CHECK stays.
-    A torch whose LaunchConfig asks nothing (2.8 and before, with no NUMA default) is not asked."""
-    import inspect
-
-    import torch
-    from torch.distributed.launcher.api import LaunchConfig
-
-    seen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: seen.append(os.environ.get(launch.NVML_CUDA_CHECK)))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    if users is None:
-        monkeypatch.delenv(launch.NVML_CUDA_CHECK, raising=False)
-    else:
-        monkeypatch.setenv(launch.NVML_CUDA_CHECK, users)
-    plan, opts = DevicePlan("cpu", (), 2), LaunchOptions()
-    argv = torchrun_argv(["-m", "multigpu", "train"], plan, opts, plan_rendezvous(opts), str(tmp_path))
-    launch.launch_config(argv, plan, opts, str(tmp_path))
-    asks = "is_available" in inspect.getsource(LaunchConfig)
-    assert seen == (["1" if users is None else users] if asks else [])
-    assert os.environ.get(launch.NVML_CUDA_CHECK) == users

@@ -169,16 +169,17 @@ def test_a_rank_s_command_is_torchrun_s(python):
 
 # ------------------------------------------------------------------ public torch API only
 
-def _one_machine_sources() -> dict[str, str]:
-    """The code a launch on one machine runs: the loop's modules, and launch.launch's part."""
+def _launch_sources() -> dict[str, str]:
+    """The code a launch runs: the loop's modules, the nodes' rendezvous, and launch.launch's part."""
     import inspect
     import textwrap
 
-    from multigpu.launcher import launch, launch_common, local_rendezvous
+    from multigpu.launcher import launch, launch_common, local_rendezvous, node_rendezvous, ports
 
-    sources = {m.__name__: inspect.getsource(m)
-               for m in (local_loop, local_rendezvous, sessions, launch_common, stop_reason)}
-    for fn in (launch._launch_here, launch._loop_spec, launch._named_port_held):
+    sources = {m.__name__: inspect.getsource(m) for m in (
+        local_loop, local_rendezvous, node_rendezvous, ports, sessions, launch_common, stop_reason)}
+    for fn in (launch._launch_here, launch._loop_spec, launch._named_port_held, launch._nodes,
+               launch._launcher_failed, launch._said):
         sources[f"launch.{fn.__name__}"] = textwrap.dedent(inspect.getsource(fn))
     return sources
 
@@ -216,23 +217,20 @@ def _private_torch_uses(source: str) -> list[str]:
     return found
 
 
-def test_the_private_torch_check_finds_what_the_agent_s_patches_use():
-    import inspect
-
-    from multigpu.launcher import agent_hooks
-
-    assert _private_torch_uses(inspect.getsource(agent_hooks))  # api._terminate_process_handler = ...
+def test_the_private_torch_check_finds_a_patch_of_torch():
+    patch = ("from torch.distributed.elastic.multiprocessing import api\n"
+             "api._terminate_process_handler = print\n")
+    assert _private_torch_uses(patch)  # api._terminate_process_handler set
 
 
-def test_a_launch_on_one_machine_uses_no_private_torch_name_nor_patches_torch():
-    for name, source in _one_machine_sources().items():
+def test_a_launch_uses_no_private_torch_name_nor_patches_torch():
+    for name, source in _launch_sources().items():
         assert _private_torch_uses(source) == [], name
         assert "torch._" not in source and "._private" not in source, name
-        # nor does it go through the agent's patches (launch.launch hands several nodes to them)
+        # nor does it bring back torchrun's agent, which multigpu's rules once had to patch
         used = _names_used(source)
-        for patching in ("agent_hooks", "agent_launch", "register_rendezvous_backend", "RestartsSaid",
-                         "elastic_launch"):
-            assert patching not in used, (name, patching)
+        for agent in ("agent_hooks", "agent_launch", "elastic_launch", "LocalElasticAgent"):
+            assert agent not in used, (name, agent)
 
 
 def _names_used(source: str) -> set[str]:

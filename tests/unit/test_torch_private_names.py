@@ -50,20 +50,6 @@ def _saved(attr, make):
     return getattr(make(x).grad_fn, attr, None) is not None
 
 
-def _elastic_api():
-    return importlib.import_module("torch.distributed.elastic.multiprocessing.api")
-
-
-def _agent_source():
-    return inspect.getsource(importlib.import_module("torch.distributed.elastic.agent.server.api"))
-
-
-def _local_agent():
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    return LocalElasticAgent
-
-
 # name as docs/torch-api.md writes it -> a check that the installed torch has it as the code uses it
 PRIVATE = {
     "GradScaler._scale": _scaler_scale,
@@ -71,10 +57,6 @@ PRIVATE = {
     "Module._compiled_call_impl": _compiled_call_impl,
     '"_orig_mod." key prefix': lambda: all(k.startswith("_orig_mod.")
                                            for k in torch.compile(nn.Linear(1, 1)).state_dict()),
-    "_terminate_process_handler": lambda: callable(_elastic_api()._terminate_process_handler),
-    "SubprocessContext._close": lambda: "_close" in _elastic_api().SubprocessContext.__dict__,
-    "LocalElasticAgent._monitor_workers": lambda: "_monitor_workers" in _local_agent().__dict__,
-    "_remaining_restarts": lambda: "self._remaining_restarts" in _agent_source(),
     "torch._C._distributed_c10d._dump_nccl_trace": _flight_recorder,
     "DistributedDataParallel.require_backward_grad_sync": lambda: "self.require_backward_grad_sync"
     in inspect.getsource(nn.parallel.DistributedDataParallel),
@@ -84,8 +66,6 @@ PRIVATE = {
         lambda: isinstance(importlib.import_module("torch.overrides")._get_current_function_mode_stack(), list),
     "grad_fn._saved_self_sym_sizes": lambda: _saved("_saved_self_sym_sizes", lambda x: x.sum()),
     "grad_fn._saved_other": lambda: _saved("_saved_other", lambda x: x / 4),
-    "argparse.ArgumentParser._actions": lambda: bool(
-        importlib.import_module("torch.distributed.run").get_args_parser()._actions),
     "torch.distributed.utils._sync_module_states":
         lambda: callable(importlib.import_module("torch.distributed.utils")._sync_module_states),
     "torch._foreach_norm": lambda: len(torch._foreach_norm([torch.ones(2)], float("inf"))) == 1,

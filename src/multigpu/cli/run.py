@@ -1,4 +1,4 @@
-"""`multigpu run`: start any script once per device, through torchrun's elastic agent.
+"""`multigpu run`: start any script once per device, with torchrun's environment.
 
     multigpu run train.py --lr 0.1                   every free GPU (or 1 CPU process)
     multigpu run --devices 2 train.py                2 free GPUs

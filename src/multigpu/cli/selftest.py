@@ -5,7 +5,7 @@
     multigpu test --devices cpu:2          2 CPU processes on gloo
     multigpu test --checkpoint-dir /shared/ckpt    also check the folder your runs will save to
 
-Starts one process per device as `multigpu run` does (torchrun's agent, the hang watchdog); each
+Starts one process per device as `multigpu run` does (the launcher's loop, the hang watchdog); each
 rank checks the process group (backend, world size, ranks), all_reduce, broadcast, all_gather and
 barrier with their values, a few DDP training steps after which the weights must be equal on every
 rank, a checkpoint round trip through rt.save/rt.load, and bf16/fp16 autocast where the device has

@@ -1,10 +1,12 @@
 """Start one process per device, on one machine or several.
 
-One machine (--nnodes 1): the launcher starts and watches the ranks itself (local_loop), with
-torch's public API only: a fresh store on 127.0.0.1 per attempt, its port picked by the kernel
-as it binds (no pick-then-bind race: many jobs can start at the same moment), the environment
-torch's agent gives a worker (local_rendezvous), one process per rank in a session of its own.
-Several machines: torchrun's elastic agent and c10d rendezvous, in this process (agent_launch).
+The launcher starts and watches the ranks of its machine itself (local_loop), with torch's
+public API only: one process per rank in a session of its own, with the environment torch's
+agent gives a worker (local_rendezvous). One machine (--nnodes 1): a fresh store on 127.0.0.1
+per attempt, its port picked by the kernel as it binds (no pick-then-bind race: many jobs can
+start at the same moment). Several machines: each attempt the nodes meet in torch's c10d
+rendezvous (node_rendezvous; node 0 hosts it, ports.plan_rendezvous), which numbers the nodes and
+their ranks; a node waiting there (restarting, or joining) restarts every node's ranks.
 
 Either way the rules are the same: which rank failed first and the end of its traceback, the
 others told why they are stopped (stop_reason), --max-restarts restarts said, a stop signal
@@ -18,16 +20,16 @@ Logs: local rank 0 writes to this console only; the other ranks' stdout/stderr g
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 
+from multigpu.core.system.environ import environ_set
 from multigpu.launcher import cluster_env, ports, sysinfo
 from multigpu.launcher.rank import watchdog
-from multigpu.launcher.agent_launch import (NVML_CUDA_CHECK, launch_config,  # noqa: F401 (theirs)
-                                            launch_with_agent, torchrun_argv)
 from multigpu.launcher.launch_common import (LaunchRun, Reporting, check_command,  # noqa: F401
-                                             child_environment, logs_specs, stopped,
+                                             child_environment, node_name, shows_rank_0, stopped,
                                              stopped_by_the_ranks)
 from multigpu.launcher.ports import DEFAULT_PORT, Rendezvous, parse_nnodes, plan_rendezvous
 from multigpu.launcher.devices import DevicePlan
@@ -37,7 +39,8 @@ from multigpu.launcher.rank.stop_reason import each_stopped_by_itself
 from multigpu.core.errors import UsageError
 from multigpu.launcher.launch_options import AGENT_STARTED_ENV, LaunchOptions
 from multigpu.launcher.launch_failures import (REPORTS_ENV, err, rendezvous_failed_message,
-                                               report_child_failed, say_next_step)
+                                               rendezvous_timeout_message, report_child_failed,
+                                               say_next_step)
 
 
 def add_launch_arguments(parser) -> None:
@@ -139,8 +142,8 @@ def check_min_devices(opts: LaunchOptions, plan: DevicePlan) -> None:
     if m is None:
         return
     if parse_nnodes(opts.nnodes)[1] > 1:
-        raise UsageError(f"--min-devices {m} works on one machine; several nodes restart through "
-                         "torch's agent on the same devices: leave --min-devices out")
+        raise UsageError(f"--min-devices {m} works on one machine; several nodes restart on the "
+                         "same devices: leave --min-devices out")
     if plan.accelerator == "cuda" and plan.nproc != len(plan.gpu_ids):
         raise UsageError(f"--min-devices {m}: this run drives its {len(plan.gpu_ids)} GPUs from one "
                          "process, which has no device to drop; leave --min-devices out")
@@ -196,14 +199,16 @@ def launch(cmd: list[str], plan: DevicePlan, opts: LaunchOptions, *, python: boo
     log_dir = opts.log_dir or default_log_dir()
     check_command(cmd)
     print(f"multigpu: {header(plan, opts, rdzv, log_dir)}", file=sys.stderr, flush=True)
-    run = LaunchRun(cmd, plan, opts, rdzv, log_dir, python, reporting, reshape)
-    if parse_nnodes(opts.nnodes)[1] > 1:
-        return launch_with_agent(run)
-    return _launch_here(run)
+    return _launch_here(LaunchRun(cmd, plan, opts, rdzv, log_dir, python, reporting, reshape))
+
+
+def _several(run: LaunchRun) -> bool:
+    return parse_nnodes(run.opts.nnodes)[1] > 1
 
 
 def _launch_here(run: LaunchRun) -> int:
-    """launch() on one machine: the ranks started and watched by local_loop, its end said."""
+    """launch() on this machine: its ranks started and watched by local_loop (several machines:
+    the nodes met in torch's rendezvous each attempt), their end said."""
     # torch is imported by the loop once the ranks are started (local_loop._serve: their imports
     # and ours at once), after the checks, so that user mistakes are reported at once.
     from multigpu.launcher import local_loop
@@ -215,35 +220,82 @@ def _launch_here(run: LaunchRun) -> int:
         os.environ[AGENT_STARTED_ENV] = repr(began)  # the workers' time: lines split the launch here
         try:
             held = _named_port_held(run)  # noqa: F841 (held for the launch)
-            with lost_device_policy(run) as lost:
-                result = local_loop.run(_loop_spec(run, lost))
+            with lost_device_policy(run) as lost, _nodes(run) as nodes:
+                result = local_loop.run(_loop_spec(run, lost, nodes))
         except Exception as exc:  # the launcher itself failed: one line, the logs say more
-            if os.environ.get("MULTIGPU_DEBUG"):
-                raise
-            err("error: " + (rendezvous_failed_message(exc, run.opts, run.rdzv)
-                             if isinstance(exc, _StoreFailed) else
-                             f"the launcher failed ({type(exc).__name__}: {exc}); "
-                             f"logs of every rank: {run.log_dir}"))
-            kill_workers_left()
-            return 1
-        for rec in recoveries(run.log_dir, result.restarts, began):
-            err(recovery_line(rec))
-        if result.stop.signals:
-            sig = result.stop.sig
-            said = run.reporting.ranks_say_their_stop and each_stopped_by_itself(result.exit_codes) == 128 + int(sig)
-            return stopped(sig, result.stop, stop_wait(), run.reporting.next_step, said_by_the_ranks=said)
-        if not result.failures:
-            return 0
-        if run.reporting.ranks_say_their_stop and (code := each_stopped_by_itself(result.exit_codes)):
-            return stopped_by_the_ranks(code, run.opts)
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            return _launcher_failed(exc, run)
+        return _said(result, run, began)
 
-        code = report_child_failed(ChildFailedError(run.cmd[0], result.failures), run.log_dir,
-                                   on_usage_error=run.reporting.on_usage_error, since=began,
-                                   ours=run.reporting.ours)
-        if code != 2:  # 2: bad input, said in one line; nothing to go on from
-            say_next_step(run.reporting.next_step)
-        return code
+
+@contextlib.contextmanager
+def _nodes(run: LaunchRun):
+    """Several machines: this node's side of torch's rendezvous (node_rendezvous), shut down for
+    every node at the launch's end, torch's own log lines off meanwhile; one machine: None."""
+    if not _several(run):
+        yield None
+        return
+    from multigpu.launcher import node_rendezvous
+
+    with node_rendezvous.quiet_torchelastic(), environ_set(node_rendezvous.HANDLER_ENV):
+        nodes = node_rendezvous.NodeRendezvous(run.rdzv, run.opts.nnodes)
+        try:
+            yield nodes
+        finally:
+            nodes.shutdown()
+
+
+def _launcher_failed(exc: Exception, run: LaunchRun) -> int:
+    """The launcher itself failed (the nodes did not meet, a store could not be made): one
+    line, what is left of the ranks killed; the exit code."""
+    if os.environ.get("MULTIGPU_DEBUG"):
+        raise exc
+    opts, rdzv = run.opts, run.rdzv
+    line = f"the launcher failed ({type(exc).__name__}: {exc}); logs of every rank: {run.log_dir}"
+    if isinstance(exc, _StoreFailed):
+        line = rendezvous_failed_message(exc, opts, rdzv)
+    elif _several(run):
+        from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousError,
+                                                          RendezvousTimeoutError)
+
+        if isinstance(exc, RendezvousTimeoutError):  # the nodes did not all come
+            line = rendezvous_timeout_message(opts, rdzv, ports.OBSERVER.joined())
+        elif isinstance(exc, RendezvousClosedError):
+            line = (f"the rendezvous at {rdzv.endpoint} was closed: another node ended the run "
+                    f"(its ranks failed with no restart left, or it was stopped); logs of this "
+                    f"node's ranks: {run.log_dir}")
+        elif isinstance(exc, RendezvousError):
+            line = rendezvous_failed_message(exc, opts, rdzv)
+    err(f"error: {line}")
+    kill_workers_left()
+    return 1
+
+
+def _said(result, run: LaunchRun, began: float) -> int:
+    """How local_loop's launch ended (a LoopResult), said; the exit code."""
+    for rec in recoveries(run.log_dir, result.restarts, began):
+        err(recovery_line(rec))
+    reporting, opts = run.reporting, run.opts
+    if result.stop.signals:
+        sig = result.stop.sig
+        said = reporting.ranks_say_their_stop and shows_rank_0(opts) and \
+            each_stopped_by_itself(result.exit_codes) == 128 + int(sig)
+        return stopped(sig, result.stop, stop_wait(), reporting.next_step, said_by_the_ranks=said)
+    if result.ended_elsewhere:
+        err(f"error: {result.ended_elsewhere}; every rank of this node was stopped (that node "
+            f"says why); logs of this node's ranks: {run.log_dir}")
+        return 1
+    if not result.failures:
+        return 0
+    if reporting.ranks_say_their_stop and (code := each_stopped_by_itself(result.exit_codes)):
+        return stopped_by_the_ranks(code, opts)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    code = report_child_failed(ChildFailedError(run.cmd[0], result.failures), run.log_dir,
+                               node=node_name(opts), on_usage_error=reporting.on_usage_error,
+                               since=began, ours=reporting.ours)
+    if code != 2:  # 2: bad input, said in one line; nothing to go on from
+        say_next_step(reporting.next_step)
+    return code
 
 
 class _StoreFailed(RuntimeError):
@@ -252,8 +304,9 @@ class _StoreFailed(RuntimeError):
 
 def _named_port_held(run: LaunchRun):
     """--master-port on one machine: a store on that port for the length of the launch, as
-    torch's rendezvous held it; the ranks meet at a store of their own (local_rendezvous)."""
-    if run.rdzv.named_port is None:
+    torch's rendezvous held it; the ranks meet at a store of their own (local_rendezvous).
+    Several machines: node 0's rendezvous store binds it (node_rendezvous)."""
+    if run.rdzv.named_port is None or _several(run):
         return None
     from multigpu.launcher.local_rendezvous import named_port_store
 
@@ -264,7 +317,7 @@ def _named_port_held(run: LaunchRun):
         raise _StoreFailed(str(exc)) from exc
 
 
-def _loop_spec(run: LaunchRun, lost=None):
+def _loop_spec(run: LaunchRun, lost=None, nodes=None):
     """What local_loop runs: the logs split as the header says (local rank 0 on the console,
     the others in files; --tee: every rank on both)."""
     from multigpu.launcher.local_loop import LoopSpec
@@ -275,7 +328,8 @@ def _loop_spec(run: LaunchRun, lost=None):
     return LoopSpec(cmd=run.cmd, nproc=plan.nproc, run_id=run.rdzv.run_id, logs=logs,
                     max_restarts=opts.max_restarts, python=run.python, tee=opts.tee,
                     ranks_stop_together=run.reporting.ranks_say_their_stop,
-                    our_worker=run.reporting.our_worker, devices=devices_of(plan), lost=lost)
+                    our_worker=run.reporting.our_worker, devices=devices_of(plan), lost=lost,
+                    nodes=nodes)
 
 
 def header(plan: DevicePlan, opts: LaunchOptions, rdzv: Rendezvous, log_dir: str) -> str:

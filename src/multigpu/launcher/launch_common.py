@@ -1,6 +1,5 @@
-"""What both ways of launching share (launch.launch: one machine through local_loop, several
-through torch's agent, agent_launch): the launch as one value, the environment of ours the ranks
-get, and the lines that say how a launch ended. Torch-free.
+"""What a launch holds whatever its machines (launch.launch): the launch as one value, the
+environment of ours the ranks get, and the lines that say how a launch ended. Torch-free.
 """
 from __future__ import annotations
 
@@ -112,17 +111,9 @@ def check_command(cmd: list[str]) -> None:
         raise UsageError("-m needs a module name, e.g. -m mypackage.train")
 
 
-def logs_specs(log_dir: str, nproc: int):
-    """Local rank 0 on this console (a tty: colours, progress bars), every other rank's stdout and
-    stderr in files under `log_dir`; for any number of local ranks."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-
-    return DefaultLogsSpecs(log_dir=log_dir, redirects={r: Std.ALL for r in range(1, nproc)})
-
-
 def shows_rank_0(opts: LaunchOptions) -> bool:
-    """Whether this node's console shows rank 0: one machine, or the node given rank 0 (a node
-    whose rank the rendezvous decides is not known to)."""
+    """Whether this node's console shows rank 0: one machine, or the node given --node-rank 0
+    (torch's rendezvous numbers the nodes, most often in the order they joined: a guess)."""
     return parse_nnodes(opts.nnodes)[1] == 1 or opts.node_rank == 0
 
 

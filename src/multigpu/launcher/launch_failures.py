@@ -106,37 +106,6 @@ def say_next_step(next_step: Callable[[], str | None] | None) -> None:
         err(line)
 
 
-class RestartsSaid:
-    """With --max-restarts, one warning line from the launcher each time the agent restarts the
-    workers: which rank failed first and how ("rank 1 (pid N) was killed by SIGKILL"). The agent
-    says nothing of it itself (its logs are off, agent_hooks.quiet_torchelastic), so its check of the
-    workers is wrapped for the launch (private torch API; without it, no line: the restarted
-    rank 0's restart_note still says which attempt this is)."""
-
-    def __init__(self, max_restarts: int):
-        self.max_restarts = max_restarts
-
-    def __enter__(self):
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-        self._cls, self._original = LocalElasticAgent, LocalElasticAgent.__dict__.get("_monitor_workers")
-        if self.max_restarts > 0 and self._original is not None:
-            said, original = self, self._original
-
-            def monitor(agent, worker_group):
-                result = original(agent, worker_group)
-                left = getattr(agent, "_remaining_restarts", 0)
-                if result.is_failed() and left > 0 and result.failures:
-                    err(f"warning: {restart_line(result.failures, said.max_restarts - left + 1, said.max_restarts)}")
-                return result
-            LocalElasticAgent._monitor_workers = monitor
-        return self
-
-    def __exit__(self, *exc):
-        if self._original is not None:
-            self._cls._monitor_workers = self._original
-
-
 def restart_line(failures: dict, restart: int, total: int, on: str = "") -> str:
     """'rank R (pid N) was killed by SIGKILL; restarting all workers (restart 1 of 2)', for the
     rank that failed first of its own (not stopped by the agent's SIGTERM) and, before the times,

@@ -1,7 +1,8 @@
-"""The ranks of one machine, started and watched by the launcher itself (launch.launch for
---nnodes 1), with torch's public API only; several nodes keep torch's elastic agent.
+"""The ranks of this machine, started and watched by the launcher itself (launch.launch), with
+torch's public API only, on one machine or several.
 
-One attempt: a fresh store on loopback (local_rendezvous), its port bound first, the N ranks
+One attempt: where the ranks meet (one machine: a fresh store on loopback, local_rendezvous, its
+port bound first; several: torch's c10d rendezvous of the nodes, node_rendezvous), the N ranks
 started with subprocess.Popen, each in a session of its own, with the environment torch's agent
 gives a worker, then the store served (the launcher imports torch there, while the ranks import
 theirs); their logs laid out as torch's DefaultLogsSpecs lays them out (rank_logs: <log dir>/<run
@@ -10,7 +11,7 @@ id>_*/attempt_<n>/<local rank>/{stdout,stderr}.log and error.json, TORCHELASTIC_
 PContext.wait() stops every rank the moment one fails, so nothing could be said to the ranks
 first (stop_reason) nor the others let end by themselves (RANKS_STOP_WAIT).
 
-The rules, as torch's agent with multigpu's hooks (agent_hooks) applied them:
+The rules (torch's elastic agent's, with multigpu's additions):
   - all ranks exit 0: done. A rank fails: which ranks ended and how is written for the others
     (stop_reason), unless each stopped on a stop signal (then, in multigpu train, the others get
     RANKS_STOP_WAIT s to end too); the rest get SIGTERM, 30 s, then SIGKILL; what is left of
@@ -18,7 +19,13 @@ The rules, as torch's agent with multigpu's hooks (agent_hooks) applied them:
   - --max-restarts: a warning line, then the next attempt (not after ranks that stopped
     together on a signal, in multigpu train).
   - a stop signal to the launcher is passed on to every rank's process group; they get
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s, then SIGKILL; a second signal kills them at once.
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30) s, then SIGKILL; a second signal kills them at once
+    (while the nodes meet: the launch ends there).
+  - several nodes: a node waiting in the rendezvous (it restarts after a failure, or joins)
+    ends this node's ranks too (SIGTERM, said to them as why) and the nodes meet again, with
+    no restart counted here; the rendezvous closed by another node (it ended the run) ends them
+    as a failure. Ranks all done: every node waits for the others' (exit barrier) before the
+    rendezvous is shut down.
 """
 from __future__ import annotations
 
@@ -40,9 +47,11 @@ from multigpu.launcher.health.lost_devices import LostDevices, NextAttempt, Rest
 from multigpu.launcher.rank import stop_reason
 from multigpu.launcher.launch_failures import err, restart_line
 from multigpu.launcher.local_rendezvous import Attempt, rank_command, rank_environment
+from multigpu.launcher.node_rendezvous import CLOSED, LOST, REJOIN, WHY
 
 MONITOR_INTERVAL = 0.1  # s between two looks at the ranks (torchrun's --monitor-interval)
 STOP_SIGNALS = [getattr(signal, s) for s in stop_reason.STOP_SIGNALS.split(",")]
+DONE, FAILED, STOPPED = "done", "failed", "stopped"  # how an attempt ended (_watch)
 
 
 @dataclass
@@ -58,7 +67,8 @@ class LoopSpec:
     tee: bool = False
     ranks_stop_together: bool = False  # multigpu train: its ranks stop together, and say it
     our_worker: bool = False  # multigpu run's worker (rank/worker.py): it guards its start-up too
-    ranks_store: Callable[[], tuple[Any, int]] = local_rendezvous.ranks_store
+    ranks_store: Callable[[], tuple[Any, int]] = local_rendezvous.ranks_store  # one machine
+    nodes: Any = None  # several: node_rendezvous.NodeRendezvous, where the nodes meet each attempt
     devices: tuple = ()  # device_health.Device of each local rank (--min-devices)
     lost: LostDevices | None = None  # --min-devices: a lost device dropped (lost_devices)
 
@@ -69,6 +79,11 @@ class LoopResult:
     exit_codes: dict = field(default_factory=dict)  # local rank -> exit code, at the end
     stop: StopSignals | None = None
     restarts: list = field(default_factory=list)  # lost_devices.Restart of each restart
+    ended_elsewhere: str | None = None  # several nodes: why another node ended the run (WHY)
+
+
+class Stopped(BaseException):  # not an Exception: torch's rendezvous code catches those
+    """A stop signal while the nodes meet (no rank runs): the launch ends there."""
 
 
 class StopSignals:
@@ -79,6 +94,7 @@ class StopSignals:
     def __init__(self):
         self.signals, self.sig, self.first_at = 0, None, None
         self.ranks: Ranks | None = None
+        self.meeting = False  # the nodes meeting (torch's rendezvous): a signal ends the launch
 
     def waited_out(self, wait: float) -> bool:
         """Whether the wait after the first signal (`wait` s) ran out: the ranks that had not
@@ -91,6 +107,8 @@ class StopSignals:
         self.first_at = self.first_at or time.monotonic()
         if self.ranks is not None:
             self.ranks.kill() if self.signals > 1 else self.ranks.send(self.sig, forwarded=True)
+        if self.meeting:
+            raise Stopped(self.sig.name)
 
     def __enter__(self):
         self._saved = {}
@@ -110,6 +128,7 @@ class Ranks:
     """The processes of one attempt, by local rank."""
 
     def __init__(self, spec: LoopSpec, attempt: Attempt, stop: StopSignals):
+        self.attempt = attempt
         envs = {r: rank_environment(r, attempt) for r in range(spec.nproc)}
         dest = spec.logs.reify(envs)  # the attempt's folders; TORCHELASTIC_ERROR_FILE in envs
         self.error_files: dict[int, str] = dest.error_files
@@ -132,17 +151,18 @@ class Ranks:
                                        dest.stdouts[r], dest.stderrs[r])
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        self.tails = _tails(dest, spec.nproc) if spec.tee else []
+        self.tails = _tails(dest, spec.nproc, attempt.first_rank) if spec.tee else []
 
     def poll(self) -> None:
-        """The ranks that ended with a code other than 0 since the last look, as failures."""
+        """The ranks that ended with a code other than 0 since the last look, as failures (by
+        global rank)."""
         for r, p in self.procs.items():
-            if r not in self.failures and p.poll() not in (None, 0):
+            if self.attempt.first_rank + r not in self.failures and p.poll() not in (None, 0):
                 # torch only now: a stop before the store served (_serve) imports none
                 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-                self.failures[r] = ProcessFailure(local_rank=r, pid=p.pid, exitcode=p.returncode,
-                                                  error_file=self.error_files[r])
+                self.failures[self.attempt.first_rank + r] = ProcessFailure(
+                    local_rank=r, pid=p.pid, exitcode=p.returncode, error_file=self.error_files[r])
                 self.failed_at = self.failed_at or time.time()
 
     def codes(self) -> dict[int, int | None]:
@@ -201,33 +221,36 @@ def _popen(cmd: list[str], env: dict[str, str], stdout: str, stderr: str) -> sub
                                 start_new_session=True)
 
 
-def _tails(dest, nproc: int) -> list:
-    """--tee: every rank's stdout and stderr logs shown on this console, `[rankN]:` first."""
+def _tails(dest, nproc: int, first_rank: int) -> list:
+    """--tee: every rank's stdout and stderr logs shown on this console, `[rankN]:` first (N the
+    global rank, as torchrun's)."""
     from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-    prefixes = {r: f"[rank{r}]:" for r in range(nproc)}
+    prefixes = {r: f"[rank{first_rank + r}]:" for r in range(nproc)}
     return [TailLog("default", dest.tee_stdouts, sys.stdout, prefixes).start(),
             TailLog("default", dest.tee_stderrs, sys.stderr, prefixes).start()]
 
 
 def run(spec: LoopSpec) -> LoopResult:
     """Every attempt of the launch, until one ends: all ranks done, a failure with no restart
-    left (or, with --min-devices, too few healthy devices), or a stop signal. The result says
-    which (launch.launch reports it)."""
+    left (or, with --min-devices, too few healthy devices), a stop signal, or (several nodes)
+    another node's end of the run. The result says which (launch.launch reports it)."""
     restarts: list[Restart] = []
+    number = 0
     with StopSignals() as stop:
-        for number in range(spec.max_restarts + 1):
-            store, port = spec.ranks_store()  # held until the attempt's ranks have ended
+        while True:
             try:
-                ranks = Ranks(spec, Attempt(spec.run_id, spec.nproc, number, spec.max_restarts,
-                                            port, _visible(spec.devices)), stop)
-                stop.ranks = ranks
-                _serve(store, ranks, stop)
-                _watch(ranks, spec, stop)
-            finally:
-                getattr(store, "close", lambda: None)()
-            del store
+                ranks, how = _attempt(spec, number, stop)
+            except Stopped:  # while the nodes met: no rank of this attempt was started
+                return LoopResult(stop=stop, restarts=restarts)
+            number = ranks.attempt.number  # several nodes: the highest count among them
             result = LoopResult(dict(ranks.failures), ranks.codes(), stop, restarts)
+            if how == REJOIN and not stop.signals:
+                err(f"warning: {WHY[REJOIN]}")
+                continue  # not a restart of this node's: the count stays
+            if how in (CLOSED, LOST):
+                result.ended_elsewhere = WHY[how]
+                return result
             if stop.signals or not ranks.failures or number == spec.max_restarts:
                 return result
             if spec.ranks_stop_together and \
@@ -237,11 +260,45 @@ def run(spec: LoopSpec) -> LoopResult:
             if spec is None:
                 err(f"error: {said}")
                 return result
-            restarts.append(Restart(number + 1, ranks.failed_at, tuple(
+            number += 1
+            restarts.append(Restart(number, ranks.failed_at, tuple(
                 d.name for d in said.dropped), spec.nproc))
-            err(f"warning: {restart_line(ranks.failures, number + 1, spec.max_restarts, said.on)}"
+            err(f"warning: {restart_line(ranks.failures, number, spec.max_restarts, said.on)}"
                 + said.extra)
-    return result
+
+
+def _attempt(spec: LoopSpec, number: int, stop: StopSignals) -> tuple[Ranks, str]:
+    """One attempt: where its ranks meet, the ranks started, watched and closed; (the ranks, how
+    the attempt ended: _watch's answer). The ranks' store is held until they have ended (several
+    nodes: until every node's have, the exit barrier)."""
+    store, attempt = _meet(spec, number, stop)
+    try:
+        ranks = Ranks(spec, attempt, stop)
+        stop.ranks = ranks
+        _serve(store, ranks, stop)
+        how = _watch(ranks, spec, stop)
+        if how == DONE and spec.nodes is not None:
+            spec.nodes.exit_barrier(lambda: stop.signals > 0)
+    finally:
+        getattr(store, "close", lambda: None)()
+    return ranks, how
+
+
+def _meet(spec: LoopSpec, number: int, stop: StopSignals) -> tuple[Any, Attempt]:
+    """(the attempt's store, held here, or None; the attempt its ranks are told of). One machine:
+    a fresh loopback store (spec.ranks_store); several: the nodes' rendezvous, which a stop
+    signal ends (Stopped)."""
+    attempt = Attempt(spec.run_id, spec.nproc, number, spec.max_restarts, 0, _visible(spec.devices))
+    if spec.nodes is None:
+        store, port = spec.ranks_store()
+        return store, replace(attempt, master_port=port)
+    stop.meeting = True
+    try:
+        if stop.signals:
+            raise Stopped(stop.sig.name)
+        return spec.nodes.next_attempt(attempt)
+    finally:
+        stop.meeting = False
 
 
 def _serve(store, ranks: Ranks, stop: StopSignals) -> None:
@@ -280,22 +337,27 @@ def _visible(devices) -> str | None:
     return ",".join(tokens) if tokens and all(tokens) else None
 
 
-def _watch(ranks: Ranks, spec: LoopSpec, stop: StopSignals) -> None:
-    """Look at the ranks until they have all ended, one failed, or the launcher got a stop
-    signal; the attempt closed accordingly."""
+def _watch(ranks: Ranks, spec: LoopSpec, stop: StopSignals) -> str:
+    """Look at the ranks until they have all ended, one failed, the launcher got a stop signal
+    or (several nodes) the nodes' rendezvous asks for the attempt's end; the attempt closed
+    accordingly. Returns how: DONE, FAILED, STOPPED or node_rendezvous.why_end()'s answer."""
     while True:
         if stop.signals:  # passed on by the handler; the ranks get the shutdown timeout
             at_once = stop.signals > 1  # two before the ranks were all started: no wait
             ranks.close(stop.sig, time.monotonic() if at_once else stop.first_at + sessions.stop_wait(),
                         forwarded=True)
-            return
+            return STOPPED
         ranks.poll()
         if ranks.failures:
             _close_failed(ranks, spec, stop)
-            return
+            return FAILED
         if not ranks.running():
             ranks.close(signal.SIGTERM, time.monotonic())
-            return
+            return DONE
+        if spec.nodes is not None and (why := spec.nodes.why_end()):
+            stop_reason.write_line(ranks.error_files, WHY[why])
+            ranks.close(signal.SIGTERM, time.monotonic() + sessions.AGENT_STOP_WAIT)
+            return why
         time.sleep(MONITOR_INTERVAL)
 
 

@@ -97,18 +97,25 @@ class Attempt:
     max_restarts: int
     master_port: int
     visible: str | None = None  # the ranks' CUDA_VISIBLE_DEVICES, where not the launcher's
+    # several nodes (node_rendezvous): where the ranks meet, this node's place, every node's ranks
+    master_addr: str = LOOPBACK
+    group_rank: int = 0
+    group_world_size: int = 1
+    first_rank: int = 0  # the global rank of local rank 0
+    world_size: int | None = None  # None: nproc (one node)
 
 
 def rank_environment(local_rank: int, attempt: Attempt) -> dict[str, str]:
-    """The variables torch's LocalElasticAgent sets for one worker of a one-node group (global
-    rank = local rank), added to the launcher's environment; TORCHELASTIC_ERROR_FILE comes with
-    the log folders (DefaultLogsSpecs.reify)."""
-    n = str(attempt.nproc)
+    """The variables torch's LocalElasticAgent sets for one worker (one role: its role rank is its
+    global rank), added to the launcher's environment; TORCHELASTIC_ERROR_FILE comes with the log
+    folders (rank_logs). One node: global rank = local rank."""
+    rank, world = str(attempt.first_rank + local_rank), str(attempt.world_size or attempt.nproc)
     env = {
-        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
-        "ROLE_RANK": str(local_rank), "ROLE_NAME": ROLE,
-        "LOCAL_WORLD_SIZE": n, "WORLD_SIZE": n, "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": n,
-        "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(attempt.master_port),
+        "RANK": rank, "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(attempt.group_rank),
+        "ROLE_RANK": rank, "ROLE_NAME": ROLE, "LOCAL_WORLD_SIZE": str(attempt.nproc),
+        "WORLD_SIZE": world, "GROUP_WORLD_SIZE": str(attempt.group_world_size),
+        "ROLE_WORLD_SIZE": world,
+        "MASTER_ADDR": attempt.master_addr, "MASTER_PORT": str(attempt.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(attempt.number),
         "TORCHELASTIC_MAX_RESTARTS": str(attempt.max_restarts),
         "TORCHELASTIC_RUN_ID": attempt.run_id,

@@ -167,10 +167,10 @@ def _join(host: str, port: int) -> str:
 
 
 # --------------------------------------------------------------------------- rendezvous watching
-# torchrun's c10d rendezvous, registered under our name so that we can see its state: when it
-# times out we can say how many nodes had joined. Same store, same handler, same protocol; the
-# backend subclass only remembers what passed through it. A module-level observer because the
-# registry wants one creator function for the life of the process.
+# torch's c10d rendezvous, its backend seen through a subclass so that we can see its state: when
+# it times out we can say how many nodes had joined. Same store, same handler, same protocol; the
+# subclass only remembers what passed through its public get_state/set_state. One observer per
+# process (a launch makes one handler: node_rendezvous).
 
 class _Observer:
     def reset(self) -> None:
@@ -195,7 +195,8 @@ OBSERVER.reset()
 BACKEND_NAME = "multigpu-c10d"
 
 
-def _create_rendezvous_handler(params):
+def create_rendezvous_handler(params):
+    """torch's c10d rendezvous handler for `params` (RendezvousParameters), observed."""
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -216,9 +217,3 @@ def _create_rendezvous_handler(params):
 
     _, store = c10d.create_backend(params)  # binds (or connects to) node 0's TCP store
     return create_handler(store, ObservedC10dBackend(store, params.run_id), params)
-
-
-def register_rendezvous_backend() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(BACKEND_NAME, _create_rendezvous_handler)

@@ -1,6 +1,5 @@
-"""The ranks' processes as the launcher ends them, on one machine (local_loop) and several
-(agent_hooks, around torch's agent): the waits after a stop signal, what is left of a rank's
-session, the launcher's signal handlers put back. Torch-free.
+"""The ranks' processes as the launcher ends them (local_loop): the waits after a stop signal,
+what is left of a rank's session. Torch-free.
 
 Each rank runs in a session of its own (its pid names the session and its process group), so a
 Ctrl-C in the terminal reaches the launcher only, which passes it on.
@@ -15,7 +14,6 @@ import time
 AGENT_STOP_WAIT = 30  # torch's agent: seconds it waits for the workers after a stop signal
 # (LaunchConfig.shutdown_timeout where torch has it: TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
 RANKS_STOP_WAIT = 10.0  # s the others are given once a rank stopped by itself on a signal
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def stop_wait() -> int:
@@ -25,18 +23,6 @@ def stop_wait() -> int:
         return max(0, int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", AGENT_STOP_WAIT)))
     except ValueError:
         return AGENT_STOP_WAIT
-
-
-@contextlib.contextmanager
-def restore_signal_handlers():
-    """The launch replaces SIGINT/SIGTERM/... handlers while workers run; put ours back after."""
-    saved = {s: signal.getsignal(s) for s in HANDLED_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in saved.items():
-            with contextlib.suppress(ValueError, TypeError):  # not in the main thread
-                signal.signal(s, h)
 
 
 def let_the_others_end(procs, wait: float) -> None:

@@ -7,7 +7,7 @@ at least M healthy left: the next attempt runs on the healthy ones only (fewer r
 CUDA_VISIBLE_DEVICES of those), from the newest checkpoint as every restart of `multigpu train`
 does; the restart line names what was dropped, the count now, and what the caller's `reshape`
 adds (multigpu train: the global batch kept, or the nearest the count can make). Fewer than M
-left: one line, and no restart. One machine only: several nodes restart through torch's agent.
+left: one line, and no restart. One machine only: several nodes restart on the same devices.
 
 The end of the launch says, for each restart, the time from the failure (the rank's death seen
 by the launcher) to the first optimizer step of the next attempt, and the steps trained twice

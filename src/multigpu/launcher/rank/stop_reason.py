@@ -53,10 +53,17 @@ def each_stopped_by_itself(exit_codes: dict) -> int | None:
 def write(error_files: dict, ended: dict) -> None:
     """`ended`: local rank -> exit code (negative: the signal) of the ranks that failed, said in
     the attempt folder named by the agent's per-rank `error_files`."""
+    if ended:
+        write_line(error_files, ", ".join(f"local rank {rank} {how_it_ended(code)}"
+                                          for rank, code in sorted(ended.items())))
+
+
+def write_line(error_files: dict, said: str) -> None:
+    """`said`: why the ranks of the attempt named by `error_files` are stopped (a failure here,
+    or the nodes' sake: node_rendezvous.WHY), in its folder for them to read."""
     folder = _attempt_folder(error_files)
-    if folder is None or not ended:
+    if folder is None:
         return
-    said = ", ".join(f"local rank {rank} {how_it_ended(code)}" for rank, code in sorted(ended.items()))
     try:  # the first close of the attempt says it; the agent closes it again at the launch's end
         with open(folder / FILE, "x") as f:
             f.write(said + "\n")
