@@ -11,8 +11,9 @@ runs of each that are not counted (on a fresh machine the first run was the slow
 the median trial is printed. Each case of multigpu has a twin with `--cudnn-benchmark off`
 (`-cudnnoff`, run where --cases names it), to compare with the bare plain script, which does not
 autotune, and one with its loader workers started at the first step (`-lateworkers`,
-MULTIGPU_EARLY_WORKERS=0; by default a fresh run starts them before its model), also where
-named. --bare adds, on one GPU, startup_bare.py --plain and --plain --tuned (one process by itself,
+MULTIGPU_EARLY_WORKERS=0; by default a fresh run starts them before its model) and one with its
+workers at a higher nice value (`-nicedworkers`, benchmarks/niced_workers), also where named.
+--bare adds, on one GPU, startup_bare.py --plain and --plain --tuned (one process by itself,
 no torchrun, group or DDP: the floor of a one-GPU script), and, on each GPU count, a bare
 torchrun script (startup_bare.py: torch, init_process_group, DDP, one step) in the same turns,
 the floor that every DDP script pays, and the same script with its workers forked from
@@ -70,8 +71,10 @@ def cases(args) -> list[dict]:
     # the same without cuDNN's autotuning, against the bare plain script (which has none)
     runs += [{**run, "name": run["name"] + "-cudnnoff", "args": ["--cudnn-benchmark", "off"]} for run in runs]
     # the loader workers started at the first step instead of before the model (trainloop.py)
-    runs += [{**run, "name": run["name"] + "-lateworkers", "env": {"MULTIGPU_EARLY_WORKERS": "0"}}
-             for run in runs]
+    late = [{**run, "name": run["name"] + "-lateworkers", "env": {"MULTIGPU_EARLY_WORKERS": "0"}} for run in runs]
+    # the loader workers at a higher nice value (benchmarks/niced_workers), the rank's threads first
+    niced = str(Path(__file__).resolve().parent / "niced_workers") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    runs += late + [{**run, "name": run["name"] + "-nicedworkers", "env": {"PYTHONPATH": niced}} for run in runs]
     bare = [{"name": f"{gpus}gpu-bare{'-fork' if fork else ''}", "gpus": gpus, "bare": True,
              "fork": fork} for gpus in args.gpus for fork in (False, True)]
     bare += [{"name": f"1gpu-bare-{kind}", "gpus": 1, "bare": True, "fork": False, "plain": True,

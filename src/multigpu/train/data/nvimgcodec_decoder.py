@@ -38,8 +38,11 @@ class NvImageCodecDecoder(JpegDecoder):
     and validation loaders' threads may call at once).
 
     decode_transient decodes into the Images of the thread's previous call on the same stream
-    (nvImageCodec's `images=`: their buffers resized, not allocated and freed per image): the
-    writes are queued behind the reads of the previous batch on that stream. The largest file
+    (nvImageCodec's `images=`: their buffers resized, not allocated and freed per image). The
+    engines do not wait for the work queued on the stream before they write (one H100,
+    nvImageCodec 0.9.0.20, 2026-12-07: a batch read behind a busy stream came out with the next
+    batch's pixels, tests/gpu/test_decode_gpu.py), so the thread first waits until its stream has
+    run what was queued on it, the previous batch's reads among it. The largest file
     goes into the largest Image, and what a thread keeps stays under KEPT_AT_MOST times the
     bytes of the batch at hand. It spares the allocations and frees of every image, which slow
     the decode beside a busy GPU (measured: benchmarks/results/2026-12-04-1xH200-round7/)."""
@@ -95,6 +98,8 @@ class NvImageCodecDecoder(JpegDecoder):
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         chosen = [sources[k] for k in readable]
         decoded, into = [], self._earlier_images(stream, chosen) if transient and chosen else None
+        if into is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the previous batch read: see above
         if chosen:
             with self._decoder() as decoder:
                 decoded = self._call(decoder, chosen, stream, into)
