@@ -198,7 +198,7 @@ def test_a_rank_failing_once_on_a_second_node_restarts_every_node_s_ranks(tmp_pa
     endpoint = f"127.0.0.1:{free_port()}"
     common = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--devices", "cpu:2",
               "--start-timeout", "90", "--max-restarts", "1")
-    script = (str(SCRIPTS / "fail_once_then_allreduce.py"), str(tmp_path), "4")
+    script = (str(SCRIPTS / "allreduce.py"), str(tmp_path), "4")
     for node, env in (("0", {}), ("1", {"FAIL_ONCE": str(tmp_path / "failed")})):
         procs.append(start(*common, "--node-rank", node, "--log-dir", str(tmp_path / f"logs{node}"),
                            *script, cwd=tmp_path, **env))

@@ -38,12 +38,17 @@ print(json.dumps({"parts": [part for part, _, _ in head.spans], "classes": data.
 """
 
 
-def test_a_ddp_run_on_folder_data_gets_its_decoder_listing_and_compiler_from_the_thread(tmp_path):
-    make_image_folder(tmp_path, classes=("cat", "dog"), per_class=3)
-    done = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True,
+def said_by(script: str, *args) -> dict:
+    """What `script`, run in a fresh interpreter with `args`, printed last (a JSON line)."""
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    said = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_ddp_run_on_folder_data_gets_its_decoder_listing_and_compiler_from_the_thread(tmp_path):
+    make_image_folder(tmp_path, classes=("cat", "dog"), per_class=3)
+    said = said_by(PROBE, tmp_path)
     assert said == {"parts": ["compiler's modules", "decoder", "folder listing", "compiler"],
                     "classes": ["cat", "dog"], "samples": 6, "compiler": True}
 
@@ -69,10 +74,7 @@ print(json.dumps({"before": before, "still": still, "after": "torch._dynamo" in 
 
 
 def test_the_compiler_itself_is_imported_only_once_the_group_has_formed():
-    done = subprocess.run([sys.executable, "-c", BEFORE_THE_GROUP], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    said = json.loads(done.stdout.strip().splitlines()[-1])
+    said = said_by(BEFORE_THE_GROUP)
     assert said == {"before": [["compiler's modules"], False, True], "still": False, "after": True,
                     "parts": ["compiler's modules", "compiler"]}
 
@@ -93,9 +95,7 @@ print(json.dumps({"alive": head._thread.is_alive(), "compiler": "torch._dynamo" 
 
 
 def test_a_run_that_fails_before_its_group_forms_ends_the_thread_without_the_compiler():
-    done = subprocess.run([sys.executable, "-c", CANCELLED], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    said = json.loads(done.stdout.strip().splitlines()[-1])
+    said = said_by(CANCELLED)
     assert said == {"alive": False, "compiler": False, "parts": ["compiler's modules"]}
 
 
@@ -147,10 +147,7 @@ print(json.dumps({"parked": parked, "inside": inside, "samples": len(data.train)
 
 def test_a_held_thread_imports_nothing_while_the_run_forks_and_the_compiler_after_it(tmp_path):
     make_image_folder(tmp_path, classes=("cat", "dog"), per_class=3)
-    done = subprocess.run([sys.executable, "-c", HELD, str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    said = json.loads(done.stdout.strip().splitlines()[-1])
+    said = said_by(HELD, tmp_path)
     listed = ["compiler's modules", "decoder", "folder listing"]
     assert said == {"parked": True, "inside": [listed, False], "samples": 6,
                     "after": [listed + ["compiler"], True]}
